@@ -1,0 +1,75 @@
+"""hookloop: a minimal PyTorch training loop whose every technique is a pluggy plugin.
+
+Users::
+
+    from hookloop import Trainer, Module
+    Trainer(plugins=["ddp", "amp"], devices=2).fit(module, loader)
+
+Plugin authors: implement hooks from :mod:`hookloop.hookspecs` with ``@hookloop.hookimpl``
+and register the plugin under the entry-point group ``hookloop.plugins``.
+"""
+
+from .checkpoint import atomic_save, check_state_dict, safe_load
+from .config import TrainerConfig
+from .errors import (
+    CheckpointError,
+    ConfigurationError,
+    HookloopError,
+    MissingDependencyError,
+    PluginConflictError,
+    PluginNotFoundError,
+    PluginValidationError,
+)
+from .helpers import (
+    DistributedSamplerWrapper,
+    batch_size_of,
+    clip_gradients,
+    distributed_sampler,
+    env_int,
+    local_rank_device,
+    move_to_device,
+    rebuild_dataloader,
+    repoint_lr_scheduler,
+    seed_everything,
+    torch_reduce_op,
+)
+from .hookspecs import hookimpl, hookspec
+from .launch import in_worker
+from .module import Module
+from .plugins import installed_plugins, resolve as plugin
+from .trainer import Trainer, default
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError",
+    "ConfigurationError",
+    "DistributedSamplerWrapper",
+    "HookloopError",
+    "MissingDependencyError",
+    "Module",
+    "PluginConflictError",
+    "PluginNotFoundError",
+    "PluginValidationError",
+    "Trainer",
+    "TrainerConfig",
+    "atomic_save",
+    "batch_size_of",
+    "check_state_dict",
+    "clip_gradients",
+    "default",
+    "distributed_sampler",
+    "env_int",
+    "hookimpl",
+    "hookspec",
+    "in_worker",
+    "installed_plugins",
+    "local_rank_device",
+    "move_to_device",
+    "plugin",
+    "rebuild_dataloader",
+    "repoint_lr_scheduler",
+    "safe_load",
+    "seed_everything",
+    "torch_reduce_op",
+]

@@ -1,0 +1,161 @@
+"""The ``hookloop`` command: ``plugins``, ``run``, and sub-commands that plugins add.
+
+Plugin distributions add sub-commands through the entry-point group
+``hookloop.commands``: the entry point is a callable ``main(argv: list[str]) -> int``,
+imported only when its sub-command runs (``hookloop deepspeed collate ...``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import sys
+
+from . import plugins as registry
+from .config import TrainerConfig, env_defaults
+from .errors import HookloopError
+from .launch import run_command
+
+
+def _build_parser(commands: dict) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hookloop",
+        description="A minimal PyTorch training loop whose techniques are plugins.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("plugins", help="list installed plugins (imports no backend)")
+    p.add_argument("--load", action="store_true", help="also import each plugin to show its role")
+
+    r = sub.add_parser(
+        "run",
+        help="run SCRIPT on N processes / M nodes through torch's elastic agent",
+        description=(
+            "Start SCRIPT through the strategy's launcher (PyTorch's elastic agent, "
+            "torch.distributed.run, by default). The options become the defaults of every "
+            "Trainer the script creates; arguments given in code win."
+        ),
+    )
+    r.add_argument("--plugins", default=None, help="comma-separated plugin names, e.g. ddp,amp")
+    r.add_argument("--devices", default=None, help="processes (devices) per node: N, -1, or a list '0,2'")
+    r.add_argument("--accelerator", default=None, choices=["auto", "cpu", "cuda", "gpu"])
+    r.add_argument("--precision", default=None, help="32, 16-mixed, bf16-mixed")
+    r.add_argument("--max-epochs", type=int, default=None)
+    r.add_argument("--max-steps", type=int, default=None)
+    r.add_argument("--accumulate-grad-batches", type=int, default=None)
+    r.add_argument("--default-root-dir", default=None)
+    r.add_argument("--nodes", type=int, default=None, help="number of machines")
+    r.add_argument("--node-rank", type=int, default=None, help="this machine's rank, 0..nodes-1")
+    r.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of node 0's rendezvous")
+    r.add_argument("--max-restarts", type=int, default=None, help="restarts of failed workers")
+    r.add_argument("script", help="the training script")
+    r.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+    for name in sorted(commands):
+        sub.add_parser(name, help=f"sub-command from {commands[name].value.split(':')[0]}", add_help=False)
+    return parser
+
+
+def _parse_devices(text: str | None):
+    if text is None:
+        return None
+    text = text.strip()
+    if text.lstrip("-").isdigit():
+        return int(text)
+    if text == "auto":
+        return text
+    if text.startswith("[") and text.endswith("]"):
+        text = text[1:-1]
+    return [int(t) for t in text.split(",") if t.strip()]
+
+
+def cmd_plugins(args) -> int:
+    infos = registry.installed_plugins()
+    if not infos:
+        print("no hookloop plugins are installed (entry-point group 'hookloop.plugins')")
+        return 0
+    rows = [("NAME", "DISTRIBUTION", "VERSION", "ROLE", "DEPENDENCIES")]
+    for name in sorted(infos):
+        info = infos[name]
+        missing = info.missing_requirements()
+        deps = "ok" if not missing else "missing: " + ", ".join(missing)
+        role = "-"
+        if args.load and not missing:
+            try:
+                role = registry.plugin_role(registry.resolve(name))
+            except HookloopError as exc:
+                role = f"error: {exc}"
+        rows.append((name, info.distribution or "?", info.version or "?", role, deps))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[4])
+    return 0
+
+
+def cmd_run(args) -> int:
+    settings = env_defaults()
+    explicit = {
+        "devices": _parse_devices(args.devices),
+        "accelerator": args.accelerator,
+        "precision": args.precision,
+        "max_epochs": args.max_epochs,
+        "max_steps": args.max_steps,
+        "accumulate_grad_batches": args.accumulate_grad_batches,
+        "default_root_dir": args.default_root_dir,
+        "nodes": args.nodes,
+        "node_rank": args.node_rank,
+        "rdzv_endpoint": args.rdzv_endpoint,
+        "max_restarts": args.max_restarts,
+    }
+    settings.update({k: v for k, v in explicit.items() if v is not None})
+    if args.plugins is not None:
+        settings["plugins"] = registry.split_names(args.plugins)
+    config = TrainerConfig(**settings)
+    config.validate()
+    # Load the named plugins (their code, not their backends) to ask how to launch.
+    from .defaults import Defaults
+
+    names = list(config.plugins) + registry.environment_plugins()
+    chosen = registry.collect(names)
+    registry.check_composition(chosen)
+    pm = registry.make_plugin_manager(chosen, Defaults())
+    # The devices plugin chooses (and may narrow config.devices) before processes are counted.
+    pm.hook.select_devices(config=config)
+    world = config.num_processes() * config.nodes
+    if world > 1 and not any(registry.plugin_role(p) == "strategy" for p in chosen):
+        raise HookloopError(
+            f"--devices {config.devices} x --nodes {config.nodes} asks for {world} processes "
+            f"but no strategy plugin is named: add --plugins ddp (pip install hookloop-ddp). "
+            f"Installed: {', '.join(sorted(registry.installed_plugins())) or 'none'}"
+        )
+    cmd = pm.hook.launch_command(config=config, script=args.script, script_args=list(args.script_args))
+    return run_command(cmd, settings)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = registry.installed_commands()
+    if argv and argv[0] in commands and argv[0] not in ("plugins", "run"):
+        try:
+            function = commands[argv[0]].load()
+        except ImportError as exc:
+            print(f"hookloop: the {argv[0]!r} command could not be imported: {exc}", file=sys.stderr)
+            return 2
+        params = inspect.signature(function).parameters
+        return int(function(argv[1:]) if params else function() or 0)
+    parser = _build_parser(commands)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "plugins":
+            return cmd_plugins(args)
+        if args.command == "run":
+            return cmd_run(args)
+    except HookloopError as exc:
+        print(f"hookloop: error: {exc}", file=sys.stderr)
+        return 2
+    parser.print_help()
+    return 0 if args.command is None and argv else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,154 @@
+"""The Trainer's settings, and how ``hookloop run`` hands its options to the script.
+
+``hookloop run --devices 2 --plugins ddp script.py`` puts its options, as JSON, in the
+environment variable ``HOOKLOOP_TRAINER_DEFAULTS``; every ``Trainer`` the script creates
+starts from them, and arguments given in code win.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from .errors import ConfigurationError
+
+DEFAULTS_ENV = "HOOKLOOP_TRAINER_DEFAULTS"
+PRECISIONS = ("32", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
+_PRECISION_ALIASES = {
+    "32": "32", "32-true": "32", 32: "32",
+    "16": "16-mixed", 16: "16-mixed", "16-mixed": "16-mixed", "fp16": "16-mixed",
+    "bf16": "bf16-mixed", "bf16-mixed": "bf16-mixed",
+    "16-true": "16-true", "bf16-true": "bf16-true",
+}
+
+
+@dataclass
+class TrainerConfig:
+    """Everything a run is configured with. Plugins read it as ``trainer.config``."""
+
+    plugins: list = field(default_factory=list)
+    devices: Any = 1
+    accelerator: str = "auto"
+    nodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
+    max_restarts: int = 0
+    max_epochs: int | None = None
+    max_steps: int | None = None
+    accumulate_grad_batches: int = 1
+    gradient_clip_val: float | None = None
+    gradient_clip_algorithm: str = "norm"
+    precision: str = "32"
+    default_root_dir: str = "."
+    enable_checkpointing: bool = True
+    limit_train_batches: int | None = None
+    limit_val_batches: int | None = None
+    check_val_every_n_epoch: int = 1
+    use_distributed_sampler: bool = True
+    autoload_plugins: bool = False
+    plugin_options: dict = field(default_factory=dict)
+
+    def validate(self) -> None:
+        """Check every value and normalise aliases; raise ``ConfigurationError``."""
+        self.precision = normalize_precision(self.precision)
+        if self.accelerator not in ("auto", "cpu", "cuda", "gpu"):
+            raise ConfigurationError(
+                f"accelerator={self.accelerator!r} is not one of 'auto', 'cpu', 'cuda'/'gpu'"
+            )
+        for name in ("accumulate_grad_batches", "nodes", "check_val_every_n_epoch"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigurationError(f"{name}={value!r} must be an integer >= 1")
+        if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nodes:
+            raise ConfigurationError(
+                f"node_rank={self.node_rank!r} must be in 0..nodes-1 (nodes={self.nodes})"
+            )
+        if self.nodes > 1 and not self.rdzv_endpoint:
+            raise ConfigurationError(
+                f"nodes={self.nodes} needs a rendezvous endpoint that every node can reach: "
+                f"--rdzv-endpoint HOST:PORT (the address of node 0)"
+            )
+        for name in ("max_epochs", "max_steps", "limit_train_batches", "limit_val_batches"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ConfigurationError(f"{name}={value!r} must be None or an integer >= 0")
+        if self.gradient_clip_val is not None and self.gradient_clip_val <= 0:
+            raise ConfigurationError(
+                f"gradient_clip_val={self.gradient_clip_val!r} must be positive (or None)"
+            )
+        if self.gradient_clip_algorithm not in ("norm", "value"):
+            raise ConfigurationError(
+                f"gradient_clip_algorithm={self.gradient_clip_algorithm!r} must be 'norm' or 'value'"
+            )
+        self.num_processes()  # validates devices
+
+    def num_processes(self) -> int:
+        """Processes per node that ``devices`` asks for."""
+        return count_devices(self.devices)
+
+
+
+def count_devices(devices: Any) -> int:
+    if devices in (None, "auto"):
+        return 1 if devices is None else _auto_devices()
+    if isinstance(devices, bool):
+        raise ConfigurationError(f"devices={devices!r} is not a device count or list")
+    if isinstance(devices, int):
+        if devices == -1:
+            return _auto_devices()
+        if devices < 1:
+            raise ConfigurationError(
+                f"devices={devices} must be a positive number of processes per node, -1 "
+                f"or 'auto' for all devices, or a list of device indices"
+            )
+        return devices
+    if isinstance(devices, str):
+        text = devices.strip()
+        if text.lstrip("-").isdigit():
+            return count_devices(int(text))
+        parts = [p for p in text.split(",") if p.strip()]
+        if parts and all(p.strip().isdigit() for p in parts):
+            return len(parts)
+        raise ConfigurationError(f"devices={devices!r} is not a number, 'auto' or a list")
+    if isinstance(devices, (list, tuple)):
+        if not devices or not all(isinstance(d, int) and d >= 0 for d in devices):
+            raise ConfigurationError(
+                f"devices={devices!r}: a device list must hold non-negative indices"
+            )
+        if len(set(devices)) != len(devices):
+            raise ConfigurationError(f"devices={devices!r} names a device twice")
+        return len(devices)
+    raise ConfigurationError(f"devices={devices!r} is not a number, 'auto' or a list")
+
+
+def _auto_devices() -> int:
+    import torch
+
+    return max(1, torch.cuda.device_count()) if torch.cuda.is_available() else 1
+
+
+def normalize_precision(precision: Any) -> str:
+    try:
+        return _PRECISION_ALIASES[precision]
+    except (KeyError, TypeError):
+        raise ConfigurationError(
+            f"precision={precision!r} is not one of {', '.join(PRECISIONS)}"
+        ) from None
+
+
+def env_defaults() -> dict:
+    """The defaults ``hookloop run`` left for this process, or ``{}``."""
+    raw = os.environ.get(DEFAULTS_ENV)
+    if not raw:
+        return {}
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ConfigurationError(f"{DEFAULTS_ENV} is not valid JSON: {exc}") from None
+    known = {f.name for f in fields(TrainerConfig)}
+    unknown = set(data) - known
+    if unknown:
+        raise ConfigurationError(f"{DEFAULTS_ENV} has unknown settings {sorted(unknown)}")
+    return data

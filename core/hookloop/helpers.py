@@ -1,0 +1,290 @@
+"""Public helpers for plugin authors: what more than one plugin needs lives here.
+
+Everything in this module is part of the documented API (``hookloop.<name>``); plugins
+call these instead of copying them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import random
+from typing import Any, Iterator
+
+import torch
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+)
+
+# ---------------------------------------------------------------------------------------
+# Devices and batches
+# ---------------------------------------------------------------------------------------
+
+
+def move_to_device(obj: Any, device: torch.device) -> Any:
+    """Move every tensor in a (nested) batch of tuples, lists and dicts to ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(move_to_device(o, device) for o in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(move_to_device(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, move_to_device(v, device)) for k, v in obj.items())
+    return obj
+
+
+def batch_size_of(batch: Any) -> int:
+    """Length of the first tensor found in ``batch`` (1 if there is none)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.ndim else 1
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            return batch_size_of(item)
+    if isinstance(batch, dict):
+        for item in batch.values():
+            return batch_size_of(item)
+    return 1
+
+
+def env_int(*names: str, default: int | None = None) -> int | None:
+    """The first of the environment variables ``names`` that is set, as an int."""
+    for name in names:
+        value = os.environ.get(name)
+        if value not in (None, ""):
+            return int(value)
+    return default
+
+
+def seed_everything(seed: int) -> int:
+    """Seed Python's, NumPy's (if installed) and torch's generators."""
+    random.seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+    torch.manual_seed(seed)
+    return seed
+
+
+def local_rank_device(trainer: Any, local_rank: int) -> torch.device:
+    """The device of the process with ``local_rank`` on its machine, for ``setup_environment``.
+
+    The CPU unless the run is on CUDA (``accelerator`` "cuda"/"gpu", or "auto" on a
+    machine with CUDA). On CUDA: ``cuda:<local_rank>`` when a devices plugin chose the
+    GPUs (it publishes them as ``CUDA_VISIBLE_DEVICES``, numbered from 0), else the
+    ``local_rank``-th entry of a ``devices=[...]`` list, else ``cuda:<local_rank>``.
+    Raises ``ConfigurationError`` when that GPU does not exist.
+    """
+    from .errors import ConfigurationError
+
+    accelerator = trainer.config.accelerator
+    cuda = torch.cuda.is_available()
+    if accelerator in ("cuda", "gpu") and not cuda:
+        raise ConfigurationError(
+            f"accelerator={accelerator!r} but this machine has no CUDA GPU (torch "
+            f"{torch.__version__}): run on CPU with accelerator='cpu'"
+        )
+    if not (accelerator in ("cuda", "gpu") or (accelerator == "auto" and cuda)):
+        return torch.device("cpu")
+    devices = trainer.config.devices
+    if getattr(trainer, "device_ids", None):
+        index = local_rank
+    elif isinstance(devices, (list, tuple)):
+        index = devices[local_rank]
+    else:
+        index = local_rank
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise ConfigurationError(
+            f"local rank {local_rank} needs cuda:{index} but this machine has {count} "
+            f"GPU(s): start at most {count} processes per machine"
+        )
+    return torch.device("cuda", index)
+
+
+# ---------------------------------------------------------------------------------------
+# Gradients
+# ---------------------------------------------------------------------------------------
+
+
+def optimizer_parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def clip_gradients(trainer: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Clip the gradients of ``optimizer``'s parameters as the trainer is configured.
+
+    ``gradient_clip_algorithm="norm"`` clips the total 2-norm to ``gradient_clip_val``;
+    ``"value"`` clamps each element. Does nothing when ``gradient_clip_val`` is None.
+    Precision plugins unscale gradients before calling this.
+    """
+    value = trainer.gradient_clip_val
+    if not value:
+        return
+    params = optimizer_parameters(optimizer)
+    if trainer.config.gradient_clip_algorithm == "value":
+        torch.nn.utils.clip_grad_value_(params, value)
+    else:
+        torch.nn.utils.clip_grad_norm_(params, value)
+
+
+def repoint_lr_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Make ``scheduler`` drive ``optimizer``, a replacement of the one it was built on.
+
+    Strategies that replace or wrap the user's optimizer (Horovod's
+    ``DistributedOptimizer``, DeepSpeed's offload optimizer) call this so the schedule
+    keeps changing the learning rate that is actually used. PyTorch's schedulers also
+    mark ``optimizer.step`` to warn when they step first; the mark is carried over.
+    """
+    if scheduler is None:
+        return
+    scheduler.optimizer = optimizer
+    step = optimizer.step
+    if getattr(step, "_wrapped_by_lr_sched", False):
+        return
+
+    @functools.wraps(step)
+    def counted_step(*args, **kwargs):
+        optimizer._opt_called = True  # what PyTorch's own mark records
+        return step(*args, **kwargs)
+
+    counted_step._wrapped_by_lr_sched = True
+    optimizer.step = counted_step
+
+
+# ---------------------------------------------------------------------------------------
+# Samplers and loaders
+# ---------------------------------------------------------------------------------------
+
+
+class DistributedSamplerWrapper(Sampler):
+    """Give each rank its share of the indices that a user's own sampler draws.
+
+    The user's sampler (``WeightedRandomSampler``, a custom one) is iterated once per
+    epoch on every rank with the same seed (``seed + epoch``), and rank ``r`` takes
+    positions ``r, r + world, r + 2*world, ...``, padded by wrapping around so every rank
+    gets the same count, as ``DistributedSampler`` does. The user's sampler is never
+    replaced: its weighting and its order survive.
+    """
+
+    def __init__(self, sampler: Sampler, num_replicas: int, rank: int, seed: int = 0):
+        self.sampler = sampler
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.seed = seed
+        self.epoch = 0
+        self.num_samples = math.ceil(len(sampler) / num_replicas)
+        self.total_size = self.num_samples * num_replicas
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        generator = getattr(self.sampler, "generator", None)
+        state = torch.random.get_rng_state()
+        try:
+            # Every rank must draw the same indices from the user's sampler.
+            if generator is not None:
+                generator.manual_seed(self.seed + self.epoch)
+            else:
+                torch.manual_seed(self.seed + self.epoch)
+            indices = list(self.sampler)
+        finally:
+            torch.random.set_rng_state(state)
+        if len(indices) < self.total_size:
+            indices += (indices * math.ceil(self.total_size / max(len(indices), 1)))[
+                : self.total_size - len(indices)
+            ]
+        return iter(indices[self.rank : self.total_size : self.num_replicas])
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+def distributed_sampler(
+    dataloader: DataLoader, num_replicas: int, rank: int, training: bool, seed: int = 0
+) -> Sampler | None:
+    """The sampler that gives rank ``rank`` of ``num_replicas`` its share of a loader.
+
+    * loaders of an ``IterableDataset``: ``None`` (the dataset shards itself; hookloop
+      cannot index it).
+    * the default samplers (``shuffle=True`` or ``False``): a ``DistributedSampler``
+      that shuffles for training and not for validation.
+    * a user's own sampler: wrapped in :class:`DistributedSamplerWrapper`.
+
+    Strategies return this from ``configure_sampler``.
+    """
+    if isinstance(dataloader.dataset, IterableDataset):
+        return None
+    sampler = dataloader.sampler
+    if isinstance(sampler, (DistributedSampler, DistributedSamplerWrapper)):
+        return None
+    if isinstance(sampler, (RandomSampler, SequentialSampler)):
+        return DistributedSampler(
+            dataloader.dataset,
+            num_replicas=num_replicas,
+            rank=rank,
+            shuffle=training,
+            seed=seed,
+            drop_last=False,
+        )
+    return DistributedSamplerWrapper(sampler, num_replicas, rank, seed=seed)
+
+
+def rebuild_dataloader(dataloader: DataLoader, sampler: Sampler) -> DataLoader:
+    """A copy of ``dataloader`` that draws from ``sampler``, every other setting kept."""
+    batch_sampler = dataloader.batch_sampler
+    if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
+        raise TypeError(
+            f"the loader uses a custom batch_sampler ({type(batch_sampler).__name__}), "
+            f"which hookloop cannot shard: give each rank its share inside it and pass "
+            f"use_distributed_sampler=False"
+        )
+    kwargs = dict(
+        batch_size=dataloader.batch_size,
+        sampler=sampler,
+        num_workers=dataloader.num_workers,
+        collate_fn=dataloader.collate_fn,
+        pin_memory=dataloader.pin_memory,
+        drop_last=dataloader.drop_last,
+        timeout=dataloader.timeout,
+        worker_init_fn=dataloader.worker_init_fn,
+        generator=dataloader.generator,
+        persistent_workers=dataloader.persistent_workers,
+    )
+    if dataloader.num_workers > 0:
+        kwargs["prefetch_factor"] = dataloader.prefetch_factor
+        kwargs["multiprocessing_context"] = dataloader.multiprocessing_context
+    return DataLoader(dataloader.dataset, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------
+# Reductions
+# ---------------------------------------------------------------------------------------
+
+REDUCE_OPS = ("mean", "sum", "max", "min")
+
+
+def torch_reduce_op(op: str):
+    """``"mean"``/``"sum"``/``"max"``/``"min"`` -> ``torch.distributed.ReduceOp`` (mean is SUM,
+    divide by world size afterwards: gloo has no AVG)."""
+    import torch.distributed as dist
+
+    return {
+        "mean": dist.ReduceOp.SUM,
+        "sum": dist.ReduceOp.SUM,
+        "max": dist.ReduceOp.MAX,
+        "min": dist.ReduceOp.MIN,
+    }[op]

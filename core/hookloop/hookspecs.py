@@ -1,0 +1,426 @@
+"""The hook contract between the hookloop core and its plugins.
+
+This module is the whole protocol a plugin author needs to read. Hooks are grouped by
+the phase in which the loop calls them, in the order it calls them:
+
+1. launching       -- before any worker process exists (CLI, or ``Trainer.fit`` re-launch)
+2. environment     -- inside each worker: process group, ranks, device
+3. model and data  -- building, wrapping and placing the model, optimizer and loaders
+4. the step        -- forward context, backward, gradient accumulation, optimizer step
+5. collectives     -- reduce, barrier, broadcast for metrics and checkpoints
+6. checkpoints     -- saving and loading, and each plugin's own state in them
+7. observers       -- events for callbacks (progress, loggers, monitors)
+
+How to read a hook below:
+
+* ``firstresult``: the core stops at the first implementation that returns something
+  other than ``None`` and uses that value ("Stops at first non-None result"). The core's
+  built-in ``single`` plugin implements every ``firstresult`` hook with the
+  single-process default and is registered *first*, so pluggy calls it *last*: your
+  implementation runs before the default and wins by returning a value, or defers to it
+  by returning ``None``.
+* Hooks without ``firstresult`` call every implementation; their return values are
+  collected in a list (most hooks here return nothing).
+* Implement a hook with ``@hookloop.hookimpl`` on a function (module plugin) or method
+  (object plugin). Take only the arguments you need, by name; an argument that the spec
+  does not have is an error at start naming your plugin and the hook.
+* ``trainer`` is always the :class:`hookloop.Trainer`; its documented attributes
+  (``world_size``, ``global_rank``, ``local_rank``, ``node_rank``, ``root_device``,
+  ``precision``, ``accumulate_grad_batches``, ``gradient_clip_val``, ``module``,
+  ``model``, ``optimizer``, ``lr_scheduler``, ``current_epoch``, ``global_step``,
+  ``default_root_dir``, ``config``) are the state plugins read. Only a strategy's
+  ``setup_environment`` writes the rank and device attributes.
+
+Per-step hooks (phase 4) are resolved once per ``fit``: a hook that only the built-in
+default implements is called directly, and an observer hook that nobody implements costs
+nothing. A plugin that implements a per-step hook pays one pluggy call per step.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("hookloop")
+#: Decorator for plugin authors: ``@hookloop.hookimpl`` marks a hook implementation.
+hookimpl = pluggy.HookimplMarker("hookloop")
+
+
+# ---------------------------------------------------------------------------------------
+# 1. Launching: before any worker process exists
+# ---------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def select_devices(config):
+    """Decide which accelerator devices this run uses, before any process starts.
+
+    Called once in the launching process (``hookloop run``, or ``Trainer.fit`` before it
+    re-launches), and again in each worker so every rank sees the same answer.
+
+    :param config: the :class:`hookloop.TrainerConfig` (``devices``, ``accelerator``,
+        ``nodes``, plugin options ...).
+    :returns: a list of CUDA device indices (``[1, 3]``), ``[]`` for CPU, or ``None`` to
+        leave the choice to the default (``devices`` processes on the default device of
+        each rank). A devices plugin that auto-selects free GPUs makes its choice here and
+        publishes it through the environment (``CUDA_VISIBLE_DEVICES``) so that every rank
+        agrees.
+
+    Stops at first non-None result.
+    """
+
+
+@hookspec(firstresult=True)
+def launch_command(config, script, script_args):
+    """Return the command that starts the worker processes for ``script``.
+
+    Called by ``hookloop run SCRIPT`` and by ``Trainer.fit`` when ``devices > 1`` and the
+    process is not already a launched worker. The core runs the command, waits for it and
+    exits with its status. The default (built-in) returns PyTorch's elastic agent,
+    ``python -m torch.distributed.run --nproc-per-node N [--nnodes M --node-rank R
+    --rdzv-endpoint HOST:PORT] [--max-restarts K] script args...``, or the plain
+    interpreter when one process suffices. A strategy with its own launcher (Horovod's
+    ``horovodrun``) or none (``ddp_spawn``, which spawns from inside ``fit``) returns its
+    own.
+
+    :param config: the :class:`hookloop.TrainerConfig` of the run.
+    :param script: path of the user script.
+    :param script_args: list of the script's own arguments.
+    :returns: ``list[str]`` argv, or ``None`` to defer.
+
+    Stops at first non-None result.
+    """
+
+
+@hookspec(firstresult=True)
+def spawn(trainer, function):
+    """Run ``function(trainer)`` in worker processes started from inside ``fit``.
+
+    For strategies that start their workers from the user's process rather than through
+    a launcher (``ddp_spawn``). Called by ``fit``/``validate`` in the user's process;
+    return the value that ``function`` returned on global rank 0, after copying the
+    trained state back into ``trainer.module`` so the caller's module holds the result.
+
+    :returns: the function's result, or ``None`` to run ``function`` in this process.
+
+    Stops at first non-None result. Return a non-None sentinel (e.g. ``True``) if the
+    function itself returned ``None``.
+    """
+
+
+# ---------------------------------------------------------------------------------------
+# 2. Environment: inside each worker
+# ---------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def setup_environment(trainer):
+    """Initialise the distributed environment of this process; strategies only.
+
+    Called once per ``fit``/``validate`` in every worker, before any other ``setup``.
+    A strategy initialises its process group (or ``hvd.init()``) here and sets
+    ``trainer.world_size``, ``trainer.global_rank``, ``trainer.local_rank``,
+    ``trainer.node_rank`` and ``trainer.root_device``. The built-in default sets a world
+    of one on ``cuda:0`` if CUDA is available and wanted, else on the CPU.
+
+    :returns: ``True`` when handled. Stops at first non-None result.
+    """
+
+
+@hookspec
+def setup(trainer, stage):
+    """Prepare a plugin for a run; every plugin.
+
+    Called once per ``fit``/``validate`` in every worker, after ``setup_environment``
+    (so ranks and ``root_device`` are known) and before the model is built. Create
+    scalers, open log files, check composition with the other plugins here (raise a
+    :class:`hookloop.ConfigurationError` for impossible combinations).
+
+    :param stage: ``"fit"`` or ``"validate"``.
+    """
+
+
+@hookspec
+def teardown(trainer, stage):
+    """Release what ``setup`` acquired; every plugin.
+
+    Called once at the end of ``fit``/``validate``, also after an exception. Destroy
+    process groups, close files. Must not raise for resources never acquired.
+    """
+
+
+# ---------------------------------------------------------------------------------------
+# 3. Model, optimizer and data
+# ---------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def model_init_context(trainer):
+    """Return a context manager in which the user's ``configure_model()`` runs.
+
+    Strategies that shard parameters as they are created (DeepSpeed's ``zero.Init``,
+    meta-device initialisation for FSDP) return their context. Called only when the
+    user's module defines ``configure_model``. The default is a null context.
+
+    Stops at first non-None result.
+    """
+
+
+@hookspec(firstresult=True)
+def wrap_model(trainer, model, optimizer):
+    """Place and wrap the model for training; strategies.
+
+    :param model: a ``torch.nn.Module`` whose ``forward(kind, batch, batch_idx)`` calls
+        the user's ``training_step``/``validation_step``. Wrappers such as
+        ``DistributedDataParallel`` wrap *this* module so their forward hooks see every
+        step.
+    :param optimizer: the optimizer from the user's ``configure_optimizers`` (or
+        ``None`` for ``validate``). Strategies that need it to wrap (fairscale's
+        ShardedDataParallel, DeepSpeed's engine) take it here and hand their replacement
+        back through :func:`wrap_optimizer`.
+    :returns: the module the loop will call. The default moves ``model`` to
+        ``trainer.root_device`` and returns it.
+
+    Stops at first non-None result.
+    """
+
+
+@hookspec(firstresult=True)
+def wrap_optimizer(trainer, model, optimizer):
+    """Replace or wrap the optimizer; strategies.
+
+    Called after :func:`wrap_model` with the wrapped ``model``. Horovod returns its
+    ``DistributedOptimizer``; fairscale returns ``OSS``; DeepSpeed returns the engine's
+    optimizer. A replacement must keep ``param_groups`` shared with the original or
+    re-point ``trainer.lr_scheduler`` at itself.
+
+    :returns: the optimizer to step, or ``None`` to keep ``optimizer``.
+
+    Stops at first non-None result.
+    """
+
+
+@hookspec(firstresult=True)
+def configure_sampler(trainer, dataloader, training):
+    """Return the sampler the loop should use for ``dataloader`` in this process.
+
+    Called once per loader at the start of ``fit``/``validate``. Distributed strategies
+    return a sampler that gives this rank its share (see
+    :func:`hookloop.distributed_sampler`); the core rebuilds the loader around it and
+    calls ``sampler.set_epoch(epoch)`` at each epoch when the sampler has it.
+
+    :param dataloader: the user's ``torch.utils.data.DataLoader``.
+    :param training: ``True`` for training loaders (shuffle), ``False`` for validation.
+    :returns: a ``Sampler``, or ``None`` to leave the loader as it is (iterable
+        datasets, or the user opted out).
+
+    Stops at first non-None result.
+    """
+
+
+# ---------------------------------------------------------------------------------------
+# 4. The step
+# ---------------------------------------------------------------------------------------
+
+
+@hookspec
+def forward_context(trainer):
+    """Return a context manager to wrap each forward (``training_step``/``validation_step``).
+
+    Precision plugins return ``torch.autocast(...)``. Every returned context is entered,
+    in hook-call order. Called once per ``fit``/``validate``; the returned objects are
+    re-entered every step, so return re-entrant context managers (``torch.autocast`` is).
+    """
+
+
+@hookspec(firstresult=True)
+def accumulation_context(trainer, model):
+    """Return a context manager for micro-batches that will not step the optimizer.
+
+    With ``accumulate_grad_batches > 1`` the loop enters it around the forward and
+    backward of every micro-batch except the last of each accumulation window. DDP
+    returns ``model.no_sync()`` so gradients are only all-reduced once per window.
+    Called per micro-batch. The default is a null context.
+
+    Stops at first non-None result.
+    """
+
+
+@hookspec(firstresult=True)
+def backward(trainer, loss, model, optimizer):
+    """Compute gradients of ``loss``.
+
+    Called for every micro-batch with the loss already divided by
+    ``accumulate_grad_batches``. The default is ``loss.backward()``; AMP scales the loss
+    first, DeepSpeed calls ``engine.backward``.
+
+    :returns: ``True`` when handled. Stops at first non-None result.
+    """
+
+
+@hookspec(firstresult=True)
+def optimizer_step(trainer, optimizer, model):
+    """Clip gradients (if ``gradient_clip_val``) and step the optimizer.
+
+    Called once per accumulation window. Use :func:`hookloop.clip_gradients` for the
+    clipping so all plugins clip the same way. The default clips and calls
+    ``optimizer.step()``; AMP unscales, clips, steps through the ``GradScaler`` and
+    updates the scale.
+
+    :returns: ``True`` when the step was taken, ``False`` when it was skipped (inf/nan
+        gradients). Stops at first non-None result.
+    """
+
+
+@hookspec(firstresult=True)
+def zero_grad(trainer, optimizer, model):
+    """Reset gradients after a step. Default: ``optimizer.zero_grad(set_to_none=True)``.
+
+    :returns: ``True`` when handled. Stops at first non-None result.
+    """
+
+
+@hookspec
+def training_step_end(trainer, outputs):
+    """Post-process what ``training_step`` returned before the loop checks it.
+
+    DataParallel gathers per-replica outputs; it calls the user's own
+    ``training_step_end`` here. Return the new outputs, or ``None`` to keep them. Later
+    plugins see earlier results via the loop (each non-None result replaces
+    ``outputs``).
+    """
+
+
+# ---------------------------------------------------------------------------------------
+# 5. Collectives
+# ---------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def reduce(trainer, tensor, op):
+    """Reduce ``tensor`` across all ranks; used for ``self.log(..., sync_dist=True)``.
+
+    :param op: ``"mean"``, ``"sum"``, ``"max"`` or ``"min"``.
+    :returns: the reduced tensor (same value on every rank). Default: ``tensor``.
+
+    Stops at first non-None result.
+    """
+
+
+@hookspec(firstresult=True)
+def barrier(trainer, name):
+    """Block until every rank reaches this point. Default: return immediately.
+
+    :returns: ``True`` when handled. Stops at first non-None result.
+    """
+
+
+@hookspec(firstresult=True)
+def broadcast(trainer, obj, src):
+    """Return ``obj`` as held by global rank ``src``, on every rank (picklable objects).
+
+    Called through ``trainer.broadcast(obj, src)``, which wraps the user's object in a
+    one-element list so that a broadcast ``None`` still comes back non-None.
+
+    Stops at first non-None result.
+    """
+
+
+# ---------------------------------------------------------------------------------------
+# 6. Checkpoints
+# ---------------------------------------------------------------------------------------
+
+
+@hookspec
+def on_save_checkpoint(trainer, checkpoint):
+    """Add this plugin's state to ``checkpoint`` before it is written; every plugin.
+
+    Store it under ``checkpoint["plugins"][your_plugin_name]``, using only tensors,
+    numbers, strings, lists and dicts: checkpoints are loaded with
+    ``torch.load(weights_only=True)``.
+    """
+
+
+@hookspec(firstresult=True)
+def save_checkpoint(trainer, checkpoint, path):
+    """Write ``checkpoint`` to ``path``.
+
+    Called on every rank (so sharded strategies can write their shards). The default
+    writes on global rank 0 only, atomically (temporary file, fsync, rename), then
+    waits at a barrier so no rank reads before the write is complete. DeepSpeed writes a
+    sharded directory through its engine.
+
+    :returns: the path written. Stops at first non-None result.
+    """
+
+
+@hookspec(firstresult=True)
+def load_checkpoint(trainer, path):
+    """Read the checkpoint at ``path`` and return it as a dict.
+
+    The default uses ``torch.load(path, map_location="cpu", weights_only=True)`` and
+    raises :class:`hookloop.CheckpointError` for a missing or corrupt file.
+
+    Stops at first non-None result.
+    """
+
+
+@hookspec(firstresult=True)
+def load_model_state(trainer, checkpoint):
+    """Restore model and optimizer state from ``checkpoint``.
+
+    The default loads ``checkpoint["state_dict"]`` into ``trainer.module`` (checking
+    keys and shapes first) and the optimizer and scheduler states. Sharded strategies
+    that restored everything inside ``load_checkpoint`` return ``True`` here.
+
+    :returns: ``True`` when handled. Stops at first non-None result.
+    """
+
+
+@hookspec
+def on_load_checkpoint(trainer, checkpoint):
+    """Restore this plugin's state from ``checkpoint["plugins"][your_plugin_name]``."""
+
+
+# ---------------------------------------------------------------------------------------
+# 7. Observers: callbacks run after the math and cannot change it
+# ---------------------------------------------------------------------------------------
+
+
+@hookspec
+def on_fit_start(trainer):
+    """The model, optimizer and loaders are ready; training is about to start."""
+
+
+@hookspec
+def on_fit_end(trainer):
+    """Training finished normally (not called after an exception)."""
+
+
+@hookspec
+def on_train_epoch_start(trainer, epoch):
+    """An epoch of training starts."""
+
+
+@hookspec
+def on_train_batch_end(trainer, loss, batch_idx):
+    """A training micro-batch finished; ``loss`` is the detached (undivided) loss.
+
+    Called every micro-batch, so keep it cheap: do not call ``.item()`` on every
+    step unless you need to (it synchronises with the device).
+    """
+
+
+@hookspec
+def on_train_epoch_end(trainer, epoch, metrics):
+    """An epoch of training ended. ``metrics`` maps logged names to floats."""
+
+
+@hookspec
+def on_validation_end(trainer, metrics):
+    """Validation finished; ``metrics`` maps logged names to floats, already reduced
+    across ranks where the user asked for ``sync_dist``."""
+
+
+@hookspec
+def on_exception(trainer, exception):
+    """``fit``/``validate`` raised ``exception``; called before it propagates."""

@@ -1,0 +1,360 @@
+"""Finding, loading and checking plugins.
+
+Plugins are found through the entry-point group ``hookloop.plugins`` without importing
+them; only the plugins a run names are imported (or all of them with autoload, as
+pytest does). Each plugin may declare:
+
+``hookloop_name``
+    the name it is known by (default: the entry-point name, or the class name).
+``hookloop_role``
+    one of :data:`ROLES`. ``strategy``, ``precision`` and ``devices`` are exclusive: at
+    most one plugin of each may run. ``observer`` and ``extension`` plugins compose
+    freely.
+``hookloop_owns``
+    a set of concerns a strategy takes over from other plugins, e.g. ``{"precision"}``
+    for DeepSpeed: a precision plugin then hands its setting to the strategy instead of
+    applying it itself.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.metadata as md
+import inspect
+import os
+import re
+import types
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import pluggy
+
+from . import hookspecs
+from .errors import (
+    MissingDependencyError,
+    PluginConflictError,
+    PluginNotFoundError,
+    PluginValidationError,
+)
+
+ENTRY_POINT_GROUP = "hookloop.plugins"
+COMMAND_GROUP = "hookloop.commands"
+ROLES = ("strategy", "precision", "devices", "observer", "extension")
+EXCLUSIVE_ROLES = ("strategy", "precision", "devices")
+#: The plugin enabled when ``precision`` is not "32" and no enabled plugin handles it
+#: (neither a precision plugin nor a strategy that owns precision), as Lightning users
+#: expect ``Trainer(precision="bf16-mixed")`` alone to work. hookloop-amp registers it.
+DEFAULT_PRECISION_PLUGIN = "amp"
+
+
+# ---------------------------------------------------------------------------------------
+# Discovery (no imports of plugin code)
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    """An installed plugin as its distribution's metadata describes it."""
+
+    name: str
+    value: str
+    distribution: str | None
+    version: str | None
+    requires: tuple[str, ...]
+
+    def missing_requirements(self) -> list[str]:
+        """Requirements of the plugin's distribution that are not installed."""
+        return [req for req in self.requires if not _is_installed(req)]
+
+
+_REQ_NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
+
+
+def _requirement_names(requires: Iterable[str] | None) -> tuple[str, ...]:
+    names = []
+    for req in requires or ():
+        if "extra ==" in req or "extra==" in req:
+            continue
+        m = _REQ_NAME.match(req)
+        if m:
+            names.append(m.group(1))
+    return tuple(names)
+
+
+def _is_installed(requirement: str) -> bool:
+    try:
+        md.distribution(requirement)
+        return True
+    except md.PackageNotFoundError:
+        return False
+
+
+def installed_plugins() -> dict[str, PluginInfo]:
+    """Every plugin registered under ``hookloop.plugins``, by name; imports nothing."""
+    found: dict[str, PluginInfo] = {}
+    for ep in md.entry_points(group=ENTRY_POINT_GROUP):
+        dist = getattr(ep, "dist", None)
+        requires = _requirement_names(dist.requires) if dist is not None else ()
+        found.setdefault(
+            ep.name,
+            PluginInfo(
+                name=ep.name,
+                value=ep.value,
+                distribution=dist.metadata["Name"] if dist is not None else None,
+                version=dist.version if dist is not None else None,
+                requires=tuple(r for r in requires if r not in ("hookloop",)),
+            ),
+        )
+    return found
+
+
+def installed_commands() -> dict[str, md.EntryPoint]:
+    """CLI sub-commands that plugin distributions add (group ``hookloop.commands``)."""
+    return {ep.name: ep for ep in md.entry_points(group=COMMAND_GROUP)}
+
+
+def _load_entry_point(info: PluginInfo) -> Any:
+    (ep,) = [e for e in md.entry_points(group=ENTRY_POINT_GROUP) if e.name == info.name][:1]
+    try:
+        return ep.load()
+    except MissingDependencyError:
+        raise
+    except ImportError as exc:
+        missing = info.missing_requirements()
+        dist = info.distribution or "its distribution"
+        if missing:
+            raise MissingDependencyError(
+                f"plugin {info.name!r} ({dist}) needs {', '.join(missing)}, which "
+                f"{'is' if len(missing) == 1 else 'are'} not installed: "
+                f"pip install {' '.join(missing)}"
+            ) from exc
+        raise MissingDependencyError(
+            f"plugin {info.name!r} ({dist}) could not be imported: {exc}. "
+            f"Reinstall it (pip install --force-reinstall {dist}) or install what it "
+            f"imports."
+        ) from exc
+
+
+def unknown_plugin_error(name: str, installed: Iterable[str]) -> PluginNotFoundError:
+    names = sorted(installed)
+    close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
+    msg = f"no plugin named {name!r} is installed."
+    if close:
+        msg += f" Did you mean {' or '.join(repr(c) for c in close)}?"
+    msg += f" Installed plugins: {', '.join(names) if names else 'none'}."
+    msg += (
+        f" Install one that registers {name!r} under the entry-point group "
+        f"{ENTRY_POINT_GROUP!r} (hookloop's own are named hookloop-<name>), or list them "
+        f"with `hookloop plugins`."
+    )
+    return PluginNotFoundError(msg)
+
+
+def resolve(name: str, **options: Any) -> Any:
+    """Load the installed plugin ``name`` and return a ready-to-register plugin object.
+
+    A class is instantiated with ``options``; a module or an instance is returned as is
+    (passing options to those is an error). This is ``hookloop.plugin``.
+    """
+    infos = installed_plugins()
+    if name not in infos:
+        raise unknown_plugin_error(name, infos)
+    obj = _load_entry_point(infos[name])
+    return _instantiate(obj, name, options)
+
+
+def _instantiate(obj: Any, name: str | None, options: dict) -> Any:
+    if inspect.isclass(obj):
+        plugin = obj(**options)
+    else:
+        if options:
+            raise TypeError(f"plugin {name!r} is not a class and takes no options")
+        plugin = obj
+    if name and not _declared_name(plugin):
+        try:
+            plugin.hookloop_name = name
+        except (AttributeError, TypeError):
+            pass
+    return plugin
+
+
+def _declared_name(plugin: Any) -> str | None:
+    return getattr(plugin, "hookloop_name", None)
+
+
+def plugin_name(plugin: Any) -> str:
+    """The name a plugin object is known by."""
+    name = _declared_name(plugin)
+    if name:
+        return name
+    if isinstance(plugin, types.ModuleType):
+        return plugin.__name__
+    return type(plugin).__name__
+
+
+def plugin_role(plugin: Any) -> str:
+    role = getattr(plugin, "hookloop_role", "extension")
+    if role not in ROLES:
+        raise PluginValidationError(
+            f"plugin {plugin_name(plugin)!r} declares hookloop_role={role!r}; "
+            f"it must be one of {', '.join(ROLES)}"
+        )
+    return role
+
+
+def plugin_owns(plugin: Any) -> frozenset[str]:
+    return frozenset(getattr(plugin, "hookloop_owns", ()))
+
+
+# ---------------------------------------------------------------------------------------
+# Choosing the plugins of a run
+# ---------------------------------------------------------------------------------------
+
+
+def split_names(spec: str | None) -> list[str]:
+    """``"ddp, amp"`` -> ``["ddp", "amp"]``."""
+    return [s.strip() for s in (spec or "").split(",") if s.strip()]
+
+
+def collect(requested: Iterable[Any], defaults: Iterable[Any] = (), autoload: bool = False) -> list[Any]:
+    """Turn the user's plugin specs into plugin objects, in a stable order.
+
+    ``requested`` come from code (``Trainer(plugins=...)``), ``defaults`` from the CLI
+    (``--plugins``) and ``HOOKLOOP_PLUGINS``. Both are used; where a default plugin
+    has the same exclusive role as a requested one, the requested one wins. With
+    ``autoload`` every installed plugin that is not a strategy is loaded too (strategies
+    exclude each other, so they are always chosen by name); ``no:NAME`` blocks one.
+    """
+    requested = list(requested)
+    defaults = list(defaults)
+    blocked = {s[3:] for s in requested + defaults if isinstance(s, str) and s.startswith("no:")}
+    requested = [s for s in requested if not (isinstance(s, str) and s.startswith("no:"))]
+    defaults = [s for s in defaults if not (isinstance(s, str) and s.startswith("no:"))]
+
+    infos = None
+    chosen: list[Any] = []
+    names_seen: set[str] = set()
+
+    def load(spec: Any) -> Any:
+        nonlocal infos
+        if isinstance(spec, str):
+            if infos is None:
+                infos = installed_plugins()
+            if spec not in infos:
+                raise unknown_plugin_error(spec, infos)
+            return _instantiate(_load_entry_point(infos[spec]), spec, {})
+        return _instantiate(spec, None, {}) if inspect.isclass(spec) else spec
+
+    code_plugins = [load(s) for s in requested if not (isinstance(s, str) and s in blocked)]
+    code_roles = {plugin_role(p) for p in code_plugins} & set(EXCLUSIVE_ROLES)
+    default_plugins = []
+    for spec in defaults:
+        if isinstance(spec, str) and spec in blocked:
+            continue
+        p = load(spec)
+        if plugin_role(p) in code_roles:
+            continue  # explicit arguments in code win over CLI / environment defaults
+        default_plugins.append(p)
+    for p in code_plugins + default_plugins:
+        n = plugin_name(p)
+        if n in names_seen:
+            continue
+        names_seen.add(n)
+        chosen.append(p)
+
+    if autoload:
+        if infos is None:
+            infos = installed_plugins()
+        for name in sorted(infos):
+            if name in names_seen or name in blocked:
+                continue
+            p = _instantiate(_load_entry_point(infos[name]), name, {})
+            if plugin_role(p) == "strategy":
+                continue
+            names_seen.add(name)
+            chosen.append(p)
+    return chosen
+
+
+def default_precision_plugin(chosen: list[Any], precision: str) -> list[Any]:
+    """The precision plugin to add to ``chosen`` so that ``precision`` is applied.
+
+    ``[]`` for ``"32"``, or when a precision plugin or a strategy that owns precision is
+    already chosen; else the installed plugin named :data:`DEFAULT_PRECISION_PLUGIN`. A
+    precision setting is never dropped silently: without such a plugin this is an error.
+    """
+    if precision == "32":
+        return []
+    for p in chosen:
+        role = plugin_role(p)
+        if role == "precision" or (role == "strategy" and "precision" in plugin_owns(p)):
+            return []
+    infos = installed_plugins()
+    name = DEFAULT_PRECISION_PLUGIN
+    if name not in infos:
+        raise MissingDependencyError(
+            f"precision={precision!r} needs a precision plugin, and none is enabled; the "
+            f"default one, {name!r}, is not installed: pip install hookloop-{name} "
+            f"(or enable another precision plugin in plugins=[...] / --plugins, or use "
+            f"precision='32')"
+        )
+    return [_instantiate(_load_entry_point(infos[name]), name, {})]
+
+
+def check_composition(plugins: list[Any]) -> None:
+    """Refuse impossible combinations (two strategies, two precision plugins) up front."""
+    by_role: dict[str, list[str]] = {}
+    for p in plugins:
+        by_role.setdefault(plugin_role(p), []).append(plugin_name(p))
+    for role in EXCLUSIVE_ROLES:
+        names = by_role.get(role, [])
+        if len(names) > 1:
+            raise PluginConflictError(
+                f"plugins {', '.join(repr(n) for n in names)} are all {role} plugins, and "
+                f"a run can use only one {role}: keep one of them in plugins=[...] / "
+                f"--plugins / HOOKLOOP_PLUGINS."
+            )
+
+
+# ---------------------------------------------------------------------------------------
+# The plugin manager
+# ---------------------------------------------------------------------------------------
+
+
+def make_plugin_manager(plugins: list[Any], defaults_plugin: Any) -> pluggy.PluginManager:
+    """A pluggy manager with the hook specs, the built-in defaults and ``plugins``.
+
+    The defaults plugin is registered first so that pluggy calls it last: any plugin's
+    ``firstresult`` implementation wins over it.
+    """
+    pm = pluggy.PluginManager("hookloop")
+    pm.add_hookspecs(hookspecs)
+    pm.register(defaults_plugin, name="hookloop.defaults")
+    for p in plugins:
+        name = plugin_name(p)
+        try:
+            pm.register(p, name=name)
+        except pluggy.PluginValidationError as exc:
+            raise PluginValidationError(
+                f"plugin {name!r} does not match the hook contract: {exc}. "
+                f"See `hookloop.hookspecs` for each hook's arguments."
+            ) from None
+        except ValueError as exc:  # already registered
+            raise PluginConflictError(f"plugin {name!r} is enabled twice: {exc}") from None
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as exc:
+        raise PluginValidationError(
+            f"{exc}. It names a hook that hookloop does not have (a typo?). "
+            f"Hooks: {', '.join(sorted(n for n in dir(hookspecs) if _is_spec(n)))}."
+        ) from None
+    return pm
+
+
+def _is_spec(name: str) -> bool:
+    fn = getattr(hookspecs, name, None)
+    return callable(fn) and hasattr(fn, "hookloop_spec")
+
+
+def environment_plugins() -> list[str]:
+    return split_names(os.environ.get("HOOKLOOP_PLUGINS"))

@@ -1,0 +1,166 @@
+"""hookloop-amp: automatic mixed precision as a hookloop precision plugin.
+
+``precision="16-mixed"``: every forward runs under ``torch.autocast(dtype=float16)``,
+the loss is scaled before backward by a ``torch.amp.GradScaler``, gradients are unscaled
+before clipping, a step whose gradients hold inf/nan is skipped and the scale lowered.
+``precision="bf16-mixed"``: bf16 autocast only (bf16 has fp32's range: no scaler).
+``precision="32"``: nothing to do.
+
+It composes with every strategy that leaves precision to it (the single-process
+default, ``ddp``, ``dp``): it touches only the forward context, ``backward`` and
+``optimizer_step``. A strategy that owns precision (``hookloop_owns={"precision"}``,
+e.g. DeepSpeed) reads ``trainer.precision`` itself and this plugin steps aside, saying
+so once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import hookloop
+
+MIXED = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
+
+
+class AMP:
+    """Mixed precision: autocast around the forward, scaled backward for fp16.
+
+    Options (``plugin_options={"amp": {...}}`` or ``hookloop.plugin("amp", ...)``):
+
+    ``allow_cpu_fp16``
+        fp16 mixed precision is meant for CUDA; on a CPU device it is an error that
+        suggests ``bf16-mixed``. ``True`` runs fp16 autocast and a CPU ``GradScaler``
+        anyway (slow; for tests and experiments of the scaler path).
+    ``init_scale``, ``growth_interval``
+        passed to ``torch.amp.GradScaler`` (defaults as in PyTorch).
+    """
+
+    hookloop_name = "amp"
+    hookloop_role = "precision"
+
+    def __init__(self, allow_cpu_fp16: bool = False, init_scale: float = 2.0**16, growth_interval: int = 2000):
+        self.allow_cpu_fp16 = allow_cpu_fp16
+        self.init_scale = init_scale
+        self.growth_interval = growth_interval
+        self.scaler: torch.amp.GradScaler | None = None
+        self.dtype: torch.dtype | None = None
+        self.device_type: str | None = None
+        #: optimizer steps skipped because of inf/nan gradients, in this run
+        self.skipped_steps = 0
+        self._last_scale = 0.0
+        self._told_handover = False
+
+    # -- setup ----------------------------------------------------------------------------
+
+    @hookloop.hookimpl
+    def setup(self, trainer, stage):
+        """Choose the autocast dtype for ``trainer.precision`` and build the scaler."""
+        self.scaler, self.dtype, self.device_type, self.skipped_steps = None, None, None, 0
+        precision = trainer.precision
+        if precision == "32":
+            return
+        if trainer.strategy_owns("precision"):
+            # The strategy applies it (e.g. DeepSpeed's fp16/bf16 engine); autocasting or
+            # scaling here as well would apply it twice.
+            if not self._told_handover and trainer.global_rank == 0:
+                strategy = getattr(trainer.strategy, "hookloop_name", type(trainer.strategy).__name__)
+                print(
+                    f"hookloop-amp: precision={precision!r} is applied by the strategy "
+                    f"{strategy!r}, which owns precision; amp leaves it to it",
+                    flush=True,
+                )
+            self._told_handover = True
+            return
+        if precision not in MIXED:
+            raise hookloop.ConfigurationError(
+                f"precision={precision!r} is not mixed precision: hookloop-amp applies "
+                f"'16-mixed' and 'bf16-mixed' (autocast, fp32 weights). Use one of those, "
+                f"or a strategy that owns precision and supports {precision!r} (deepspeed)"
+            )
+        device = trainer.root_device
+        dtype = MIXED[precision]
+        if dtype is torch.float16 and device.type != "cuda" and not (device.type == "cpu" and self.allow_cpu_fp16):
+            where = "this machine has no CUDA GPU" if not torch.cuda.is_available() else f"this run's device is {device}"
+            raise hookloop.ConfigurationError(
+                f"precision='16-mixed' (fp16 autocast with a GradScaler) needs a CUDA GPU, and "
+                f"{where}: use precision='bf16-mixed' (--precision bf16-mixed), which runs on "
+                f"CPU, or precision='32'"
+            )
+        if dtype is torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise hookloop.ConfigurationError(
+                f"precision='bf16-mixed' but {torch.cuda.get_device_name(device)} does not "
+                f"support bfloat16 (it needs compute capability 8.0, Ampere, or newer): use "
+                f"precision='16-mixed'"
+            )
+        self.dtype, self.device_type = dtype, device.type
+        if dtype is torch.float16 and stage == "fit":
+            self.scaler = torch.amp.GradScaler(
+                device.type, init_scale=self.init_scale, growth_interval=self.growth_interval
+            )
+            self._last_scale = self.scaler.get_scale()  # no device sync: nothing scaled yet
+
+    @hookloop.hookimpl
+    def teardown(self):
+        """Nothing to release; the scaler lives until the next ``setup``."""
+
+    # -- the step -------------------------------------------------------------------------
+
+    @hookloop.hookimpl
+    def forward_context(self):
+        """``torch.autocast`` with the run's dtype, on the root device's type."""
+        if self.dtype is None:
+            return None
+        return torch.autocast(device_type=self.device_type, dtype=self.dtype)
+
+    @hookloop.hookimpl
+    def backward(self, loss):
+        """fp16: backward of the scaled loss. bf16/32: defer to the strategy/default."""
+        if self.scaler is None:
+            return None
+        self.scaler.scale(loss).backward()
+        return True
+
+    @hookloop.hookimpl
+    def optimizer_step(self, trainer, optimizer):
+        """fp16: unscale, clip, step unless inf/nan, update the scale.
+
+        Returns ``False`` when the step was skipped. bf16/32: defer (``None``).
+        """
+        scaler = self.scaler
+        if scaler is None:
+            return None
+        # Clipping thresholds are in true gradient units, so unscale first.
+        scaler.unscale_(optimizer)
+        hookloop.clip_gradients(trainer, optimizer)
+        scaler.step(optimizer)  # skips optimizer.step() when a gradient is inf/nan
+        scaler.update()
+        # The scale drops exactly when inf/nan was found; step() already synchronised
+        # with the device to decide, so reading the scale costs no extra wait.
+        scale = scaler.get_scale()
+        took_step = scale >= self._last_scale
+        self._last_scale = scale
+        if not took_step:
+            self.skipped_steps += 1
+        return took_step
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    @hookloop.hookimpl
+    def on_save_checkpoint(self, trainer, checkpoint):
+        """Store the scaler's state (scale, growth tracker) so a resume continues it."""
+        if self.scaler is not None:
+            checkpoint["plugins"]["amp"] = {
+                "precision": trainer.precision,
+                "scaler": self.scaler.state_dict(),
+                "skipped_steps": self.skipped_steps,
+            }
+
+    @hookloop.hookimpl
+    def on_load_checkpoint(self, checkpoint):
+        """Restore the scaler's state when both the checkpoint and this run use one."""
+        state = checkpoint.get("plugins", {}).get("amp")
+        if state is None or self.scaler is None:
+            return  # fp32/bf16 on one side: there is no scale to carry over
+        self.scaler.load_state_dict(state["scaler"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self._last_scale = self.scaler.get_scale()

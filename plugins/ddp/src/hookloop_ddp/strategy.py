@@ -1,0 +1,391 @@
+"""The ``ddp`` strategy: one process per device, gradients all-reduced by DDP.
+
+The processes come from a launcher (``hookloop run --plugins ddp --devices N``, plain
+``torchrun``, or a SLURM job step); each one runs the user's script, so nothing has to
+be pickled. Advanced users subclass :class:`DDP` and override
+:meth:`DDP.init_process_group` or :meth:`DDP.configure_ddp` (see the README).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import sys
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import hookloop
+
+from . import comm
+from .environment import ClusterEnvironment
+
+#: The key of this plugin's state in ``checkpoint["plugins"]``; shared by ``ddp`` and
+#: ``ddp_spawn`` so a checkpoint of one resumes under the other.
+CHECKPOINT_KEY = "ddp"
+
+# How many process groups this process has made; every rank counts the same.
+_GROUP_GENERATION = itertools.count()
+
+
+def check_backend(name: Any) -> None:
+    """Raise ``ConfigurationError`` unless ``name`` is a process-group backend this torch has.
+
+    Accepts a backend (``"gloo"``), or a per-device list (``"cpu:gloo,cuda:nccl"``).
+    """
+    if name is None:
+        return
+    if not isinstance(name, str) or not name.strip():
+        raise hookloop.ConfigurationError(
+            f"process_group_backend={name!r} must be a backend name such as 'gloo' or 'nccl' "
+            f"(or None for gloo on CPU, nccl on CUDA)"
+        )
+    known = [b for b in dist.Backend.backend_list if b not in ("undefined", "fake")]
+    for part in name.split(","):
+        backend = part.split(":")[-1].strip().lower()
+        if backend not in dist.Backend.backend_list:
+            raise hookloop.ConfigurationError(
+                f"process_group_backend={name!r}: {backend!r} is not a torch.distributed "
+                f"backend. Known: {', '.join(known)}; use 'gloo' on CPU, 'nccl' on CUDA, or "
+                f"None to choose by device. A third-party backend must be registered with "
+                f"torch.distributed.Backend.register_backend before the Trainer is created."
+            )
+        if not dist.is_backend_available(backend):
+            raise hookloop.ConfigurationError(
+                f"process_group_backend={name!r}: this torch build ({torch.__version__}) has "
+                f"no {backend!r} backend. Use 'gloo' (every build has it), or None to choose "
+                f"by device."
+            )
+
+
+def _check_type(name: str, value: Any, kinds: tuple, rule: str, ok: bool = True) -> None:
+    if not isinstance(value, kinds) or isinstance(value, bool) and bool not in kinds or not ok:
+        raise hookloop.ConfigurationError(f"ddp option {name}={value!r}: {rule}")
+
+
+class DDP:
+    """Distributed data parallel training with ``torch.nn.parallel.DistributedDataParallel``.
+
+    Options (constructor arguments, or ``plugin_options={"ddp": {...}}``):
+
+    ``process_group_backend``
+        ``None`` (gloo on CPU, nccl on CUDA), or a torch.distributed backend name.
+    ``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view``,
+    ``bucket_cap_mb``, ``broadcast_buffers``
+        passed to ``DistributedDataParallel`` (``None`` keeps torch's default).
+    ``comm_hook``
+        ``None``, ``"fp16"``, ``"bf16"``, ``"powersgd"``, ``"post_localsgd"``, or your own
+        hook ``hook(state, bucket) -> Future`` with ``comm_state``.
+    ``powersgd_rank``, ``powersgd_start_iter``, ``powersgd_min_compression_rate``
+        PowerSGD's matrix rank, the step it starts compressing at, and the smallest
+        compression worth doing.
+    ``localsgd_start_iter``, ``model_averaging_period``, ``localsgd_group_size``,
+    ``localsgd_gradient_allreduce``
+        post-localSGD: global all-reduce for the first steps, then gradients are
+        all-reduced only within subgroups of ``localsgd_group_size`` ranks (default: the
+        processes of a node; ``localsgd_gradient_allreduce=False``: not at all) and the
+        parameters of all ranks are averaged every ``model_averaging_period`` steps.
+    ``sampler_seed``
+        seed of the distributed samplers (the same on every rank).
+    ``timeout``
+        seconds a collective may wait before failing (``None``: torch's default).
+    """
+
+    hookloop_name = "ddp"
+    hookloop_role = "strategy"
+
+    _OPTIONS = (
+        "process_group_backend", "find_unused_parameters", "static_graph",
+        "gradient_as_bucket_view", "bucket_cap_mb", "broadcast_buffers", "comm_hook",
+        "comm_state", "powersgd_rank", "powersgd_start_iter", "powersgd_min_compression_rate",
+        "localsgd_start_iter", "model_averaging_period", "localsgd_group_size",
+        "localsgd_gradient_allreduce", "sampler_seed", "timeout",
+    )
+
+    def __init__(
+        self,
+        process_group_backend: str | None = None,
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        gradient_as_bucket_view: bool = False,
+        bucket_cap_mb: float | None = None,
+        broadcast_buffers: bool | None = None,
+        comm_hook: Any = None,
+        comm_state: Any = None,
+        powersgd_rank: int = 1,
+        powersgd_start_iter: int = 1000,
+        powersgd_min_compression_rate: float = 2.0,
+        localsgd_start_iter: int = 1000,
+        model_averaging_period: int = 4,
+        localsgd_group_size: int | None = None,
+        localsgd_gradient_allreduce: bool = True,
+        sampler_seed: int = 0,
+        timeout: float | None = None,
+    ):
+        options = dict(locals())
+        for name in DDP._OPTIONS:
+            setattr(self, name, options[name])
+        self.cluster: ClusterEnvironment | None = None
+        self.comm_hook_state: Any = None
+        self._owns_process_group = False
+
+    # Options are checked whenever they are set, so ``plugin_options`` given to the
+    # Trainer fail at ``Trainer(...)``, before any process starts.
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._OPTIONS:
+            self._check_option(name, value)
+        object.__setattr__(self, name, value)
+
+    def _check_option(self, name: str, value: Any) -> None:
+        if name == "process_group_backend":
+            check_backend(value)
+        elif name in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view", "localsgd_gradient_allreduce"):
+            _check_type(name, value, (bool,), "must be True or False")
+        elif name == "broadcast_buffers":
+            _check_type(name, value, (bool, type(None)), "must be True, False or None")
+        elif name in ("bucket_cap_mb", "timeout"):
+            if value is not None:
+                _check_type(name, value, (int, float), "must be a positive number or None", ok=value > 0 if isinstance(value, (int, float)) else False)
+        elif name == "comm_hook":
+            if value is not None and not callable(value) and value not in comm.COMM_HOOKS:
+                raise hookloop.ConfigurationError(
+                    f"ddp option comm_hook={value!r} must be None, one of "
+                    f"{', '.join(repr(h) for h in comm.COMM_HOOKS)}, or a DDP communication "
+                    f"hook function hook(state, bucket) -> torch.futures.Future"
+                )
+        elif name == "powersgd_rank":
+            _check_type(name, value, (int,), "must be an integer >= 1", ok=isinstance(value, int) and value >= 1)
+        elif name == "powersgd_start_iter":
+            # PowerSGD keeps per-bucket state; DDP rebuilds its buckets after step 1.
+            _check_type(name, value, (int,), "must be an integer >= 2 (PowerSGD can only start after DDP's first two steps)", ok=isinstance(value, int) and value >= 2)
+        elif name == "powersgd_min_compression_rate":
+            _check_type(name, value, (int, float), "must be a number >= 1", ok=isinstance(value, (int, float)) and value >= 1)
+        elif name == "localsgd_start_iter":
+            _check_type(name, value, (int,), "must be an integer >= 0", ok=isinstance(value, int) and value >= 0)
+        elif name == "model_averaging_period":
+            _check_type(name, value, (int,), "must be an integer >= 1", ok=isinstance(value, int) and value >= 1)
+        elif name == "localsgd_group_size":
+            if value is not None:
+                _check_type(name, value, (int,), "must be None or an integer >= 1", ok=isinstance(value, int) and value >= 1)
+        elif name == "sampler_seed":
+            _check_type(name, value, (int,), "must be an integer")
+
+    # -- extension points: override in a subclass --------------------------------------
+
+    def init_process_group(self, trainer) -> None:
+        """Initialise ``torch.distributed`` for this process (Lightning's ``init_ddp_connection``).
+
+        Called by :meth:`setup_environment` when no process group exists yet, after
+        ``trainer.world_size``, ``global_rank``, ``local_rank``, ``node_rank`` and
+        ``root_device`` are set from the launcher's environment (``self.cluster``).
+        Override it to rendezvous differently (a file store, your own timeout...); it
+        must leave the default process group initialised with those ranks. The group it
+        creates is destroyed at teardown.
+        """
+        cluster = self.cluster
+        kwargs: dict[str, Any] = {"backend": self.backend(trainer)}
+        if self.timeout is not None:
+            kwargs["timeout"] = timedelta(seconds=self.timeout)
+        if cluster.world_size == 1 and not (cluster.master_addr and cluster.master_port):
+            # A world of one needs no rendezvous: keep its store in memory.
+            dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+            return
+        if not (cluster.master_addr and cluster.master_port):
+            raise hookloop.ConfigurationError(
+                f"{cluster.source} started {cluster.world_size} processes but MASTER_ADDR / "
+                f"MASTER_PORT are not set, so the processes cannot find each other: launch "
+                f"with `hookloop run --plugins ddp --devices N` or torchrun"
+            )
+        # SLURM does not set these; env:// reads them.
+        os.environ.setdefault("MASTER_ADDR", str(cluster.master_addr))
+        os.environ.setdefault("MASTER_PORT", str(cluster.master_port))
+        rendezvous = dist.rendezvous("env://", rank=cluster.global_rank, world_size=cluster.world_size,
+                                     **({"timeout": kwargs["timeout"]} if "timeout" in kwargs else {}))
+        store, _, _ = next(rendezvous)
+        # A process may train several times (fit, then a resumed fit...). Each process
+        # group gets fresh keys in the launcher's store: torch names every default group
+        # alike, and a rank reading the previous group's keys would connect to nothing.
+        store = dist.PrefixStore(f"hookloop/{next(_GROUP_GENERATION)}", store)
+        dist.init_process_group(store=store, rank=cluster.global_rank, world_size=cluster.world_size, **kwargs)
+
+    def configure_ddp(self, trainer, model: nn.Module) -> nn.Module:
+        """Wrap ``model`` (already on ``trainer.root_device``) for data-parallel training.
+
+        Override it to use your own wrapper or DDP arguments that are not options here.
+        Whatever it returns is what the loop calls (``model(kind, batch, batch_idx)``),
+        so it must forward to ``model``; ``no_sync()`` is used for gradient accumulation
+        when the wrapper has it, and ``register_comm_hook`` when a ``comm_hook`` is set.
+        DistributedDataParallel broadcasts rank 0's parameters and buffers when it wraps,
+        so every rank starts from the same weights.
+        """
+        kwargs: dict[str, Any] = {
+            "find_unused_parameters": self.find_unused_parameters,
+            "static_graph": self.static_graph,
+            "gradient_as_bucket_view": self.gradient_as_bucket_view,
+        }
+        if self.bucket_cap_mb is not None:
+            kwargs["bucket_cap_mb"] = self.bucket_cap_mb
+        if self.broadcast_buffers is not None:
+            kwargs["broadcast_buffers"] = self.broadcast_buffers
+        device = trainer.root_device
+        device_ids = [device.index] if device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **kwargs)
+
+    def backend(self, trainer) -> str:
+        """The process-group backend: the option, else nccl on CUDA and gloo otherwise."""
+        if self.process_group_backend is not None:
+            return self.process_group_backend
+        return "nccl" if trainer.root_device.type == "cuda" else "gloo"
+
+    # -- environment --------------------------------------------------------------------
+
+    @hookloop.hookimpl
+    def setup_environment(self, trainer):
+        """Read ranks from the launcher, pick this rank's device, initialise the process group."""
+        check_backend(self.process_group_backend)
+        cluster = self.cluster = ClusterEnvironment.detect()
+        _check_process_count(trainer.config.devices, cluster)
+        device = hookloop.local_rank_device(trainer, cluster.local_rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        trainer.world_size, trainer.global_rank = cluster.world_size, cluster.global_rank
+        trainer.local_rank, trainer.node_rank = cluster.local_rank, cluster.node_rank
+        trainer.root_device = device
+        if dist.is_initialized():
+            # The user (or a launcher of theirs) made the group; it is theirs to destroy.
+            self._owns_process_group = False
+        else:
+            excepthook = sys.excepthook
+            self.init_process_group(trainer)
+            self._owns_process_group = True
+            if getattr(excepthook, "__name__", "") == "_distributed_excepthook":
+                # torch prefixes tracebacks with "[rankN]:" by wrapping the excepthook at
+                # every init; keep one prefix however often this process trains.
+                sys.excepthook = excepthook
+        trainer.world_size, trainer.global_rank = dist.get_world_size(), dist.get_rank()
+        return True
+
+    @hookloop.hookimpl
+    def teardown(self):
+        """Destroy the process group this plugin created (not one the user made)."""
+        self.comm_hook_state = None
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_process_group = False
+
+    # -- model, optimizer, data ---------------------------------------------------------
+
+    @hookloop.hookimpl
+    def wrap_model(self, trainer, model):
+        """Move the model to this rank's device and wrap it with :meth:`configure_ddp`."""
+        wrapped = self.configure_ddp(trainer, model.to(trainer.root_device))
+        if self.comm_hook is not None:
+            self.comm_hook_state = comm.register(self, trainer, wrapped, self.cluster.local_world_size)
+        return wrapped
+
+    @hookloop.hookimpl
+    def wrap_optimizer(self, optimizer):
+        """With post-localSGD, average the parameters of all ranks after optimizer steps."""
+        if self.comm_hook == "post_localsgd" and optimizer is not None:
+            return comm.model_averaging_optimizer(self, optimizer)
+        return None
+
+    @hookloop.hookimpl
+    def configure_sampler(self, trainer, dataloader, training):
+        """Give this rank its share of ``dataloader`` (see ``hookloop.distributed_sampler``).
+
+        Iterable datasets, loaders that already shard, and runs with
+        ``use_distributed_sampler=False`` are left alone.
+        """
+        if trainer.world_size == 1 or not trainer.config.use_distributed_sampler:
+            return None
+        return hookloop.distributed_sampler(
+            dataloader, trainer.world_size, trainer.global_rank, training, seed=self.sampler_seed
+        )
+
+    # -- the step -----------------------------------------------------------------------
+
+    @hookloop.hookimpl
+    def accumulation_context(self, model):
+        """Skip DDP's all-reduce on micro-batches that do not step: ``model.no_sync()``."""
+        no_sync = getattr(model, "no_sync", None)
+        return no_sync() if callable(no_sync) else contextlib.nullcontext()
+
+    # -- collectives --------------------------------------------------------------------
+
+    @hookloop.hookimpl
+    def reduce(self, trainer, tensor, op):
+        """All-reduce ``tensor`` with ``op``; ``"mean"`` is a sum divided by the world size."""
+        if trainer.world_size == 1 or not dist.is_initialized():
+            return tensor
+        original = tensor.device
+        value = tensor.detach().to(trainer.root_device).clone()
+        if op == "mean" and not value.is_floating_point():
+            value = value.double()
+        dist.all_reduce(value, op=hookloop.torch_reduce_op(op))
+        if op == "mean":
+            value /= trainer.world_size
+        return value.to(original)
+
+    @hookloop.hookimpl
+    def barrier(self, trainer):
+        """``torch.distributed.barrier()`` across all ranks."""
+        if trainer.world_size > 1 and dist.is_initialized():
+            if dist.get_backend() == "nccl":
+                dist.barrier(device_ids=[trainer.root_device.index])
+            else:
+                dist.barrier()
+        return True
+
+    @hookloop.hookimpl
+    def broadcast(self, trainer, obj, src):
+        """Every rank gets global rank ``src``'s ``obj`` (``broadcast_object_list``).
+
+        ``trainer.broadcast`` hands the object in a one-element list, so a broadcast
+        ``None`` comes back as ``[None]``, never mistaken for "not handled".
+        """
+        if trainer.world_size == 1 or not dist.is_initialized():
+            return None  # the default returns obj as it is
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    # -- checkpoints --------------------------------------------------------------------
+
+    @hookloop.hookimpl
+    def on_save_checkpoint(self, checkpoint):
+        """Save the communication hook's state (PowerSGD's error feedback, iteration...)."""
+        state = comm.state_to_checkpoint(self.comm_hook, self.comm_hook_state)
+        if state is not None:
+            checkpoint["plugins"][CHECKPOINT_KEY] = {"comm_hook": state}
+
+    @hookloop.hookimpl
+    def on_load_checkpoint(self, checkpoint):
+        """Restore the communication hook's state saved by :meth:`on_save_checkpoint`."""
+        saved = checkpoint.get("plugins", {}).get(CHECKPOINT_KEY, {}).get("comm_hook")
+        if saved is not None:
+            comm.state_from_checkpoint(self.comm_hook, self.comm_hook_state, saved)
+
+
+def _check_process_count(devices: Any, cluster: ClusterEnvironment) -> None:
+    """A ``devices`` list names the devices of a node: more processes than that is an error."""
+    local = cluster.local_world_size
+    if isinstance(devices, str) and "," in devices:
+        devices = [int(d) for d in devices.split(",") if d.strip()]
+    if isinstance(devices, (list, tuple)) and local > len(devices):
+        raise hookloop.ConfigurationError(
+            f"devices={list(devices)} names {len(devices)} device(s) per node, but "
+            f"{cluster.source} started {local} processes on this node (LOCAL_WORLD_SIZE="
+            f"{local}): list one device per process, e.g. devices={list(range(local))}, or "
+            f"start {len(devices)} process(es) per node (--devices {len(devices)})"
+        )
+    if isinstance(devices, int) and devices > 1 and cluster.source != "single" and local != devices:
+        raise hookloop.ConfigurationError(
+            f"devices={devices} asks for {devices} processes per node, but {cluster.source} "
+            f"started {local} on this node: launch with --nproc-per-node {devices} (or "
+            f"`hookloop run --devices {devices}`), or set devices to match the launcher"
+        )

@@ -1,0 +1,103 @@
+"""``hookloop deepspeed collate CKPT_DIR OUT.pt``: one fp32 state dict from a sharded checkpoint.
+
+Registered under the entry-point group ``hookloop.commands``; the ``hookloop`` command
+imports this module only when the sub-command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+import hookloop
+from hookloop import CheckpointError
+
+# The engine wraps the loop's step module, which holds the user's module as `module`.
+_STEP_MODULE_PREFIX = "module."
+
+
+def collate(checkpoint_dir: str | os.PathLike, output: str | os.PathLike, tag: str | None = None) -> dict[str, torch.Tensor]:
+    """Gather the shards of a DeepSpeed checkpoint directory into one fp32 state dict.
+
+    The keys are those of the user's module (``net.0.weight``), so the file loads with
+    ``module.load_state_dict(torch.load(output, weights_only=True))`` into the plain
+    ``nn.Module``, without DeepSpeed. Optimizer state is dropped: the file holds weights
+    and buffers only. Returns the state dict it wrote.
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.is_dir():
+        raise CheckpointError(
+            f"{str(checkpoint_dir)!r} is not a directory: pass the checkpoint directory the "
+            f"deepspeed strategy wrote (e.g. checkpoints/last.ckpt)"
+        )
+    if tag is None:
+        latest = checkpoint_dir / "latest"
+        if not latest.is_file():
+            raise CheckpointError(f"{str(checkpoint_dir)!r} is not a DeepSpeed checkpoint (no 'latest' file); pass --tag")
+        tag = latest.read_text().strip()
+    shard_dir = checkpoint_dir / tag
+    if not shard_dir.is_dir():
+        raise CheckpointError(f"{str(checkpoint_dir)!r} has no checkpoint tag {tag!r}")
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if any(shard_dir.glob("*zero_pp_rank_*_optim_states.pt")):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        try:
+            state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
+        except Exception as exc:
+            raise CheckpointError(f"cannot collate {str(shard_dir)!r}: {type(exc).__name__}: {exc}") from exc
+    else:
+        # ZeRO stage 0 keeps the whole model in one file; nothing to gather.
+        files = sorted(shard_dir.glob("mp_rank_*_model_states.pt"))
+        if not files:
+            raise CheckpointError(f"{str(shard_dir)!r} holds no DeepSpeed model states")
+        # DeepSpeed's own file format pickles more than tensors.
+        state = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
+    if state and all(k.startswith(_STEP_MODULE_PREFIX) for k in state):
+        state = {k[len(_STEP_MODULE_PREFIX):]: v for k, v in state.items()}
+    state = {
+        k: (v.detach().float() if v.is_floating_point() else v.detach()).contiguous().clone()
+        for k, v in state.items()
+    }
+    hookloop.atomic_save(state, output)
+    return state
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``hookloop deepspeed ...``."""
+    parser = argparse.ArgumentParser(
+        prog="hookloop deepspeed",
+        description="Tools for checkpoints written by the deepspeed strategy.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    c = sub.add_parser(
+        "collate",
+        help="gather a sharded checkpoint into one fp32 state dict (optimizer state is dropped)",
+        description=(
+            "Gather the shards of a DeepSpeed checkpoint directory into one fp32 state dict "
+            "with the keys of your module; load it with "
+            "module.load_state_dict(torch.load(OUT, weights_only=True)). Optimizer state is "
+            "dropped: use the directory itself to resume training."
+        ),
+    )
+    c.add_argument("checkpoint_dir", help="the checkpoint directory (e.g. checkpoints/last.ckpt)")
+    c.add_argument("output", help="the .pt file to write")
+    c.add_argument("--tag", default=None, help="the checkpoint tag to read (default: the 'latest' one)")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        state = collate(args.checkpoint_dir, args.output, tag=args.tag)
+    except CheckpointError as exc:
+        print(f"hookloop deepspeed: error: {exc}", file=sys.stderr)
+        return 2
+    n = sum(v.numel() for v in state.values())
+    print(f"wrote {args.output}: {len(state)} tensors, {n} elements, fp32 (optimizer state dropped)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

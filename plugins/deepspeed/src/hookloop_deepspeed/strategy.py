@@ -1,0 +1,668 @@
+"""The DeepSpeed strategy: the engine owns the model, optimizer, backward, step and checkpoints.
+
+deepspeed is imported inside the hooks, never at module level, so ``hookloop plugins
+--load`` and option checks do not pay for (or need) the backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import hookloop
+from hookloop import CheckpointError, ConfigurationError, MissingDependencyError
+
+from . import activations
+from .config import (
+    DEFAULT_OPTIONS,
+    build_config,
+    check_options,
+    load_custom_config,
+    offload_device,
+    zero_stage,
+)
+
+_PREFIX = "hookloop-deepspeed:"
+# The loop's own state travels in the engine's client state under this key.
+_CLIENT_KEY = "hookloop_checkpoint"
+# Client state keys that the engine's own files already hold (sharded), so they are not
+# written a second time into the checkpoint.
+_ENGINE_OWNED = ("state_dict", "optimizer")
+
+
+class DeepSpeedStrategy:
+    """Train with DeepSpeed's engine: ZeRO stages 0-3, CPU/NVMe offload, sharded checkpoints.
+
+    The engine wraps the loop's step module; the user's ``configure_optimizers``
+    optimizer is handed to it (with optimizer offload, ``DeepSpeedCPUAdam`` replaces it
+    and the plugin says so). Gradient accumulation, gradient clipping and precision
+    (``--precision`` / hookloop-amp) are mapped into the DeepSpeed config.
+
+    :param stage: ZeRO stage: 0 (plain data parallel), 1 (shard optimizer state), 2 (+
+        gradients), 3 (+ parameters).
+    :param offload_optimizer: keep optimizer state (and the step) on the CPU or NVMe.
+    :param offload_parameters: keep parameters on the CPU or NVMe (stage 3 only).
+    :param offload_optimizer_device: ``"cpu"`` or ``"nvme"``.
+    :param offload_params_device: ``"cpu"`` or ``"nvme"``.
+    :param nvme_path: directory on a fast local disk for NVMe offload.
+    :param pin_memory: page-lock offloaded CPU memory (faster copies to a GPU).
+    :param allgather_bucket_size: elements gathered at once (stages 1-2).
+    :param reduce_bucket_size: elements reduced at once.
+    :param contiguous_gradients: copy gradients into one buffer as they are produced.
+    :param overlap_comm: overlap gradient reduction with the backward pass.
+    :param partition_activations: partition activation checkpoints across ranks.
+    :param cpu_checkpointing: move (partitioned) activation checkpoints to the CPU.
+    :param synchronize_checkpoint_boundary: synchronise at each checkpoint boundary.
+    :param config: a full DeepSpeed config (dict or JSON path) that replaces the options
+        above; ``HOOKLOOP_DEEPSPEED_CONFIG`` names one when ``config`` is not given.
+    :param logging_level: the level of DeepSpeed's own logger (default: warnings).
+    """
+
+    hookloop_name = "deepspeed"
+    hookloop_role = "strategy"
+    # Precision plugins hand their setting over: the engine casts the model itself.
+    hookloop_owns = frozenset({"precision"})
+
+    def __init__(
+        self,
+        stage: int = DEFAULT_OPTIONS["stage"],
+        offload_optimizer: bool = False,
+        offload_parameters: bool = False,
+        offload_optimizer_device: str = "cpu",
+        offload_params_device: str = "cpu",
+        nvme_path: str | os.PathLike | None = None,
+        pin_memory: bool = False,
+        allgather_bucket_size: int = DEFAULT_OPTIONS["allgather_bucket_size"],
+        reduce_bucket_size: int = DEFAULT_OPTIONS["reduce_bucket_size"],
+        contiguous_gradients: bool = True,
+        overlap_comm: bool = True,
+        partition_activations: bool = False,
+        cpu_checkpointing: bool = False,
+        synchronize_checkpoint_boundary: bool = False,
+        config: dict | str | os.PathLike | None = None,
+        logging_level: int = logging.WARNING,
+    ):
+        self.stage = stage
+        self.offload_optimizer = offload_optimizer
+        self.offload_parameters = offload_parameters
+        self.offload_optimizer_device = offload_optimizer_device
+        self.offload_params_device = offload_params_device
+        self.nvme_path = nvme_path
+        self.pin_memory = pin_memory
+        self.allgather_bucket_size = allgather_bucket_size
+        self.reduce_bucket_size = reduce_bucket_size
+        self.contiguous_gradients = contiguous_gradients
+        self.overlap_comm = overlap_comm
+        self.partition_activations = partition_activations
+        self.cpu_checkpointing = cpu_checkpointing
+        self.synchronize_checkpoint_boundary = synchronize_checkpoint_boundary
+        self.config = config
+        self.logging_level = logging_level
+        # nvme_path may still arrive through plugin_options: it is required from launch on.
+        self.check(final=False)
+        # Run state, set by the hooks.
+        self.engine: Any = None
+        self.ds_config: dict | None = None
+        self._cast_handle: Any = None
+        self._set_local_rank = False
+
+    # -- options -------------------------------------------------------------------------
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The current option values (``plugin_options`` may have changed them)."""
+        return {name: getattr(self, name) for name in DEFAULT_OPTIONS}
+
+    def check(self, final: bool = True) -> None:
+        """Raise ``ConfigurationError`` for options that cannot work, and read the custom
+        config once so that a missing or malformed file is reported at once.
+
+        ``final=False`` (at construction) tolerates a missing ``nvme_path``, which
+        ``plugin_options`` may still set; from launch on it is required.
+        """
+        check_options(self.options, require_nvme_path=final)
+        load_custom_config(self.config)
+
+    # -- launching -----------------------------------------------------------------------
+
+    @hookloop.hookimpl
+    def launch_command(self, config):
+        """Check the options in the launching process, before any worker starts.
+
+        ``plugin_options`` are applied after ``__init__``, so this is the first moment
+        their values are final. Returns ``None``: DeepSpeed runs under the default
+        launcher (torchrun).
+        """
+        self.check()
+        return None
+
+    # -- environment ---------------------------------------------------------------------
+
+    @hookloop.hookimpl
+    def setup_environment(self, trainer):
+        """Start DeepSpeed's communication layer on torch's process group; set ranks and device.
+
+        Without CUDA (or with ``accelerator="cpu"``) DeepSpeed's CPU accelerator is chosen
+        (``DS_ACCELERATOR=cpu``) before deepspeed is imported, and the backend is gloo.
+        """
+        self.check()
+        want_cuda = trainer.config.accelerator in ("cuda", "gpu") or (
+            trainer.config.accelerator == "auto" and torch.cuda.is_available()
+        )
+        if not want_cuda:
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        deepspeed = _import_deepspeed()
+        logging.getLogger("DeepSpeed").setLevel(self.logging_level)
+        import torch.distributed as dist
+
+        backend = "nccl" if want_cuda else "gloo"
+        if not dist.is_initialized():
+            if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+                dist.init_process_group(backend)  # env:// from torchrun
+            else:
+                # One process without a launcher: a world of one needs no rendezvous.
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        if "LOCAL_RANK" not in os.environ:
+            # DeepSpeed reads LOCAL_RANK, which only launchers set; for the length of this
+            # run only (hookloop reads it to tell a launched worker from a user's process).
+            os.environ["LOCAL_RANK"] = "0"
+            self._set_local_rank = True
+        # DeepSpeed adopts the existing group; it would otherwise try MPI discovery.
+        deepspeed.init_distributed(dist_backend=backend, verbose=False)
+        trainer.world_size = dist.get_world_size()
+        trainer.global_rank = dist.get_rank()
+        trainer.local_rank = hookloop.env_int("LOCAL_RANK", default=0)
+        trainer.node_rank = hookloop.env_int("GROUP_RANK", "NODE_RANK", default=0)
+        trainer.root_device = hookloop.local_rank_device(trainer, trainer.local_rank)
+        if trainer.root_device.type == "cuda":
+            torch.cuda.set_device(trainer.root_device)
+        return True
+
+    @hookloop.hookimpl
+    def setup(self, trainer, stage):
+        """Build the DeepSpeed config from the options (or the custom config) and the trainer."""
+        custom, source = load_custom_config(self.config)
+        loader = trainer.train_dataloader if stage == "fit" else trainer.val_dataloader
+        micro = getattr(loader, "batch_size", None) or 1
+        self.ds_config, notes = build_config(
+            self.options,
+            custom,
+            precision=trainer.precision,
+            accumulate=trainer.accumulate_grad_batches,
+            clip_val=trainer.gradient_clip_val,
+            clip_algorithm=trainer.config.gradient_clip_algorithm,
+            micro_batch_size=micro,
+            world_size=trainer.world_size,
+        )
+        if source is not None:
+            notes.insert(0, f"DeepSpeed config from {source}")
+        if stage != "fit" and zero_stage(self.ds_config) in (1, 2):
+            # Stages 1 and 2 shard optimizer state and gradients, which validation has
+            # none of; DeepSpeed refuses them without an optimizer, so the engine runs as
+            # stage 0 (every rank holds the model, as under stages 1 and 2 anyway).
+            zero = self.ds_config["zero_optimization"]
+            self.ds_config["zero_optimization"] = {"stage": 0}
+            notes.append(f"validate: ZeRO stage {zero['stage']} shards training state only; the model runs unsharded")
+        self._check_backend_support()
+        for note in notes:
+            trainer.print(f"{_PREFIX} {note}", flush=True)
+
+    def _check_backend_support(self) -> None:
+        from deepspeed.accelerator import get_accelerator
+
+        accelerator = get_accelerator()
+        fp16 = (self.ds_config.get("fp16") or {}).get("enabled")
+        if fp16 and not accelerator.is_fp16_supported():
+            raise ConfigurationError(
+                f"precision 16-mixed: DeepSpeed's {accelerator.device_name()!r} accelerator has no "
+                f"fp16 support on this machine; use precision='bf16-mixed' or '32'"
+            )
+        bf16 = (self.ds_config.get("bf16") or {}).get("enabled")
+        if bf16 and not accelerator.is_bf16_supported():
+            raise ConfigurationError(
+                f"precision bf16-mixed: DeepSpeed's {accelerator.device_name()!r} accelerator has "
+                f"no bf16 support on this machine; use precision='16-mixed' or '32'"
+            )
+        nvme = [k for k in ("offload_optimizer", "offload_param") if offload_device(self.ds_config, k) == "nvme"]
+        if nvme:
+            from deepspeed.ops.op_builder import AsyncIOBuilder
+
+            if not AsyncIOBuilder().is_compatible(verbose=False):
+                raise MissingDependencyError(
+                    f"NVMe offload ({', '.join(nvme)}) needs DeepSpeed's async_io op, which needs "
+                    f"libaio: apt-get install libaio-dev (then it builds on first use), or offload "
+                    f"to the CPU instead (offload_*_device='cpu')"
+                )
+
+    @hookloop.hookimpl
+    def teardown(self, trainer, stage):
+        """Release the engine; the process group stays for later runs of this process
+        (DeepSpeed's communication layer keeps a global handle on it)."""
+        activations.deactivate()
+        if self._set_local_rank:
+            os.environ.pop("LOCAL_RANK", None)
+            self._set_local_rank = False
+        if self._cast_handle is not None:
+            self._cast_handle.remove()
+            self._cast_handle = None
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            with contextlib.suppress(Exception):
+                engine.destroy()
+
+    # -- model and data ------------------------------------------------------------------
+
+    @hookloop.hookimpl
+    def model_init_context(self, trainer):
+        """Stage 3: ``deepspeed.zero.Init``, so ``configure_model()`` creates partitioned layers."""
+        if zero_stage(self.ds_config) != 3:
+            return None
+        import deepspeed
+
+        return deepspeed.zero.Init(
+            config_dict_or_path=self.ds_config,
+            remote_device=offload_device(self.ds_config, "offload_param"),
+            pin_memory=bool(((self.ds_config["zero_optimization"].get("offload_param") or {}).get("pin_memory"))),
+        )
+
+    @hookloop.hookimpl
+    def wrap_model(self, trainer, model, optimizer):
+        """``deepspeed.initialize`` around the loop's step module; returns the engine."""
+        import deepspeed
+
+        config = self.ds_config
+        optimizer = self._offload_optimizer(trainer, optimizer)
+        model_parameters = None
+        if "optimizer" in config and optimizer is not None:
+            trainer.print(
+                f"{_PREFIX} the DeepSpeed config defines an optimizer; it replaces "
+                f"{type(optimizer).__name__} from configure_optimizers",
+                flush=True,
+            )
+            self._drop_scheduler(trainer, optimizer)
+            optimizer, model_parameters = None, [p for p in model.parameters() if p.requires_grad]
+        dtype = torch.bfloat16 if (config.get("bf16") or {}).get("enabled") else (
+            torch.float16 if (config.get("fp16") or {}).get("enabled") else None
+        )
+        if dtype is not None:
+            # The engine holds the model in half precision; the loader yields fp32 batches.
+            self._cast_handle = model.register_forward_pre_hook(_cast_batch_hook(dtype))
+        engine, _, _, _ = deepspeed.initialize(
+            model=model,
+            optimizer=optimizer,
+            model_parameters=model_parameters,
+            config=config,
+        )
+        self.engine = engine
+        if optimizer is not None or model_parameters is not None:
+            # The loop decides where accumulation windows end (see accumulation_context).
+            engine.set_gradient_accumulation_boundary(True)
+        self._configure_activation_checkpointing()
+        return engine
+
+    def _configure_activation_checkpointing(self) -> None:
+        import deepspeed
+
+        # contiguous_memory_optimization also needs number_checkpoints: both come only
+        # from a custom config's activation_checkpointing section.
+        section = self.ds_config.get("activation_checkpointing") or {}
+        deepspeed.checkpointing.configure(
+            mpu_=None,
+            partition_activations=bool(section.get("partition_activations", False)),
+            contiguous_checkpointing=bool(section.get("contiguous_memory_optimization", False)),
+            num_checkpoints=section.get("number_checkpoints"),
+            checkpoint_in_cpu=bool(section.get("cpu_checkpointing", False)),
+            synchronize=bool(section.get("synchronize_checkpoint_boundary", False)),
+            profile=bool(section.get("profile", False)),
+        )
+        activations.activate()
+
+    def _offload_optimizer(self, trainer, optimizer):
+        """With optimizer offload, DeepSpeed steps on the CPU with its own C++ Adam."""
+        if optimizer is None or offload_device(self.ds_config, "offload_optimizer") is None or "optimizer" in self.ds_config:
+            return optimizer
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        if isinstance(optimizer, DeepSpeedCPUAdam):
+            return optimizer
+        groups = []
+        for group in optimizer.param_groups:
+            new = {k: v for k, v in group.items() if k in ("params", "lr", "weight_decay", "betas", "eps", "initial_lr")}
+            groups.append(new)
+        adamw = isinstance(optimizer, torch.optim.AdamW) or not isinstance(optimizer, torch.optim.Adam)
+        replacement = DeepSpeedCPUAdam(groups, adamw_mode=adamw)
+        first = optimizer.param_groups[0]
+        trainer.print(
+            f"{_PREFIX} optimizer offload: {type(optimizer).__name__} from configure_optimizers is "
+            f"replaced by DeepSpeedCPUAdam ({'AdamW' if adamw else 'Adam'}, lr={first.get('lr')}, "
+            f"weight_decay={first.get('weight_decay', 0.0)}), which steps the offloaded state on the CPU",
+            flush=True,
+        )
+        scheduler = trainer.lr_scheduler
+        if scheduler is not None and getattr(scheduler, "optimizer", None) is optimizer:
+            hookloop.repoint_lr_scheduler(scheduler, replacement)  # the schedule drives the replacement's lr
+        return replacement
+
+    @staticmethod
+    def _drop_scheduler(trainer, optimizer) -> None:
+        scheduler = trainer.lr_scheduler
+        if scheduler is not None and getattr(scheduler, "optimizer", None) is optimizer:
+            trainer.print(
+                f"{_PREFIX} {type(scheduler).__name__} from configure_optimizers drove the replaced "
+                f"optimizer and is dropped; define the schedule in the DeepSpeed config's "
+                f"'scheduler' section",
+                flush=True,
+            )
+            trainer.lr_scheduler = None
+
+    @hookloop.hookimpl
+    def wrap_optimizer(self, trainer, model, optimizer):
+        """The engine's optimizer (a ZeRO optimizer around the user's, or the replacement)."""
+        if self.engine is None or self.engine.optimizer is None:
+            return None
+        return self.engine.optimizer
+
+    @hookloop.hookimpl
+    def configure_sampler(self, trainer, dataloader, training):
+        """Each rank gets its share of the data (:func:`hookloop.distributed_sampler`)."""
+        if trainer.world_size == 1:
+            return None
+        return hookloop.distributed_sampler(dataloader, trainer.world_size, trainer.global_rank, training)
+
+    # -- the step ------------------------------------------------------------------------
+
+    @hookloop.hookimpl
+    def accumulation_context(self, trainer, model):
+        """Mark a micro-batch that does not end an accumulation window.
+
+        The loop decides where windows end (also a short last window of an epoch); the
+        engine is told through ``set_gradient_accumulation_boundary`` so that ZeRO
+        reduces and steps exactly there, however ``gradient_accumulation_steps`` counts.
+        """
+        return _not_a_boundary(self.engine)
+
+    @hookloop.hookimpl
+    def backward(self, trainer, loss):
+        """``engine.backward``, without the engine's own division by the accumulation steps.
+
+        The loop already divided the loss by ``accumulate_grad_batches``; scaling again
+        (DeepSpeed's default) would shrink accumulated gradients twice.
+        """
+        self.engine.backward(loss, scale_wrt_gas=False)
+        return True
+
+    @hookloop.hookimpl
+    def optimizer_step(self, trainer):
+        """``engine.step()``: reduce (ZeRO), clip (``gradient_clipping``), step, zero the grads.
+
+        Returns False when the step was skipped (fp16 overflow).
+        """
+        self.engine.step()
+        return bool(self.engine.was_step_applied())
+
+    @hookloop.hookimpl
+    def zero_grad(self):
+        """Nothing to do: ``engine.step()`` zeroes the gradients itself."""
+        return True
+
+    # -- collectives ---------------------------------------------------------------------
+
+    @hookloop.hookimpl
+    def reduce(self, trainer, tensor, op):
+        """All-reduce ``tensor`` across ranks (mean = sum / world size)."""
+        if trainer.world_size == 1:
+            return tensor
+        import torch.distributed as dist
+
+        result = tensor.detach().clone()
+        low = result.dtype in (torch.bfloat16, torch.float16)
+        if low:
+            result = result.float()  # gloo does not reduce half-precision tensors
+        dist.all_reduce(result, op=hookloop.torch_reduce_op(op))
+        if op == "mean":
+            result = result / trainer.world_size
+        return result.to(tensor.dtype) if low else result
+
+    @hookloop.hookimpl
+    def barrier(self, trainer):
+        """``torch.distributed.barrier()``."""
+        import torch.distributed as dist
+
+        if dist.is_initialized() and trainer.world_size > 1:
+            dist.barrier()
+        return True
+
+    @hookloop.hookimpl
+    def broadcast(self, trainer, obj, src):
+        """``obj`` as held by rank ``src``, on every rank."""
+        if trainer.world_size == 1:
+            return obj
+        import torch.distributed as dist
+
+        holder = [obj]
+        dist.broadcast_object_list(holder, src=src)
+        return holder[0]
+
+    # -- checkpoints ---------------------------------------------------------------------
+
+    @hookloop.hookimpl
+    def save_checkpoint(self, trainer, checkpoint, path):
+        """Write a sharded checkpoint *directory* at ``path`` through the engine.
+
+        Every rank writes its own shard; the loop, RNG, scheduler and plugin state travel
+        as the engine's client state. Each save goes to a new tag, and older tags are
+        removed only after it is complete, so an interrupted save leaves the previous
+        checkpoint intact.
+        """
+        path = Path(path)
+        if path.exists() and not path.is_dir():
+            raise CheckpointError(
+                f"{str(path)!r} is a file (a single-file checkpoint?), but the deepspeed strategy "
+                f"writes a sharded checkpoint directory there: remove it, or choose another "
+                f"default_root_dir / path"
+            )
+        client_state = {_CLIENT_KEY: {k: v for k, v in checkpoint.items() if k not in _ENGINE_OWNED}}
+        tag = trainer.broadcast(_new_tag(path, trainer.global_step) if trainer.is_global_zero else None, 0)
+        self.engine.save_checkpoint(str(path), tag=tag, client_state=client_state)
+        trainer.barrier("deepspeed_save_checkpoint")
+        if trainer.is_global_zero:
+            for old in path.iterdir():
+                if old.is_dir() and old.name != tag and any(old.glob("*model_states.pt")):
+                    shutil.rmtree(old, ignore_errors=True)
+        trainer.barrier("deepspeed_prune_checkpoint")
+        return path
+
+    @hookloop.hookimpl
+    def load_checkpoint(self, trainer, path):
+        """Load model and optimizer shards into the engine; return the loop's state."""
+        path = Path(path)
+        if not path.exists():
+            raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
+        if not path.is_dir():
+            raise CheckpointError(
+                f"{str(path)!r} is a single-file checkpoint, and the deepspeed strategy resumes "
+                f"only from the checkpoint directory it wrote. To start from those weights, load "
+                f"them into the module before fit: module.load_state_dict(torch.load(path, "
+                f"weights_only=True)['state_dict'])"
+            )
+        if not (path / "latest").is_file():
+            raise CheckpointError(
+                f"{str(path)!r} is not a DeepSpeed checkpoint directory (it has no 'latest' file)"
+            )
+        try:
+            if trainer.optimizer is None and zero_stage(self.ds_config) == 3:
+                client_state = self._load_zero3_weights(trainer, path)
+            else:
+                loaded, client_state = self.engine.load_checkpoint(
+                    str(path),
+                    load_optimizer_states=trainer.optimizer is not None,
+                    load_lr_scheduler_states=False,  # the loop's scheduler is in the client state
+                    load_module_strict=True,
+                )
+                if loaded is None:
+                    raise CheckpointError(f"DeepSpeed found no checkpoint in {str(path)!r}")
+        except CheckpointError:
+            raise
+        except Exception as exc:  # DeepSpeed raises assorted types for a foreign checkpoint
+            raise CheckpointError(
+                f"DeepSpeed could not load {str(path)!r}: {type(exc).__name__}: {exc}. A ZeRO "
+                f"checkpoint loads into the model, stage and number of processes it was saved "
+                f"with; `hookloop deepspeed collate` turns it into one fp32 state dict otherwise"
+            ) from exc
+        if not isinstance(client_state, dict) or _CLIENT_KEY not in client_state:
+            raise CheckpointError(f"{str(path)!r} was not written by hookloop's deepspeed strategy (no loop state)")
+        return dict(client_state[_CLIENT_KEY])
+
+    def _load_zero3_weights(self, trainer, path: Path) -> dict:
+        """ZeRO-3 without an optimizer (``validate``): the engine cannot restore weights
+        from its optimizer shards, so gather the fp32 weights from the files and let rank 0
+        write them into the partitioned parameters."""
+        import deepspeed
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        tag = (path / "latest").read_text().strip()
+        state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag)
+        module = self.engine.module
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
+            if trainer.global_rank == 0:
+                module.load_state_dict(state, strict=True)
+        files = sorted((path / tag).glob(f"zero_pp_rank_{trainer.global_rank}_*model_states.pt")) or sorted(
+            (path / tag).glob("*model_states.pt"))
+        # DeepSpeed's own file format pickles more than tensors.
+        return torch.load(files[0], map_location="cpu", weights_only=False)
+
+
+    @hookloop.hookimpl
+    def load_model_state(self, trainer, checkpoint):
+        """The engine restored model and optimizer in ``load_checkpoint``; restore the scheduler."""
+        if self.engine is None:
+            return None
+        if trainer.lr_scheduler is not None and checkpoint.get("lr_scheduler") is not None:
+            trainer.lr_scheduler.load_state_dict(checkpoint["lr_scheduler"])
+        return True
+
+
+# ---------------------------------------------------------------------------------------
+# Presets: the same strategy with other defaults (every option can still be passed)
+# ---------------------------------------------------------------------------------------
+
+
+class DeepSpeedStage1(DeepSpeedStrategy):
+    """ZeRO stage 1: optimizer state sharded across ranks."""
+
+    hookloop_name = "deepspeed_stage_1"
+
+    def __init__(self, **options: Any):
+        super().__init__(**{"stage": 1, **options})
+
+
+class DeepSpeedStage2(DeepSpeedStrategy):
+    """ZeRO stage 2: optimizer state and gradients sharded."""
+
+    hookloop_name = "deepspeed_stage_2"
+
+    def __init__(self, **options: Any):
+        super().__init__(**{"stage": 2, **options})
+
+
+class DeepSpeedStage2Offload(DeepSpeedStrategy):
+    """ZeRO stage 2 with optimizer state (and the step) offloaded to the CPU."""
+
+    hookloop_name = "deepspeed_stage_2_offload"
+
+    def __init__(self, **options: Any):
+        super().__init__(**{"stage": 2, "offload_optimizer": True, **options})
+
+
+class DeepSpeedStage3(DeepSpeedStrategy):
+    """ZeRO stage 3: optimizer state, gradients and parameters sharded."""
+
+    hookloop_name = "deepspeed_stage_3"
+
+    def __init__(self, **options: Any):
+        super().__init__(**{"stage": 3, **options})
+
+
+class DeepSpeedStage3Offload(DeepSpeedStrategy):
+    """ZeRO stage 3 with optimizer state and parameters offloaded to the CPU."""
+
+    hookloop_name = "deepspeed_stage_3_offload"
+
+    def __init__(self, **options: Any):
+        super().__init__(**{"stage": 3, "offload_optimizer": True, "offload_parameters": True, **options})
+
+
+class DeepSpeedStage3OffloadNVMe(DeepSpeedStrategy):
+    """ZeRO stage 3 with optimizer state and parameters offloaded to NVMe (``nvme_path``)."""
+
+    hookloop_name = "deepspeed_stage_3_offload_nvme"
+
+    def __init__(self, **options: Any):
+        super().__init__(**{
+            "stage": 3,
+            "offload_optimizer": True,
+            "offload_parameters": True,
+            "offload_optimizer_device": "nvme",
+            "offload_params_device": "nvme",
+            **options,
+        })
+
+
+# ---------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------
+
+
+def _import_deepspeed():
+    try:
+        import deepspeed
+    except ImportError as exc:
+        raise MissingDependencyError(
+            f"the deepspeed strategy needs deepspeed ({exc}): pip install deepspeed "
+            f"(after torch, so that pip does not replace your torch build)"
+        ) from exc
+    return deepspeed
+
+
+@contextlib.contextmanager
+def _not_a_boundary(engine):
+    engine.set_gradient_accumulation_boundary(False)
+    try:
+        yield
+    finally:
+        engine.set_gradient_accumulation_boundary(True)
+
+
+def _to_dtype(obj: Any, dtype: torch.dtype) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_to_dtype(o, dtype) for o in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_dtype(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, _to_dtype(v, dtype)) for k, v in obj.items())
+    return obj
+
+
+def _cast_batch_hook(dtype: torch.dtype):
+    def cast(module, args):
+        kind, batch, batch_idx = args
+        return kind, _to_dtype(batch, dtype), batch_idx
+
+    return cast
+
+
+def _new_tag(path: Path, global_step: int) -> str:
+    tag = f"global_step{global_step}"
+    n = 1
+    while (path / tag).exists():
+        tag = f"global_step{global_step}.{n}"
+        n += 1
+    return tag

@@ -1,0 +1,134 @@
+"""Shared fixtures: tiny models, data, a hand-written reference loop, installed plugins."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import hookloop
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+class TinyModule(hookloop.Module):
+    """Linear 8 -> 16 -> ReLU -> 3 with SGD; deterministic from a seed."""
+
+    def __init__(self, seed: int = 0, lr: float = 0.1, momentum: float = 0.9, scheduler: bool = False):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+        self.lr, self.momentum, self.use_scheduler = lr, momentum, scheduler
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.log("val_loss", F.cross_entropy(logits, y))
+        self.log("val_acc", (logits.argmax(-1) == y).float().mean())
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
+        if self.use_scheduler:
+            return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        return opt
+
+
+def tiny_data(n: int = 96, seed: int = 1) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    return TensorDataset(x, y)
+
+
+def state_of(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def reference_loop(module: TinyModule, loader: DataLoader, epochs: int, accumulate: int = 1, clip: float | None = None) -> None:
+    """The hand-written PyTorch loop hookloop must reproduce."""
+    opt = module.configure_optimizers()
+    sched = None
+    if isinstance(opt, tuple):
+        opt, sched = opt
+    n = len(loader)
+    for _ in range(epochs):
+        for i, (x, y) in enumerate(loader):
+            loss = F.cross_entropy(module(x), y)
+            (loss / accumulate).backward()
+            if (i + 1) % accumulate == 0 or i + 1 == n:
+                if clip:
+                    torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        if sched is not None:
+            sched.step()
+
+
+def install_fake_distribution(root: Path, dist: str, entry_points: dict[str, str], modules: dict[str, str], requires: list[str] = ()) -> None:
+    """Lay out an installed distribution (``*.dist-info`` + modules) under ``root``.
+
+    This is exactly what pip leaves in site-packages, so ``importlib.metadata`` finds it
+    once ``root`` is on ``sys.path``.
+    """
+    info = root / f"{dist.replace('-', '_')}-0.1.dist-info"
+    info.mkdir(parents=True)
+    meta = ["Metadata-Version: 2.1", f"Name: {dist}", "Version: 0.1"]
+    meta += [f"Requires-Dist: {r}" for r in requires]
+    (info / "METADATA").write_text("\n".join(meta) + "\n")
+    lines = ["[hookloop.plugins]"] + [f"{k} = {v}" for k, v in entry_points.items()]
+    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+    for name, source in modules.items():
+        (root / f"{name}.py").write_text(textwrap.dedent(source))
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch):
+    """A fresh directory on sys.path that behaves like a site-packages."""
+    root = tmp_path / "site"
+    root.mkdir()
+    monkeypatch.syspath_prepend(str(root))
+    import importlib
+
+    importlib.invalidate_caches()
+    return root
+
+
+def run_python(args: list[str], cwd: Path, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    full_env = dict(os.environ)
+    for key in ("HOOKLOOP_TRAINER_DEFAULTS", "HOOKLOOP_WORKER", "LOCAL_RANK", "HOOKLOOP_PLUGINS"):
+        full_env.pop(key, None)
+    full_env.update(env or {})
+    proc = subprocess.run(args, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"{args} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch, tmp_path):
+    for key in ("HOOKLOOP_TRAINER_DEFAULTS", "HOOKLOOP_WORKER", "LOCAL_RANK", "HOOKLOOP_PLUGINS", "HOOKLOOP_AUTOLOAD_PLUGINS"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.chdir(tmp_path)

@@ -1,0 +1,106 @@
+"""The `hookloop` command: listing plugins, and `run` handing its options to the script."""
+
+import json
+import sys
+import textwrap
+
+from conftest import REPO, install_fake_distribution, run_python
+
+HOOKLOOP = [sys.executable, "-m", "hookloop"]
+
+SHOW_CONFIG = textwrap.dedent(
+    """
+    import json, os, hookloop
+    t = hookloop.Trainer(max_epochs=7, limit_train_batches=hookloop.default(5), default_root_dir=hookloop.default("x"))
+    c = t.config
+    print("CONFIG=" + json.dumps({"max_epochs": c.max_epochs, "limit": c.limit_train_batches,
+        "accumulate": c.accumulate_grad_batches, "root": c.default_root_dir,
+        "worker": os.environ.get("HOOKLOOP_WORKER"), "plugins": [type(p).__name__ for p in t.plugins]}))
+    """
+)
+
+
+def config_from(stdout: str) -> dict:
+    (line,) = [l for l in stdout.splitlines() if l.startswith("CONFIG=")]
+    return json.loads(line[len("CONFIG="):])
+
+
+def test_run_options_become_trainer_defaults(tmp_path):
+    (tmp_path / "show.py").write_text(SHOW_CONFIG)
+    out = run_python(HOOKLOOP + ["run", "--max-epochs", "3", "--accumulate-grad-batches", "4",
+                                 "--default-root-dir", "out", "show.py"], cwd=tmp_path)
+    cfg = config_from(out.stdout)
+    # code wins (max_epochs=7), the CLI wins over hookloop.default (root), default fills the rest
+    assert cfg == {"max_epochs": 7, "limit": 5, "accumulate": 4, "root": "out", "worker": "1", "plugins": []}
+
+
+def test_run_passes_script_arguments(tmp_path):
+    (tmp_path / "args.py").write_text("import sys; print('ARGS=' + ','.join(sys.argv[1:]))")
+    out = run_python(HOOKLOOP + ["run", "args.py", "--lr", "0.1", "x"], cwd=tmp_path)
+    assert "ARGS=--lr,0.1,x" in out.stdout
+
+
+def test_plugins_lists_without_importing(tmp_path):
+    site = tmp_path / "site"
+    marker = tmp_path / "imported"
+    install_fake_distribution(
+        site, "hookloop-noisy", {"noisy": "hl_noisy:Noisy"},
+        {"hl_noisy": f"open({str(marker)!r}, 'w').write('x')\nclass Noisy:\n    hookloop_role = 'observer'\n"},
+        requires=["hookloop", "surely-not-installed-pkg"],
+    )
+    out = run_python(HOOKLOOP + ["plugins"], cwd=tmp_path, env={"PYTHONPATH": str(site)})
+    (row,) = [l for l in out.stdout.splitlines() if l.startswith("noisy")]
+    assert "hookloop-noisy" in row and "0.1" in row and "missing: surely-not-installed-pkg" in row
+    assert not marker.exists()
+
+
+def test_plugins_load_shows_role(tmp_path):
+    site = tmp_path / "site"
+    install_fake_distribution(site, "hookloop-quiet", {"quiet": "hl_quiet:Q"},
+                              {"hl_quiet": "class Q:\n    hookloop_role = 'observer'\n"})
+    out = run_python(HOOKLOOP + ["plugins", "--load"], cwd=tmp_path, env={"PYTHONPATH": str(site)})
+    (row,) = [l for l in out.stdout.splitlines() if l.startswith("quiet")]
+    assert "observer" in row and "ok" in row
+
+
+def test_run_unknown_plugin_is_a_clear_error(tmp_path):
+    (tmp_path / "x.py").write_text("print('should not run')")
+    import subprocess
+
+    proc = subprocess.run(HOOKLOOP + ["run", "--plugins", "nosuchplugin", "x.py"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "no plugin named 'nosuchplugin'" in proc.stderr and "should not run" not in proc.stdout
+
+
+def test_run_many_devices_without_strategy_is_refused(tmp_path):
+    (tmp_path / "x.py").write_text("print('should not run')")
+    import subprocess
+
+    proc = subprocess.run(HOOKLOOP + ["run", "--devices", "2", "x.py"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "no strategy plugin" in proc.stderr
+
+
+def test_digits_example_reaches_accuracy(tmp_path):
+    out = run_python(HOOKLOOP + ["run", "--default-root-dir", "out", "--max-epochs", "10",
+                                 str(REPO / "examples" / "digits.py")], cwd=tmp_path)
+    acc = float(out.stdout.strip().splitlines()[-1].split()[-1])
+    assert acc >= 0.9
+    assert (tmp_path / "out" / "checkpoints" / "last.ckpt").exists()
+
+
+def test_run_restarts_a_failed_worker_through_the_elastic_agent(tmp_path):
+    """--max-restarts hands the script to torchrun, which restarts it after a failure."""
+    (tmp_path / "flaky.py").write_text(textwrap.dedent(
+        """
+        import os, pathlib
+        marker = pathlib.Path("attempts")
+        n = int(marker.read_text()) + 1 if marker.exists() else 1
+        marker.write_text(str(n))
+        print("attempt", n, "restart", os.environ.get("TORCHELASTIC_RESTART_COUNT"))
+        raise SystemExit(1 if n == 1 else 0)
+        """
+    ))
+    run_python(HOOKLOOP + ["run", "--max-restarts", "1", "flaky.py"], cwd=tmp_path)
+    assert (tmp_path / "attempts").read_text() == "2"

@@ -1,0 +1,60 @@
+"""Two nodes on localhost: two elastic agents with one process each, c10d rendezvous.
+
+Node 0 is started by ``hookloop run --nodes 2 --node-rank 0 --rdzv-endpoint ...``; node 1
+by ``python script.py`` with ``Trainer(plugins=["ddp"], nodes=2, node_rank=1, ...)``,
+which re-launches itself through the same agent command (the in-code path, tested once).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import torch
+
+from conftest import REPO, max_abs_diff, tiny_data
+
+sys.path.insert(0, str(REPO / "tests" / "scripts"))
+from ddp_reference import concatenated_batches_run  # noqa: E402
+
+SCRIPT = REPO / "tests" / "scripts" / "ddp_multinode.py"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_on_localhost(tmp_path):
+    endpoint = f"127.0.0.1:{_free_port()}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOOKLOOP_") and k not in ("LOCAL_RANK", "RANK")}
+    env["HOOKLOOP_RUN_ID"] = f"ddp-test-{os.getpid()}"
+    commands = [
+        [sys.executable, "-m", "hookloop", "run", "--plugins", "ddp", "--devices", "1", "--nodes", "2",
+         "--node-rank", "0", "--rdzv-endpoint", endpoint, str(SCRIPT), str(tmp_path)],
+        [sys.executable, str(SCRIPT), str(tmp_path), "--relaunch", "1", endpoint],
+    ]
+    # Own process groups, so a hang can be killed with every agent and worker under it.
+    nodes = [subprocess.Popen(c, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, start_new_session=True) for c in commands]
+    try:
+        outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+    for node, output in zip(nodes, outputs):
+        assert node.returncode == 0, output
+
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    assert sorted((r["global_rank"], r["world_size"]) for r in ranks) == [(0, 2), (1, 2)]
+    assert sorted(r["node_rank"] for r in ranks) == [0, 1]
+    assert sorted(r["relaunched"] for r in ranks) == [False, True]  # one worker per path
+    reference = concatenated_batches_run(tiny_data(96), epochs=2, batch=8, seed=10)  # rank 0's seed
+    for record in ranks:
+        assert max_abs_diff(record["state"], reference) <= 1e-5
+    assert max_abs_diff(ranks[0]["state"], ranks[1]["state"]) == 0.0

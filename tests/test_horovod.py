@@ -1,0 +1,302 @@
+"""hookloop-horovod: 2 workers under horovodrun (Gloo, CPU), compared with references.
+
+Starting processes is what costs time, so one launch of tests/scripts/horovod_checks.py
+runs every multi-process scenario (and one more launch runs the same scenarios under
+hookloop-ddp). Each test below reads what the ranks saved and compares it with a
+reference computed here in one process with plain PyTorch (the batches of both ranks
+concatenated), with the ddp run, or with a value worked out by hand.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import json
+import math
+import re
+import sys
+import types
+
+import pytest
+import torch
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, DistributedSampler
+
+import hookloop
+from conftest import REPO, TinyModule, max_abs_diff, run_python, state_of, tiny_data
+
+SCRIPT = REPO / "tests" / "scripts" / "horovod_checks.py"
+EPOCHS, BATCH, SAMPLES, WORLD = 2, 8, 96, 2  # as in the script
+
+
+# ---------------------------------------------------------------------------------------
+# The runs
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def horovod_run(tmp_path_factory):
+    """``python horovod_checks.py OUT horovod``: Trainer.fit re-launches it through horovodrun;
+    then one process resumes its two-worker checkpoint (``rescale``)."""
+    out = tmp_path_factory.mktemp("horovod_checks")
+    proc = run_python([sys.executable, str(SCRIPT), str(out), "horovod"], cwd=out, timeout=300)
+    run_python([sys.executable, str(SCRIPT), str(out), "rescale"], cwd=out, timeout=300)
+    ranks = [json.loads((out / f"horovod_rank{r}.json").read_text()) for r in range(WORLD)]
+    return out, ranks, proc.stdout
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    """The parity scenarios of the same script under hookloop-ddp (torchrun)."""
+    out = tmp_path_factory.mktemp("horovod_vs_ddp")
+    run_python([sys.executable, str(SCRIPT), str(out), "ddp"], cwd=out, timeout=300)
+    return out
+
+
+def weights(out, name):
+    return torch.load(out / f"{name}.pt", weights_only=True)
+
+
+def concatenated_reference(lr=0.1, accumulate=1, clip=None, scheduler=False, autocast=None) -> dict:
+    """One process, plain PyTorch, trained on both ranks' batches put together.
+
+    Rank r of a 2-worker run draws ``DistributedSampler(shuffle=True, seed=0)``'s share;
+    the mean loss over the concatenation of both ranks' i-th batches has the gradient
+    that the workers' averaged gradients must equal.
+    """
+    data = tiny_data(SAMPLES)
+    module = TinyModule(seed=0, lr=lr, scheduler=scheduler)
+    optimizer = module.configure_optimizers()
+    schedule = None
+    if isinstance(optimizer, tuple):
+        optimizer, schedule = optimizer
+    samplers = [DistributedSampler(data, num_replicas=WORLD, rank=r, shuffle=True, seed=0) for r in range(WORLD)]
+    x_all, y_all = data.tensors
+    for epoch in range(EPOCHS):
+        orders = []
+        for sampler in samplers:
+            sampler.set_epoch(epoch)
+            orders.append(list(sampler))
+        n = math.ceil(len(orders[0]) / BATCH)
+        for i in range(n):
+            index = torch.tensor([j for order in orders for j in order[i * BATCH : (i + 1) * BATCH]])
+            with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+                loss = F.cross_entropy(module(x_all[index]), y_all[index])
+            (loss / accumulate).backward()
+            if (i + 1) % accumulate == 0 or i + 1 == n:
+                if clip:
+                    torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        if schedule is not None:
+            schedule.step()
+    return state_of(module)
+
+
+# ---------------------------------------------------------------------------------------
+# Under horovodrun
+# ---------------------------------------------------------------------------------------
+
+
+def test_workers_are_horovod_ranks_with_unwrapped_model(horovod_run):
+    _, ranks, _ = horovod_run
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:
+        assert r["world_size"] == 2 and r["device"] == "cpu"
+        assert r["optimizer"] == "horovod.torch.optimizer"  # hvd.DistributedOptimizer
+        assert r["model"] == "_StepModule"  # the user's steps, not wrapped
+
+
+def test_matches_single_process_on_concatenated_batches(horovod_run):
+    out, _, _ = horovod_run
+    reference = concatenated_reference()
+    # The ranks were initialised with different seeds: rank 0's weights were broadcast.
+    for r in range(WORLD):
+        assert max_abs_diff(weights(out, f"horovod_plain_rank{r}"), reference) <= 1e-5
+    assert max_abs_diff(weights(out, "horovod_plain_rank0"), weights(out, "horovod_plain_rank1")) == 0.0
+
+
+def test_accumulation_and_clipping_of_averaged_gradients(horovod_run):
+    out, ranks, _ = horovod_run
+    trained = weights(out, "horovod_accum_clip")
+    # 6 micro-batches per epoch in windows of 4: an uneven last window, synchronised at the step.
+    assert ranks[0]["accum_clip_steps"] == 4
+    assert max_abs_diff(trained, concatenated_reference(accumulate=4, clip=0.5, scheduler=True)) <= 1e-5
+    # The clip was active (so clipping local instead of averaged gradients would show).
+    assert max_abs_diff(trained, concatenated_reference(accumulate=4, scheduler=True)) > 1e-3
+
+
+def test_learning_rate_scaled_by_world_size(horovod_run):
+    out, ranks, _ = horovod_run
+    base = TinyModule().lr
+    for r in ranks:
+        # StepLR(gamma=0.5) per epoch, from base * world size.
+        assert r["scaled_epoch_lrs"] == pytest.approx([base * WORLD, base * WORLD * 0.5])
+        assert r["scaled_base_lrs"] == pytest.approx([base * WORLD])
+    reference = concatenated_reference(lr=base * WORLD, scheduler=True)
+    assert max_abs_diff(weights(out, "horovod_scaled"), reference) <= 1e-5
+
+
+def test_resume_mid_epoch_equals_uninterrupted_run(horovod_run):
+    out, ranks, _ = horovod_run
+    # Stopped at step 9 of 12 (mid-epoch), resumed into a differently seeded module.
+    assert max_abs_diff(weights(out, "horovod_resumed"), weights(out, "horovod_scaled")) <= 1e-6
+    assert all(r["resumed_step"] == 12 for r in ranks)
+    assert (out / "resume" / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_resume_on_one_worker_rescales_the_learning_rate(horovod_run):
+    out, _, _ = horovod_run
+    one = json.loads((out / "rescale_rank0.json").read_text())
+    assert one["world_size"] == 1
+    assert one["lr"] == pytest.approx(one["saved_lr"] / WORLD)
+    assert one["base_lrs"] == pytest.approx([lr / WORLD for lr in one["saved_base_lrs"]])
+
+
+def test_fp16_compression_stays_close(horovod_run):
+    out, _, _ = horovod_run
+    difference = max_abs_diff(weights(out, "horovod_compressed"), weights(out, "horovod_plain_rank0"))
+    assert 0.0 < difference <= 1e-3  # float16 rounding of the gradients, and nothing more
+
+
+def test_sync_dist_and_collectives(horovod_run):
+    _, ranks, _ = horovod_run
+    for r in ranks:
+        # Each rank logged rank + 1 on 2 samples.
+        assert r["sync_dist"] == {"rank_mean": 1.5, "rank_sum": 3.0, "rank_max": 2.0, "rank_min": 1.0}
+        assert r["reduce"] == {"mean": [1.5, 15.0], "sum": [3.0, 30.0], "max": [2.0, 20.0], "min": [1.0, 10.0]}
+        assert r["broadcast_from_0"] == {"from": 0}
+        assert r["broadcast_from_1"] == ["rank1"]
+
+
+def test_composes_with_amp_bf16_and_fp16_scaler(horovod_run):
+    out, ranks, _ = horovod_run
+    assert ranks[0]["amp_plugins"] == ["amp", "horovod"]
+    bf16 = concatenated_reference(autocast=torch.bfloat16)
+    assert max_abs_diff(weights(out, "horovod_bf16"), bf16) <= 5e-3  # bf16 rounding of 2 vs 1 batch
+    # fp16 through the GradScaler, clipping the unscaled averaged gradients.
+    fp16 = concatenated_reference(clip=0.5, autocast=torch.float16)
+    assert max_abs_diff(weights(out, "horovod_fp16_clip"), fp16) <= 1e-3
+
+
+@pytest.mark.parametrize("scenario", ["plain", "accum_clip", "bf16", "fp16_clip", "refit"])
+def test_parity_with_ddp(horovod_run, ddp_run, scenario):
+    out, _, _ = horovod_run
+    assert max_abs_diff(weights(out, f"horovod_{scenario}"), weights(ddp_run, f"ddp_{scenario}")) <= 1e-5
+
+
+def test_horovodrun_started_by_hand_trains_in_place(tmp_path):
+    # No hookloop launcher around it: Trainer(devices=2) must not start a nested horovodrun.
+    command = [sys.executable, "-m", "horovod.runner.launch", "-np", "2", "-H", "localhost:2", "--gloo",
+               sys.executable, str(SCRIPT), str(tmp_path), "byhand"]
+    run_python(command, cwd=tmp_path, timeout=300)
+    ranks = [json.loads((tmp_path / f"byhand_rank{r}.json").read_text()) for r in range(WORLD)]
+    assert [(r["rank"], r["world_size"]) for r in ranks] == [(0, 2), (1, 2)]
+    assert max_abs_diff(weights(tmp_path, "byhand_plain"), concatenated_reference()) <= 1e-5
+
+
+def test_digits_example_under_hookloop_run(tmp_path):
+    proc = run_python(
+        [sys.executable, "-m", "hookloop", "run", "--plugins", "horovod", "--devices", "2",
+         "--max-epochs", "5", "--default-root-dir", str(tmp_path), str(REPO / "examples" / "digits.py")],
+        cwd=tmp_path, timeout=300,
+    )
+    accuracy = float(re.search(r"validation accuracy: ([0-9.]+)", proc.stdout).group(1))
+    assert accuracy >= 0.9, proc.stdout
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+
+
+# ---------------------------------------------------------------------------------------
+# In this process: launching, errors, packaging
+# ---------------------------------------------------------------------------------------
+
+
+def config(**kw) -> hookloop.TrainerConfig:
+    return hookloop.TrainerConfig(**kw)  # not validated: nodes > 1 needs no rendezvous here
+
+
+def test_launch_command_on_one_and_several_hosts(monkeypatch):
+    strategy = hookloop.plugin("horovod")
+    launcher = [sys.executable, "-m", "horovod.runner.launch"]
+    assert strategy.launch_command(config=config(devices=2), script="train.py", script_args=["--x", "1"]) == [
+        *launcher, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, "train.py", "--x", "1"]
+    strategy.hosts, strategy.launcher_args = "node1:4, node2", "--start-timeout 120"
+    assert strategy.launch_command(config=config(devices=4), script="t.py", script_args=[]) == [
+        *launcher, "-np", "8", "-H", "node1:4,node2:4", "--gloo", "--start-timeout", "120", sys.executable, "t.py"]
+    strategy.hosts, strategy.launcher_args = None, None
+    monkeypatch.setenv("HOOKLOOP_HOROVOD_HOSTS", "a:1,b:3")
+    assert strategy.launch_command(config=config(), script="t.py", script_args=[])[3:7] == ["-np", "4", "-H", "a:1,b:3"]
+
+
+@pytest.mark.parametrize("options,kw,message", [
+    ({}, {"devices": 2, "nodes": 2}, "hosts"),
+    ({"hosts": "a:4,b:4,c:4"}, {"devices": 4, "nodes": 2}, "names 3 host"),
+    ({"hosts": "a:0"}, {"devices": 2}, "SLOTS >= 1"),
+    ({"hosts": "a,a"}, {"devices": 2}, "twice"),
+    ({"compression": "int8"}, {"devices": 2}, "compression"),
+    ({"scale_lr": "yes"}, {"devices": 2}, "scale_lr"),
+])
+def test_bad_launch_options_are_clear_errors(options, kw, message):
+    strategy = hookloop.plugin("horovod")
+    for key, value in options.items():
+        setattr(strategy, key, value)
+    with pytest.raises(hookloop.ConfigurationError, match=message):
+        strategy.launch_command(config=config(**kw), script="t.py", script_args=[])
+
+
+def test_another_strategy_is_refused_at_start():
+    class OtherStrategy:
+        hookloop_name = "other"
+        hookloop_role = "strategy"
+
+    with pytest.raises(hookloop.PluginConflictError, match=r"'horovod', 'other'.*strategy"):
+        hookloop.Trainer(plugins=["horovod", OtherStrategy()], devices=2)
+
+
+def test_horovod_and_ddp_on_the_command_line_are_refused(capsys):
+    from hookloop.cli import main
+
+    assert main(["run", "--plugins", "horovod,ddp", "--devices", "2", "train.py"]) == 2
+    assert re.search(r"'horovod', 'ddp'.*only one strategy", capsys.readouterr().err)
+
+
+def _fake_horovod(monkeypatch, torch_module):
+    package = types.ModuleType("horovod")
+    package.__version__ = "0.28.1"
+    package.__path__ = []
+    if torch_module is not None:
+        package.torch = torch_module
+    monkeypatch.setitem(sys.modules, "horovod", package)
+    monkeypatch.setitem(sys.modules, "horovod.torch", torch_module)
+
+
+def test_missing_horovod_fails_before_any_worker_starts(monkeypatch, tmp_path):
+    _fake_horovod(monkeypatch, None)  # `import horovod.torch` raises ImportError
+    monkeypatch.setattr(sys, "argv", [str(SCRIPT)])
+    trainer = hookloop.Trainer(plugins=["horovod"], devices=2)
+    with pytest.raises(hookloop.MissingDependencyError, match=r"import horovod\.torch.*build_horovod\.sh.*make install"):
+        trainer.fit(TinyModule(), DataLoader(tiny_data(8), batch_size=4))
+    # The same error in a worker (one process: no launcher involved).
+    trainer = hookloop.Trainer(plugins=["horovod"], enable_checkpointing=False)
+    with pytest.raises(hookloop.MissingDependencyError, match="build_horovod.sh"):
+        trainer.fit(TinyModule(), DataLoader(tiny_data(8), batch_size=4))
+
+
+def test_horovod_built_without_gloo_is_a_clear_error(monkeypatch):
+    no_gloo = types.ModuleType("horovod.torch")
+    no_gloo.gloo_built = lambda: False
+    _fake_horovod(monkeypatch, no_gloo)
+    trainer = hookloop.Trainer(plugins=["horovod"], enable_checkpointing=False)
+    with pytest.raises(hookloop.MissingDependencyError, match=r"without Gloo.*HOROVOD_WITH_GLOO=1.*build_horovod\.sh"):
+        trainer.fit(TinyModule(), DataLoader(tiny_data(8), batch_size=4))
+
+
+def test_plugin_imports_no_horovod_and_its_requirement_is_the_built_wheel(tmp_path):
+    check = (
+        "import sys, hookloop; p = hookloop.plugin('horovod'); "
+        "assert p.hookloop_role == 'strategy'; "
+        "assert not [m for m in sys.modules if m.split('.')[0] == 'horovod'], 'horovod imported'"
+    )
+    run_python([sys.executable, "-c", check], cwd=tmp_path)
+    # pip finds horovod==0.28.1 satisfied by the wheel build_horovod.sh installed.
+    assert "horovod==0.28.1" in [r.replace(" ", "") for r in md.requires("hookloop-horovod")]
+    assert md.version("horovod") == "0.28.1"
