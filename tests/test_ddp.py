@@ -48,6 +48,8 @@ def test_ranks_device_and_wrapper(battery):
     for r, record in enumerate(ranks):
         assert record["ranks"] == dict(world_size=2, global_rank=r, local_rank=r, node_rank=0,
                                        root_device="cpu", model_type="DistributedDataParallel")
+        # After fit the group is gone, and so is the wrapper that needed it.
+        assert record["unwrapped_after_fit"] == "_StepModule"
 
 
 def test_training_sampler_shards_are_disjoint_complete_and_reshuffled_each_epoch(battery):

@@ -8,6 +8,7 @@ records with references computed by hand (here with torch's own DDP, or in the t
 from __future__ import annotations
 
 import faulthandler
+import gc
 import os
 import sys
 from pathlib import Path
@@ -26,6 +27,7 @@ from conftest import TinyModule, tiny_data  # noqa: E402
 from hookloop_ddp import DDP  # noqa: E402
 
 # A hang must fail the test with the stacks, not leave orphaned workers behind.
+faulthandler.enable()  # a crash (SIGABRT, SIGSEGV) prints every thread's stack
 faulthandler.dump_traceback_later(240, exit=True)
 OUT = Path(sys.argv[1])
 RANK = int(os.environ["RANK"])
@@ -85,6 +87,10 @@ def raw_ddp(comm_hook: str | None = None, epochs: int = EPOCHS) -> dict:
 
 dist.init_process_group("gloo")
 record["raw"] = {hook: raw_ddp(hook) for hook in (None, "fp16", "bf16", "powersgd", "post_localsgd")}
+# The wrappers' C++ reducers hold the group: collect them while the registry still does,
+# so the group is not destroyed later, with the GIL held, under a gloo thread that needs it
+# (what DDP.teardown in hookloop_ddp guards against).
+gc.collect()
 dist.destroy_process_group()
 assert not dist.is_initialized()
 
@@ -107,13 +113,23 @@ def fit(module=None, loader=None, val=None, plugin=None, ckpt_path=None, **kwarg
     return trainer, module
 
 
+class Ranks:
+    """Records what the loop trains while it trains (teardown unwraps the model)."""
+
+    hookloop_name, hookloop_role = "ranks", "observer"
+
+    @hookloop.hookimpl
+    def on_fit_start(self, trainer):
+        record["ranks"] = dict(
+            world_size=trainer.world_size, global_rank=trainer.global_rank, local_rank=trainer.local_rank,
+            node_rank=trainer.node_rank, root_device=str(trainer.root_device), model_type=type(trainer.model).__name__,
+        )
+
+
 # Parity, ranks and devices.
-trainer, module = fit()
+trainer, module = fit(plugins=["ddp", Ranks()])
 record["hookloop"] = state(module)
-record["ranks"] = dict(
-    world_size=trainer.world_size, global_rank=trainer.global_rank, local_rank=trainer.local_rank,
-    node_rank=trainer.node_rank, root_device=str(trainer.root_device), model_type=type(trainer.model).__name__,
-)
+record["unwrapped_after_fit"] = type(trainer.model).__name__
 
 # Checkpoints: rank 0 writes, no rank reads early, keys are the plain module's.
 root = OUT / "ckpt"

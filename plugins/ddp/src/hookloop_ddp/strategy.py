@@ -8,6 +8,7 @@ be pickled. Advanced users subclass :class:`DDP` and override
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import os
@@ -132,6 +133,7 @@ class DDP:
         self.cluster: ClusterEnvironment | None = None
         self.comm_hook_state: Any = None
         self._owns_process_group = False
+        self._wrapped: tuple[nn.Module, nn.Module] | None = None  # (inner, DDP wrapper)
 
     # Options are checked whenever they are set, so ``plugin_options`` given to the
     # Trainer fail at ``Trainer(...)``, before any process starts.
@@ -270,12 +272,21 @@ class DDP:
         return True
 
     @hookloop.hookimpl
-    def teardown(self):
-        """Destroy the process group this plugin created (not one the user made)."""
+    def teardown(self, trainer):
+        """Destroy the process group this plugin created (not one the user made).
+
+        ``trainer.model`` goes back to the unwrapped model: a DDP wrapper whose group is
+        destroyed cannot run another step. The group's C++ object is kept until the
+        next teardown (or exit): see :func:`_retire` for why.
+        """
         self.comm_hook_state = None
-        if self._owns_process_group and dist.is_initialized():
+        wrapped, self._wrapped = self._wrapped, None
+        owned, self._owns_process_group = self._owns_process_group, False
+        if wrapped is not None and trainer.model is wrapped[1]:
+            trainer.model = wrapped[0]
+        if owned and dist.is_initialized():
+            _retire(_live_groups())
             dist.destroy_process_group()
-        self._owns_process_group = False
 
     # -- model, optimizer, data ---------------------------------------------------------
 
@@ -283,6 +294,7 @@ class DDP:
     def wrap_model(self, trainer, model):
         """Move the model to this rank's device and wrap it with :meth:`configure_ddp`."""
         wrapped = self.configure_ddp(trainer, model.to(trainer.root_device))
+        self._wrapped = (model, wrapped)
         if self.comm_hook is not None:
             self.comm_hook_state = comm.register(self, trainer, wrapped, self.cluster.local_world_size)
         return wrapped
@@ -369,6 +381,37 @@ class DDP:
         saved = checkpoint.get("plugins", {}).get(CHECKPOINT_KEY, {}).get("comm_hook")
         if saved is not None:
             comm.state_from_checkpoint(self.comm_hook, self.comm_hook_state, saved)
+
+
+# Process groups destroyed by the latest teardown of this process (see ``_retire``).
+_RETIRED: list = []
+atexit.register(_RETIRED.clear)
+
+
+def _live_groups() -> list:
+    """Every process group of this process: the default one and its subgroups."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    groups = list(getattr(world, "pg_names", {}))
+    return groups if groups else [dist.group.WORLD]
+
+
+def _retire(groups: list) -> None:
+    """Hold ``groups`` until the next teardown, and let go of the previous teardown's.
+
+    ``destroy_process_group`` only unregisters a group; its C++ object, and the gloo
+    threads in it, die with the last reference, wherever that is dropped. Right after a
+    collective, a gloo thread is still freeing that collective's tensors, which takes
+    the GIL when Python made them (a communication hook's, ``reduce``'s). Dropped then,
+    the group deadlocks (DDP's C++ reducer releases it with the GIL held, and its
+    destructor joins that thread) or aborts ("Resource deadlock avoided": released by a
+    hook's callback running on one of the group's own threads). Both were seen in a
+    process that trains several times, under CPU load. Holding the handles here means
+    the last reference goes only when this process has trained again (or exits), long
+    after the threads went idle, and from Python, where torch drops the GIL first.
+    """
+    previous = _RETIRED[:]
+    _RETIRED[:] = groups
+    del previous
 
 
 def _check_process_count(devices: Any, cluster: ClusterEnvironment) -> None:
