@@ -117,3 +117,17 @@ def test_bad_configuration_is_refused_early(kwargs, match):
 def test_module_without_required_methods():
     with pytest.raises(hookloop.ConfigurationError, match="configure_optimizers"):
         hookloop.Trainer().fit(torch.nn.Linear(2, 2), DataLoader(tiny_data(), batch_size=8))
+
+
+def test_apply_to_tensors_keeps_the_batch_structure():
+    from collections import namedtuple
+
+    Pair = namedtuple("Pair", "x y")
+    x, y, z = torch.ones(2), torch.arange(3), torch.zeros(1, dtype=torch.float64)
+    batch = {"pair": Pair(x, y), "rest": [z, "label", (x,)]}
+    out = hookloop.apply_to_tensors(batch, lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t)
+    assert type(out["pair"]) is Pair and out["rest"][1] == "label" and type(out["rest"][2]) is tuple
+    assert out["pair"].x.dtype == torch.bfloat16 and out["rest"][0].dtype == torch.bfloat16
+    assert out["pair"].y is y  # integer tensors left alone by this function
+    moved = hookloop.move_to_device(batch, torch.device("meta"))
+    assert moved["pair"].x.device.type == "meta" and moved["rest"][2][0].device.type == "meta"

@@ -22,6 +22,7 @@ from .errors import (
 )
 from .helpers import (
     DistributedSamplerWrapper,
+    apply_to_tensors,
     batch_size_of,
     clip_gradients,
     distributed_sampler,
@@ -53,6 +54,7 @@ __all__ = [
     "PluginValidationError",
     "Trainer",
     "TrainerConfig",
+    "apply_to_tensors",
     "atomic_save",
     "batch_size_of",
     "check_state_dict",

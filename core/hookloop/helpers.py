@@ -28,17 +28,23 @@ from torch.utils.data import (
 # ---------------------------------------------------------------------------------------
 
 
+def apply_to_tensors(obj: Any, fn) -> Any:
+    """``fn(tensor)`` for every tensor in a (nested) batch of tuples, namedtuples, lists
+    and dicts; returns the same structure with the results. Other leaves are kept."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(apply_to_tensors(o, fn) for o in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(apply_to_tensors(o, fn) for o in obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, apply_to_tensors(v, fn)) for k, v in obj.items())
+    return obj
+
+
 def move_to_device(obj: Any, device: torch.device) -> Any:
     """Move every tensor in a (nested) batch of tuples, lists and dicts to ``device``."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(move_to_device(o, device) for o in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(move_to_device(o, device) for o in obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, move_to_device(v, device)) for k, v in obj.items())
-    return obj
+    return apply_to_tensors(obj, lambda t: t.to(device, non_blocking=True))
 
 
 def batch_size_of(batch: Any) -> int:

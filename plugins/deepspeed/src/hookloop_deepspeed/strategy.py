@@ -639,22 +639,10 @@ def _not_a_boundary(engine):
         engine.set_gradient_accumulation_boundary(True)
 
 
-def _to_dtype(obj: Any, dtype: torch.dtype) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if obj.is_floating_point() else obj
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_to_dtype(o, dtype) for o in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_dtype(o, dtype) for o in obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, _to_dtype(v, dtype)) for k, v in obj.items())
-    return obj
-
-
 def _cast_batch_hook(dtype: torch.dtype):
     def cast(module, args):
         kind, batch, batch_idx = args
-        return kind, _to_dtype(batch, dtype), batch_idx
+        return kind, hookloop.apply_to_tensors(batch, lambda t: t.to(dtype) if t.is_floating_point() else t), batch_idx
 
     return cast
 
