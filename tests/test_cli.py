@@ -51,7 +51,32 @@ def test_plugins_lists_without_importing(tmp_path):
     out = run_python(HOOKLOOP + ["plugins"], cwd=tmp_path, env={"PYTHONPATH": str(site)})
     (row,) = [l for l in out.stdout.splitlines() if l.startswith("noisy")]
     assert "hookloop-noisy" in row and "0.1" in row and "missing: surely-not-installed-pkg" in row
+    assert "observer" in row.split()  # the role, read from the source
     assert not marker.exists()
+
+
+def test_roles_read_from_source_are_the_roles_the_plugins_declare(site):
+    """Every installed plugin's role, read without importing it, equals the role of the
+    imported plugin; re-exports, inheritance, tuple assignments and modules included."""
+    from hookloop import plugins as registry
+    from hookloop.sourcescan import declared_role
+
+    (site / "hl_pkg").mkdir()
+    (site / "hl_pkg" / "__init__.py").write_text("from .impl import Child as Exported\nraise SystemExit('ran')\n")
+    (site / "hl_pkg" / "impl.py").write_text(
+        "class Base:\n    hookloop_name, hookloop_role = 'base', 'precision'\n"
+        "class Child(Base):\n    pass\n"
+    )
+    (site / "hl_mod.py").write_text("hookloop_role: str = 'observer'\n")
+    (site / "hl_dynamic.py").write_text("class P:\n    hookloop_role = 'obs' + 'erver'\n")
+    assert declared_role("hl_pkg:Exported") == "precision"
+    assert declared_role("hl_mod") == "observer"
+    assert declared_role("hl_dynamic:P") is None  # computed: only --load can tell
+    assert declared_role("not_a_module_anywhere:X") is None
+    infos = registry.installed_plugins()
+    assert {"ddp", "ddp_spawn", "amp", "deepspeed_stage_3"} <= set(infos)
+    for name, info in infos.items():
+        assert declared_role(info.value) == registry.plugin_role(registry.resolve(name)), name
 
 
 def test_plugins_load_shows_role(tmp_path):

@@ -15,6 +15,7 @@ from . import plugins as registry
 from .config import TrainerConfig, env_defaults
 from .errors import HookloopError
 from .launch import run_command
+from .sourcescan import declared_role
 
 
 def _build_parser(commands: dict) -> argparse.ArgumentParser:
@@ -25,7 +26,7 @@ def _build_parser(commands: dict) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("plugins", help="list installed plugins (imports no backend)")
-    p.add_argument("--load", action="store_true", help="also import each plugin to show its role")
+    p.add_argument("--load", action="store_true", help="import each plugin (never its backend) and ask its role, instead of reading it from the source")
 
     r = sub.add_parser(
         "run",
@@ -79,7 +80,8 @@ def cmd_plugins(args) -> int:
         info = infos[name]
         missing = info.missing_requirements()
         deps = "ok" if not missing else "missing: " + ", ".join(missing)
-        role = "-"
+        # Read from the source without running it; --load imports the plugin to ask it.
+        role = declared_role(info.value) or "?"
         if args.load and not missing:
             try:
                 role = registry.plugin_role(registry.resolve(name))
