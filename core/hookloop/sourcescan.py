@@ -4,8 +4,9 @@
 a run asks for it (plugins are imported by name only). So the listing reads the class an
 entry point names with :mod:`ast`: ``hookloop_role = "strategy"`` in its body (or a tuple
 assignment naming it), else in its base classes, following ``from .module import Name``
-re-exports within the plugin's own files. Modules are located with
-``importlib.machinery.PathFinder``, which imports nothing, not even parent packages.
+re-exports within the plugin's own files. Modules are located without importing them
+or their parent packages (``find_spec`` for the top-level name, then ``PathFinder`` in
+the package's folders).
 
 Where the source does not say plainly (a role computed at run time, a class made by a
 factory, a compiled module), the answer is ``None`` and ``hookloop plugins --load``
