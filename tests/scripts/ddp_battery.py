@@ -89,7 +89,7 @@ dist.init_process_group("gloo")
 record["raw"] = {hook: raw_ddp(hook) for hook in (None, "fp16", "bf16", "powersgd", "post_localsgd")}
 # The wrappers' C++ reducers hold the group: collect them while the registry still does,
 # so the group is not destroyed later, with the GIL held, under a gloo thread that needs it
-# (what DDP.teardown in hookloop_ddp guards against).
+# (what hookloop_ddp.strategy._retire guards against for the plugin's own groups).
 gc.collect()
 dist.destroy_process_group()
 assert not dist.is_initialized()
