@@ -7,6 +7,7 @@ call these instead of copying them.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import os
 import random
@@ -173,6 +174,9 @@ def repoint_lr_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> No
 # ---------------------------------------------------------------------------------------
 
 
+_MISSING = object()
+
+
 class DistributedSamplerWrapper(Sampler):
     """Give each rank its share of the indices that a user's own sampler draws.
 
@@ -198,17 +202,7 @@ class DistributedSamplerWrapper(Sampler):
             self.sampler.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[int]:
-        generator = getattr(self.sampler, "generator", None)
-        state = torch.random.get_rng_state()
-        try:
-            # Every rank must draw the same indices from the user's sampler.
-            if generator is not None:
-                generator.manual_seed(self.seed + self.epoch)
-            else:
-                torch.manual_seed(self.seed + self.epoch)
-            indices = list(self.sampler)
-        finally:
-            torch.random.set_rng_state(state)
+        indices = self._draw(self.seed + self.epoch)
         if len(indices) < self.total_size:
             indices += (indices * math.ceil(self.total_size / max(len(indices), 1)))[
                 : self.total_size - len(indices)
@@ -218,6 +212,28 @@ class DistributedSamplerWrapper(Sampler):
     def __len__(self) -> int:
         return self.num_samples
 
+    def _draw(self, seed: int) -> list[int]:
+        """One epoch of the user's sampler drawn with ``seed``, the same on every rank.
+
+        Nobody else's random stream moves: reseeding the user's generator, or calling
+        ``torch.manual_seed`` (which also reseeds every CUDA generator), would change
+        what the rest of the user's program draws.
+        """
+        sampler = self.sampler
+        generator = getattr(sampler, "generator", _MISSING)
+        if generator is None or isinstance(generator, torch.Generator):
+            device = generator.device if generator is not None else "cpu"
+            sampler.generator = torch.Generator(device=device).manual_seed(seed)
+            try:
+                return list(sampler)
+            finally:
+                sampler.generator = generator
+        # A sampler that draws from torch's global CPU generator: seed only that one,
+        # on a fork whose state is put back afterwards.
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(seed)
+            return list(sampler)
+
 
 def distributed_sampler(
     dataloader: DataLoader, num_replicas: int, rank: int, training: bool, seed: int = 0
@@ -226,8 +242,9 @@ def distributed_sampler(
 
     * loaders of an ``IterableDataset``: ``None`` (the dataset shards itself; hookloop
       cannot index it).
-    * the default samplers (``shuffle=True`` or ``False``): a ``DistributedSampler``
-      that shuffles for training and not for validation.
+    * the default samplers: a ``DistributedSampler`` that shuffles exactly when the
+      user's loader shuffles (its sampler is a ``RandomSampler``, i.e. ``shuffle=True``)
+      and ``training`` is true; validation, test and predict loaders are never shuffled.
     * a user's own sampler: wrapped in :class:`DistributedSamplerWrapper`.
 
     Strategies return this from ``configure_sampler``.
@@ -242,7 +259,7 @@ def distributed_sampler(
             dataloader.dataset,
             num_replicas=num_replicas,
             rank=rank,
-            shuffle=training,
+            shuffle=training and isinstance(sampler, RandomSampler),
             seed=seed,
             drop_last=False,
         )
@@ -250,7 +267,15 @@ def distributed_sampler(
 
 
 def rebuild_dataloader(dataloader: DataLoader, sampler: Sampler) -> DataLoader:
-    """A copy of ``dataloader`` that draws from ``sampler``, every other setting kept."""
+    """A copy of ``dataloader`` that draws from ``sampler``, every other setting kept.
+
+    The copy is built with the loader's own class (a ``DataLoader`` subclass keeps its
+    behaviour) from every argument of that class's ``__init__`` that the loader holds
+    under the same attribute name, so arguments that a newer torch adds are kept too.
+    Only ``sampler``, ``batch_sampler`` and ``shuffle`` are replaced. Raises
+    ``ConfigurationError`` when a required argument of a subclass is not stored as an
+    attribute of that name, and ``TypeError`` for a custom ``batch_sampler``.
+    """
     batch_sampler = dataloader.batch_sampler
     if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
         raise TypeError(
@@ -258,22 +283,69 @@ def rebuild_dataloader(dataloader: DataLoader, sampler: Sampler) -> DataLoader:
             f"which hookloop cannot shard: give each rank its share inside it and pass "
             f"use_distributed_sampler=False"
         )
-    kwargs = dict(
-        batch_size=dataloader.batch_size,
-        sampler=sampler,
-        num_workers=dataloader.num_workers,
-        collate_fn=dataloader.collate_fn,
-        pin_memory=dataloader.pin_memory,
-        drop_last=dataloader.drop_last,
-        timeout=dataloader.timeout,
-        worker_init_fn=dataloader.worker_init_fn,
-        generator=dataloader.generator,
-        persistent_workers=dataloader.persistent_workers,
+    cls = type(dataloader)
+    replaced = {"sampler": sampler, "batch_sampler": None, "shuffle": None}
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+    for param in _init_parameters(cls):
+        if param.name in replaced:
+            kwargs[param.name] = replaced[param.name]
+            continue
+        if hasattr(dataloader, param.name):
+            value = getattr(dataloader, param.name)
+        elif param.default is inspect.Parameter.empty:
+            raise _unrebuildable(
+                cls,
+                f"its required argument {param.name!r} is not stored as self.{param.name}",
+                f"store it as self.{param.name} in __init__",
+            )
+        else:
+            continue  # not stored: the default it was built with, as far as we can tell
+        if param.kind is inspect.Parameter.POSITIONAL_ONLY:
+            args.append(value)
+        else:
+            kwargs[param.name] = value
+    if "sampler" not in kwargs:
+        raise _unrebuildable(
+            cls,
+            "its __init__ takes no sampler argument",
+            "accept sampler (or **kwargs passed on to DataLoader) in __init__",
+        )
+    return cls(*args, **kwargs)
+
+
+def _init_parameters(cls: type) -> list[inspect.Parameter]:
+    """The named parameters that ``cls(...)`` accepts, in order, without ``self``.
+
+    A subclass that takes ``**kwargs`` passes them up: the parameters of the classes
+    above it are added, up to ``DataLoader``'s own.
+    """
+    params: dict[str, inspect.Parameter] = {}
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass):
+            continue
+        signature = inspect.signature(klass.__init__)
+        for param in list(signature.parameters.values())[1:]:
+            if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD) or param.name in params:
+                continue
+            # Parameters of a base class are reached through **kwargs: by keyword only.
+            if klass is not cls and param.kind is param.POSITIONAL_ONLY:
+                continue
+            params[param.name] = param
+        takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
+        if klass is DataLoader or not takes_kwargs:
+            break
+    return list(params.values())
+
+
+def _unrebuildable(cls: type, problem: str, fix: str) -> Exception:
+    from .errors import ConfigurationError
+
+    return ConfigurationError(
+        f"hookloop cannot rebuild the {cls.__name__} loader with this rank's sampler: "
+        f"{problem}. Fix: {fix}, or pass use_distributed_sampler=False and give each rank "
+        f"its share yourself"
     )
-    if dataloader.num_workers > 0:
-        kwargs["prefetch_factor"] = dataloader.prefetch_factor
-        kwargs["multiprocessing_context"] = dataloader.multiprocessing_context
-    return DataLoader(dataloader.dataset, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------
