@@ -1,4 +1,4 @@
-"""The model and data of tests/gpu/run_gpu_checks.py, importable by its subprocess scripts."""
+"""The model and data of the GPU tests (tests/gpu), importable by their subprocess scripts."""
 
 from __future__ import annotations
 
@@ -39,3 +39,26 @@ class Net(hookloop.Module):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class MetricsNet(Net):
+    """Net whose steps log what the metric-reduction tests read back.
+
+    ``train_loss``: an epoch mean, reduced across ranks. ``x0_mean``: a per-step value,
+    logged by every DataParallel replica. ``val_acc``: a validation mean, ``val_max``: a
+    validation max, both reduced across ranks. ``x0_mean`` and ``val_max`` depend on the
+    data only, so their references need no model.
+    """
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        # on_step=False: in training_step Lightning's default is on_step=True, and with
+        # on_epoch=True as well the metric would be forked into train_loss_step/_epoch.
+        self.log("train_loss", loss, on_step=False, on_epoch=True, sync_dist=True)
+        self.log("x0_mean", batch[0][:, 0].mean())
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_acc", (self(x).argmax(-1) == y).float().mean(), sync_dist=True)
+        self.log("val_max", x.abs().max(), sync_dist=True, reduce_op="max")
