@@ -44,7 +44,8 @@ def test_mid_epoch_resume_bit_identical(tmp_path):
     _, t1 = run(tmp_path / "b", None, max_steps=10)  # 7 batches per epoch: stops in epoch 2
     assert (t1.current_epoch, t1.batch_idx) == (1, 3)
     ckpt = hookloop.safe_load(tmp_path / "b" / "checkpoints" / "last.ckpt")
-    assert ckpt["loop"] == {"epoch": 1, "global_step": 10, "batch_idx": 3}
+    assert {k: ckpt["loop"][k] for k in ("epoch", "global_step", "batch_idx", "stage")} == {
+        "epoch": 1, "global_step": 10, "batch_idx": 3, "stage": "train"}
     torch.manual_seed(0)
     resumed, t2 = run(tmp_path / "b", 2, ckpt_path=tmp_path / "b" / "checkpoints" / "last.ckpt", module=TinyModule(seed=5, scheduler=True))
     assert t2.global_step == 14
@@ -55,7 +56,7 @@ def test_mid_epoch_resume_bit_identical(tmp_path):
 def test_checkpoint_content_loads_with_weights_only_into_plain_module(tmp_path):
     module, _ = run(tmp_path, 1)
     ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
-    assert set(ckpt) >= {"state_dict", "optimizer", "lr_scheduler", "loop", "rng", "plugins"}
+    assert set(ckpt) >= {"state_dict", "optimizer_states", "lr_schedulers", "loop", "rng", "plugins"}
     plain = TinyModule(seed=9)
     plain.load_state_dict(ckpt["state_dict"])
     assert all(torch.equal(v, module.state_dict()[k]) for k, v in plain.state_dict().items())

@@ -68,7 +68,9 @@ def test_training_sampler_shards_are_disjoint_complete_and_reshuffled_each_epoch
 def test_validation_sampler_is_sharded_without_shuffling(battery):
     ranks, _, _ = battery
     for r, record in enumerate(ranks):
-        assert record["shuffled"]["val"] == list(range(r, 20, 2)) * 2  # two epochs
+        shard = list(range(r, 20, 2))
+        # the sanity check (num_sanity_val_steps=2 batches of 3), then two epochs
+        assert record["shuffled"]["val"] == shard[:6] + shard * 2
 
 
 def test_user_sampler_is_wrapped_not_replaced(battery):
@@ -85,7 +87,8 @@ def test_user_sampler_is_wrapped_not_replaced(battery):
 def test_iterable_dataset_and_opt_out_are_left_alone(battery):
     ranks, _, _ = battery
     for record in ranks:
-        assert record["weighted"]["val"] == list(range(10))  # each rank reads the whole stream
+        # each rank reads the whole stream (after the sanity check's 2 batches of 4)
+        assert record["weighted"]["val"] == list(range(8)) + list(range(10))
         assert record["opt_out"]["train"][0] == list(range(20))  # use_distributed_sampler=False
 
 

@@ -185,10 +185,10 @@ print("deepspeed imported:", "deepspeed" in sys.modules)
     lines = out.splitlines()
     assert lines[-1] == "deepspeed imported: False"
     rows = {line.split()[0]: line.split()[1:] for line in lines[:-1]}
-    assert rows["deepspeed"] == ["deepspeed", "strategy", "['precision']", "2", "False", "False", "cpu"]
-    assert rows["deepspeed_stage_1"][3] == "1"
-    assert rows["deepspeed_stage_2_offload"][3:6] == ["2", "True", "False"]
-    assert rows["deepspeed_stage_3"][3:6] == ["3", "False", "False"]
-    assert rows["deepspeed_stage_3_offload"][3:6] == ["3", "True", "True"]
-    assert rows["deepspeed_stage_3_offload_nvme"][3:] == ["3", "True", "True", "nvme"]
+    assert rows["deepspeed"] == ["deepspeed", "strategy", "['gradient_clipping',", "'precision']", "2", "False", "False", "cpu"]
+    assert rows["deepspeed_stage_1"][4] == "1"
+    assert rows["deepspeed_stage_2_offload"][4:7] == ["2", "True", "False"]
+    assert rows["deepspeed_stage_3"][4:7] == ["3", "False", "False"]
+    assert rows["deepspeed_stage_3_offload"][4:7] == ["3", "True", "True"]
+    assert rows["deepspeed_stage_3_offload_nvme"][4:] == ["3", "True", "True", "nvme"]
     assert all(row[0] == name for name, row in rows.items())

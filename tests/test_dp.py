@@ -27,7 +27,7 @@ def test_dp_on_cpu_trains_like_the_reference_loop_in_this_process(capsys):
     # this process, so nothing is re-launched (a relaunch from pytest would fail).
     trainer = hookloop.Trainer(plugins=["dp"], devices=2, max_epochs=2, enable_checkpointing=False)
     trainer.fit(module, loader, DataLoader(tiny_data(32, seed=4), batch_size=16))
-    metrics = trainer.validate(module, DataLoader(tiny_data(32, seed=4), batch_size=16))
+    (metrics,) = trainer.validate(module, DataLoader(tiny_data(32, seed=4), batch_size=16))
     reference = TinyModule()
     reference_loop(reference, loader, epochs=2)
     assert max_abs_diff(state_of(module), state_of(reference)) < 1e-6

@@ -53,7 +53,7 @@ def test_validation_metrics_are_batch_weighted_means():
     data = tiny_data(50)
     module = TinyModule()
     trainer = hookloop.Trainer(enable_checkpointing=False)
-    metrics = trainer.validate(module, DataLoader(data, batch_size=16))
+    (metrics,) = trainer.validate(module, DataLoader(data, batch_size=16))
     x, y = data.tensors
     with torch.no_grad():
         logits = module(x)

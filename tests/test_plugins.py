@@ -232,6 +232,7 @@ def test_observer_events_in_order():
     trainer.fit(TinyModule(), DataLoader(tiny_data(40), batch_size=8), DataLoader(tiny_data(16), batch_size=8))
     assert rec.events == [
         ("setup", "fit"), ("fit_start", 0),
+        ("validation_end", ["val_acc", "val_loss"]),  # the sanity check (num_sanity_val_steps=2)
         ("epoch_start", 0), ("validation_end", ["val_acc", "val_loss"]), ("epoch_end", 0),
         ("epoch_start", 1), ("validation_end", ["val_acc", "val_loss"]), ("epoch_end", 1),
         ("fit_end", 10), ("teardown", "fit"),

@@ -9,8 +9,9 @@ Plugin authors: implement hooks from :mod:`hookloop.hookspecs` with ``@hookloop.
 and register the plugin under the entry-point group ``hookloop.plugins``.
 """
 
-from .checkpoint import atomic_save, check_state_dict, safe_load
+from .checkpoint import atomic_save, check_state_dict, optimizer_and_scheduler_states, safe_load
 from .config import TrainerConfig
+from .datamodule import DataModule
 from .errors import (
     CheckpointError,
     ConfigurationError,
@@ -35,8 +36,9 @@ from .helpers import (
     torch_reduce_op,
 )
 from .hookspecs import hookimpl, hookspec
-from .launch import in_worker
+from .launch import elastic_command, in_worker
 from .module import Module
+from .optim import SchedulerConfig, before_optimizer_step, schedulers_of
 from .plugins import installed_plugins, resolve as plugin
 from .trainer import Trainer, default
 
@@ -45,6 +47,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointError",
     "ConfigurationError",
+    "DataModule",
     "DistributedSamplerWrapper",
     "HookloopError",
     "MissingDependencyError",
@@ -52,15 +55,18 @@ __all__ = [
     "PluginConflictError",
     "PluginNotFoundError",
     "PluginValidationError",
+    "SchedulerConfig",
     "Trainer",
     "TrainerConfig",
     "apply_to_tensors",
     "atomic_save",
     "batch_size_of",
+    "before_optimizer_step",
     "check_state_dict",
     "clip_gradients",
     "default",
     "distributed_sampler",
+    "elastic_command",
     "env_int",
     "hookimpl",
     "hookspec",
@@ -68,10 +74,12 @@ __all__ = [
     "installed_plugins",
     "local_rank_device",
     "move_to_device",
+    "optimizer_and_scheduler_states",
     "plugin",
     "rebuild_dataloader",
     "repoint_lr_scheduler",
     "safe_load",
+    "schedulers_of",
     "seed_everything",
     "torch_reduce_op",
 ]

@@ -18,7 +18,9 @@ import torch
 
 from .errors import CheckpointError
 
-FORMAT_VERSION = 1
+#: 2: ``optimizer_states`` and ``lr_schedulers`` are lists (several optimizers), the
+#: loop state has a ``stage``, and ``metrics`` holds the epoch's partial sums.
+FORMAT_VERSION = 2
 
 
 def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
@@ -31,6 +33,9 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        # mkstemp creates 0600 and the rename keeps it: give the file the mode that
+        # open(path, "w") would, so other users and groups read it as the umask allows.
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
             f.flush()
@@ -51,6 +56,22 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
     except OSError:
         pass
     return path
+
+
+def _umask() -> int:
+    """The process umask, read without changing it where the system allows."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    # No /proc (macOS, old Linux kernels): os.umask is the only portable way to read it,
+    # and it sets it too; another thread creating a file in between gets 0o022 for a moment.
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
 
 
 def safe_load(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
@@ -76,6 +97,15 @@ def safe_load(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
             f"checkpoint {str(path)!r} cannot be read ({first}); it is corrupt or not a "
             f"hookloop/torch checkpoint. Resume from an earlier checkpoint."
         ) from exc
+
+
+def optimizer_and_scheduler_states(checkpoint: dict) -> tuple[list, list]:
+    """The optimizer and scheduler states of a checkpoint, as lists (format 1 kept one
+    of each under ``optimizer`` / ``lr_scheduler``)."""
+    if "optimizer_states" in checkpoint or "lr_schedulers" in checkpoint:
+        return list(checkpoint.get("optimizer_states") or []), list(checkpoint.get("lr_schedulers") or [])
+    optimizer, scheduler = checkpoint.get("optimizer"), checkpoint.get("lr_scheduler")
+    return ([optimizer] if optimizer is not None else []), ([scheduler] if scheduler is not None else [])
 
 
 def check_state_dict(model: torch.nn.Module, state_dict: dict, source: str = "checkpoint") -> None:

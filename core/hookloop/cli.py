@@ -14,7 +14,7 @@ import sys
 from . import plugins as registry
 from .config import TrainerConfig, env_defaults
 from .errors import HookloopError
-from .launch import run_command
+from .launch import is_plain_interpreter, run_command
 from .sourcescan import declared_role
 
 
@@ -131,7 +131,7 @@ def cmd_run(args) -> int:
             f"Installed: {', '.join(sorted(registry.installed_plugins())) or 'none'}"
         )
     cmd = pm.hook.launch_command(config=config, script=args.script, script_args=list(args.script_args))
-    return run_command(cmd, settings)
+    return run_command(cmd, settings, workers=not is_plain_interpreter(cmd, args.script))
 
 
 def main(argv: list[str] | None = None) -> int:

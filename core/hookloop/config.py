@@ -43,9 +43,15 @@ class TrainerConfig:
     precision: str = "32"
     default_root_dir: str = "."
     enable_checkpointing: bool = True
-    limit_train_batches: int | None = None
-    limit_val_batches: int | None = None
-    check_val_every_n_epoch: int = 1
+    limit_train_batches: int | float | None = None
+    limit_val_batches: int | float | None = None
+    limit_test_batches: int | float | None = None
+    limit_predict_batches: int | float | None = None
+    val_check_interval: int | float = 1.0
+    check_val_every_n_epoch: int | None = 1
+    num_sanity_val_steps: int = 2
+    fast_dev_run: bool | int = False
+    overfit_batches: int | float = 0
     use_distributed_sampler: bool = True
     autoload_plugins: bool = False
     plugin_options: dict = field(default_factory=dict)
@@ -57,10 +63,13 @@ class TrainerConfig:
             raise ConfigurationError(
                 f"accelerator={self.accelerator!r} is not one of 'auto', 'cpu', 'cuda'/'gpu'"
             )
-        for name in ("accumulate_grad_batches", "nodes", "check_val_every_n_epoch"):
+        for name in ("accumulate_grad_batches", "nodes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigurationError(f"{name}={value!r} must be an integer >= 1")
+        every = self.check_val_every_n_epoch
+        if every is not None and (not _is_int(every) or every < 1):
+            raise ConfigurationError(f"check_val_every_n_epoch={every!r} must be an integer >= 1, or None (count batches across epochs)")
         if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nodes:
             raise ConfigurationError(
                 f"node_rank={self.node_rank!r} must be in 0..nodes-1 (nodes={self.nodes})"
@@ -70,10 +79,50 @@ class TrainerConfig:
                 f"nodes={self.nodes} needs a rendezvous endpoint that every node can reach: "
                 f"--rdzv-endpoint HOST:PORT (the address of node 0)"
             )
-        for name in ("max_epochs", "max_steps", "limit_train_batches", "limit_val_batches"):
+        for name in ("max_epochs", "max_steps"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 0):
+            if value is not None and (not _is_int(value) or value < 0):
                 raise ConfigurationError(f"{name}={value!r} must be None or an integer >= 0")
+        for name in ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches", "overfit_batches"):
+            value = getattr(self, name)
+            if value is None and name != "overfit_batches":
+                continue
+            if not _is_count_or_fraction(value):
+                raise ConfigurationError(
+                    f"{name}={value!r} must be a number of batches (an integer >= 0) or a "
+                    f"fraction of the loader (a float in [0.0, 1.0])"
+                )
+        interval = self.val_check_interval
+        if not (_is_int(interval) and interval >= 1) and not (isinstance(interval, float) and 0.0 < interval <= 1.0):
+            raise ConfigurationError(
+                f"val_check_interval={interval!r} must be a number of training batches (an integer "
+                f">= 1) or a fraction of the epoch (a float in (0.0, 1.0])"
+            )
+        if self.check_val_every_n_epoch is None and not _is_int(interval):
+            raise ConfigurationError(
+                "check_val_every_n_epoch=None counts batches across epochs, which needs "
+                "val_check_interval to be a number of batches (an integer)"
+            )
+        if not _is_int(self.num_sanity_val_steps) or self.num_sanity_val_steps < -1:
+            raise ConfigurationError(
+                f"num_sanity_val_steps={self.num_sanity_val_steps!r} must be an integer >= 0, or -1 "
+                f"for the whole validation set"
+            )
+        fast = self.fast_dev_run
+        if not isinstance(fast, (bool, int)) or (not isinstance(fast, bool) and fast < 0):
+            raise ConfigurationError(f"fast_dev_run={fast!r} must be True/False or a number of batches >= 0")
+        if fast:
+            # Lightning's debugging run: n batches of every loop, once, nothing saved.
+            n = 1 if fast is True else int(fast)
+            self.limit_train_batches = self.limit_val_batches = n
+            self.limit_test_batches = self.limit_predict_batches = n
+            self.max_steps, self.max_epochs = n, 1
+            self.num_sanity_val_steps = 0
+            self.val_check_interval, self.check_val_every_n_epoch = 1.0, 1
+            self.enable_checkpointing = False
+        if self.overfit_batches:
+            # Lightning: the same first batches for training and validation, unshuffled.
+            self.limit_train_batches = self.limit_val_batches = self.overfit_batches
         if self.gradient_clip_val is not None and self.gradient_clip_val <= 0:
             raise ConfigurationError(
                 f"gradient_clip_val={self.gradient_clip_val!r} must be positive (or None)"
@@ -88,6 +137,16 @@ class TrainerConfig:
         """Processes per node that ``devices`` asks for."""
         return count_devices(self.devices)
 
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_count_or_fraction(value: Any) -> bool:
+    if _is_int(value):
+        return value >= 0
+    return isinstance(value, float) and 0.0 <= value <= 1.0
 
 
 def count_devices(devices: Any) -> int:

@@ -1,8 +1,10 @@
-"""The built-in plugin: single-process defaults for every ``firstresult`` hook.
+"""The built-in plugin ``hookloop.defaults``: single-process defaults.
 
-It is an ordinary plugin, registered first so pluggy calls it last. Strategies replace
-any of these by implementing the same hook and returning a value; they never need a
-special case in the loop.
+It implements every ``firstresult`` hook except ``select_devices``, ``spawn``,
+``wrap_optimizer`` and ``configure_sampler`` (whose default is to do nothing). It is an
+ordinary plugin, registered first and marked ``trylast``, so pluggy calls it last.
+Strategies replace any of these by implementing the same hook and returning a value;
+they never need a special case in the loop.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ import contextlib
 from . import checkpoint as ckpt
 from .config import TrainerConfig
 from .errors import CheckpointError
-from .helpers import clip_gradients, local_rank_device
+from .helpers import local_rank_device
 from .hookspecs import hookimpl
 from .launch import elastic_command
+from .optim import before_optimizer_step
 
 
 class Defaults:
@@ -59,7 +62,7 @@ class Defaults:
 
     @hookimpl(trylast=True)
     def optimizer_step(self, trainer, optimizer):
-        clip_gradients(trainer, optimizer)
+        before_optimizer_step(trainer, optimizer)
         optimizer.step()
         return True
 
@@ -101,8 +104,24 @@ class Defaults:
             raise CheckpointError("checkpoint has no 'state_dict': it was not written by hookloop")
         ckpt.check_state_dict(trainer.module, checkpoint["state_dict"])
         trainer.module.load_state_dict(checkpoint["state_dict"])
-        if trainer.optimizer is not None and checkpoint.get("optimizer") is not None:
-            trainer.optimizer.load_state_dict(checkpoint["optimizer"])
-        if trainer.lr_scheduler is not None and checkpoint.get("lr_scheduler") is not None:
-            trainer.lr_scheduler.load_state_dict(checkpoint["lr_scheduler"])
+        optimizer_states, scheduler_states = ckpt.optimizer_and_scheduler_states(checkpoint)
+        if trainer.optimizers and optimizer_states:
+            if len(optimizer_states) != len(trainer.optimizers):
+                raise CheckpointError(
+                    f"the checkpoint holds the state of {len(optimizer_states)} optimizer(s) and "
+                    f"configure_optimizers returned {len(trainer.optimizers)}: resume with the "
+                    f"optimizers it was saved with"
+                )
+            for optimizer, state in zip(trainer.optimizers, optimizer_states):
+                optimizer.load_state_dict(state)
+        configs = trainer.lr_scheduler_configs
+        if configs and scheduler_states:
+            if len(scheduler_states) != len(configs):
+                raise CheckpointError(
+                    f"the checkpoint holds {len(scheduler_states)} LR scheduler(s) and "
+                    f"configure_optimizers returned {len(configs)}: resume with the schedulers it "
+                    f"was saved with"
+                )
+            for config, state in zip(configs, scheduler_states):
+                config.scheduler.load_state_dict(state)
         return True

@@ -15,10 +15,13 @@ How to read a hook below:
 
 * ``firstresult``: the core stops at the first implementation that returns something
   other than ``None`` and uses that value ("Stops at first non-None result"). The core's
-  built-in ``single`` plugin implements every ``firstresult`` hook with the
-  single-process default and is registered *first*, so pluggy calls it *last*: your
-  implementation runs before the default and wins by returning a value, or defers to it
-  by returning ``None``.
+  built-in plugin, named ``hookloop.defaults`` (``hookloop/defaults.py``), implements the
+  single-process default of every ``firstresult`` hook except ``select_devices``,
+  ``spawn``, ``wrap_optimizer`` and ``configure_sampler``, whose default is "nothing to
+  do" (``None``: keep the devices, run in this process, keep the optimizer, keep the
+  loader). It is registered *first* and marked ``trylast``, so pluggy calls it *last*:
+  your implementation runs before the default and wins by returning a value, or defers
+  to it by returning ``None``.
 * Hooks without ``firstresult`` call every implementation; their return values are
   collected in a list (most hooks here return nothing).
 * Implement a hook with ``@hookloop.hookimpl`` on a function (module plugin) or method
@@ -116,7 +119,8 @@ def spawn(trainer, function):
 def setup_environment(trainer):
     """Initialise the distributed environment of this process; strategies only.
 
-    Called once per ``fit``/``validate`` in every worker, before any other ``setup``.
+    Called once per ``fit``/``validate``/``test``/``predict`` in every worker, before any
+    other ``setup``.
     A strategy initialises its process group (or ``hvd.init()``) here and sets
     ``trainer.world_size``, ``trainer.global_rank``, ``trainer.local_rank``,
     ``trainer.node_rank`` and ``trainer.root_device``. The built-in default sets a world
@@ -130,12 +134,14 @@ def setup_environment(trainer):
 def setup(trainer, stage):
     """Prepare a plugin for a run; every plugin.
 
-    Called once per ``fit``/``validate`` in every worker, after ``setup_environment``
-    (so ranks and ``root_device`` are known) and before the model is built. Create
+    Called once per ``fit``/``validate``/``test``/``predict`` in every worker, after
+    ``setup_environment`` (so ranks and ``root_device`` are known), after the
+    DataModule's ``prepare_data``/``setup`` (so ``trainer.train_dataloader`` and
+    ``trainer.val_dataloaders`` are known) and before the model is built. Create
     scalers, open log files, check composition with the other plugins here (raise a
     :class:`hookloop.ConfigurationError` for impossible combinations).
 
-    :param stage: ``"fit"`` or ``"validate"``.
+    :param stage: ``"fit"``, ``"validate"``, ``"test"`` or ``"predict"``.
     """
 
 
@@ -143,7 +149,8 @@ def setup(trainer, stage):
 def teardown(trainer, stage):
     """Release what ``setup`` acquired; every plugin.
 
-    Called once at the end of ``fit``/``validate``, also after an exception. Destroy
+    Called once at the end of ``fit``/``validate``/``test``/``predict``, also after an
+    exception. Destroy
     process groups, close files. Must not raise for resources never acquired.
     """
 
@@ -166,17 +173,21 @@ def model_init_context(trainer):
 
 
 @hookspec(firstresult=True)
-def wrap_model(trainer, model, optimizer):
+def wrap_model(trainer, model, optimizer, optimizers):
     """Place and wrap the model for training; strategies.
 
-    :param model: a ``torch.nn.Module`` whose ``forward(kind, batch, batch_idx)`` calls
-        the user's ``training_step``/``validation_step``. Wrappers such as
+    :param model: a ``torch.nn.Module`` (the *step module*) whose
+        ``forward(kind, batch, batch_idx, dataloader_idx=None)`` calls the user's step
+        for ``kind``: ``"train"`` -> ``training_step``, ``"validate"`` ->
+        ``validation_step``, ``"test"`` -> ``test_step``, ``"predict"`` ->
+        ``predict_step`` (or the module's ``forward``). Wrappers such as
         ``DistributedDataParallel`` wrap *this* module so their forward hooks see every
-        step.
-    :param optimizer: the optimizer from the user's ``configure_optimizers`` (or
-        ``None`` for ``validate``). Strategies that need it to wrap (fairscale's
+        step. ``model.module`` is the user's module.
+    :param optimizer: the first optimizer from the user's ``configure_optimizers`` (or
+        ``None`` outside ``fit``). Strategies that need it to wrap (fairscale's
         ShardedDataParallel, DeepSpeed's engine) take it here and hand their replacement
         back through :func:`wrap_optimizer`.
+    :param optimizers: all of them, in order (several only with manual optimization).
     :returns: the module the loop will call. The default moves ``model`` to
         ``trainer.root_device`` and returns it.
 
@@ -188,10 +199,12 @@ def wrap_model(trainer, model, optimizer):
 def wrap_optimizer(trainer, model, optimizer):
     """Replace or wrap the optimizer; strategies.
 
-    Called after :func:`wrap_model` with the wrapped ``model``. Horovod returns its
-    ``DistributedOptimizer``; fairscale returns ``OSS``; DeepSpeed returns the engine's
-    optimizer. A replacement must keep ``param_groups`` shared with the original or
-    re-point ``trainer.lr_scheduler`` at itself.
+    Called after :func:`wrap_model` with the wrapped ``model``, once per optimizer of
+    ``configure_optimizers``. Horovod returns its ``DistributedOptimizer``; fairscale
+    returns ``OSS``; DeepSpeed returns the engine's optimizer. A replacement must keep
+    ``param_groups`` shared with the original, or re-point the schedulers that drive
+    ``optimizer`` (:func:`hookloop.schedulers_of`) at itself with
+    :func:`hookloop.repoint_lr_scheduler`.
 
     :returns: the optimizer to step, or ``None`` to keep ``optimizer``.
 
@@ -203,13 +216,14 @@ def wrap_optimizer(trainer, model, optimizer):
 def configure_sampler(trainer, dataloader, training):
     """Return the sampler the loop should use for ``dataloader`` in this process.
 
-    Called once per loader at the start of ``fit``/``validate``. Distributed strategies
-    return a sampler that gives this rank its share (see
-    :func:`hookloop.distributed_sampler`); the core rebuilds the loader around it and
+    Called once per loader at the start of a run. Distributed strategies return a
+    sampler that gives this rank its share (see :func:`hookloop.distributed_sampler`);
+    the core rebuilds the loader around it (:func:`hookloop.rebuild_dataloader`) and
     calls ``sampler.set_epoch(epoch)`` at each epoch when the sampler has it.
 
     :param dataloader: the user's ``torch.utils.data.DataLoader``.
-    :param training: ``True`` for training loaders (shuffle), ``False`` for validation.
+    :param training: ``True`` for the training loader, ``False`` for validation, test
+        and prediction loaders (never shuffled).
     :returns: a ``Sampler``, or ``None`` to leave the loader as it is (iterable
         datasets, or the user opted out).
 
@@ -224,7 +238,8 @@ def configure_sampler(trainer, dataloader, training):
 
 @hookspec
 def forward_context(trainer):
-    """Return a context manager to wrap each forward (``training_step``/``validation_step``).
+    """Return a context manager to wrap each step (``training_step``, ``validation_step``,
+    ``test_step``, ``predict_step``).
 
     Precision plugins return ``torch.autocast(...)``. Every returned context is entered,
     in hook-call order. Called once per ``fit``/``validate``; the returned objects are
@@ -250,8 +265,12 @@ def backward(trainer, loss, model, optimizer):
     """Compute gradients of ``loss``.
 
     Called for every micro-batch with the loss already divided by
-    ``accumulate_grad_batches``. The default is ``loss.backward()``; AMP scales the loss
-    first, DeepSpeed calls ``engine.backward``.
+    ``accumulate_grad_batches``, and for every ``self.manual_backward(loss)`` under
+    manual optimization (``optimizer`` is then ``None`` and ``trainer.automatic_optimization``
+    is ``False``: DDP prepares its reducer here, since that backward runs inside the
+    wrapped forward). The default is ``loss.backward()``; AMP scales the loss first,
+    DeepSpeed calls ``engine.backward``. Per step: implementing it costs one pluggy call
+    per micro-batch.
 
     :returns: ``True`` when handled. Stops at first non-None result.
     """
@@ -261,10 +280,11 @@ def backward(trainer, loss, model, optimizer):
 def optimizer_step(trainer, optimizer, model):
     """Clip gradients (if ``gradient_clip_val``) and step the optimizer.
 
-    Called once per accumulation window. Use :func:`hookloop.clip_gradients` for the
-    clipping so all plugins clip the same way. The default clips and calls
-    ``optimizer.step()``; AMP unscales, clips, steps through the ``GradScaler`` and
-    updates the scale.
+    Called once per accumulation window, and for every ``optimizer.step()`` of manual
+    optimization. Call :func:`hookloop.before_optimizer_step` right before stepping (it
+    fires :func:`on_before_optimizer_step` and clips as configured), so all plugins clip
+    the same way. The default does that and calls ``optimizer.step()``; AMP unscales
+    first, then steps through the ``GradScaler`` and updates the scale.
 
     :returns: ``True`` when the step was taken, ``False`` when it was skipped (inf/nan
         gradients). Stops at first non-None result.
@@ -283,10 +303,10 @@ def zero_grad(trainer, optimizer, model):
 def training_step_end(trainer, outputs):
     """Post-process what ``training_step`` returned before the loop checks it.
 
-    DataParallel gathers per-replica outputs; it calls the user's own
-    ``training_step_end`` here. Return the new outputs, or ``None`` to keep them. Later
-    plugins see earlier results via the loop (each non-None result replaces
-    ``outputs``).
+    Called after the user's own ``training_step_end`` (which receives DataParallel's
+    gathered per-replica outputs). Return the new outputs, or ``None`` to keep them;
+    each non-None result replaces ``outputs`` for the next implementation. The dp
+    strategy averages gathered per-replica losses here.
     """
 
 
@@ -382,13 +402,36 @@ def on_load_checkpoint(trainer, checkpoint):
 
 
 # ---------------------------------------------------------------------------------------
-# 7. Observers: callbacks run after the math and cannot change it
+# 7. Observers: events for callbacks, the user's module hooks among them
 # ---------------------------------------------------------------------------------------
+#
+# Observers run after the math and cannot change it: they receive detached values and
+# their return values are ignored (except ``on_train_batch_start``'s ``-1``, below).
+#
+# The user's module is an observer too: a module that defines ``on_train_epoch_end``
+# (or any hook of Lightning's ``LightningModule`` listed in :data:`MODULE_HOOKS`) has it
+# called through the event of the same name, before every plugin's implementation (so
+# a metric the module logs there is in ``metrics`` for the plugins after it). A module
+# that defines none of them costs nothing.
+#
+# Order of one ``fit`` (docs/hooks.md has the traced sequence, checked by a test):
+#   setup -> on_fit_start -> [on_sanity_check_start -> validation events ->
+#   on_sanity_check_end] -> on_train_start -> per epoch: on_train_epoch_start -> per
+#   batch: on_train_batch_start, on_before_backward, on_after_backward,
+#   on_before_optimizer_step, on_before_zero_grad, on_train_batch_end -> (validation
+#   events, also mid-epoch with ``val_check_interval``) -> on_train_epoch_end ->
+#   on_train_end -> on_fit_end -> teardown.
+#
+# ``trainer.global_step`` counts optimizer steps; in ``on_train_batch_end`` it already
+# includes the step of that batch (if the batch ended an accumulation window).
 
 
 @hookspec
 def on_fit_start(trainer):
-    """The model, optimizer and loaders are ready; training is about to start."""
+    """The model, optimizers and loaders are ready; training is about to start.
+
+    Called once per ``fit``, before the sanity check, in every worker.
+    """
 
 
 @hookspec
@@ -397,30 +440,232 @@ def on_fit_end(trainer):
 
 
 @hookspec
-def on_train_epoch_start(trainer, epoch):
-    """An epoch of training starts."""
+def on_sanity_check_start(trainer):
+    """The sanity check starts: ``num_sanity_val_steps`` validation batches before
+    training (``trainer.sanity_checking`` is ``True`` until :func:`on_sanity_check_end`).
+    Its metrics never reach ``trainer.callback_metrics``."""
 
 
 @hookspec
-def on_train_batch_end(trainer, loss, batch_idx):
-    """A training micro-batch finished; ``loss`` is the detached (undivided) loss.
+def on_sanity_check_end(trainer):
+    """The sanity check ended."""
 
-    Called every micro-batch, so keep it cheap: do not call ``.item()`` on every
-    step unless you need to (it synchronises with the device).
+
+@hookspec
+def on_train_start(trainer):
+    """The first training epoch is about to start (after the sanity check)."""
+
+
+@hookspec
+def on_train_end(trainer):
+    """The last training epoch ended (before :func:`on_fit_end`)."""
+
+
+@hookspec
+def on_train_epoch_start(trainer, epoch):
+    """An epoch of training starts; ``epoch`` is ``trainer.current_epoch``."""
+
+
+@hookspec
+def on_train_batch_start(trainer, batch, batch_idx):
+    """A training micro-batch (already on the device) is about to run.
+
+    Per step: nobody implementing it costs nothing. Returning ``-1`` ends the epoch
+    here, as Lightning's ``on_train_batch_start`` does.
+    """
+
+
+@hookspec
+def on_before_backward(trainer, loss):
+    """``loss`` (divided by ``accumulate_grad_batches``) is about to be backpropagated."""
+
+
+@hookspec
+def on_after_backward(trainer):
+    """Gradients of the micro-batch were accumulated (under fp16 still scaled, and under
+    DDP not yet averaged on micro-batches that do not step)."""
+
+
+@hookspec
+def on_before_optimizer_step(trainer, optimizer):
+    """The optimizer is about to step, once per accumulation window.
+
+    Gradients are final: unscaled (fp16), averaged across ranks where the strategy
+    averages them (Horovod synchronises first), and not yet clipped. The place for
+    gradient-norm monitors. Strategies and precision plugins that step the optimizer
+    call :func:`hookloop.before_optimizer_step` right before stepping, which fires this
+    event and then clips.
+    """
+
+
+@hookspec
+def on_before_zero_grad(trainer, optimizer):
+    """The optimizer stepped and its gradients are about to be reset."""
+
+
+@hookspec
+def on_train_batch_end(trainer, outputs, loss, batch, batch_idx):
+    """A training micro-batch finished.
+
+    :param outputs: what ``training_step`` returned (after ``training_step_end``).
+    :param loss: the detached loss, not divided by ``accumulate_grad_batches``
+        (``None`` under manual optimization when ``training_step`` returned none).
+
+    Called every micro-batch, so keep it cheap: do not call ``.item()`` on every step
+    unless you need to (it synchronises with the device). ``trainer.global_step``
+    already counts this batch's optimizer step.
     """
 
 
 @hookspec
 def on_train_epoch_end(trainer, epoch, metrics):
-    """An epoch of training ended. ``metrics`` maps logged names to floats."""
+    """An epoch of training ended (after its validation, if any ran).
+
+    :param metrics: the epoch's metrics as floats: what was logged in training this
+        epoch (epoch means and the last step values) and the validation metrics of this
+        epoch's validation, if one ran; a metric the module logs in its own
+        ``on_train_epoch_end`` is added before the plugins see it.
+
+    Epoch-interval LR schedulers have stepped already, except ``ReduceLROnPlateau``
+    (stepped after this event, so it can monitor what was logged here).
+    """
+
+
+@hookspec
+def on_validation_start(trainer):
+    """A validation run starts (end of epoch, ``val_check_interval``, sanity check or
+    ``trainer.validate``); the model is in eval mode."""
+
+
+@hookspec
+def on_validation_epoch_start(trainer):
+    """The validation epoch starts (after :func:`on_validation_start`)."""
+
+
+@hookspec
+def on_validation_batch_start(trainer, batch, batch_idx, dataloader_idx):
+    """A validation batch (on the device) is about to run."""
+
+
+@hookspec
+def on_validation_batch_end(trainer, outputs, batch, batch_idx, dataloader_idx):
+    """A validation batch finished; ``outputs`` is what ``validation_step`` returned."""
+
+
+@hookspec
+def on_validation_epoch_end(trainer):
+    """Every validation batch ran; metrics are not reduced yet (the module may log
+    epoch-level values here)."""
 
 
 @hookspec
 def on_validation_end(trainer, metrics):
     """Validation finished; ``metrics`` maps logged names to floats, already reduced
-    across ranks where the user asked for ``sync_dist``."""
+    across ranks where the user asked for ``sync_dist``. During the sanity check
+    (``trainer.sanity_checking``) they are the sanity batches' and are discarded after."""
+
+
+@hookspec
+def on_test_start(trainer):
+    """``trainer.test`` starts; the model is in eval mode."""
+
+
+@hookspec
+def on_test_epoch_start(trainer):
+    """The test epoch starts."""
+
+
+@hookspec
+def on_test_batch_start(trainer, batch, batch_idx, dataloader_idx):
+    """A test batch (on the device) is about to run."""
+
+
+@hookspec
+def on_test_batch_end(trainer, outputs, batch, batch_idx, dataloader_idx):
+    """A test batch finished; ``outputs`` is what ``test_step`` returned."""
+
+
+@hookspec
+def on_test_epoch_end(trainer):
+    """Every test batch ran; metrics are not reduced yet."""
+
+
+@hookspec
+def on_test_end(trainer, metrics):
+    """Testing finished; ``metrics`` maps logged names to floats (reduced as logged)."""
+
+
+@hookspec
+def on_predict_start(trainer):
+    """``trainer.predict`` starts; the model is in eval mode."""
+
+
+@hookspec
+def on_predict_epoch_start(trainer):
+    """The prediction epoch starts."""
+
+
+@hookspec
+def on_predict_batch_start(trainer, batch, batch_idx, dataloader_idx):
+    """A prediction batch (on the device) is about to run."""
+
+
+@hookspec
+def on_predict_batch_end(trainer, outputs, batch, batch_idx, dataloader_idx):
+    """A prediction batch finished; ``outputs`` is what ``predict_step`` returned."""
+
+
+@hookspec
+def on_predict_epoch_end(trainer):
+    """Every prediction batch ran (before predictions are gathered across ranks)."""
+
+
+@hookspec
+def on_predict_end(trainer):
+    """Prediction finished."""
 
 
 @hookspec
 def on_exception(trainer, exception):
-    """``fit``/``validate`` raised ``exception``; called before it propagates."""
+    """``fit``/``validate``/``test``/``predict`` raised ``exception``; called before it
+    propagates (not for ``KeyboardInterrupt``/``SystemExit``)."""
+
+
+#: Hooks of the user's module (Lightning's ``LightningModule`` names) and the arguments
+#: they are called with, in order. Each is called through the event of the same name.
+MODULE_HOOKS: dict[str, tuple[str, ...]] = {
+    "setup": ("stage",),
+    "teardown": ("stage",),
+    "on_fit_start": (),
+    "on_fit_end": (),
+    "on_train_start": (),
+    "on_train_end": (),
+    "on_train_epoch_start": (),
+    "on_train_epoch_end": (),
+    "on_train_batch_start": ("batch", "batch_idx"),
+    "on_train_batch_end": ("outputs", "batch", "batch_idx"),
+    "on_before_backward": ("loss",),
+    "on_after_backward": (),
+    "on_before_optimizer_step": ("optimizer",),
+    "on_before_zero_grad": ("optimizer",),
+    "on_validation_start": (),
+    "on_validation_end": (),
+    "on_validation_epoch_start": (),
+    "on_validation_epoch_end": (),
+    "on_validation_batch_start": ("batch", "batch_idx", "dataloader_idx"),
+    "on_validation_batch_end": ("outputs", "batch", "batch_idx", "dataloader_idx"),
+    "on_test_start": (),
+    "on_test_end": (),
+    "on_test_epoch_start": (),
+    "on_test_epoch_end": (),
+    "on_test_batch_start": ("batch", "batch_idx", "dataloader_idx"),
+    "on_test_batch_end": ("outputs", "batch", "batch_idx", "dataloader_idx"),
+    "on_predict_start": (),
+    "on_predict_end": (),
+    "on_predict_epoch_start": (),
+    "on_predict_epoch_end": (),
+    "on_predict_batch_start": ("batch", "batch_idx", "dataloader_idx"),
+    "on_predict_batch_end": ("outputs", "batch", "batch_idx", "dataloader_idx"),
+    "on_save_checkpoint": ("checkpoint",),
+    "on_load_checkpoint": ("checkpoint",),
+}

@@ -46,14 +46,25 @@ def elastic_command(config: TrainerConfig, script: str, script_args: list[str]) 
     return [*cmd, script, *script_args]
 
 
-def run_command(cmd: list[str], defaults: dict | None = None) -> int:
+def is_plain_interpreter(cmd: list[str], script: str) -> bool:
+    """Whether ``cmd`` runs ``script`` in one plain interpreter (no launcher around it)."""
+    return len(cmd) >= 2 and cmd[0] == sys.executable and cmd[1] == script
+
+
+def run_command(cmd: list[str], defaults: dict | None = None, workers: bool = True) -> int:
     """Run a launch command and return its exit code.
 
     ``defaults`` (the options given to ``hookloop run``) become the Trainer defaults of
     the workers; without them the workers inherit this process's environment as is.
+    ``workers=False`` for a plain interpreter: that process is not a launched worker, so
+    a ``Trainer`` in it that asks for several processes starts them (through the
+    strategy's launcher) instead of silently training alone.
     """
     env = dict(os.environ)
-    env[WORKER_ENV] = "1"
+    if workers:
+        env[WORKER_ENV] = "1"
+    else:
+        env.pop(WORKER_ENV, None)
     if defaults is not None:
         env[DEFAULTS_ENV] = json.dumps(defaults)
     proc = subprocess.Popen(cmd, env=env)

@@ -1,28 +1,160 @@
-"""The user's side: ``hookloop.Module``, an ``nn.Module`` with ``log``.
+"""The user's side: ``hookloop.Module``, an ``nn.Module`` with Lightning's API.
 
 A training module defines ``training_step(batch, batch_idx)`` returning the loss (a
 scalar tensor, or a dict with a ``"loss"`` entry) and ``configure_optimizers()``; it may
-define ``validation_step``, ``configure_model`` (layers built inside the strategy's
-sharded-initialisation context) and ``training_step_end`` (DataParallel's gathered
-outputs). It holds no device code: the loop moves the model and every batch.
+define ``validation_step``, ``test_step``, ``predict_step`` (default: ``self(batch)``),
+``configure_model`` (layers built inside the strategy's sharded-initialisation context),
+``training_step_end`` (DataParallel's gathered outputs) and any hook of
+:data:`hookloop.hookspecs.MODULE_HOOKS` (``on_train_epoch_end``, ``on_save_checkpoint``
+...). It holds no device code: the loop moves the model and every batch.
 
 Any ``nn.Module`` with those methods works; subclass ``hookloop.Module`` to get
-``self.log`` and ``self.trainer``.
+``self.log``, ``self.trainer``, ``self.device``, hyperparameters and manual optimization.
 """
 
 from __future__ import annotations
 
+import inspect
 import threading
 from typing import Any
 
 import torch
 from torch import nn
 
+from .errors import ConfigurationError
 from .helpers import REDUCE_OPS, batch_size_of
+from .hookspecs import MODULE_HOOKS, hookimpl
+
+# ---------------------------------------------------------------------------------------
+# Hyperparameters (shared with DataModule)
+# ---------------------------------------------------------------------------------------
 
 
-class Module(nn.Module):
-    """Base class for training modules: ``nn.Module`` plus ``log`` and ``trainer``."""
+class AttributeDict(dict):
+    """A dict whose keys read as attributes: ``self.hparams.lr``."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"no hyperparameter {name!r}; saved: {', '.join(self) or 'none'}") from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self[name] = value
+
+
+# What torch.load(weights_only=True) reads back: hyperparameters must be made of these.
+_SAFE_LEAVES = (type(None), bool, int, float, complex, str, bytes, torch.Tensor, torch.dtype, torch.device)
+
+
+def _unsafe_part(value: Any) -> str | None:
+    """The type name of the first part of ``value`` a weights-only load cannot hold."""
+    if isinstance(value, _SAFE_LEAVES):
+        return None
+    if isinstance(value, (list, tuple, set, frozenset)):
+        for item in value:
+            bad = _unsafe_part(item)
+            if bad:
+                return bad
+        return None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            bad = _unsafe_part(k) or _unsafe_part(v)
+            if bad:
+                return bad
+        return None
+    return type(value).__name__
+
+
+class HyperparametersMixin:
+    """``save_hyperparameters()`` and ``hparams``, as in Lightning."""
+
+    @property
+    def hparams(self) -> AttributeDict:
+        hparams = self.__dict__.get("_hookloop_hparams")
+        if hparams is None:
+            hparams = AttributeDict()
+            self.__dict__["_hookloop_hparams"] = hparams
+        return hparams
+
+    def save_hyperparameters(self, *args: Any, ignore: str | list[str] | None = None, frame: Any = None, logger: bool = True) -> None:
+        """Keep the ``__init__`` arguments in ``self.hparams`` and in every checkpoint.
+
+        Called in ``__init__`` with no arguments it takes all of ``__init__``'s arguments
+        (by their values at the time of the call); names pick some of them, a dict gives
+        them directly; ``ignore`` leaves some out. ``Module.load_from_checkpoint(path)``
+        re-creates the module from them. Checkpoints are loaded with
+        ``torch.load(weights_only=True)``, so each value must be made of numbers,
+        strings, tensors, ``None``, lists, tuples and dicts: anything else (a module, a
+        loss function) is an error naming it; pass it in ``ignore``.
+        """
+        ignore = [ignore] if isinstance(ignore, str) else list(ignore or ())
+        if len(args) == 1 and isinstance(args[0], dict):
+            values = dict(args[0])
+        else:
+            caller = frame if frame is not None else inspect.currentframe().f_back
+            init_args = _init_arguments(caller)
+            names = [a for a in args if isinstance(a, str)]
+            unknown = [n for n in names if n not in init_args]
+            if unknown:
+                raise ConfigurationError(
+                    f"save_hyperparameters({', '.join(map(repr, unknown))}): not an argument of "
+                    f"{type(self).__name__}.__init__ (its arguments: {', '.join(init_args) or 'none'})"
+                )
+            values = {n: init_args[n] for n in names} if names else init_args
+        values = {k: v for k, v in values.items() if k not in ignore}
+        for key, value in values.items():
+            bad = _unsafe_part(value)
+            if bad:
+                raise ConfigurationError(
+                    f"hyperparameter {key!r} of {type(self).__name__} is (or holds) a {bad}, which a "
+                    f"checkpoint cannot keep: checkpoints are loaded with torch.load(weights_only=True), "
+                    f"which reads only numbers, strings, tensors, None, lists, tuples and dicts. Leave "
+                    f"it out with self.save_hyperparameters(ignore=[{key!r}]) (and build it in __init__)."
+                )
+        self.hparams.update(values)
+
+
+def _init_arguments(frame: Any) -> dict[str, Any]:
+    """The arguments of the ``__init__`` running in ``frame`` (without ``self``)."""
+    code = frame.f_code
+    if code.co_name != "__init__":
+        raise ConfigurationError(
+            "save_hyperparameters() without arguments must be called inside __init__; elsewhere "
+            "pass the values: self.save_hyperparameters({'lr': lr})"
+        )
+    count = code.co_argcount + code.co_kwonlyargcount
+    names = list(code.co_varnames[:count])
+    local = frame.f_locals
+    values = {n: local[n] for n in names[1:] if n in local}
+    if code.co_flags & inspect.CO_VARKEYWORDS:
+        extra = local.get(code.co_varnames[count + bool(code.co_flags & inspect.CO_VARARGS)], {})
+        values.update(extra if isinstance(extra, dict) else {})
+    return values
+
+
+# ---------------------------------------------------------------------------------------
+# The module
+# ---------------------------------------------------------------------------------------
+
+
+class Module(HyperparametersMixin, nn.Module):
+    """Base class for training modules: ``nn.Module`` plus Lightning's module API.
+
+    ``log``/``log_dict``, ``trainer``, ``device``, ``current_epoch``, ``global_step``,
+    ``save_hyperparameters``/``hparams``/``load_from_checkpoint``, and manual
+    optimization (``automatic_optimization = False``, ``optimizers()``,
+    ``lr_schedulers()``, ``manual_backward``, ``clip_gradients``,
+    ``toggle_optimizer``). Every hook in :data:`hookloop.hookspecs.MODULE_HOOKS` exists
+    here as a no-op, so ``super().on_train_epoch_end()`` works; only the ones a subclass
+    overrides are called.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.automatic_optimization = True
+
+    # -- the run this module is attached to ---------------------------------------------
 
     @property
     def trainer(self):
@@ -31,31 +163,73 @@ class Module(nn.Module):
             raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer")
         return trainer
 
+    @property
+    def device(self) -> torch.device:
+        """The device the loop runs this module on (its parameters' device outside a run)."""
+        trainer = self.__dict__.get("_hookloop_trainer")
+        if trainer is not None:
+            return trainer.root_device
+        for tensor in self.parameters():
+            return tensor.device
+        for tensor in self.buffers():
+            return tensor.device
+        return torch.device("cpu")
+
+    @property
+    def current_epoch(self) -> int:
+        trainer = self.__dict__.get("_hookloop_trainer")
+        return trainer.current_epoch if trainer is not None else 0
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken so far (every optimizer's, under manual optimization)."""
+        trainer = self.__dict__.get("_hookloop_trainer")
+        return trainer.global_step if trainer is not None else 0
+
+    # -- logging ------------------------------------------------------------------------
+
     def log(
         self,
         name: str,
         value: Any,
         prog_bar: bool = False,
-        sync_dist: bool = False,
-        reduce_op: str = "mean",
+        logger: bool | None = None,
         on_step: bool | None = None,
         on_epoch: bool | None = None,
+        reduce_fx: Any = "mean",
+        enable_graph: bool = False,
+        sync_dist: bool = False,
+        sync_dist_group: Any = None,
+        add_dataloader_idx: bool = True,
         batch_size: int | None = None,
+        metric_attribute: str | None = None,
+        rank_zero_only: bool = False,
+        reduce_op: str | None = None,
     ) -> None:
-        """Record a metric.
+        """Record a metric (Lightning's ``self.log``; the same arguments).
 
-        In ``training_step`` a value is kept per step (``on_step=True``) unless
-        ``on_epoch=True`` asks for the mean over the epoch; in ``validation_step`` it is
-        averaged over the validation set, weighted by batch size. ``sync_dist=True``
-        reduces it across ranks with ``reduce_op`` ("mean", "sum", "max", "min"), so every
-        rank reports the same number. Read metrics back from ``trainer.callback_metrics``.
+        Defaults follow Lightning: in ``training_step`` a value is kept per step
+        (``on_step=True``); in validation/test steps and in epoch-level hooks it is
+        averaged over the epoch, weighted by batch size (``batch_size=`` overrides the
+        size inferred from the batch). With both ``on_step`` and ``on_epoch`` the metric
+        is reported as ``name_step`` and ``name_epoch`` (and ``name``). ``sync_dist=True``
+        reduces across ranks with ``reduce_fx`` (``"mean"``, ``"sum"``, ``"max"``,
+        ``"min"`` or ``torch.mean``...), so every rank reports the same number; with
+        several evaluation loaders the name gets ``/dataloader_idx_N``. Read metrics
+        back from ``trainer.callback_metrics``. ``logger=False`` keeps the metric from
+        loggers; ``enable_graph``, ``sync_dist_group``, ``metric_attribute`` and
+        ``rank_zero_only`` are accepted for compatibility and do nothing.
         """
-        if reduce_op not in REDUCE_OPS:
-            raise ValueError(f"reduce_op={reduce_op!r} must be one of {', '.join(REDUCE_OPS)}")
+        op = _reduce_op(reduce_op if reduce_op is not None else reduce_fx)
         trainer = self.__dict__.get("_hookloop_trainer")
         if trainer is None:
             return  # called outside a run (e.g. a unit test of training_step)
-        trainer._metrics.log(name, value, prog_bar, sync_dist, reduce_op, on_step, on_epoch, batch_size)
+        trainer._metrics.log(name, value, prog_bar, logger is not False, on_step, on_epoch, op, sync_dist, add_dataloader_idx, batch_size)
+
+    def log_dict(self, dictionary: dict, **kwargs: Any) -> None:
+        """``self.log(name, value, **kwargs)`` for every entry of ``dictionary``."""
+        for name, value in dictionary.items():
+            self.log(name, value, **kwargs)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on global rank 0 only."""
@@ -63,62 +237,379 @@ class Module(nn.Module):
         if trainer is None or trainer.global_rank == 0:
             print(*args, **kwargs)
 
+    # -- manual optimization ------------------------------------------------------------
+
+    def optimizers(self, use_pl_optimizer: bool = True):
+        """The run's optimizers (one object, or a list of several), for manual optimization.
+
+        Their ``step()`` and ``zero_grad()`` go through the strategy's and the precision
+        plugin's hooks (AMP's scaler, Horovod's synchronisation, DeepSpeed's engine) and
+        each ``step()`` counts in ``global_step``.
+        """
+        optimizers = self.trainer._loop_optimizers()
+        return optimizers[0] if len(optimizers) == 1 else optimizers
+
+    def lr_schedulers(self):
+        """The schedulers from ``configure_optimizers`` (one, a list, or ``None``).
+
+        Under manual optimization the loop steps none of them: call ``.step()``.
+        """
+        schedulers = [c.scheduler for c in self.trainer.lr_scheduler_configs]
+        if not schedulers:
+            return None
+        return schedulers[0] if len(schedulers) == 1 else schedulers
+
+    def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """``loss.backward()`` through the strategy and precision plugins (AMP scales the
+        loss, DeepSpeed's engine runs the backward, DDP synchronises gradients)."""
+        self.trainer._manual_backward(loss)
+
+    def clip_gradients(self, optimizer: Any, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None) -> None:
+        """Clip ``optimizer``'s gradients at its next ``step()``.
+
+        Applied inside the step, after the precision plugin unscales and the strategy
+        averages the gradients, so it clips the true gradients whatever the plugins.
+        """
+        self.trainer._request_clip(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def toggle_optimizer(self, optimizer: Any) -> None:
+        """Freeze every parameter that ``optimizer`` does not train (``requires_grad=False``)
+        until :meth:`untoggle_optimizer`, as Lightning's GAN examples do."""
+        own = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        saved = self.__dict__.setdefault("_hookloop_toggled", {})
+        for p in self.parameters():
+            if id(p) not in own and id(p) not in saved:
+                saved[id(p)] = (p, p.requires_grad)
+                p.requires_grad_(False)
+
+    def untoggle_optimizer(self, optimizer: Any) -> None:
+        """Give back what :meth:`toggle_optimizer` froze."""
+        for p, requires_grad in self.__dict__.pop("_hookloop_toggled", {}).values():
+            p.requires_grad_(requires_grad)
+
+    # -- checkpoints --------------------------------------------------------------------
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, map_location: Any = "cpu", strict: bool = True, **overrides: Any):
+        """A module built from the hyperparameters in a checkpoint, with its weights.
+
+        ``cls(**hyperparameters, **overrides)``, then the checkpoint's ``state_dict``
+        (checked against the model first when ``strict``). The file is read with
+        ``torch.load(weights_only=True)``.
+        """
+        from .checkpoint import check_state_dict, safe_load
+
+        checkpoint = safe_load(checkpoint_path, map_location=map_location)
+        if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+            from .errors import CheckpointError
+
+            raise CheckpointError(f"{str(checkpoint_path)!r} is not a hookloop checkpoint (no state_dict)")
+        kwargs = dict(checkpoint.get("hyper_parameters") or {})
+        parameters = inspect.signature(cls.__init__).parameters
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+            kwargs = {k: v for k, v in kwargs.items() if k in parameters}
+        kwargs.update(overrides)
+        module = cls(**kwargs)
+        if strict:
+            check_state_dict(module, checkpoint["state_dict"], source=str(checkpoint_path))
+        module.load_state_dict(checkpoint["state_dict"], strict=strict)
+        if _defines_hook(module, "on_load_checkpoint"):
+            module.on_load_checkpoint(checkpoint)
+        return module
+
     def __getstate__(self):
         state = self.__dict__.copy()
         state.pop("_hookloop_trainer", None)  # the trainer does not travel with the module
         return state
 
 
+def _noop_hook(name: str, args: tuple[str, ...]):
+    def hook(self, *values):
+        """Does nothing; override it (Lightning's module hook of the same name)."""
+
+    hook.__name__ = hook.__qualname__ = name
+    hook.__signature__ = inspect.Signature(
+        [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+        + [inspect.Parameter(a, inspect.Parameter.POSITIONAL_OR_KEYWORD) for a in args]
+    )
+    return hook
+
+
+for _name, _args in MODULE_HOOKS.items():
+    setattr(Module, _name, _noop_hook(_name, _args))
+Module.predict_step = None  # not a hook: absent means "call forward"
+
+
+def _reduce_op(fx: Any) -> str:
+    if isinstance(fx, str):
+        name = {"avg": "mean", "average": "mean"}.get(fx, fx)
+    else:
+        name = {torch.mean: "mean", torch.sum: "sum", torch.max: "max", torch.min: "min"}.get(fx)
+    if name not in REDUCE_OPS:
+        raise ValueError(f"reduce_fx={fx!r} must be one of {', '.join(REDUCE_OPS)} (or torch.mean, torch.sum, torch.max, torch.min)")
+    return name
+
+
+# ---------------------------------------------------------------------------------------
+# The module's hooks as a plugin
+# ---------------------------------------------------------------------------------------
+
+
+def _defines_hook(module: Any, name: str) -> bool:
+    method = getattr(type(module), name, None)
+    return callable(method) and method is not getattr(Module, name, None)
+
+
+def module_hooks_plugin(module: nn.Module) -> Any:
+    """A plugin calling the hooks ``module`` defines, or ``None`` when it defines none.
+
+    Its implementations are ``tryfirst``: the module's hook runs before the plugins'
+    (a metric it logs in ``on_train_epoch_end`` is in their ``metrics``). Only defined
+    hooks become implementations, so undefined ones cost nothing per step.
+    """
+    defined = [name for name in MODULE_HOOKS if _defines_hook(module, name)]
+    if not defined:
+        return None
+    namespace: dict[str, Any] = {"hookloop_name": f"module:{type(module).__name__}", "hookloop_role": "observer"}
+    for name in defined:
+        namespace[name] = _module_hook_impl(module, name, MODULE_HOOKS[name])
+    return type("ModuleHooks", (), namespace)()
+
+
+def _module_hook_impl(module: nn.Module, name: str, args: tuple[str, ...]):
+    method = getattr(module, name)
+    if name == "on_train_epoch_end":
+        # Values the module logs here are reduced at once and handed to the plugins
+        # that see the same event after it.
+        def impl(self, trainer, metrics):
+            metrics_store = trainer._metrics
+            metrics_store.epoch_level = True
+            try:
+                method()
+            finally:
+                metrics_store.epoch_level = False
+            metrics.update(metrics_store.finish_epoch("train"))
+
+        params = ("trainer", "metrics")
+    else:
+        def impl(self, *values):
+            return method(*values)
+
+        params = args
+    impl.__name__ = name
+    impl.__signature__ = inspect.Signature(
+        [inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in ("self", *params)]
+    )
+    return hookimpl(tryfirst=True)(impl)
+
+
+# ---------------------------------------------------------------------------------------
+# Metrics: what self.log recorded
+# ---------------------------------------------------------------------------------------
+
+# The batch a DataParallel replica (or any forward through the step module) is running,
+# per thread, so a replica's value is weighted by its own share of the batch.
+_STEP_BATCH = threading.local()
+
+
 class Metrics:
-    """What ``self.log`` recorded during a run; reduced across ranks on request."""
+    """What ``self.log`` recorded during a run; reduced across ranks on request.
+
+    Every tensor is kept on the run's root device (a value logged on another device, a
+    DataParallel replica's, is moved there), so reductions never mix devices, and
+    nothing is read back to the host per step: step values become floats when
+    ``trainer.callback_metrics`` is read, epoch values once per epoch, in one transfer.
+    """
 
     def __init__(self, trainer):
         self.trainer = trainer
+        #: where self.log is called from: "train", "validate", "test" or "predict"
         self.stage = "train"
-        self.step_values: dict[str, tuple] = {}
-        self.epoch_sums: dict[str, list] = {}
+        #: inside an epoch-level hook (on_*_epoch_start/end): log per epoch by default
+        self.epoch_level = False
+        #: "/dataloader_idx_N" while evaluating one of several loaders
+        self.suffix = ""
+        #: increases every training micro-batch: replica values of one step share it
+        self.step_token = 0
+        #: the step token when the training epoch's values were last computed: a forked
+        #: name reports its epoch value from then until a newer step value arrives
+        self.epoch_token = -1
+        #: name -> [step token, {thread id: 0-d tensor}] (several threads under DataParallel)
+        self.step_values: dict[str, list] = {}
+        #: stage -> name -> [batch-weighted sum, samples, sync, op, plain sum, max, min]
+        self.epoch_sums: dict[str, dict[str, list]] = {}
         self.callback_metrics: dict[str, float] = {}
         self.prog_bar: set[str] = set()
+        self.not_for_logger: set[str] = set()
+        #: names logged with both on_step and on_epoch: reported as name_step, name_epoch
+        #: and name (the step value during the epoch, the epoch value after it)
+        self.forked: set[str] = set()
         self._lock = threading.Lock()
 
-    def log(self, name, value, prog_bar, sync_dist, reduce_op, on_step, on_epoch, batch_size):
+    # -- recording ----------------------------------------------------------------------
+
+    def log(self, name, value, prog_bar, for_logger, on_step, on_epoch, op, sync_dist, add_dataloader_idx, batch_size):
         # DataParallel runs the step in one thread per replica: updates must not interleave.
         with self._lock:
-            self._log(name, value, prog_bar, sync_dist, reduce_op, on_step, on_epoch, batch_size)
+            self._log(name, value, prog_bar, for_logger, on_step, on_epoch, op, sync_dist, add_dataloader_idx, batch_size)
 
-    def _log(self, name, value, prog_bar, sync_dist, reduce_op, on_step, on_epoch, batch_size):
+    def _log(self, name, value, prog_bar, for_logger, on_step, on_epoch, op, sync_dist, add_dataloader_idx, batch_size):
+        if self.stage == "predict":
+            raise ConfigurationError(
+                f"self.log({name!r}, ...) in predict: prediction logs no metrics (as in Lightning); "
+                f"return the values from predict_step, or compute metrics in test_step"
+            )
+        device = self.trainer.root_device
         if isinstance(value, torch.Tensor):
             value = value.detach()
             if value.numel() != 1:
                 raise ValueError(f"self.log({name!r}, ...) needs a scalar, got shape {tuple(value.shape)}")
             value = value.reshape(())
+            if value.device != device:
+                value = value.to(device, non_blocking=True)
+        elif isinstance(value, (int, float, bool)) or hasattr(value, "__float__"):
+            value = torch.tensor(float(value), device=device)
         else:
-            value = torch.tensor(float(value))
-        if prog_bar:
-            self.prog_bar.add(name)
-        training = self.stage == "train"
+            raise TypeError(
+                f"self.log({name!r}, ...) needs a number or a scalar tensor, got {type(value).__name__}"
+            )
+        if self.suffix and add_dataloader_idx:
+            name = name + self.suffix
+        training = self.stage == "train" and not self.epoch_level
+        if on_step is None:
+            on_step = training
         if on_epoch is None:
             on_epoch = not training
-        if on_step is None:
-            on_step = training and not on_epoch
+        if self.stage != "train" and on_step:
+            on_step = False  # evaluation metrics are per epoch, as in Lightning
+            on_epoch = True
+        forked = on_step and on_epoch
+        names = (name, f"{name}_step", f"{name}_epoch") if forked else (name,)
+        if forked:
+            self.forked.add(name)
+        if prog_bar:
+            self.prog_bar.update(names)
+        if not for_logger:
+            self.not_for_logger.update(names)
         if on_step:
             if sync_dist:
-                value = self.trainer.reduce(value, reduce_op)
-            self.step_values[name] = value
+                value = self.trainer.reduce(value, op)
+            key = f"{name}_step" if forked else name
+            slot = self.step_values.get(key)
+            thread = threading.get_ident()
+            if slot is None or slot[0] != self.step_token:
+                self.step_values[key] = [self.step_token, {thread: value}]
+            else:
+                slot[1][thread] = value  # another replica of the same step
         if on_epoch:
             if batch_size is None:
-                batch_size = batch_size_of(self.trainer._current_batch)
+                batch = getattr(_STEP_BATCH, "batch", None)
+                batch_size = batch_size_of(self.trainer._current_batch if batch is None else batch)
+            key = f"{name}_epoch" if forked else name
             v = value.double()
-            entry = self.epoch_sums.get(name)
+            sums = self.epoch_sums.setdefault(self.stage, {})
+            entry = sums.get(key)
             if entry is None:
-                # [batch-weighted sum, samples, sync, op, plain sum, max, min]
-                self.epoch_sums[name] = [v * batch_size, batch_size, sync_dist, reduce_op, v, v, v]
+                sums[key] = [v * batch_size, batch_size, sync_dist, op, v, v, v]
             else:
                 entry[0] = entry[0] + v * batch_size
                 entry[1] += batch_size
                 entry[4] = entry[4] + v
                 entry[5] = torch.maximum(entry[5], v)
                 entry[6] = torch.minimum(entry[6], v)
+
+    # -- stages -------------------------------------------------------------------------
+
+    def start(self, stage: str) -> None:
+        """A new epoch of ``stage``: forget its epoch sums (and, for training, the step
+        values of the previous epoch)."""
+        self.stage = stage
+        self.epoch_sums[stage] = {}
+        if stage == "train":
+            self.step_values = {}
+
+    def epoch_tensors(self, stage: str) -> dict[str, torch.Tensor]:
+        """The epoch values of ``stage`` as 0-d tensors on the root device, reduced across
+        ranks where ``sync_dist`` asked for it (a collective: every rank calls this)."""
+        out: dict[str, torch.Tensor] = {}
+        reduce = self.trainer.reduce
+        for name, (total, count, sync, op, plain_sum, vmax, vmin) in self.epoch_sums.get(stage, {}).items():
+            if op == "mean":
+                count_t = torch.tensor(float(count), dtype=torch.float64, device=total.device)
+                if sync:
+                    pair = reduce(torch.stack([total, count_t]), "sum")
+                    total, count_t = pair[0], pair[1]
+                out[name] = total / count_t
+            elif op == "sum":
+                out[name] = reduce(plain_sum, "sum") if sync else plain_sum
+            elif op == "max":
+                out[name] = reduce(vmax, "max") if sync else vmax
+            else:
+                out[name] = reduce(vmin, "min") if sync else vmin
+        return out
+
+    def finish_epoch(self, stage: str, publish: bool = True) -> dict[str, float]:
+        """Reduce ``stage``'s epoch metrics into floats (one device transfer), add them
+        (and, for training, the latest step values) to ``callback_metrics`` unless
+        ``publish`` is False (the sanity check), and forget the sums. Returns what was
+        computed."""
+        tensors = self.epoch_tensors(stage)
+        self.epoch_sums[stage] = {}
+        out: dict[str, float] = {}
+        if tensors:
+            values = torch.stack([t.to(torch.float64) for t in tensors.values()]).tolist()
+            for name, value in zip(tensors, values):
+                out[name] = value
+                if name.endswith("_epoch") and name[:-6] in self.forked:
+                    out[name[:-6]] = value
+        if stage == "train":
+            self.epoch_token = self.step_token
+            out = {**self.latest_step_values(), **out}  # the epoch value wins for a forked name
+        if publish:
+            self.callback_metrics.update(out)
+        return out
+
+    def latest_step_values(self) -> dict[str, float]:
+        """The last value of every per-step metric (the mean over DataParallel replicas)."""
+        if not self.step_values:
+            return {}
+        names, tensors, fresh = [], [], []
+        for name, (token, per_thread) in self.step_values.items():
+            values = list(per_thread.values())
+            names.append(name)
+            tensors.append(values[0] if len(values) == 1 else torch.stack([v.double() for v in values]).mean())
+            fresh.append(token > self.epoch_token)
+        floats = torch.stack([t.to(torch.float64) for t in tensors]).tolist()
+        out = dict(zip(names, floats))
+        for name, is_fresh in zip(names, fresh):
+            if name.endswith("_step") and name[:-5] in self.forked and is_fresh:
+                out[name[:-5]] = out[name]
+        return out
+
+    def read(self) -> dict[str, float]:
+        """``callback_metrics`` with the latest step values folded in (reads the device)."""
+        if self.step_values:
+            self.callback_metrics.update(self.latest_step_values())
+        return self.callback_metrics
+
+    # -- checkpoints --------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The training epoch's partial sums and the reported metrics, for a resume
+        mid-epoch that reports the same epoch means as an uninterrupted run."""
+        sums = {
+            name: [t.detach().cpu() if isinstance(t, torch.Tensor) else t for t in entry]
+            for name, entry in self.epoch_sums.get("train", {}).items()
+        }
+        return {"train_sums": sums, "callback_metrics": dict(self.read())}
+
+    def load_state_dict(self, state: dict) -> None:
+        device = self.trainer.root_device
+        self.epoch_sums["train"] = {
+            name: [t.to(device) if isinstance(t, torch.Tensor) else t for t in entry]
+            for name, entry in (state.get("train_sums") or {}).items()
+        }
+        self.callback_metrics.update(state.get("callback_metrics") or {})
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -128,31 +619,3 @@ class Metrics:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
-
-    def start(self, stage: str) -> None:
-        self.stage = stage
-        self.epoch_sums = {}
-        if stage == "train":
-            self.step_values = {}
-
-    def compute_epoch(self) -> dict[str, float]:
-        """Reduce the epoch's metrics (across ranks where asked) into floats."""
-        out: dict[str, float] = {}
-        for name, (total, count, sync, op, plain_sum, vmax, vmin) in self.epoch_sums.items():
-            device = self.trainer.root_device
-            if op == "mean":
-                if sync:
-                    pair = self.trainer.reduce(torch.stack([total, torch.tensor(float(count), dtype=torch.float64)]).to(device), "sum")
-                    total, count = pair[0], pair[1]
-                out[name] = float(total / count)
-            elif op == "sum":
-                out[name] = float(self.trainer.reduce(plain_sum.to(device), "sum") if sync else plain_sum)
-            elif op == "max":
-                out[name] = float(self.trainer.reduce(vmax.to(device), "max") if sync else vmax)
-            else:
-                out[name] = float(self.trainer.reduce(vmin.to(device), "min") if sync else vmin)
-        if self.stage == "train":
-            for name, value in self.step_values.items():
-                out.setdefault(name, float(value))
-        self.callback_metrics.update(out)
-        return out

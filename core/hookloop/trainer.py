@@ -1,8 +1,7 @@
-"""The training loop. Every technique that would clutter it lives in a plugin."""
+"""``Trainer``: the configuration and the public API. The loops live in ``loops.py``."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 from dataclasses import fields
@@ -13,34 +12,16 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from . import checkpoint as ckpt
+from . import loops
 from . import plugins as plugin_registry
 from .config import TrainerConfig, env_defaults
+from .datamodule import DataModule
 from .defaults import Defaults
-from .errors import CheckpointError, ConfigurationError
-from .helpers import move_to_device, rebuild_dataloader
+from .errors import ConfigurationError
 from .launch import in_worker, run_command
 from .module import Metrics
 
 _UNSET: Any = object()
-TRAIN, VALIDATE = "train", "validate"
-
-
-class _StepModule(nn.Module):
-    """Routes ``forward`` to the user's ``training_step``/``validation_step``.
-
-    Strategy wrappers (DDP, DataParallel, DeepSpeed's engine) wrap this module, so their
-    forward logic runs around every step exactly as it would around ``forward``.
-    """
-
-    def __init__(self, module: nn.Module):
-        super().__init__()
-        self.module = module
-
-    def forward(self, kind: str, batch: Any, batch_idx: int):
-        if kind == TRAIN:
-            return self.module.training_step(batch, batch_idx)
-        return self.module.validation_step(batch, batch_idx)
 
 
 class default:
@@ -64,18 +45,24 @@ class Trainer:
 
     Arguments not given in code fall back to the options of ``hookloop run`` (passed
     through the environment), then to the defaults of :class:`TrainerConfig`.
+    ``strategy`` (a strategy plugin's name or object) and ``callbacks`` (plugin objects)
+    are Lightning's names for entries of ``plugins``.
 
     Attributes plugins read (see :mod:`hookloop.hookspecs`): ``config``, ``module`` (the
-    user's module), ``model`` (what the strategy wrapped), ``optimizer``,
-    ``lr_scheduler``, ``world_size``, ``global_rank``, ``local_rank``, ``node_rank``,
-    ``root_device``, ``precision``, ``current_epoch``, ``global_step``,
-    ``callback_metrics``, ``plugin_manager``, ``strategy``.
+    user's module), ``model`` (what the strategy wrapped), ``optimizers`` (and
+    ``optimizer``, the first), ``lr_scheduler_configs``, ``world_size``, ``global_rank``,
+    ``local_rank``, ``node_rank``, ``root_device``, ``precision``, ``current_epoch``,
+    ``global_step``, ``callback_metrics``, ``datamodule``, ``train_dataloader``,
+    ``val_dataloaders``, ``state`` (``"fit"``, ``"validate"``, ``"test"``, ``"predict"``),
+    ``sanity_checking``, ``should_stop``, ``plugin_manager``, ``strategy``.
     """
 
     def __init__(
         self,
         *,
         plugins: Any = _UNSET,
+        strategy: Any = _UNSET,
+        callbacks: Any = _UNSET,
         devices: Any = _UNSET,
         accelerator: str = _UNSET,
         nodes: int = _UNSET,
@@ -90,9 +77,15 @@ class Trainer:
         precision: Any = _UNSET,
         default_root_dir: str = _UNSET,
         enable_checkpointing: bool = _UNSET,
-        limit_train_batches: int | None = _UNSET,
-        limit_val_batches: int | None = _UNSET,
-        check_val_every_n_epoch: int = _UNSET,
+        limit_train_batches: int | float | None = _UNSET,
+        limit_val_batches: int | float | None = _UNSET,
+        limit_test_batches: int | float | None = _UNSET,
+        limit_predict_batches: int | float | None = _UNSET,
+        val_check_interval: int | float = _UNSET,
+        check_val_every_n_epoch: int | None = _UNSET,
+        num_sanity_val_steps: int = _UNSET,
+        fast_dev_run: bool | int = _UNSET,
+        overfit_batches: int | float = _UNSET,
         use_distributed_sampler: bool = _UNSET,
         autoload_plugins: bool = _UNSET,
         plugin_options: dict = _UNSET,
@@ -101,20 +94,26 @@ class Trainer:
         # hookloop.default(x): the script's own fallback, which `hookloop run` options override.
         fallbacks = {k: v.value for k, v in given.items() if isinstance(v, default)}
         given = {k: v for k, v in given.items() if k not in fallbacks}
+        in_code = _as_list(given.get("plugins", [])) + _as_list(strategy if strategy is not _UNSET else None)
+        in_code += _as_list(callbacks if callbacks is not _UNSET else None)
+        if in_code or "plugins" in given:
+            given["plugins"] = in_code
         from_env = env_defaults()
         settings = {**fallbacks, **from_env, **given}
-        if isinstance(settings.get("plugins"), (str, type(None))) or not isinstance(settings.get("plugins", []), (list, tuple)):
-            settings["plugins"] = [settings["plugins"]] if settings.get("plugins") else []
-        settings["plugins"] = list(settings.get("plugins", []))
+        settings["plugins"] = _as_list(settings.get("plugins"))
         if "autoload_plugins" not in settings:
             settings["autoload_plugins"] = os.environ.get("HOOKLOOP_AUTOLOAD_PLUGINS", "") in ("1", "true", "yes")
         self.config = TrainerConfig(**settings)
         self.config.validate()
+        if self.config.fast_dev_run:
+            print(
+                f"hookloop: fast_dev_run: {self.config.max_steps} batch(es) of every loop, one "
+                f"epoch, no sanity check and no checkpoints",
+                flush=True,
+            )
 
         # Plugins named in code win over those named by the CLI / environment.
-        requested = given.get("plugins", [])
-        if isinstance(requested, (str,)) or not isinstance(requested, (list, tuple)):
-            requested = [requested]
+        requested = in_code
         defaults = list(from_env.get("plugins", [])) if "plugins" not in given else []
         defaults += plugin_registry.environment_plugins()
         options = self.config.plugin_options
@@ -127,24 +126,37 @@ class Trainer:
         self.hook = self.plugin_manager.hook
         self.strategy = next((p for p in chosen if plugin_registry.plugin_role(p) == "strategy"), None)
 
-        # Run state: written by setup_environment (ranks, device) and by the loop.
+        # Run state: written by setup_environment (ranks, device) and by the loops.
         self.world_size, self.global_rank, self.local_rank, self.node_rank = 1, 0, 0, 0
         self.root_device = torch.device("cpu")
         self.module: nn.Module | None = None
+        self.datamodule: Any = None
         self.model: nn.Module | None = None
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.lr_scheduler: Any = None
-        self.lr_scheduler_interval = "epoch"
+        self.optimizers: list = []
+        self.lr_scheduler_configs: list = []
         self.current_epoch = 0
         self.global_step = 0
         self.batch_idx = 0
+        self.state: str | None = None
+        self.sanity_checking = False
+        self.should_stop = False
         self.train_dataloader: DataLoader | None = None
-        self.val_dataloader: DataLoader | None = None
+        self.val_dataloaders: list[DataLoader] | None = None
+        self.test_dataloaders: list[DataLoader] | None = None
+        self.predict_dataloaders: list[DataLoader] | None = None
         self._metrics = Metrics(self)
         self._current_batch: Any = None
         self._epoch_rng: dict | None = None
-        self._resume_batches = 0
-        self.should_stop = False
+        self._loop_stage = "train"
+        self._total_batch_idx = 0
+        self._epoch_val_metrics: dict[str, float] = {}
+        self._ckpt_path: Any = None
+        self._verbose = True
+        self._return_predictions = True
+        self._loop_optimizer_cache: list | None = None
+        self._clip_requests: dict[int, tuple] = {}
+        self._on_before_optimizer_step = None
+        self._on_before_zero_grad = None
 
     # -- plain attributes plugins read ---------------------------------------------------
 
@@ -173,12 +185,35 @@ class Trainer:
         return Path(self.config.default_root_dir)
 
     @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The first (usually only) optimizer of the run."""
+        return self.optimizers[0] if self.optimizers else None
+
+    @property
+    def lr_scheduler(self) -> Any:
+        """The first LR scheduler of the run (``lr_scheduler_configs`` has them all)."""
+        return self.lr_scheduler_configs[0].scheduler if self.lr_scheduler_configs else None
+
+    @property
+    def val_dataloader(self) -> DataLoader | None:
+        """The first validation loader (``val_dataloaders`` has them all)."""
+        return self.val_dataloaders[0] if self.val_dataloaders else None
+
+    @property
+    def automatic_optimization(self) -> bool:
+        """False when the module steps its optimizers itself (manual optimization)."""
+        return getattr(self.module, "automatic_optimization", True) is not False
+
+    @property
     def callback_metrics(self) -> dict[str, float]:
-        return self._metrics.callback_metrics
+        """The last value of every logged metric, as floats (reads step values from the
+        device when asked)."""
+        return self._metrics.read()
 
     @property
     def progress_bar_metrics(self) -> dict[str, float]:
-        return {k: v for k, v in self.callback_metrics.items() if k in self._metrics.prog_bar}
+        metrics = self.callback_metrics
+        return {k: v for k, v in metrics.items() if k in self._metrics.prog_bar}
 
     @property
     def is_global_zero(self) -> bool:
@@ -206,6 +241,13 @@ class Trainer:
         a broadcast ``None`` for "not handled")."""
         return self.hook.broadcast(trainer=self, obj=[obj], src=src)[0]
 
+    def all_gather_object(self, obj: Any) -> list:
+        """Every rank's ``obj``, in rank order, on every rank (one broadcast per rank,
+        so any strategy's ``broadcast`` serves)."""
+        if self.world_size == 1:
+            return [obj]
+        return [self.broadcast(obj if self.global_rank == rank else None, src=rank) for rank in range(self.world_size)]
+
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on global rank 0 only."""
         if self.global_rank == 0:
@@ -217,59 +259,136 @@ class Trainer:
         # pluggy's hook callers hold the hook-spec module, which cannot be pickled: the
         # plugin manager is rebuilt from the (pickled) plugins on arrival.
         state = self.__dict__.copy()
-        state.pop("plugin_manager", None)
-        state.pop("hook", None)
+        for key in ("plugin_manager", "hook", "_on_before_optimizer_step", "_on_before_zero_grad", "_loop_optimizer_cache"):
+            state.pop(key, None)
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.plugin_manager = plugin_registry.make_plugin_manager(self.plugins, Defaults())
         self.hook = self.plugin_manager.hook
+        self._on_before_optimizer_step = self._on_before_zero_grad = self._loop_optimizer_cache = None
 
     # -- entry points -------------------------------------------------------------------
 
     def fit(
         self,
-        module: nn.Module,
-        train_dataloaders: DataLoader,
-        val_dataloaders: DataLoader | None = None,
+        model: nn.Module,
+        train_dataloaders: Any = None,
+        val_dataloaders: Any = None,
+        datamodule: Any = None,
         ckpt_path: str | os.PathLike | None = None,
     ) -> None:
-        """Train ``module`` on ``train_dataloaders``; validate each epoch if given.
+        """Train ``model`` on ``train_dataloaders`` (or the DataModule's loaders);
+        validate as ``val_check_interval`` says when validation loaders are given.
 
         ``ckpt_path`` resumes from a checkpoint file, or ``"last"`` for
         ``<default_root_dir>/checkpoints/last.ckpt``. With ``devices > 1`` and no launcher
         around this process, the script is re-launched through the strategy's launcher
         (torchrun by default) and this process exits with the workers' status.
         """
-        _check_module(module, needs_training=True)
-        _check_loader(train_dataloaders, "train_dataloaders")
-        if val_dataloaders is not None:
-            _check_loader(val_dataloaders, "val_dataloaders")
-            if not callable(getattr(module, "validation_step", None)):
-                raise ConfigurationError(
-                    f"val_dataloaders were given but {type(module).__name__} has no "
-                    f"validation_step(batch, batch_idx)"
-                )
-        self.module = module
-        self.train_dataloader, self.val_dataloader = train_dataloaders, val_dataloaders
-        self._ckpt_path = ckpt_path
-        self._launch_or_run(self._run_fit)
+        if isinstance(train_dataloaders, DataModule) or _is_datamodule(train_dataloaders):
+            datamodule, train_dataloaders = train_dataloaders, None
+        _check_module(model, needs=("training_step", "configure_optimizers"))
+        if datamodule is not None and (train_dataloaders is not None or val_dataloaders is not None):
+            raise ConfigurationError("fit got both dataloaders and a datamodule: pass one or the other")
+        if train_dataloaders is not None:
+            loops.check_loader(train_dataloaders, "train_dataloaders")
+        val = loops.as_loader_list(val_dataloaders, "val_dataloaders")
+        if val and not callable(getattr(model, "validation_step", None)):
+            raise ConfigurationError(
+                f"val_dataloaders were given but {type(model).__name__} has no "
+                f"validation_step(batch, batch_idx)"
+            )
+        _check_training_step(model)
+        self._start(model, datamodule, ckpt_path, train=train_dataloaders, val=val)
+        self._launch_or_run(loops.fit)
 
-    def validate(self, module: nn.Module, dataloaders: DataLoader, ckpt_path: str | None = None) -> dict:
-        """Run ``validation_step`` over ``dataloaders``; return the logged metrics."""
-        _check_module(module, needs_training=False)
-        _check_loader(dataloaders, "dataloaders")
-        self.module = module
-        self.train_dataloader, self.val_dataloader = None, dataloaders
-        self._ckpt_path = ckpt_path
-        result = self._launch_or_run(self._run_validate)
-        return result if isinstance(result, dict) else dict(self.callback_metrics)
+    def validate(self, model: nn.Module | None = None, dataloaders: Any = None, ckpt_path: Any = None,
+                 verbose: bool = True, datamodule: Any = None) -> list[dict]:
+        """Run ``validation_step`` over ``dataloaders``; one dict of metrics per loader."""
+        return self._evaluate(loops.VALIDATE, model, dataloaders, ckpt_path, verbose, datamodule)
+
+    def test(self, model: nn.Module | None = None, dataloaders: Any = None, ckpt_path: Any = None,
+             verbose: bool = True, datamodule: Any = None) -> list[dict]:
+        """Run ``test_step`` over ``dataloaders``; one dict of metrics per loader."""
+        return self._evaluate(loops.TEST, model, dataloaders, ckpt_path, verbose, datamodule)
+
+    def predict(self, model: nn.Module | None = None, dataloaders: Any = None, datamodule: Any = None,
+                return_predictions: bool | None = None, ckpt_path: Any = None) -> Any:
+        """Run ``predict_step`` (default: ``forward(batch)``) over ``dataloaders``.
+
+        Returns the per-batch outputs in dataset order (a list per loader when there are
+        several). Under several processes every rank predicts its share and the shares
+        are gathered back into the order one process would give, each sample exactly
+        once (predictions then come back on the CPU).
+        """
+        if isinstance(dataloaders, DataModule) or _is_datamodule(dataloaders):
+            datamodule, dataloaders = dataloaders, None
+        model = self._model_for("predict", model)
+        self._start(model, datamodule, ckpt_path, predict=loops.as_loader_list(dataloaders, "dataloaders"))
+        self._return_predictions = return_predictions is not False
+        result = self._launch_or_run(loops.run_predict)
+        return None if result is True else result
 
     def save_checkpoint(self, path: str | os.PathLike) -> Path:
         """Write a checkpoint of the whole run state to ``path`` (call on every rank)."""
-        checkpoint = self._checkpoint_dict()
+        checkpoint = loops.checkpoint_dict(self)
         return self.hook.save_checkpoint(trainer=self, checkpoint=checkpoint, path=Path(path))
+
+    # -- helpers of the entry points ----------------------------------------------------
+
+    def _evaluate(self, stage, model, dataloaders, ckpt_path, verbose, datamodule) -> list[dict]:
+        if isinstance(dataloaders, DataModule) or _is_datamodule(dataloaders):
+            datamodule, dataloaders = dataloaders, None
+        model = self._model_for(stage, model)
+        step = loops.STEP_METHODS[stage]
+        _check_module(model, needs=(step,))
+        loaders = loops.as_loader_list(dataloaders, "dataloaders")
+        if stage == loops.VALIDATE:
+            self._start(model, datamodule, ckpt_path, val=loaders)
+        else:
+            self._start(model, datamodule, ckpt_path, test=loaders)
+        self._verbose = verbose
+        result = self._launch_or_run(_run_validate if stage == loops.VALIDATE else _run_test)
+        return result if isinstance(result, list) else [dict(self.callback_metrics)]
+
+    def _model_for(self, stage: str, model: nn.Module | None) -> nn.Module:
+        if model is None:
+            model = self.module
+        if model is None:
+            raise ConfigurationError(f"trainer.{stage}() needs the module: trainer.{stage}(model, dataloaders)")
+        return model
+
+    def _start(self, model, datamodule, ckpt_path, train=None, val=None, test=None, predict=None) -> None:
+        self.module, self.datamodule, self._ckpt_path = model, datamodule, ckpt_path
+        self.train_dataloader, self.val_dataloaders = train, val
+        self.test_dataloaders, self.predict_dataloaders = test, predict
+        self.should_stop = False
+        self._loop_optimizer_cache = None
+
+    # Manual optimization: called by the module's optimizers()/manual_backward().
+
+    def _loop_optimizers(self) -> list:
+        return loops.loop_optimizers(self)
+
+    def _manual_backward(self, loss: torch.Tensor) -> None:
+        loops.manual_backward(self, loss)
+
+    def _manual_optimizer_step(self, optimizer: Any) -> None:
+        loops.manual_optimizer_step(self, optimizer)
+
+    def _request_clip(self, optimizer: Any, value: float | None, algorithm: str | None) -> None:
+        if self.strategy_owns("gradient_clipping"):
+            raise ConfigurationError(
+                f"the strategy {plugin_registry.plugin_name(self.strategy)!r} clips gradients "
+                f"itself: set Trainer(gradient_clip_val=...) instead of calling self.clip_gradients"
+            )
+        algorithm = algorithm or self.config.gradient_clip_algorithm
+        if algorithm not in ("norm", "value"):
+            raise ConfigurationError(f"gradient_clip_algorithm={algorithm!r} must be 'norm' or 'value'")
+        real = getattr(optimizer, "optimizer", optimizer) if isinstance(optimizer, loops.LoopOptimizer) else optimizer
+        self._clip_requests[id(real)] = (value if value is not None else self.gradient_clip_val, algorithm)
 
     # -- launching ----------------------------------------------------------------------
 
@@ -307,319 +426,30 @@ class Trainer:
                 f"plugins: {', '.join(installed) or 'none'}."
             )
 
-    # -- one run ------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def _session(self, stage: str):
-        hook = self.hook
-        self.module.__dict__["_hookloop_trainer"] = self
-        set_up = False
-        try:
-            hook.setup_environment(trainer=self)
-            hook.setup(trainer=self, stage=stage)
-            set_up = True
-            yield
-        except BaseException as exc:
-            if set_up and not isinstance(exc, (SystemExit, KeyboardInterrupt)):
-                hook.on_exception(trainer=self, exception=exc)
-            raise
-        finally:
-            hook.teardown(trainer=self, stage=stage)
-            self.module.__dict__.pop("_hookloop_trainer", None)
+# Module-level (not lambdas): a spawn-based strategy pickles the function it runs.
+def _run_validate(trainer) -> list[dict]:
+    return loops.run_evaluation(trainer, loops.VALIDATE)
 
-    def _build_model(self, stage: str) -> None:
-        module = self.module
-        if callable(getattr(module, "configure_model", None)):
-            with self.hook.model_init_context(trainer=self):
-                module.configure_model()
-        optimizer = None
-        if stage == "fit":
-            optimizer, self.lr_scheduler, self.lr_scheduler_interval = _parse_optimizers(
-                module.configure_optimizers(), type(module).__name__
-            )
-        self.model = self.hook.wrap_model(trainer=self, model=_StepModule(module), optimizer=optimizer)
-        if optimizer is not None:
-            replaced = self.hook.wrap_optimizer(trainer=self, model=self.model, optimizer=optimizer)
-            optimizer = replaced if replaced is not None else optimizer
-        self.optimizer = optimizer
 
-    def _prepare_loader(self, loader: DataLoader | None, training: bool) -> DataLoader | None:
-        if loader is None or not self.config.use_distributed_sampler:
-            return loader
-        sampler = self.hook.configure_sampler(trainer=self, dataloader=loader, training=training)
-        return loader if sampler is None else rebuild_dataloader(loader, sampler)
-
-    def _run_fit(self, _trainer=None) -> None:
-        with self._session("fit"):
-            self._build_model("fit")
-            train_loader = self._prepare_loader(self.train_dataloader, training=True)
-            val_loader = self._prepare_loader(self.val_dataloader, training=False)
-            if self._ckpt_path is not None:
-                self._restore(self._ckpt_path)
-            self._print_effective_batch(train_loader)
-            hook = self.hook
-            hook.on_fit_start(trainer=self)
-            max_epochs = self.config.max_epochs
-            if max_epochs is None:
-                max_epochs = 1000 if self.config.max_steps is None else sys.maxsize
-            step = self._make_step()
-            while self.current_epoch < max_epochs and not self._done():
-                epoch = self.current_epoch
-                sampler = getattr(train_loader, "sampler", None)
-                if hasattr(sampler, "set_epoch"):
-                    sampler.set_epoch(epoch)
-                self._metrics.start("train")
-                self.model.train()
-                hook.on_train_epoch_start(trainer=self, epoch=epoch)
-                if not self._train_epoch(train_loader, step):
-                    # Stopped inside the epoch (max_steps): keep the position, so a
-                    # checkpoint resumes at the next batch of this epoch.
-                    if self.config.enable_checkpointing:
-                        self.save_checkpoint(self.default_root_dir / "checkpoints" / "last.ckpt")
-                    break
-                if val_loader is not None and (epoch + 1) % self.config.check_val_every_n_epoch == 0:
-                    self._validation_loop(val_loader)
-                if self.lr_scheduler is not None and self.lr_scheduler_interval == "epoch":
-                    self.lr_scheduler.step()
-                self._metrics.stage = "train"
-                metrics = self._metrics.compute_epoch() if self._metrics.epoch_sums or self._metrics.step_values else {}
-                hook.on_train_epoch_end(trainer=self, epoch=epoch, metrics=dict(self.callback_metrics, **metrics))
-                self.current_epoch = epoch + 1
-                self.batch_idx = 0
-                if self.config.enable_checkpointing:
-                    self.save_checkpoint(self.default_root_dir / "checkpoints" / "last.ckpt")
-            hook.on_fit_end(trainer=self)
-
-    def _run_validate(self, _trainer=None) -> dict:
-        with self._session("validate"):
-            self._build_model("validate")
-            val_loader = self._prepare_loader(self.val_dataloader, training=False)
-            if self._ckpt_path is not None:
-                self._restore(self._ckpt_path)
-            return self._validation_loop(val_loader)
-
-    def _done(self) -> bool:
-        return self.should_stop or (self.config.max_steps is not None and self.global_step >= self.config.max_steps)
-
-    def _print_effective_batch(self, loader: DataLoader) -> None:
-        if self.global_rank == 0 and self.world_size * self.accumulate_grad_batches > 1:
-            per_device = loader.batch_size
-            print(
-                f"hookloop: effective batch size {per_device * self.world_size * self.accumulate_grad_batches} "
-                f"= {per_device} per device x {self.world_size} processes x "
-                f"{self.accumulate_grad_batches} accumulated batches",
-                flush=True,
-            )
-
-    # -- the step -----------------------------------------------------------------------
-
-    def _only_default(self, name: str) -> bool:
-        """Whether only the built-in defaults implement hook ``name``."""
-        impls = getattr(self.hook, name).get_hookimpls()
-        return len(impls) == 1 and impls[0].plugin_name == "hookloop.defaults"
-
-    def _step_functions(self, model, optimizer):
-        """``backward(loss)``, ``optimizer_step()`` and ``zero_grad()`` for this run.
-
-        Where only the built-in default implements a hook, the loop calls plain torch
-        directly, so a run without plugins costs what a hand-written loop costs; otherwise
-        each call goes through pluggy to the plugins' implementations.
-        """
-        hook = self.hook
-        if self._only_default("backward"):
-            backward = torch.Tensor.backward
-        else:
-            def backward(loss):
-                hook.backward(trainer=self, loss=loss, model=model, optimizer=optimizer)
-        if self._only_default("optimizer_step") and not self.gradient_clip_val:
-            optimizer_step = optimizer.step
-        else:
-            def optimizer_step():
-                hook.optimizer_step(trainer=self, optimizer=optimizer, model=model)
-        if self._only_default("zero_grad"):
-            def zero_grad():
-                optimizer.zero_grad(set_to_none=True)
-        else:
-            def zero_grad():
-                hook.zero_grad(trainer=self, optimizer=optimizer, model=model)
-        return backward, optimizer_step, zero_grad
-
-    def _make_step(self):
-        """Build the per-micro-batch function once, with everything that can be decided
-        before the first step decided."""
-        model, module, optimizer = self.model, self.module, self.optimizer
-        backward, optimizer_step, zero_grad = self._step_functions(model, optimizer)
-        contexts = [c for c in self.hook.forward_context(trainer=self) if c is not None]
-        forward = module.training_step if isinstance(model, _StepModule) else (lambda b, i: model(TRAIN, b, i))
-        step_end_user = getattr(module, "training_step_end", None)
-        step_end_plugins = self.hook.training_step_end if self.hook.training_step_end.get_hookimpls() else None
-        batch_end = self.hook.on_train_batch_end if self.hook.on_train_batch_end.get_hookimpls() else None
-        accumulate = self.accumulate_grad_batches
-        accumulation_context = self.hook.accumulation_context
-        scheduler = self.lr_scheduler if self.lr_scheduler_interval == "step" else None
-        max_steps = self.config.max_steps
-        device = self.root_device
-        move = device.type != "cpu"
-
-        def step(batch, batch_idx: int, boundary: bool) -> bool:
-            """One micro-batch; returns True when training should stop (max_steps)."""
-            if move:
-                batch = move_to_device(batch, device)
-            self._current_batch = batch  # for self.log's batch size, computed only if asked
-            sync_ctx = None if boundary or accumulate == 1 else accumulation_context(trainer=self, model=model)
-            if sync_ctx is not None:
-                sync_ctx.__enter__()
-            try:
-                if contexts:
-                    with contextlib.ExitStack() as stack:
-                        for c in contexts:
-                            stack.enter_context(c)
-                        out = forward(batch, batch_idx)
-                else:
-                    out = forward(batch, batch_idx)
-                if step_end_user is not None:
-                    out = step_end_user(out)
-                if step_end_plugins is not None:
-                    for replaced in step_end_plugins(trainer=self, outputs=out):
-                        if replaced is not None:
-                            out = replaced
-                loss = out if type(out) is torch.Tensor else _loss_from(out)
-                if loss.ndim != 0:
-                    raise TypeError(
-                        f"training_step must return a scalar loss tensor (or a dict with a "
-                        f"'loss' entry), got a tensor of shape {tuple(loss.shape)}: reduce it, "
-                        f"e.g. with .mean()"
-                    )
-                backward(loss / accumulate if accumulate > 1 else loss)
-            finally:
-                if sync_ctx is not None:
-                    sync_ctx.__exit__(None, None, None)
-            stop = False
-            if boundary:
-                optimizer_step()
-                zero_grad()
-                self.global_step += 1
-                if scheduler is not None:
-                    scheduler.step()
-                stop = max_steps is not None and self.global_step >= max_steps
-            if batch_end is not None:
-                batch_end(trainer=self, loss=loss.detach(), batch_idx=batch_idx)
-            return stop
-
-        return step
-
-    def _train_epoch(self, loader: DataLoader, step) -> bool:
-        """Train one epoch; False when training stopped before its end."""
-        limit = self.config.limit_train_batches
-        try:
-            n_batches = len(loader)
-        except TypeError:
-            n_batches = None
-        if limit is not None:
-            n_batches = limit if n_batches is None else min(n_batches, limit)
-        accumulate = self.accumulate_grad_batches
-        skip = self._resume_batches
-        self._resume_batches = 0
-        if skip:
-            # Resuming mid-epoch: replay this epoch's shuffle, skip what was trained.
-            resume_rng = ckpt.rng_state()
-            ckpt.set_rng_state(self._epoch_rng)
-        else:
-            self._epoch_rng = ckpt.rng_state() if self.config.enable_checkpointing else None
-        iterator = iter(loader)
-        if skip:
-            for _ in range(skip):
-                next(iterator)
-            ckpt.set_rng_state(resume_rng)
-        batch_idx = skip
-        for batch in iterator:
-            if n_batches is not None and batch_idx >= n_batches:
-                break
-            self.batch_idx = batch_idx
-            boundary = (batch_idx + 1) % accumulate == 0 or (n_batches is not None and batch_idx + 1 == n_batches)
-            if step(batch, batch_idx, boundary):
-                self.batch_idx = batch_idx + 1
-                return n_batches is not None and self.batch_idx >= n_batches
-            batch_idx += 1
-        self.batch_idx = batch_idx
-        return True
-
-    def _validation_loop(self, loader: DataLoader) -> dict:
-        model, module = self.model, self.module
-        was_training = model.training
-        model.eval()
-        metrics = self._metrics
-        previous_stage = metrics.stage
-        metrics.start("validate")
-        contexts = [c for c in self.hook.forward_context(trainer=self) if c is not None]
-        forward = module.validation_step if isinstance(model, _StepModule) else (lambda b, i: model(VALIDATE, b, i))
-        limit = self.config.limit_val_batches
-        move = self.root_device.type != "cpu"
-        with torch.no_grad(), contextlib.ExitStack() as stack:
-            for c in contexts:
-                stack.enter_context(c)
-            for batch_idx, batch in enumerate(loader):
-                if limit is not None and batch_idx >= limit:
-                    break
-                if move:
-                    batch = move_to_device(batch, self.root_device)
-                self._current_batch = batch
-                forward(batch, batch_idx)
-        result = metrics.compute_epoch()
-        metrics.epoch_sums = {}
-        metrics.stage = previous_stage
-        self.hook.on_validation_end(trainer=self, metrics=dict(result))
-        model.train(was_training)
-        return result
-
-    # -- checkpoints --------------------------------------------------------------------
-
-    def _checkpoint_dict(self) -> dict:
-        import hookloop
-
-        checkpoint = {
-            "hookloop": {"version": hookloop.__version__, "format": ckpt.FORMAT_VERSION},
-            "state_dict": self.module.state_dict(),
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
-            "loop": {
-                "epoch": self.current_epoch,
-                "global_step": self.global_step,
-                "batch_idx": self.batch_idx,
-            },
-            "rng": ckpt.rng_state(),
-            "epoch_rng": self._epoch_rng if self.batch_idx else None,
-            "plugins": {},
-        }
-        self.hook.on_save_checkpoint(trainer=self, checkpoint=checkpoint)
-        return checkpoint
-
-    def _restore(self, ckpt_path: str | os.PathLike) -> None:
-        path = Path(ckpt_path)
-        if str(ckpt_path) == "last":
-            path = self.default_root_dir / "checkpoints" / "last.ckpt"
-            if not path.exists():
-                raise CheckpointError(
-                    f"ckpt_path='last' but no checkpoint was written under {path.parent}: "
-                    f"train once with enable_checkpointing=True, or pass a checkpoint path"
-                )
-        checkpoint = self.hook.load_checkpoint(trainer=self, path=path)
-        if not isinstance(checkpoint, dict) or "loop" not in checkpoint:
-            raise CheckpointError(f"{str(path)!r} is not a hookloop checkpoint (no loop state)")
-        self.hook.load_model_state(trainer=self, checkpoint=checkpoint)
-        loop = checkpoint["loop"]
-        self.current_epoch = int(loop["epoch"])
-        self.global_step = int(loop["global_step"])
-        self._resume_batches = int(loop.get("batch_idx", 0))
-        self._epoch_rng = checkpoint.get("epoch_rng")
-        if self._resume_batches and self._epoch_rng is None:
-            raise CheckpointError(f"{str(path)!r} was saved mid-epoch without the epoch's RNG state")
-        if checkpoint.get("rng") is not None:
-            ckpt.set_rng_state(checkpoint["rng"])
-        self.hook.on_load_checkpoint(trainer=self, checkpoint=checkpoint)
+def _run_test(trainer) -> list[dict]:
+    return loops.run_evaluation(trainer, loops.TEST)
 
 
 _CONFIG_FIELDS = {f.name for f in fields(TrainerConfig)}
+
+
+def _as_list(value: Any) -> list:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return [value]
+
+
+def _is_datamodule(obj: Any) -> bool:
+    """A DataModule by Lightning's duck type (not a subclass of hookloop.DataModule)."""
+    return obj is not None and not isinstance(obj, (DataLoader, list, tuple, dict)) and callable(getattr(obj, "train_dataloader", None)) and callable(getattr(obj, "setup", None))
 
 
 def _apply_options(plugin: Any, options: dict) -> Any:
@@ -632,22 +462,10 @@ def _apply_options(plugin: Any, options: dict) -> Any:
     return plugin
 
 
-def _loss_from(out: Any) -> torch.Tensor:
-    if isinstance(out, dict) and "loss" in out:
-        out = out["loss"]
-    if isinstance(out, torch.Tensor):
-        return out
-    raise TypeError(
-        f"training_step must return the loss as a scalar tensor (or a dict with a 'loss' "
-        f"entry), got {type(out).__name__}: return e.g. F.cross_entropy(logits, y)"
-    )
-
-
-def _check_module(module: Any, needs_training: bool) -> None:
+def _check_module(module: Any, needs: tuple[str, ...]) -> None:
     if not isinstance(module, nn.Module):
         raise TypeError(f"expected a torch.nn.Module, got {type(module).__name__}")
-    needed = ["training_step", "configure_optimizers"] if needs_training else ["validation_step"]
-    missing = [m for m in needed if not callable(getattr(module, m, None))]
+    missing = [m for m in needs if not callable(getattr(module, m, None))]
     if missing:
         raise ConfigurationError(
             f"{type(module).__name__} must define {' and '.join(m + '()' for m in missing)}; "
@@ -655,39 +473,17 @@ def _check_module(module: Any, needs_training: bool) -> None:
         )
 
 
-def _check_loader(loader: Any, name: str) -> None:
-    if not isinstance(loader, DataLoader):
-        raise TypeError(f"{name} must be a torch.utils.data.DataLoader, got {type(loader).__name__}")
+def _check_training_step(module: nn.Module) -> None:
+    import inspect
 
-
-def _parse_optimizers(result: Any, owner: str):
-    """Accept what Lightning users return from ``configure_optimizers``."""
-    scheduler, interval = None, "epoch"
-    if isinstance(result, torch.optim.Optimizer):
-        return result, None, interval
-    if isinstance(result, dict):
-        optimizer = result.get("optimizer")
-        scheduler = result.get("lr_scheduler")
-    elif isinstance(result, (list, tuple)) and len(result) == 2:
-        optimizer, scheduler = result
-        if isinstance(optimizer, (list, tuple)):
-            if len(optimizer) != 1:
-                raise ConfigurationError(f"{owner}.configure_optimizers returned {len(optimizer)} optimizers; hookloop trains with one")
-            optimizer = optimizer[0]
-        if isinstance(scheduler, (list, tuple)):
-            scheduler = scheduler[0] if scheduler else None
-    elif isinstance(result, (list, tuple)) and len(result) == 1:
-        optimizer = result[0]
-    else:
-        optimizer = None
-    if isinstance(scheduler, dict):
-        interval = scheduler.get("interval", "epoch")
-        scheduler = scheduler.get("scheduler")
-        if interval not in ("epoch", "step"):
-            raise ConfigurationError(f"lr_scheduler interval={interval!r} must be 'epoch' or 'step'")
-    if not isinstance(optimizer, torch.optim.Optimizer):
+    try:
+        params = inspect.signature(module.training_step).parameters
+    except (TypeError, ValueError):
+        return
+    if "optimizer_idx" in params:
         raise ConfigurationError(
-            f"{owner}.configure_optimizers must return an optimizer, (optimizer, scheduler), "
-            f"or {{'optimizer': ..., 'lr_scheduler': ...}}; got {type(result).__name__}"
+            f"{type(module).__name__}.training_step takes optimizer_idx: Lightning 1.x's automatic "
+            f"optimization with several optimizers. hookloop does as Lightning 2 does: remove "
+            f"optimizer_idx, set self.automatic_optimization = False, and step each optimizer in "
+            f"training_step (opt_g, opt_d = self.optimizers(); self.manual_backward(loss); opt_g.step())"
         )
-    return optimizer, scheduler, interval

@@ -40,5 +40,5 @@ if __name__ == "__main__":
         "global_step": trainer.global_step,
         "current_epoch": trainer.current_epoch,
     }
-    record["validate"] = hookloop.Trainer().validate(module, val)
+    (record["validate"],) = hookloop.Trainer().validate(module, val)
     torch.save(record, out / "parent.pt")

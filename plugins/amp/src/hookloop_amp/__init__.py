@@ -131,7 +131,7 @@ class AMP:
             return None
         # Clipping thresholds are in true gradient units, so unscale first.
         scaler.unscale_(optimizer)
-        hookloop.clip_gradients(trainer, optimizer)
+        hookloop.before_optimizer_step(trainer, optimizer)  # event, then clipping in true units
         scaler.step(optimizer)  # skips optimizer.step() when a gradient is inf/nan
         scaler.update()
         # The scale drops exactly when inf/nan was found; step() already synchronised

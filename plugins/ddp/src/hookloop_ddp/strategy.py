@@ -134,6 +134,7 @@ class DDP:
         self.comm_hook_state: Any = None
         self._owns_process_group = False
         self._wrapped: tuple[nn.Module, nn.Module] | None = None  # (inner, DDP wrapper)
+        self._manual_backward: Any = None  # registered for manual optimization only
 
     # Options are checked whenever they are set, so ``plugin_options`` given to the
     # Trainer fail at ``Trainer(...)``, before any process starts.
@@ -224,6 +225,11 @@ class DDP:
         DistributedDataParallel broadcasts rank 0's parameters and buffers when it wraps,
         so every rank starts from the same weights.
         """
+        device = trainer.root_device
+        return self.configure_ddp_module(trainer, model, [device.index] if device.type == "cuda" else None)
+
+    def configure_ddp_module(self, trainer, model: nn.Module, device_ids: list[int] | None) -> nn.Module:
+        """``DistributedDataParallel(model, device_ids)`` with this plugin's DDP options."""
         kwargs: dict[str, Any] = {
             "find_unused_parameters": self.find_unused_parameters,
             "static_graph": self.static_graph,
@@ -233,9 +239,16 @@ class DDP:
             kwargs["bucket_cap_mb"] = self.bucket_cap_mb
         if self.broadcast_buffers is not None:
             kwargs["broadcast_buffers"] = self.broadcast_buffers
-        device = trainer.root_device
-        device_ids = [device.index] if device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **kwargs)
+
+    def check_process_count(self, trainer, cluster: ClusterEnvironment) -> None:
+        """Refuse a launch that started another number of processes than ``devices`` asks
+        for (one per device). ``ddp2`` overrides it: one process per node."""
+        _check_process_count(trainer.config.devices, cluster)
+
+    def root_device(self, trainer, cluster: ClusterEnvironment) -> torch.device:
+        """This process's device: the local rank's (``hookloop.local_rank_device``)."""
+        return hookloop.local_rank_device(trainer, cluster.local_rank)
 
     def backend(self, trainer) -> str:
         """The process-group backend: the option, else nccl on CUDA and gloo otherwise."""
@@ -250,8 +263,8 @@ class DDP:
         """Read ranks from the launcher, pick this rank's device, initialise the process group."""
         check_backend(self.process_group_backend)
         cluster = self.cluster = ClusterEnvironment.detect()
-        _check_process_count(trainer.config.devices, cluster)
-        device = hookloop.local_rank_device(trainer, cluster.local_rank)
+        self.check_process_count(trainer, cluster)
+        device = self.root_device(trainer, cluster)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         trainer.world_size, trainer.global_rank = cluster.world_size, cluster.global_rank
@@ -272,6 +285,19 @@ class DDP:
         return True
 
     @hookloop.hookimpl
+    def setup(self, trainer):
+        """Under manual optimization, prepare DDP's reducer before each backward.
+
+        ``self.manual_backward(loss)`` runs inside DDP's forward (the step module calls
+        ``training_step`` there), before the reducer expects a backward; the hook that
+        prepares it is registered for manual runs only, so automatic runs keep a backward
+        that costs nothing extra per step.
+        """
+        if not trainer.automatic_optimization:
+            self._manual_backward = _PrepareReducer()
+            trainer.plugin_manager.register(self._manual_backward, name=f"{self.hookloop_name}.manual_backward")
+
+    @hookloop.hookimpl
     def teardown(self, trainer):
         """Destroy the process group this plugin created (not one the user made).
 
@@ -280,6 +306,9 @@ class DDP:
         next teardown (or exit): see :func:`_retire` for why.
         """
         self.comm_hook_state = None
+        manual, self._manual_backward = self._manual_backward, None
+        if manual is not None:
+            trainer.plugin_manager.unregister(manual)
         wrapped, self._wrapped = self._wrapped, None
         owned, self._owns_process_group = self._owns_process_group, False
         if wrapped is not None and trainer.model is wrapped[1]:
@@ -381,6 +410,48 @@ class DDP:
         saved = checkpoint.get("plugins", {}).get(CHECKPOINT_KEY, {}).get("comm_hook")
         if saved is not None:
             comm.state_from_checkpoint(self.comm_hook, self.comm_hook_state, saved)
+
+
+class _PrepareReducer:
+    """``backward`` for manual optimization under DDP (see :meth:`DDP.setup`).
+
+    DDP's own forward prepares the reducer when it returns, for a backward that comes
+    after it; under manual optimization every backward ran inside the forward already,
+    and a reducer left waiting fails the next forward ("initialize_buckets must NOT be
+    called during autograd execution"). So gradient synchronisation is switched on only
+    around each ``manual_backward``, and the forward leaves the reducer alone.
+    """
+
+    hookloop_role = "extension"
+
+    @hookloop.hookimpl(wrapper=True)
+    def backward(self, loss, model):
+        if not isinstance(model, nn.parallel.DistributedDataParallel):
+            return (yield)
+        model.require_backward_grad_sync = True
+        prepare_for_backward(model, loss)
+        try:
+            return (yield)
+        finally:
+            model.require_backward_grad_sync = False
+
+
+def prepare_for_backward(model: nn.parallel.DistributedDataParallel, output: Any) -> None:
+    """What DDP's forward does on return, for a backward that runs before it returns.
+
+    The reducer must know a backward is coming (and, with ``find_unused_parameters``,
+    which parameters ``output`` does not depend on); Lightning prepares it the same way
+    for manual optimization.
+    """
+    if torch.is_grad_enabled() and model.require_backward_grad_sync:
+        from torch.nn.parallel.distributed import _find_tensors
+
+        model.require_forward_param_sync = True
+        tensors = list(_find_tensors(output)) if model.find_unused_parameters and not model.static_graph else []
+        model.reducer._rebuild_buckets()
+        model.reducer.prepare_for_backward(tensors)
+    else:
+        model.require_forward_param_sync = False
 
 
 # Process groups destroyed by the latest teardown of this process (see ``_retire``).

@@ -13,6 +13,10 @@ replica thread.
 
 On a machine without CUDA, DataParallel has no GPU to split over: the run is an ordinary
 single-device CPU run, and the plugin says so once.
+
+Public pieces, which ``ddp2`` (hookloop-ddp: DataParallel inside a node, DDP across
+nodes) builds on: :func:`device_ids`, :func:`replicate_over_gpus`,
+:func:`average_replica_losses`, :class:`ReplicaContexts`, :func:`mean_of_replicas`.
 """
 
 from __future__ import annotations
@@ -107,7 +111,7 @@ class DP:
     @hookloop.hookimpl
     def setup_environment(self, trainer):
         """A world of one; the root device is the first listed GPU (or the CPU)."""
-        self.device_ids = _device_ids(trainer.config)
+        self.device_ids = device_ids(trainer.config)
         trainer.world_size, trainer.global_rank, trainer.local_rank, trainer.node_rank = 1, 0, 0, 0
         trainer.root_device = torch.device("cuda", self.device_ids[0]) if self.device_ids else torch.device("cpu")
         return True
@@ -139,21 +143,33 @@ class DP:
 
     @hookloop.hookimpl
     def wrap_model(self, trainer, model):
-        """``DataParallel`` around the step module, with the run's forward contexts
-        re-entered inside each replica (see :class:`ReplicaContexts`)."""
-        contexts = [c for c in trainer.hook.forward_context(trainer=trainer) if c is not None]
-        inner = ReplicaContexts(model, contexts, unsqueeze_scalars=bool(self.device_ids)).to(trainer.root_device)
-        if not self.device_ids:
-            return inner  # on the CPU there is nothing to split over
-        return nn.DataParallel(inner, device_ids=self.device_ids, output_device=self.device_ids[0])
+        """``DataParallel`` around the step module (:func:`replicate_over_gpus`)."""
+        return replicate_over_gpus(trainer, model, self.device_ids)
 
     @hookloop.hookimpl
     def training_step_end(self, trainer, outputs):
-        """Average gathered per-replica losses when the user's module does not reduce
-        them itself in its own ``training_step_end`` (which the loop already called)."""
-        if callable(getattr(trainer.module, "training_step_end", None)):
-            return None
-        return mean_of_replicas(outputs)
+        """Average gathered per-replica losses (:func:`average_replica_losses`)."""
+        return average_replica_losses(trainer, outputs)
+
+
+def replicate_over_gpus(trainer, model: nn.Module, gpu_ids: list[int]) -> nn.Module:
+    """``model`` on the first of ``gpu_ids``, in ``nn.DataParallel`` over all of them,
+    with the run's forward contexts (autocast) re-entered inside each replica (see
+    :class:`ReplicaContexts`). Without GPUs: ``model`` on the root device, unsplit."""
+    contexts = [c for c in trainer.hook.forward_context(trainer=trainer) if c is not None]
+    inner = ReplicaContexts(model, contexts, unsqueeze_scalars=bool(gpu_ids)).to(trainer.root_device)
+    if not gpu_ids:
+        return inner  # on the CPU there is nothing to split over
+    return nn.DataParallel(inner, device_ids=gpu_ids, output_device=gpu_ids[0])
+
+
+def average_replica_losses(trainer, outputs):
+    """The ``training_step_end`` of DataParallel runs: the gathered per-replica losses
+    averaged, unless the user's module reduces them itself in its own
+    ``training_step_end`` (which the loop already called); ``None`` to keep ``outputs``."""
+    if callable(getattr(trainer.module, "training_step_end", None)):
+        return None
+    return mean_of_replicas(outputs)
 
 
 def mean_of_replicas(outputs):
@@ -178,8 +194,8 @@ def _check_one_node(config) -> None:
         )
 
 
-def _device_ids(config) -> list[int]:
-    """The CUDA devices ``config.devices`` names; ``[]`` without CUDA."""
+def device_ids(config) -> list[int]:
+    """The CUDA devices ``config.devices`` names on this machine; ``[]`` without CUDA."""
     if config.accelerator == "cpu" or not torch.cuda.is_available():
         if config.accelerator in ("cuda", "gpu"):
             raise hookloop.ConfigurationError(

@@ -1,0 +1,1051 @@
+"""The loops: fit, validate, test and predict, and the training step.
+
+Read top to bottom, this file is one batch's whole journey: ``fit`` opens a session
+(process group, data, plugins), builds the model, then per epoch ``_train_epoch`` runs
+the step built by ``make_training_step`` (forward, backward, optimizer step), validates
+when due, and ends the epoch (schedulers, ``on_train_epoch_end``, checkpoint). Every
+technique the loop does not spell out is a hook call, and every hook call on the per-step
+path is resolved once per run: one nobody implements is never called.
+
+``Trainer`` (``trainer.py``) keeps the configuration and the public API; it calls
+:func:`fit`, :func:`evaluate` and :func:`predict` here, inside the worker processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import re
+import sys
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+
+from . import checkpoint as ckpt
+from .datamodule import provides
+from .errors import CheckpointError, ConfigurationError
+from .helpers import DistributedSamplerWrapper, batch_size_of, move_to_device, rebuild_dataloader
+from .module import _STEP_BATCH, module_hooks_plugin
+from .optim import LoopOptimizer, parse_optimizers, step_schedulers
+
+TRAIN, VALIDATE, TEST, PREDICT = "train", "validate", "test", "predict"
+#: the user's step for each ``kind`` the step module is called with
+STEP_METHODS = {TRAIN: "training_step", VALIDATE: "validation_step", TEST: "test_step", PREDICT: "predict_step"}
+#: the prefix of each evaluation stage's events (``on_validation_start`` ...)
+EVENT_PREFIX = {VALIDATE: "validation", TEST: "test", PREDICT: "predict"}
+#: the ``stage`` argument of ``setup``/``teardown`` for each entry point
+SETUP_STAGE = {"fit": "fit", VALIDATE: "validate", TEST: "test", PREDICT: "predict"}
+
+
+class _StepModule(nn.Module):
+    """Routes ``forward(kind, batch, batch_idx, dataloader_idx=None)`` to the user's step.
+
+    Strategy wrappers (DDP, DataParallel, DeepSpeed's engine) wrap this module, so their
+    forward logic runs around every step exactly as it would around ``forward``.
+    ``kind`` is ``"train"``, ``"validate"``, ``"test"`` or ``"predict"``.
+    """
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, kind: str, batch: Any, batch_idx: int, dataloader_idx: int | None = None):
+        # Per thread: a DataParallel replica logs with its own share of the batch.
+        _STEP_BATCH.batch = batch
+        try:
+            if kind == TRAIN:
+                return self.module.training_step(batch, batch_idx)
+            step = getattr(self.module, STEP_METHODS[kind], None)
+            if kind == PREDICT and not callable(step):
+                return self.module(batch)  # Lightning's default predict_step
+            if dataloader_idx is None:
+                return step(batch, batch_idx)
+            return step(batch, batch_idx, dataloader_idx)
+        finally:
+            _STEP_BATCH.batch = None
+
+
+# ---------------------------------------------------------------------------------------
+# A run: the session around every entry point
+# ---------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def session(trainer, stage: str):
+    """Environment, data, plugins and the module's hooks for one ``fit``/``validate``/
+    ``test``/``predict`` in this worker; torn down also after an exception."""
+    hook, module = trainer.hook, trainer.module
+    module.__dict__["_hookloop_trainer"] = trainer
+    module_hooks = module_hooks_plugin(module)
+    if module_hooks is not None:
+        trainer.plugin_manager.register(module_hooks, name=module_hooks.hookloop_name)
+    _resolve_events(trainer)
+    datamodule = trainer.datamodule
+    setup_stage = SETUP_STAGE[stage]
+    set_up = False
+    trainer.state = stage
+    try:
+        hook.setup_environment(trainer=trainer)
+        _prepare_data(trainer)
+        if datamodule is not None:
+            datamodule.trainer = trainer
+            datamodule.setup(setup_stage)
+        _resolve_loaders(trainer, stage)
+        hook.setup(trainer=trainer, stage=setup_stage)
+        set_up = True
+        yield
+    except BaseException as exc:
+        if set_up and not isinstance(exc, (SystemExit, KeyboardInterrupt)):
+            hook.on_exception(trainer=trainer, exception=exc)
+        raise
+    finally:
+        try:
+            hook.teardown(trainer=trainer, stage=setup_stage)
+            if datamodule is not None:
+                datamodule.teardown(setup_stage)
+        finally:
+            if module_hooks is not None:
+                trainer.plugin_manager.unregister(module_hooks)
+            module.__dict__.pop("_hookloop_trainer", None)
+            trainer.state = None
+
+
+def _event(trainer, name: str) -> Callable | None:
+    """The hook caller of event ``name``, or ``None`` when nobody implements it."""
+    caller = getattr(trainer.hook, name)
+    return caller if caller.get_hookimpls() else None
+
+
+def _resolve_events(trainer) -> None:
+    # Read by public helpers on the step path (hookloop.before_optimizer_step).
+    trainer._on_before_optimizer_step = _event(trainer, "on_before_optimizer_step")
+    trainer._on_before_zero_grad = _event(trainer, "on_before_zero_grad")
+
+
+def _prepare_data(trainer) -> None:
+    """``prepare_data`` of the DataModule and the module: once per node (or per job),
+    on one rank, while the others wait."""
+    sources = [s for s in (trainer.datamodule, trainer.module) if callable(getattr(type(s), "prepare_data", None))]
+    if not sources:
+        return
+    for source in sources:
+        per_node = getattr(source, "prepare_data_per_node", True)
+        if (trainer.local_rank if per_node else trainer.global_rank) == 0:
+            source.prepare_data()
+    trainer.barrier("prepare_data")
+
+
+def _resolve_loaders(trainer, stage: str) -> None:
+    """The loaders of this run: those passed in, else the DataModule's, else the module's."""
+    for attr, method, wanted in (
+        ("train_dataloader", "train_dataloader", stage == "fit"),
+        ("val_dataloaders", "val_dataloader", stage in ("fit", VALIDATE)),
+        ("test_dataloaders", "test_dataloader", stage == TEST),
+        ("predict_dataloaders", "predict_dataloader", stage == PREDICT),
+    ):
+        if not wanted or getattr(trainer, attr) is not None:
+            continue
+        source = next((s for s in (trainer.datamodule, trainer.module) if s is not None and provides(s, method)), None)
+        if source is None:
+            continue
+        if attr == "val_dataloaders" and stage == "fit" and not callable(getattr(trainer.module, "validation_step", None)):
+            trainer.print(f"hookloop: {type(source).__name__}.val_dataloader() is not used: {type(trainer.module).__name__} has no validation_step")
+            continue
+        loaders = getattr(source, method)()
+        setattr(trainer, attr, loaders if attr == "train_dataloader" else as_loader_list(loaders, f"{type(source).__name__}.{method}()"))
+    if stage == "fit":
+        if trainer.train_dataloader is None:
+            raise ConfigurationError(
+                "fit needs training data: pass train_dataloaders, or a datamodule (or module) "
+                "with train_dataloader()"
+            )
+        check_loader(trainer.train_dataloader, "train_dataloaders")
+    else:
+        attr = {VALIDATE: "val_dataloaders", TEST: "test_dataloaders", PREDICT: "predict_dataloaders"}[stage]
+        if not getattr(trainer, attr):
+            raise ConfigurationError(
+                f"{stage} needs data: pass dataloaders, or a datamodule (or module) with "
+                f"{attr[:-1]}()"
+            )
+
+
+def check_loader(loader: Any, name: str) -> None:
+    if isinstance(loader, (list, tuple, dict)):
+        raise ConfigurationError(
+            f"{name}: hookloop trains on one DataLoader, got a {type(loader).__name__}; combine "
+            f"the datasets (torch.utils.data.ConcatDataset) into one loader"
+        )
+    if not isinstance(loader, DataLoader):
+        raise TypeError(f"{name} must be a torch.utils.data.DataLoader, got {type(loader).__name__}")
+
+
+def as_loader_list(loaders: Any, name: str) -> list[DataLoader] | None:
+    """One loader, a list/tuple, or a dict (in its order) -> a list of DataLoaders."""
+    if loaders is None:
+        return None
+    if isinstance(loaders, dict):
+        loaders = list(loaders.values())
+    if not isinstance(loaders, (list, tuple)):
+        loaders = [loaders]
+    for i, loader in enumerate(loaders):
+        if not isinstance(loader, DataLoader):
+            raise TypeError(f"{name}[{i}] must be a torch.utils.data.DataLoader, got {type(loader).__name__}")
+    return list(loaders)
+
+
+# ---------------------------------------------------------------------------------------
+# Model, optimizers and loaders
+# ---------------------------------------------------------------------------------------
+
+
+def build_model(trainer, stage: str) -> None:
+    """``configure_model`` in the strategy's init context, ``configure_optimizers``, then
+    the strategy wraps the model and (each of) the optimizers."""
+    module, hook = trainer.module, trainer.hook
+    if callable(getattr(module, "configure_model", None)):
+        with hook.model_init_context(trainer=trainer):
+            module.configure_model()
+    optimizers: list = []
+    trainer.lr_scheduler_configs = []
+    if stage == "fit":
+        optimizers, trainer.lr_scheduler_configs = parse_optimizers(
+            module.configure_optimizers(), type(module).__name__, trainer.automatic_optimization
+        )
+    trainer.model = hook.wrap_model(
+        trainer=trainer, model=_StepModule(module), optimizer=optimizers[0] if optimizers else None, optimizers=optimizers
+    )
+    wrapped = []
+    for optimizer in optimizers:
+        replaced = hook.wrap_optimizer(trainer=trainer, model=trainer.model, optimizer=optimizer)
+        wrapped.append(optimizer if replaced is None else replaced)
+    trainer.optimizers = wrapped
+
+
+def prepare_loader(trainer, loader: DataLoader | None, training: bool) -> DataLoader | None:
+    """The loader this rank iterates: the strategy's sampler in place of the user's."""
+    if loader is None or not trainer.config.use_distributed_sampler:
+        return loader
+    sampler = trainer.hook.configure_sampler(trainer=trainer, dataloader=loader, training=training)
+    return loader if sampler is None else rebuild_dataloader(loader, sampler)
+
+
+def batch_limit(loader: Any, limit: int | float | None, name: str) -> int | None:
+    """How many batches of ``loader`` to run: ``limit`` as a count or a fraction of its
+    length; ``None`` for an unsized loader without a count."""
+    try:
+        n = len(loader)
+    except TypeError:
+        n = None
+    if limit is None or (isinstance(limit, float) and limit == 1.0):
+        return n
+    if isinstance(limit, float):
+        if n is None:
+            raise ConfigurationError(
+                f"{name}={limit} is a fraction of the loader, but the loader has no length (an "
+                f"IterableDataset): give a number of batches, e.g. {name}=100"
+            )
+        count = int(n * limit)
+        if count == 0 and limit > 0:
+            raise ConfigurationError(
+                f"{name}={limit} of {n} batches is less than one batch: use at least "
+                f"{name}={1 / n:.4g} (or a number of batches)"
+            )
+        return count
+    return limit if n is None else min(n, limit)
+
+
+def _overfit_loader(trainer, loader: DataLoader) -> DataLoader:
+    """``overfit_batches``: the same first batches every epoch, never shuffled."""
+    if isinstance(loader.sampler, RandomSampler):
+        trainer.print("hookloop: overfit_batches: the training loader's shuffling is turned off, so every epoch sees the same batches")
+        return rebuild_dataloader(loader, SequentialSampler(loader.dataset))
+    return loader
+
+
+def _accepts_dataloader_idx(method: Any) -> bool:
+    try:
+        params = inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return False
+    return "dataloader_idx" in params or any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params.values())
+
+
+def _forward(trainer, kind: str, n_loaders: int = 1):
+    """The call that runs the user's step for ``kind``: directly when no strategy wrapped
+    the step module, else through the wrapper (so DDP/DP/DeepSpeed see it)."""
+    model, module = trainer.model, trainer.module
+    name = STEP_METHODS[kind]
+    method = getattr(module, name, None)
+    with_idx = kind != TRAIN and callable(method) and _accepts_dataloader_idx(method)
+    if n_loaders > 1 and kind != PREDICT and not with_idx:
+        raise ConfigurationError(
+            f"{n_loaders} {kind} dataloaders were given, but {type(module).__name__}.{name}(batch, "
+            f"batch_idx) does not take dataloader_idx: define {name}(self, batch, batch_idx, "
+            f"dataloader_idx=0)"
+        )
+    if isinstance(model, _StepModule):
+        if kind == PREDICT and not callable(method):
+            return lambda batch, batch_idx, dataloader_idx: module(batch)
+        if with_idx:
+            return method
+        return lambda batch, batch_idx, dataloader_idx: method(batch, batch_idx)
+    if with_idx:
+        return lambda batch, batch_idx, dataloader_idx: model(kind, batch, batch_idx, dataloader_idx)
+    return lambda batch, batch_idx, dataloader_idx: model(kind, batch, batch_idx)
+
+
+def _enter(contexts: list) -> contextlib.ExitStack:
+    stack = contextlib.ExitStack()
+    for context in contexts:
+        stack.enter_context(context)
+    return stack
+
+
+# ---------------------------------------------------------------------------------------
+# fit
+# ---------------------------------------------------------------------------------------
+
+
+def fit(trainer) -> None:
+    """Train ``trainer.module``: the whole of ``Trainer.fit`` inside one worker."""
+    with session(trainer, "fit"):
+        config, hook = trainer.config, trainer.hook
+        build_model(trainer, "fit")
+        train_loader = trainer.train_dataloader
+        if config.overfit_batches:
+            train_loader = _overfit_loader(trainer, train_loader)
+        train_loader = prepare_loader(trainer, train_loader, training=True)
+        val_loaders = [prepare_loader(trainer, v, training=False) for v in trainer.val_dataloaders or []]
+        if val_loaders and not callable(getattr(trainer.module, "validation_step", None)):
+            raise ConfigurationError(
+                f"val_dataloaders were given but {type(trainer.module).__name__} has no "
+                f"validation_step(batch, batch_idx)"
+            )
+        if trainer._ckpt_path is not None:
+            restore(trainer, trainer._ckpt_path)
+        _print_effective_batch(trainer, train_loader)
+        validation = _ValidationSchedule(trainer, train_loader, val_loaders)
+        hook.on_fit_start(trainer=trainer)
+        if val_loaders and config.num_sanity_val_steps and validation.enabled:
+            _sanity_check(trainer, val_loaders)
+        hook.on_train_start(trainer=trainer)
+        max_epochs = config.max_epochs
+        if max_epochs is None:
+            max_epochs = 1000 if config.max_steps is None else sys.maxsize
+        step = make_training_step(trainer)
+        while trainer.current_epoch < max_epochs and not _done(trainer):
+            epoch = trainer.current_epoch
+            resumed_stage = trainer._loop_stage
+            if resumed_stage != "epoch_end":
+                sampler = getattr(train_loader, "sampler", None)
+                if hasattr(sampler, "set_epoch"):
+                    sampler.set_epoch(epoch)
+                if not trainer.batch_idx:
+                    trainer._metrics.start("train")  # a mid-epoch resume keeps the restored sums
+                    trainer._epoch_val_metrics = {}
+                trainer._metrics.stage = "train"
+                trainer.model.train()
+                hook.on_train_epoch_start(trainer=trainer, epoch=epoch)
+                if not _train_epoch(trainer, train_loader, step, validation):
+                    # Stopped inside the epoch (max_steps, should_stop): keep the position,
+                    # so a checkpoint resumes at the next batch of this epoch.
+                    if config.enable_checkpointing:
+                        trainer.save_checkpoint(trainer.default_root_dir / "checkpoints" / "last.ckpt")
+                    break
+            _end_epoch(trainer, epoch, resumed_stage)
+        hook.on_train_end(trainer=trainer)
+        hook.on_fit_end(trainer=trainer)
+
+
+def _done(trainer) -> bool:
+    max_steps = trainer.config.max_steps
+    return trainer.should_stop or (max_steps is not None and trainer.global_step >= max_steps)
+
+
+def _print_effective_batch(trainer, loader: DataLoader) -> None:
+    if trainer.global_rank != 0 or trainer.world_size * trainer.accumulate_grad_batches <= 1:
+        return
+    per_device = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
+    factors = f"{trainer.world_size} processes x {trainer.accumulate_grad_batches} accumulated batches"
+    if per_device is None:
+        print(f"hookloop: effective batch size = (batch_sampler's batches) x {factors}", flush=True)
+        return
+    total = per_device * trainer.world_size * trainer.accumulate_grad_batches
+    print(f"hookloop: effective batch size {total} = {per_device} per device x {factors}", flush=True)
+
+
+def _sanity_check(trainer, val_loaders: list) -> None:
+    """``num_sanity_val_steps`` batches of each validation loader before training, to fail
+    early on a broken validation_step. Its metrics are discarded and it draws nothing from
+    the random generators, so training is the same with or without it."""
+    hook = trainer.hook
+    trainer.sanity_checking = True
+    try:
+        hook.on_sanity_check_start(trainer=trainer)
+        steps = trainer.config.num_sanity_val_steps
+        evaluate(trainer, VALIDATE, val_loaders, limit=None if steps == -1 else steps, publish=False)
+        hook.on_sanity_check_end(trainer=trainer)
+    finally:
+        trainer.sanity_checking = False
+
+
+class _ValidationSchedule:
+    """When validation runs during ``fit``: Lightning's ``val_check_interval`` (every N
+    batches, or a fraction of the epoch; default: at the end of the epoch) and
+    ``check_val_every_n_epoch`` (``None``: count batches across epochs)."""
+
+    def __init__(self, trainer, train_loader: DataLoader, val_loaders: list):
+        config = trainer.config
+        self.trainer, self.val_loaders = trainer, val_loaders
+        self.enabled = bool(val_loaders) and config.limit_val_batches != 0
+        self.every_n_epochs = config.check_val_every_n_epoch
+        interval = config.val_check_interval
+        n = batch_limit(train_loader, config.limit_train_batches, "limit_train_batches")
+        self.batches: int | None  # validate after every this many batches; None: at the end
+        if isinstance(interval, float):
+            if n is None:
+                if interval != 1.0:
+                    raise ConfigurationError(
+                        f"val_check_interval={interval} is a fraction of the epoch, but the training "
+                        f"loader has no length (an IterableDataset): give a number of batches, "
+                        f"val_check_interval=N, or 1.0 for the end of the epoch"
+                    )
+                self.batches = None
+            else:
+                self.batches = max(1, int(n * interval))
+        else:
+            if self.enabled and self.every_n_epochs is not None and n is not None and interval > n:
+                raise ConfigurationError(
+                    f"val_check_interval={interval} is more than the {n} training batches of an "
+                    f"epoch: validate every N <= {n} batches, or count batches across epochs with "
+                    f"check_val_every_n_epoch=None (limit_val_batches=0 turns validation off)"
+                )
+            self.batches = interval
+
+    def due(self, batch_idx: int, is_last: bool) -> bool:
+        if not self.enabled:
+            return False
+        trainer = self.trainer
+        if self.every_n_epochs is not None and (trainer.current_epoch + 1) % self.every_n_epochs:
+            return False
+        if self.batches is None:
+            return is_last
+        count = batch_idx if self.every_n_epochs is not None else trainer._total_batch_idx
+        return (count + 1) % self.batches == 0
+
+    def run(self) -> None:
+        trainer = self.trainer
+        results = evaluate(trainer, VALIDATE, self.val_loaders, limit=trainer.config.limit_val_batches)
+        trainer._epoch_val_metrics = {k: v for r in results for k, v in r.items()}
+        trainer._loop_stage = "validated"
+
+
+def _batches(iterator, n: int | None, start: int):
+    """``(batch_idx, batch, is_last)`` from ``start``; an unsized loader is read one
+    batch ahead, so its last batch is known (it ends an accumulation window)."""
+    if n is not None:
+        for batch_idx in range(start, n):
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            yield batch_idx, batch, batch_idx + 1 == n
+        return
+    try:
+        batch = next(iterator)
+    except StopIteration:
+        return
+    batch_idx = start
+    for following in iterator:
+        yield batch_idx, batch, False
+        batch, batch_idx = following, batch_idx + 1
+    yield batch_idx, batch, True
+
+
+def _train_epoch(trainer, loader: DataLoader, step, validation: _ValidationSchedule) -> bool:
+    """Train one epoch (validating when due); False when training stopped inside it."""
+    n = batch_limit(loader, trainer.config.limit_train_batches, "limit_train_batches")
+    accumulate = trainer.accumulate_grad_batches
+    skip, resumed_stage = trainer.batch_idx, trainer._loop_stage
+    if skip and n is not None and skip >= n:
+        # The checkpoint was written after the epoch's last batch: nothing left to train.
+        if resumed_stage == "train" and validation.due(skip - 1, True):
+            validation.run()  # it came after the checkpoint in the interrupted run
+        return True
+    if skip:
+        # Resuming mid-epoch: replay this epoch's shuffle, skip what was trained.
+        resume_rng = ckpt.rng_state()
+        ckpt.set_rng_state(trainer._epoch_rng)
+    else:
+        trainer._epoch_rng = ckpt.rng_state()
+    iterator = iter(loader)
+    if skip:
+        for _ in range(skip):
+            next(iterator)
+        ckpt.set_rng_state(resume_rng)
+        if resumed_stage == "train" and validation.due(skip - 1, False):
+            validation.run()  # it came after the checkpoint in the interrupted run
+    batch_start = _event(trainer, "on_train_batch_start")
+    for batch_idx, batch, is_last in _batches(iterator, n, skip):
+        trainer.batch_idx = batch_idx
+        if batch_start is not None and -1 in batch_start(trainer=trainer, batch=batch, batch_idx=batch_idx):
+            return True  # Lightning: on_train_batch_start returning -1 ends the epoch
+        boundary = is_last or (batch_idx + 1) % accumulate == 0
+        stop = step(batch, batch_idx, boundary)
+        trainer.batch_idx = batch_idx + 1
+        trainer._loop_stage = "train"
+        trainer._total_batch_idx += 1
+        if validation.due(batch_idx, is_last):
+            validation.run()
+        if stop:
+            return is_last
+    return True
+
+
+def _end_epoch(trainer, epoch: int, resumed_stage: str) -> None:
+    """Epoch metrics, schedulers, ``on_train_epoch_end``, then the next epoch.
+
+    A run resumed from a checkpoint written inside ``on_train_epoch_end``
+    (``resumed_stage == "epoch_end"``) does only what came after that event.
+    """
+    metrics = trainer._metrics
+    if resumed_stage != "epoch_end":
+        metrics.stage = "train"
+        epoch_metrics = {**metrics.finish_epoch("train"), **trainer._epoch_val_metrics}
+        if trainer.automatic_optimization:
+            step_schedulers(trainer, "epoch", plateau=False, count=epoch + 1)
+        trainer._loop_stage = "epoch_end"
+        trainer.hook.on_train_epoch_end(trainer=trainer, epoch=epoch, metrics=epoch_metrics)
+    if trainer.automatic_optimization:
+        step_schedulers(trainer, "epoch", plateau=True, count=epoch + 1)
+    trainer.current_epoch = epoch + 1
+    trainer.batch_idx = 0
+    trainer._loop_stage = "train"
+    if trainer.config.enable_checkpointing:
+        trainer.save_checkpoint(trainer.default_root_dir / "checkpoints" / "last.ckpt")
+
+
+# ---------------------------------------------------------------------------------------
+# The training step
+# ---------------------------------------------------------------------------------------
+
+
+def _step_functions(trainer, model, optimizer):
+    """``backward(loss)``, ``optimizer_step()`` and ``zero_grad()`` for this run.
+
+    Where only the built-in default implements a hook (and nothing listens to the events
+    around it), the loop calls plain torch directly, so a run without plugins costs what
+    a hand-written loop costs; otherwise each call goes through pluggy.
+    """
+    hook = trainer.hook
+
+    def only_default(name: str) -> bool:
+        impls = getattr(hook, name).get_hookimpls()
+        return len(impls) == 1 and impls[0].plugin_name == "hookloop.defaults"
+
+    if only_default("backward"):
+        backward = torch.Tensor.backward
+    else:
+        def backward(loss):
+            hook.backward(trainer=trainer, loss=loss, model=model, optimizer=optimizer)
+    if only_default("optimizer_step") and not trainer.gradient_clip_val and trainer._on_before_optimizer_step is None:
+        optimizer_step = optimizer.step
+    else:
+        def optimizer_step():
+            hook.optimizer_step(trainer=trainer, optimizer=optimizer, model=model)
+    before_zero_grad = trainer._on_before_zero_grad
+    if only_default("zero_grad") and before_zero_grad is None:
+        def zero_grad():
+            optimizer.zero_grad(set_to_none=True)
+    else:
+        def zero_grad():
+            if before_zero_grad is not None:
+                before_zero_grad(trainer=trainer, optimizer=optimizer)
+            hook.zero_grad(trainer=trainer, optimizer=optimizer, model=model)
+    return backward, optimizer_step, zero_grad
+
+
+def make_training_step(trainer):
+    """Build the per-micro-batch function once, with everything that can be decided
+    before the first step decided. It returns True when training should stop."""
+    hook, model, module, metrics = trainer.hook, trainer.model, trainer.module, trainer._metrics
+    manual = not trainer.automatic_optimization
+    contexts = [c for c in hook.forward_context(trainer=trainer) if c is not None]
+    forward = _forward(trainer, TRAIN)
+    step_end_user = getattr(module, "training_step_end", None)
+    step_end_plugins = _event(trainer, "training_step_end")
+    before_backward = _event(trainer, "on_before_backward")
+    after_backward = _event(trainer, "on_after_backward")
+    batch_end = _event(trainer, "on_train_batch_end")
+    max_steps = trainer.config.max_steps
+    device = trainer.root_device
+    move = device.type != "cpu"
+    if manual:
+        def step(batch, batch_idx: int, boundary: bool) -> bool:
+            if move:
+                batch = move_to_device(batch, device)
+            trainer._current_batch = batch
+            metrics.step_token += 1
+            with _enter(contexts):
+                out = forward(batch, batch_idx, None)
+            if step_end_user is not None:
+                out = step_end_user(out)
+            if step_end_plugins is not None:
+                out = _step_end(step_end_plugins, trainer, out)
+            loss = _manual_loss(out)
+            if batch_end is not None:
+                batch_end(trainer=trainer, outputs=out, loss=loss, batch=batch, batch_idx=batch_idx)
+            return trainer.should_stop or (max_steps is not None and trainer.global_step >= max_steps)
+
+        return step
+
+    optimizer = trainer.optimizers[0]
+    backward, optimizer_step, zero_grad = _step_functions(trainer, model, optimizer)
+    accumulate = trainer.accumulate_grad_batches
+    accumulation_context = hook.accumulation_context
+    step_schedules = any(c.interval == "step" for c in trainer.lr_scheduler_configs)
+
+    def step(batch, batch_idx: int, boundary: bool) -> bool:
+        """One micro-batch: forward, backward, and at a window's end the optimizer step."""
+        if move:
+            batch = move_to_device(batch, device)
+        trainer._current_batch = batch  # for self.log's batch size, computed only if asked
+        metrics.step_token += 1
+        sync_ctx = None if boundary or accumulate == 1 else accumulation_context(trainer=trainer, model=model)
+        if sync_ctx is not None:
+            sync_ctx.__enter__()
+        try:
+            if contexts:
+                with _enter(contexts):
+                    out = forward(batch, batch_idx, None)
+            else:
+                out = forward(batch, batch_idx, None)
+            if step_end_user is not None:
+                out = step_end_user(out)
+            if step_end_plugins is not None:
+                out = _step_end(step_end_plugins, trainer, out)
+            loss = out if type(out) is torch.Tensor else _loss_from(out)
+            if loss.ndim != 0:
+                raise TypeError(
+                    f"training_step must return a scalar loss tensor (or a dict with a 'loss' "
+                    f"entry), got a tensor of shape {tuple(loss.shape)}: reduce it, e.g. with .mean()"
+                )
+            scaled = loss / accumulate if accumulate > 1 else loss
+            if before_backward is not None:
+                before_backward(trainer=trainer, loss=scaled)
+            backward(scaled)
+            if after_backward is not None:
+                after_backward(trainer=trainer)
+        finally:
+            if sync_ctx is not None:
+                sync_ctx.__exit__(None, None, None)
+        stop = False
+        if boundary:
+            optimizer_step()
+            zero_grad()
+            trainer.global_step += 1
+            if step_schedules:
+                step_schedulers(trainer, "step", plateau=False, count=trainer.global_step)
+                step_schedulers(trainer, "step", plateau=True, count=trainer.global_step)
+            stop = trainer.should_stop or (max_steps is not None and trainer.global_step >= max_steps)
+        if batch_end is not None:
+            batch_end(trainer=trainer, outputs=out, loss=loss.detach(), batch=batch, batch_idx=batch_idx)
+        return stop
+
+    return step
+
+
+def _step_end(callers, trainer, out):
+    for replaced in callers(trainer=trainer, outputs=out):
+        if replaced is not None:
+            out = replaced
+    return out
+
+
+def _loss_from(out: Any) -> torch.Tensor:
+    if isinstance(out, dict) and "loss" in out:
+        out = out["loss"]
+    if isinstance(out, torch.Tensor):
+        return out
+    raise TypeError(
+        f"training_step must return the loss as a scalar tensor (or a dict with a 'loss' "
+        f"entry), got {type(out).__name__}: return e.g. F.cross_entropy(logits, y)"
+    )
+
+
+def _manual_loss(out: Any) -> torch.Tensor | None:
+    if isinstance(out, dict):
+        out = out.get("loss")
+    return out.detach() if isinstance(out, torch.Tensor) else None
+
+
+# Manual optimization: what the module's self.optimizers() / manual_backward() call.
+
+
+def loop_optimizers(trainer) -> list[LoopOptimizer]:
+    if trainer.automatic_optimization:
+        raise ConfigurationError(
+            "self.optimizers() is for manual optimization: set self.automatic_optimization = "
+            "False in your module's __init__ (the loop steps the optimizer otherwise)"
+        )
+    if trainer._loop_optimizer_cache is None or [o.optimizer for o in trainer._loop_optimizer_cache] != trainer.optimizers:
+        trainer._loop_optimizer_cache = [LoopOptimizer(trainer, o) for o in trainer.optimizers]
+    return trainer._loop_optimizer_cache
+
+
+def manual_backward(trainer, loss: torch.Tensor) -> None:
+    if trainer.automatic_optimization:
+        raise ConfigurationError(
+            "self.manual_backward(loss) is for manual optimization: set "
+            "self.automatic_optimization = False (the loop calls backward on the returned loss otherwise)"
+        )
+    event = _event(trainer, "on_before_backward")
+    if event is not None:
+        event(trainer=trainer, loss=loss)
+    trainer.hook.backward(trainer=trainer, loss=loss, model=trainer.model, optimizer=None)
+    event = _event(trainer, "on_after_backward")
+    if event is not None:
+        event(trainer=trainer)
+
+
+def manual_optimizer_step(trainer, optimizer) -> None:
+    trainer.hook.optimizer_step(trainer=trainer, optimizer=optimizer, model=trainer.model)
+    trainer.global_step += 1
+
+
+# ---------------------------------------------------------------------------------------
+# validate / test
+# ---------------------------------------------------------------------------------------
+
+
+def run_evaluation(trainer, stage: str) -> list[dict]:
+    """``Trainer.validate``/``test`` inside one worker."""
+    with session(trainer, stage):
+        build_model(trainer, stage)
+        attr = "val_dataloaders" if stage == VALIDATE else "test_dataloaders"
+        loaders = [prepare_loader(trainer, loader, training=False) for loader in getattr(trainer, attr)]
+        if trainer._ckpt_path is not None:
+            restore(trainer, trainer._ckpt_path)
+        limit = trainer.config.limit_val_batches if stage == VALIDATE else trainer.config.limit_test_batches
+        results = evaluate(trainer, stage, loaders, limit=limit)
+        if trainer._verbose and trainer.global_rank == 0:
+            _print_results(stage, results)
+        return results
+
+
+def evaluate(trainer, stage: str, loaders: list, limit: Any, publish: bool = True) -> list[dict]:
+    """Run ``validation_step``/``test_step`` over ``loaders``; one dict of metrics per
+    loader (names suffixed ``/dataloader_idx_N`` when there are several).
+
+    The model is in eval mode and gradients are off; the random generators are restored
+    afterwards, so validating never changes what training draws. ``publish=False`` (the
+    sanity check) keeps the metrics out of ``trainer.callback_metrics``.
+    """
+    hook, model, metrics = trainer.hook, trainer.model, trainer._metrics
+    prefix = EVENT_PREFIX[stage]
+    saved = (metrics.stage, metrics.suffix, metrics.epoch_level)
+    was_training = model.training
+    rng = ckpt.rng_state()
+    batch_start = _event(trainer, f"on_{prefix}_batch_start")
+    batch_end = _event(trainer, f"on_{prefix}_batch_end")
+    step_end_user = getattr(trainer.module, f"{STEP_METHODS[stage]}_end", None)
+    device = trainer.root_device
+    move = device.type != "cpu"
+    contexts = [c for c in hook.forward_context(trainer=trainer) if c is not None]
+    forward = _forward(trainer, stage, len(loaders))
+    model.eval()
+    metrics.start(stage)
+    try:
+        getattr(hook, f"on_{prefix}_start")(trainer=trainer)
+        _epoch_level_event(trainer, f"on_{prefix}_epoch_start")
+        with torch.no_grad(), _enter(contexts):
+            for dataloader_idx, loader in enumerate(loaders):
+                metrics.suffix = f"/dataloader_idx_{dataloader_idx}" if len(loaders) > 1 else ""
+                n = batch_limit(loader, limit, f"limit_{'val' if stage == VALIDATE else stage}_batches")
+                if n == 0:
+                    continue
+                for batch_idx, batch in enumerate(loader):
+                    if move:
+                        batch = move_to_device(batch, device)
+                    trainer._current_batch = batch
+                    if batch_start is not None:
+                        batch_start(trainer=trainer, batch=batch, batch_idx=batch_idx, dataloader_idx=dataloader_idx)
+                    out = forward(batch, batch_idx, dataloader_idx)
+                    if step_end_user is not None:
+                        out = step_end_user(out)
+                    if batch_end is not None:
+                        batch_end(trainer=trainer, outputs=out, batch=batch, batch_idx=batch_idx, dataloader_idx=dataloader_idx)
+                    if n is not None and batch_idx + 1 >= n:
+                        break
+        metrics.suffix = ""
+        _epoch_level_event(trainer, f"on_{prefix}_epoch_end")
+        computed = metrics.finish_epoch(stage, publish=publish)
+        getattr(hook, f"on_{prefix}_end")(trainer=trainer, metrics=dict(computed))
+    finally:
+        metrics.stage, metrics.suffix, metrics.epoch_level = saved
+        model.train(was_training)
+        ckpt.set_rng_state(rng)
+    return _per_loader(computed, len(loaders))
+
+
+def _epoch_level_event(trainer, name: str) -> None:
+    metrics = trainer._metrics
+    metrics.epoch_level = True
+    try:
+        getattr(trainer.hook, name)(trainer=trainer)
+    finally:
+        metrics.epoch_level = False
+
+
+_LOADER_SUFFIX = re.compile(r"/dataloader_idx_(\d+)$")
+
+
+def _per_loader(computed: dict, n_loaders: int) -> list[dict]:
+    results: list[dict] = [{} for _ in range(max(n_loaders, 1))]
+    for name, value in computed.items():
+        match = _LOADER_SUFFIX.search(name)
+        if match and int(match.group(1)) < len(results):
+            results[int(match.group(1))][name] = value
+        else:
+            for result in results:
+                result[name] = value
+    return results
+
+
+def _print_results(stage: str, results: list[dict]) -> None:
+    names = sorted({k for r in results for k in r})
+    if not names:
+        return
+    title = f"{'Validate' if stage == VALIDATE else 'Test'} metric"
+    width = max(len(title), *(len(n) for n in names))
+    header = "  ".join(f"DataLoader {i}".rjust(14) for i in range(len(results)))
+    print(f"{title.ljust(width)}  {header}")
+    for name in names:
+        cells = "  ".join((f"{r[name]:.6g}" if name in r else "").rjust(14) for r in results)
+        print(f"{name.ljust(width)}  {cells}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------
+# predict
+# ---------------------------------------------------------------------------------------
+
+
+def run_predict(trainer) -> Any:
+    """``Trainer.predict`` inside one worker: per-batch outputs, in dataset order."""
+    with session(trainer, PREDICT):
+        build_model(trainer, PREDICT)
+        loaders = [prepare_loader(trainer, loader, training=False) for loader in trainer.predict_dataloaders]
+        if trainer._ckpt_path is not None:
+            restore(trainer, trainer._ckpt_path)
+        hook, model, metrics = trainer.hook, trainer.model, trainer._metrics
+        keep = trainer._return_predictions
+        batch_start = _event(trainer, "on_predict_batch_start")
+        batch_end = _event(trainer, "on_predict_batch_end")
+        contexts = [c for c in hook.forward_context(trainer=trainer) if c is not None]
+        forward = _forward(trainer, PREDICT, len(loaders))
+        device = trainer.root_device
+        move = device.type != "cpu"
+        was_training, saved_stage = model.training, metrics.stage
+        model.eval()
+        metrics.stage = PREDICT
+        per_loader: list[list] = []
+        try:
+            hook.on_predict_start(trainer=trainer)
+            _epoch_level_event(trainer, "on_predict_epoch_start")
+            with torch.no_grad(), _enter(contexts):
+                for dataloader_idx, loader in enumerate(loaders):
+                    outputs: list = []
+                    n = batch_limit(loader, trainer.config.limit_predict_batches, "limit_predict_batches")
+                    for batch_idx, batch in enumerate(loader):
+                        if n is not None and batch_idx >= n:
+                            break
+                        if move:
+                            batch = move_to_device(batch, device)
+                        trainer._current_batch = batch
+                        if batch_start is not None:
+                            batch_start(trainer=trainer, batch=batch, batch_idx=batch_idx, dataloader_idx=dataloader_idx)
+                        out = forward(batch, batch_idx, dataloader_idx)
+                        if batch_end is not None:
+                            batch_end(trainer=trainer, outputs=out, batch=batch, batch_idx=batch_idx, dataloader_idx=dataloader_idx)
+                        if keep:
+                            outputs.append((batch_size_of(batch), out))
+                    per_loader.append(outputs)
+            _epoch_level_event(trainer, "on_predict_epoch_end")
+            results = [_gather_predictions(trainer, loader, outputs) for loader, outputs in zip(loaders, per_loader)] if keep else None
+            hook.on_predict_end(trainer=trainer)
+        finally:
+            metrics.stage = saved_stage
+            model.train(was_training)
+        if results is None:
+            return None
+        return results[0] if len(results) == 1 else results
+
+
+def _gather_predictions(trainer, loader: DataLoader, outputs: list) -> list:
+    """This loader's per-batch outputs as one process would have returned them.
+
+    Under several processes every rank predicted its share (positions ``r, r + W, ...``
+    of the sampler's order, the last ones padded by repetition); the shares are gathered
+    on every rank, each sample placed at its position, the padding dropped, and the
+    samples batched again in the loader's batch size. Predictions gathered this way are
+    on the CPU.
+    """
+    world = trainer.world_size
+    if world == 1:
+        return [out for _, out in outputs]
+    local = [(count, _apply(out, lambda t: t.detach().cpu())) for count, out in outputs]
+    shares = trainer.all_gather_object(local)
+    sampler = loader.sampler
+    if isinstance(sampler, DistributedSampler):
+        total = len(sampler.dataset)
+    elif isinstance(sampler, DistributedSamplerWrapper):
+        total = len(sampler.sampler)
+    else:
+        # A sampler hookloop does not know the order of (an iterable dataset's):
+        # the ranks' outputs in rank order.
+        return [out for share in shares for _, out in share]
+    samples: dict[int, Any] = {}
+    for rank, share in enumerate(shares):
+        position = 0
+        for count, out in share:
+            for piece in _split(out, count):
+                global_position = position * world + rank
+                if global_position < total:
+                    samples.setdefault(global_position, piece)
+                position += 1
+    ordered = [samples[p] for p in sorted(samples)]
+    size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None) or 1
+    return [_merge(ordered[i : i + size]) for i in range(0, len(ordered), size)]
+
+
+def _apply(obj: Any, fn) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_apply(o, fn) for o in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_apply(o, fn) for o in obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, _apply(v, fn)) for k, v in obj.items())
+    return obj
+
+
+def _split(out: Any, count: int) -> list:
+    """Per-sample pieces of one batch's output (tensors keep their batch dimension)."""
+    if isinstance(out, torch.Tensor):
+        if out.ndim == 0 or out.shape[0] != count:
+            raise ConfigurationError(
+                f"predict under several processes puts every sample's prediction back in dataset "
+                f"order, so predict_step must return tensors (or lists/tuples/dicts of them) whose "
+                f"first dimension is the batch ({count} here); got a tensor of shape "
+                f"{tuple(out.shape)}. Return per-sample outputs, or pass return_predictions=False "
+                f"and keep them yourself (e.g. in on_predict_batch_end)."
+            )
+        return list(out.split(1))
+    if isinstance(out, dict):
+        parts = {k: _split(v, count) for k, v in out.items()}
+        return [type(out)((k, parts[k][i]) for k in out) for i in range(count)]
+    if isinstance(out, (list, tuple)):
+        parts = [_split(v, count) for v in out]
+        make = (lambda items: type(out)(*items)) if hasattr(out, "_fields") else type(out)
+        return [make([p[i] for p in parts]) for i in range(count)]
+    raise ConfigurationError(
+        f"predict under several processes puts every sample's prediction back in dataset order, "
+        f"so predict_step must return tensors (or lists/tuples/dicts of them), got "
+        f"{type(out).__name__}; or pass return_predictions=False and keep outputs yourself"
+    )
+
+
+def _merge(pieces: list) -> Any:
+    first = pieces[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(pieces)
+    if isinstance(first, dict):
+        return type(first)((k, _merge([p[k] for p in pieces])) for k in first)
+    if isinstance(first, tuple) and hasattr(first, "_fields"):
+        return type(first)(*(_merge([p[i] for p in pieces]) for i in range(len(first))))
+    return type(first)(_merge([p[i] for p in pieces]) for i in range(len(first)))
+
+
+# ---------------------------------------------------------------------------------------
+# Checkpoints: the loop's position and everything a resume needs
+# ---------------------------------------------------------------------------------------
+
+
+def checkpoint_dict(trainer) -> dict:
+    """The whole run state; plugins add theirs in ``on_save_checkpoint``.
+
+    ``loop["stage"]`` says how far the loop got after ``batch_idx`` batches of ``epoch``:
+    ``"train"`` (what follows the batch is still to do), ``"validated"`` (its validation
+    is done) or ``"epoch_end"`` (written inside ``on_train_epoch_end``). A resume does
+    exactly what the interrupted run would have done after the checkpoint.
+    """
+    import hookloop
+
+    module = trainer.module
+    checkpoint = {
+        "hookloop": {"version": hookloop.__version__, "format": ckpt.FORMAT_VERSION},
+        "state_dict": module.state_dict(),
+        "optimizer_states": [o.state_dict() for o in trainer.optimizers],
+        "lr_schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
+        "loop": {
+            "epoch": trainer.current_epoch,
+            "global_step": trainer.global_step,
+            "batch_idx": trainer.batch_idx,
+            "stage": trainer._loop_stage,
+            "total_batch_idx": trainer._total_batch_idx,
+            "epoch_val_metrics": dict(trainer._epoch_val_metrics),
+        },
+        "metrics": trainer._metrics.state_dict(),
+        "rng": ckpt.rng_state(),
+        "epoch_rng": trainer._epoch_rng if trainer.batch_idx else None,
+        "plugins": {},
+    }
+    hparams = getattr(module, "hparams", None)
+    if hparams:
+        checkpoint["hyper_parameters"] = dict(hparams)
+    datamodule = trainer.datamodule
+    if datamodule is not None and callable(getattr(datamodule, "state_dict", None)):
+        state = datamodule.state_dict()
+        if state:
+            checkpoint["datamodule"] = state
+    trainer.hook.on_save_checkpoint(trainer=trainer, checkpoint=checkpoint)
+    return checkpoint
+
+
+def restore(trainer, ckpt_path: Any) -> None:
+    """Load ``ckpt_path`` (or ``"last"``) into the model, optimizers, loop and plugins."""
+    from pathlib import Path
+
+    path = Path(ckpt_path)
+    if str(ckpt_path) == "last":
+        path = trainer.default_root_dir / "checkpoints" / "last.ckpt"
+        if not path.exists():
+            raise CheckpointError(
+                f"ckpt_path='last' but no checkpoint was written under {path.parent}: "
+                f"train once with enable_checkpointing=True, or pass a checkpoint path"
+            )
+    checkpoint = trainer.hook.load_checkpoint(trainer=trainer, path=path)
+    if not isinstance(checkpoint, dict) or "loop" not in checkpoint:
+        raise CheckpointError(f"{str(path)!r} is not a hookloop checkpoint (no loop state)")
+    trainer.hook.load_model_state(trainer=trainer, checkpoint=checkpoint)
+    loop = checkpoint["loop"]
+    trainer.current_epoch = int(loop["epoch"])
+    trainer.global_step = int(loop["global_step"])
+    trainer.batch_idx = int(loop.get("batch_idx", 0))
+    trainer._loop_stage = loop.get("stage", "train")
+    trainer._total_batch_idx = int(loop.get("total_batch_idx", 0))
+    trainer._epoch_val_metrics = dict(loop.get("epoch_val_metrics") or {})
+    trainer._epoch_rng = checkpoint.get("epoch_rng")
+    if trainer.batch_idx and trainer._loop_stage == "train" and trainer._epoch_rng is None:
+        raise CheckpointError(f"{str(path)!r} was saved mid-epoch without the epoch's RNG state")
+    if checkpoint.get("metrics"):
+        trainer._metrics.load_state_dict(checkpoint["metrics"])
+    if checkpoint.get("rng") is not None:
+        ckpt.set_rng_state(checkpoint["rng"])
+    datamodule = trainer.datamodule
+    if datamodule is not None and checkpoint.get("datamodule") and callable(getattr(datamodule, "load_state_dict", None)):
+        datamodule.load_state_dict(checkpoint["datamodule"])
+    trainer.hook.on_load_checkpoint(trainer=trainer, checkpoint=checkpoint)
