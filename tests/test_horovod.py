@@ -19,10 +19,13 @@ import types
 import pytest
 import torch
 from torch.nn import functional as F
+from torch.optim import lr_scheduler as schedulers
+from torch.optim.swa_utils import SWALR
 from torch.utils.data import DataLoader, DistributedSampler
 
 import hookloop
 from conftest import REPO, TinyModule, max_abs_diff, run_python, state_of, tiny_data
+from hookloop_horovod.strategy import scale_learning_rate
 
 SCRIPT = REPO / "tests" / "scripts" / "horovod_checks.py"
 EPOCHS, BATCH, SAMPLES, WORLD = 2, 8, 96, 2  # as in the script
@@ -300,3 +303,133 @@ def test_plugin_imports_no_horovod_and_its_requirement_is_the_built_wheel(tmp_pa
     # pip finds horovod==0.28.1 satisfied by the wheel build_horovod.sh installed.
     assert "horovod==0.28.1" in [r.replace(" ", "") for r in md.requires("hookloop-horovod")]
     assert md.version("horovod") == "0.28.1"
+
+
+# ---------------------------------------------------------------------------------------
+# scale_learning_rate: a pure function of an optimizer and a scheduler, no Horovod needed
+# ---------------------------------------------------------------------------------------
+
+LR, STEPS = 0.1, 24  # group 0 at LR, group 1 at LR / 4; 24 steps cover every phase below
+
+
+def _optimizer(scale: float) -> torch.optim.SGD:
+    params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))]
+    return torch.optim.SGD(
+        [{"params": [params[0]], "lr": scale * LR}, {"params": [params[1]], "lr": scale * LR / 4}],
+        momentum=0.9,
+    )
+
+
+# Each builds optimizer + scheduler with every absolute learning rate times `s`: s=1 is
+# what configure_optimizers wrote, s=W is the schedule written by hand for W workers.
+SCHEDULES = {
+    "OneCycleLR": lambda o, s: schedulers.OneCycleLR(o, max_lr=[s * 1.0, s * 0.5], total_steps=STEPS),
+    "OneCycleLR-3phase": lambda o, s: schedulers.OneCycleLR(
+        o, max_lr=s * 0.8, total_steps=STEPS, pct_start=0.25, three_phase=True, anneal_strategy="linear"),
+    "CyclicLR": lambda o, s: schedulers.CyclicLR(
+        o, base_lr=[s * 0.01, s * 0.005], max_lr=[s * 0.1, s * 0.04], step_size_up=3, step_size_down=5,
+        mode="triangular2"),
+    "CyclicLR-exp_range": lambda o, s: schedulers.CyclicLR(
+        o, base_lr=s * 0.01, max_lr=s * 0.1, step_size_up=4, mode="exp_range", gamma=0.9),
+    "CosineAnnealingLR": lambda o, s: schedulers.CosineAnnealingLR(o, T_max=7, eta_min=s * 0.002),
+    "CosineAnnealingWarmRestarts": lambda o, s: schedulers.CosineAnnealingWarmRestarts(
+        o, T_0=3, T_mult=2, eta_min=s * 0.002),
+    "ReduceLROnPlateau": lambda o, s: schedulers.ReduceLROnPlateau(
+        o, factor=0.5, patience=1, min_lr=[s * 0.01, s * 0.002]),
+    "ReduceLROnPlateau-scalar": lambda o, s: schedulers.ReduceLROnPlateau(o, factor=0.5, patience=1, min_lr=s * 0.004),
+    "LinearLR": lambda o, s: schedulers.LinearLR(o, start_factor=0.25, total_iters=6),
+    "StepLR": lambda o, s: schedulers.StepLR(o, step_size=5, gamma=0.5),
+    "ExponentialLR": lambda o, s: schedulers.ExponentialLR(o, gamma=0.85),
+    "LambdaLR": lambda o, s: schedulers.LambdaLR(o, lambda e: min(1.0, (e + 1) / 5) * 0.9**e),
+    "SWALR": lambda o, s: SWALR(o, swa_lr=s * 0.03, anneal_epochs=6),
+    "SequentialLR": lambda o, s: schedulers.SequentialLR(
+        o, [schedulers.LinearLR(o, start_factor=0.1, total_iters=5),
+            schedulers.CosineAnnealingLR(o, T_max=12, eta_min=s * 0.001)], milestones=[5]),
+    "ChainedScheduler": lambda o, s: schedulers.ChainedScheduler(
+        [schedulers.ConstantLR(o, factor=0.5, total_iters=4),
+         schedulers.CosineAnnealingWarmRestarts(o, T_0=5, eta_min=s * 0.003)]),
+    "SequentialLR-of-ChainedScheduler": lambda o, s: schedulers.SequentialLR(
+        o, [schedulers.ChainedScheduler([schedulers.ConstantLR(o, factor=0.5, total_iters=3),
+                                         schedulers.CosineAnnealingLR(o, T_max=5, eta_min=s * 0.002)]),
+            schedulers.ExponentialLR(o, gamma=0.9)],
+        milestones=[9]),
+}
+
+
+def _build(name: str, scale: float):
+    optimizer = _optimizer(scale)
+    return optimizer, SCHEDULES[name](optimizer, scale)
+
+
+def _trace(optimizer, scheduler, steps: int) -> list[list[float]]:
+    """The learning rate of each group that every optimizer step uses, as the loop steps
+    (flat: step 0's groups, then step 1's...)."""
+    trace = []
+    for _ in range(steps):
+        trace.extend(float(group["lr"]) for group in optimizer.param_groups)
+        optimizer.step()  # no gradients: nothing moves, but the schedulers see a step
+        if isinstance(scheduler, schedulers.ReduceLROnPlateau):
+            scheduler.step(1.0)  # never improves: a reduction every patience + 1 steps, down to min_lr
+        else:
+            scheduler.step()
+    return trace
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_scaled_schedule_equals_the_schedule_written_for_the_scaled_rate(name):
+    workers = 3
+    optimizer, scheduler = _build(name, 1.0)
+    scale_learning_rate(optimizer, scheduler, workers)
+    reference = _trace(*_build(name, workers), STEPS)
+    scaled = _trace(optimizer, scheduler, STEPS)
+    assert len(set(reference)) > 4  # the schedule really moves over these steps
+    assert scaled == pytest.approx(reference, rel=1e-12, abs=0)
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_resume_on_another_world_size_rescales_the_whole_schedule(name):
+    # Saved by 2 workers after `split` steps, resumed on 3: hookloop builds the
+    # optimizer and scheduler afresh, the strategy scales them for 3, the checkpoint's
+    # state (scaled for 2) replaces theirs, and on_load_checkpoint rescales by 3 / 2.
+    split = 9
+    optimizer, scheduler = _build(name, 1.0)
+    scale_learning_rate(optimizer, scheduler, 2)
+    _trace(optimizer, scheduler, split)
+    saved = {"optimizer": optimizer.state_dict(), "lr_scheduler": scheduler.state_dict()}
+    optimizer, scheduler = _build(name, 1.0)
+    scale_learning_rate(optimizer, scheduler, 3)
+    optimizer.load_state_dict(saved["optimizer"])
+    scheduler.load_state_dict(saved["lr_scheduler"])
+    scale_learning_rate(optimizer, scheduler, 3 / 2)
+    resumed = _trace(optimizer, scheduler, STEPS - split)
+    reference = _trace(*_build(name, 3.0), STEPS)[2 * split:]  # 2 groups a step
+    assert resumed == pytest.approx(reference, rel=1e-12, abs=0)
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_scaling_by_two_then_three_halves_equals_scaling_by_three(name):
+    once, twice = _build(name, 1.0), _build(name, 1.0)
+    scale_learning_rate(*once, 3)
+    scale_learning_rate(*twice, 2)
+    scale_learning_rate(*twice, 3 / 2)
+    reference = _trace(*_build(name, 3.0), STEPS)
+    assert _trace(*twice, STEPS) == pytest.approx(reference, rel=1e-12, abs=0)
+    assert _trace(*once, STEPS) == pytest.approx(reference, rel=1e-12, abs=0)
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_get_last_lr_reports_the_scaled_rate_before_the_first_step(name):
+    optimizer, scheduler = _build(name, 1.0)
+    scale_learning_rate(optimizer, scheduler, 3)
+    _, reference = _build(name, 3.0)
+    assert [float(lr) for lr in scheduler.get_last_lr()] == pytest.approx(
+        [float(lr) for lr in reference.get_last_lr()], rel=1e-12, abs=0)
+    assert [float(lr) for lr in scheduler.get_last_lr()] == [float(g["lr"]) for g in optimizer.param_groups]
+
+
+@pytest.mark.parametrize("factor", [0, -2, float("nan"), float("inf"), "2", True])
+def test_scale_factor_must_be_a_positive_number(factor):
+    optimizer, scheduler = _build("StepLR", 1.0)
+    with pytest.raises(ValueError, match=r"scale factor=.* must be a positive finite number"):
+        scale_learning_rate(optimizer, scheduler, factor)
+    assert [g["lr"] for g in optimizer.param_groups] == [LR, LR / 4]  # untouched

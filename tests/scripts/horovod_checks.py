@@ -150,7 +150,7 @@ def horovod_scenarios() -> None:
     save("compressed", t, module)
 
     # collectives through the hooks, and sync_dist through self.log
-    metrics = trainer().validate(RankLogger(), DataLoader(tiny_data(4), batch_size=2))
+    (metrics,) = trainer().validate(RankLogger(), DataLoader(tiny_data(4), batch_size=2))
     observed["sync_dist"] = {k: v for k, v in metrics.items() if k.startswith("rank_")}
     rank = t.global_rank
     value = torch.tensor([float(rank + 1), 10.0 * (rank + 1)])
@@ -167,8 +167,8 @@ def rescale_scenario() -> None:
     t.fit(TinyModule(seed=0, scheduler=True), loader(), ckpt_path=str(OUT / "resume" / "checkpoints" / "last.ckpt"))
     observed.update(
         world_size=t.world_size,
-        saved_lr=saved["optimizer"]["param_groups"][0]["lr"],
-        saved_base_lrs=saved["lr_scheduler"]["base_lrs"],
+        saved_lr=saved["optimizer_states"][0]["param_groups"][0]["lr"],
+        saved_base_lrs=saved["lr_schedulers"][0]["base_lrs"],
         lr=t.optimizer.param_groups[0]["lr"],
         base_lrs=list(t.lr_scheduler.base_lrs),
     )

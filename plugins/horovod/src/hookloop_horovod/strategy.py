@@ -65,7 +65,7 @@ class Horovod:
         self.gradient_predivide_factor = gradient_predivide_factor
         self.check_options()
         self._hvd: Any = None
-        self._optimizer: Any = None
+        self._optimizers: list = []  # this run's DistributedOptimizers
         self._names = itertools.count()
 
     def check_options(self) -> None:
@@ -160,9 +160,9 @@ class Horovod:
         gives no way to remove them): they are told never to all-reduce again, so a
         second ``fit`` of the same module is not disturbed by the first one's optimizer.
         """
-        optimizer, self._optimizer = self._optimizer, None
-        if optimizer is not None and hasattr(optimizer, "_allreduce_delay"):
-            for p in optimizer._allreduce_delay:
+        optimizers, self._optimizers = self._optimizers, []
+        for optimizer in optimizers:
+            for p in getattr(optimizer, "_allreduce_delay", {}):
                 optimizer._allreduce_delay[p] = float("inf")
         # No barrier here: teardown also runs after an exception on one rank, and a
         # barrier the other ranks never reach would hang the job instead of ending it.
@@ -184,10 +184,12 @@ class Horovod:
     def wrap_optimizer(self, trainer, model, optimizer):
         """Scale the learning rate, broadcast rank 0's optimizer state, and return
         ``hvd.DistributedOptimizer`` (averaging, ``backward_passes_per_step`` =
-        ``accumulate_grad_batches``, optional fp16 compression)."""
+        ``accumulate_grad_batches``, optional fp16 compression). Called once per
+        optimizer (several under manual optimization)."""
         hvd = self._hvd
+        schedulers = hookloop.schedulers_of(trainer, optimizer)
         if self.scale_lr:
-            scale_learning_rate(optimizer, trainer.lr_scheduler, trainer.world_size)
+            scale_learning_rate(optimizer, schedulers, trainer.world_size)
         broadcast_optimizer_state(hvd, optimizer)
         names = {id(p): n for n, p in model.named_parameters()}
         # Horovod names each gradient's all-reduce; every optimizer parameter needs one.
@@ -205,9 +207,9 @@ class Horovod:
             op=hvd.Average,
             gradient_predivide_factor=float(self.gradient_predivide_factor),
         )
-        if trainer.lr_scheduler is not None:
-            hookloop.repoint_lr_scheduler(trainer.lr_scheduler, distributed)
-        self._optimizer = distributed
+        for scheduler in schedulers:
+            hookloop.repoint_lr_scheduler(scheduler, distributed)
+        self._optimizers.append(distributed)
         return distributed
 
     @hookloop.hookimpl
@@ -230,7 +232,7 @@ class Horovod:
         rank and take it on another. This is Horovod's documented
         ``synchronize()`` / ``skip_synchronize()`` pattern.
         """
-        if optimizer is not self._optimizer:
+        if not any(optimizer is o for o in self._optimizers):
             return (yield)
         optimizer.synchronize()
         with optimizer.skip_synchronize():
@@ -239,7 +241,7 @@ class Horovod:
     @hookloop.hookimpl
     def zero_grad(self, optimizer):
         """``optimizer.zero_grad()``: Horovod's takes no ``set_to_none`` (it sets to None)."""
-        if optimizer is not self._optimizer:
+        if not any(optimizer is o for o in self._optimizers):
             return None
         optimizer.zero_grad()
         return True
@@ -299,8 +301,9 @@ class Horovod:
         if not saved or not (self.scale_lr and saved.get("scale_lr")):
             return
         old, new = int(saved["world_size"]), trainer.world_size
-        if old != new and trainer.optimizer is not None:
-            scale_learning_rate(trainer.optimizer, trainer.lr_scheduler, new / old)
+        if old != new:
+            for optimizer in trainer.optimizers:
+                scale_learning_rate(optimizer, hookloop.schedulers_of(trainer, optimizer), new / old)
 
 
 # ---------------------------------------------------------------------------------------
@@ -308,18 +311,78 @@ class Horovod:
 # ---------------------------------------------------------------------------------------
 
 
+# Param-group keys that hold an absolute learning rate: the rate itself; ``initial_lr``,
+# where every PyTorch scheduler starts (OneCycleLR's ``max_lr / div_factor``); OneCycleLR's
+# peak ``max_lr`` and floor ``min_lr``; SWALR's target ``swa_lr``.
+_GROUP_LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr", "swa_lr")
+# Scheduler attributes that hold absolute learning rates, one per param group: the base
+# rates (CyclicLR's lower bound), CyclicLR's upper bound, ReduceLROnPlateau's floors, and
+# what ``get_last_lr()`` reports until the next step.
+_SCHEDULER_LR_LISTS = ("base_lrs", "max_lrs", "min_lrs", "_last_lr")
+# ...and single rates: the cosine schedules' floor, ReduceLROnPlateau's floor for groups
+# added later (``None`` when it was given per group).
+_SCHEDULER_LR_VALUES = ("eta_min", "default_min_lr")
+
+
 def scale_learning_rate(optimizer: torch.optim.Optimizer, scheduler: Any, factor: float) -> None:
-    """Multiply the learning rate by ``factor``: each group's ``lr`` and ``initial_lr``,
-    and the scheduler's ``base_lrs`` (schedulers in closed form, e.g. cosine, start from
-    those, so scaling only ``lr`` would be undone at their first step)."""
+    """Multiply every learning rate the optimizer and the scheduler(s) keep by ``factor``.
+
+    ``scheduler``: ``None``, a scheduler, or a list of the schedulers driving ``optimizer``.
+
+    Afterwards the schedule is the one the user would have written for ``factor`` times
+    the rate: scaling only ``lr`` would be undone at the first step of any scheduler that
+    computes from its own copies. What PyTorch 2.13's schedulers keep, and the decision:
+
+    - every scheduler: param-group ``initial_lr`` and ``base_lrs`` (absolute: scaled);
+      ``get_last_lr()``'s list (scaled, so it reports the rate the next step uses).
+    - ``OneCycleLR``: param-group ``initial_lr``, ``max_lr``, ``min_lr`` (absolute: scaled);
+      ``div_factor``, ``final_div_factor``, ``pct_start`` are ratios (not scaled).
+    - ``CyclicLR``: ``base_lrs`` and ``max_lrs``, the cycle's bounds (scaled); ``gamma``
+      and ``scale_fn`` shape the amplitude relative to them (not scaled).
+    - ``CosineAnnealingLR``, ``CosineAnnealingWarmRestarts``: ``eta_min``, the floor
+      (absolute: scaled).
+    - ``ReduceLROnPlateau``: ``min_lrs`` and ``default_min_lr``, the floors (scaled);
+      ``factor`` is a ratio and ``eps`` a tolerance on rate changes, as the user wrote
+      it for any rate (not scaled).
+    - ``SWALR``: param-group ``swa_lr`` (absolute: scaled).
+    - ``LambdaLR``, ``MultiplicativeLR``, ``StepLR``, ``MultiStepLR``, ``ExponentialLR``,
+      ``LinearLR``, ``ConstantLR``, ``PolynomialLR``: factors of ``base_lrs`` or of the
+      current rate (only ``base_lrs`` scaled).
+    - ``SequentialLR``, ``ChainedScheduler``: their child schedulers, scaled in turn
+      (recursively, each once).
+
+    Another scheduler is scaled through the same attribute and key names; rates it keeps
+    under other names are not seen. ``factor`` is the new world size over the old one
+    when a checkpoint is resumed on another number of workers, so scaling twice composes.
+    """
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < float("inf"):
+        raise ValueError(f"learning-rate scale factor={factor!r} must be a positive finite number")
     if factor == 1:
         return
     for group in optimizer.param_groups:
-        group["lr"] = group["lr"] * factor
-        if "initial_lr" in group:
-            group["initial_lr"] = group["initial_lr"] * factor
-    if scheduler is not None and hasattr(scheduler, "base_lrs"):
-        scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
+        for key in _GROUP_LR_KEYS:
+            if key in group:
+                group[key] = group[key] * factor
+    seen: set[int] = set()
+    for one in scheduler if isinstance(scheduler, (list, tuple)) else [scheduler]:
+        _scale_scheduler(one, factor, seen)
+
+
+def _scale_scheduler(scheduler: Any, factor: float, seen: set[int]) -> None:
+    # ``seen``: a scheduler listed twice, or shared by two containers, is scaled once.
+    if scheduler is None or id(scheduler) in seen:
+        return
+    seen.add(id(scheduler))
+    for name in _SCHEDULER_LR_LISTS:
+        values = getattr(scheduler, name, None)
+        if values is not None:
+            setattr(scheduler, name, [value * factor for value in values])
+    for name in _SCHEDULER_LR_VALUES:
+        value = getattr(scheduler, name, None)
+        if value is not None:
+            setattr(scheduler, name, value * factor)
+    for child in getattr(scheduler, "_schedulers", None) or ():
+        _scale_scheduler(child, factor, seen)
 
 
 def broadcast_optimizer_state(hvd: Any, optimizer: torch.optim.Optimizer) -> None:
