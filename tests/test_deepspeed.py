@@ -40,6 +40,23 @@ NVME_HIDDEN = 16384  # 64 x 16384 weights: a 1 MiB fp32 partition per rank, Deep
 
 LOSS_TOL = 1e-4  # fp32, the same math as the reference up to summation order
 
+# A schedule of the DeepSpeed config itself (the engine steps it after every optimizer
+# step): linear warm-up over 20 steps, then linear decay to the end of 2 epochs.
+SCHED_STEPS = 2 * STEPS_PER_EPOCH
+SCHED_CONFIG = {"zero_optimization": {"stage": 2}, "scheduler": {"type": "WarmupDecayLR", "params": {
+    "warmup_min_lr": 0.01, "warmup_max_lr": 0.1, "warmup_num_steps": 20, "total_num_steps": SCHED_STEPS,
+    "warmup_type": "linear"}}}
+SCHED_RESUME_AT = 13  # interrupted inside the warm-up, in the first epoch
+
+# DeepSpeedCPUAdam against torch.optim.Adam(W) after 92 steps on the digits model: the
+# largest weight difference measured is 1.0e-6 (vectorised C++ vs torch: fp32 rounding
+# in another order); a wrong Adam/AdamW mode moves the weights by 0.58.
+OFFLOAD_TOL = 1e-5
+
+# ZeRO-Offload with a torch optimizer DeepSpeed is told to step itself on the CPU.
+FORCED_OFFLOAD_CONFIG = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+                         "zero_force_ds_cpu_optimizer": False}
+
 SCENARIOS = [
     # One run per ZeRO stage, the same data, seed and hyper-parameters.
     {"name": "stage0", "strategy": {"name": "deepspeed", "stage": 0}, "trainer": {"max_epochs": EPOCHS, "enable_checkpointing": False}},
@@ -88,6 +105,26 @@ SCENARIOS = [
     {"name": "config_optimizer", "strategy": {"name": "deepspeed", "config": {
         "zero_optimization": {"stage": 2}, "optimizer": {"type": "Adam", "params": {"lr": 0.01}}}},
      "trainer": {"max_epochs": 2, "enable_checkpointing": False}},
+    # The config's own scheduler: straight, and interrupted then resumed (other initial weights).
+    {"name": "sched_straight", "strategy": {"name": "deepspeed", "config": SCHED_CONFIG}, "optimizer": "sgd_only",
+     "trainer": {"max_epochs": 2, "enable_checkpointing": False}},
+    {"name": "sched_first", "strategy": {"name": "deepspeed", "config": SCHED_CONFIG}, "optimizer": "sgd_only",
+     "trainer": {"max_steps": SCHED_RESUME_AT, "default_root_dir": "sched"}},
+    {"name": "sched_second", "strategy": {"name": "deepspeed", "config": SCHED_CONFIG}, "optimizer": "sgd_only",
+     "seed": 123, "ckpt_path": "sched/checkpoints/last.ckpt", "trainer": {"max_epochs": 2, "default_root_dir": "sched"}},
+    # Optimizer offload maps torch Adam / AdamW (two param groups) exactly to DeepSpeedCPUAdam ...
+    {"name": "offload_adam_groups", "strategy": "deepspeed_stage_2_offload", "optimizer": "adam_groups",
+     "trainer": {"max_epochs": EPOCHS, "enable_checkpointing": False}},
+    {"name": "offload_adamw_groups", "strategy": "deepspeed_stage_2_offload", "optimizer": "adamw_groups",
+     "trainer": {"max_epochs": EPOCHS, "enable_checkpointing": False}},
+    # ... steps SGD itself when the config says zero_force_ds_cpu_optimizer: false ...
+    {"name": "offload_sgd_forced", "strategy": {"name": "deepspeed", "config": FORCED_OFFLOAD_CONFIG},
+     "trainer": {"max_epochs": EPOCHS, "enable_checkpointing": False}},
+    # ... and refuses what DeepSpeedCPUAdam cannot reproduce (last: they stop at set-up).
+    {"name": "offload_sgd_refused", "strategy": "deepspeed_stage_2_offload", "expect_error": True,
+     "trainer": {"max_epochs": 1, "limit_train_batches": 2, "enable_checkpointing": False}},
+    {"name": "offload_amsgrad_refused", "strategy": "deepspeed_stage_2_offload", "optimizer": "adam_amsgrad",
+     "expect_error": True, "trainer": {"max_epochs": 1, "limit_train_batches": 2, "enable_checkpointing": False}},
 ]
 
 DDP_SCENARIOS = [{"name": "ddp", "strategy": "ddp", "trainer": {"max_epochs": EPOCHS, "enable_checkpointing": False}}]
@@ -129,20 +166,51 @@ def ddp_runs(tmp_path_factory) -> Results:
 # ---------------------------------------------------------------------------------------
 
 
+def make_optimizer(name: str, module: torch.nn.Module):
+    """The optimizer and scheduler the worker's module returns for ``name``, in plain torch."""
+    if name == "adam":
+        opt = torch.optim.Adam(module.parameters(), lr=0.01)
+        return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.3)
+    if name in ("adam_groups", "adamw_groups"):
+        cls = torch.optim.Adam if name == "adam_groups" else torch.optim.AdamW
+        weights = [p for n, p in module.named_parameters() if n.endswith("weight")]
+        biases = [p for n, p in module.named_parameters() if n.endswith("bias")]
+        opt = cls([{"params": weights, "lr": 0.01, "weight_decay": 0.05},
+                   {"params": biases, "lr": 0.02, "weight_decay": 0.0}], betas=(0.85, 0.99), eps=1e-6)
+        return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.3)
+    if name == "sgd_only":
+        return torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9), None
+    return module.configure_optimizers()
+
+
+def warmup_decay_lr(step: int) -> float:
+    """SCHED_CONFIG's learning rate at optimizer step ``step`` (0-based), in closed form.
+
+    DeepSpeed's WarmupDecayLR sets the rate for iteration ``it`` and is stepped after each
+    optimizer step, so step ``s`` runs at iteration ``s - 1`` (the first at ``min``).
+    """
+    params = SCHED_CONFIG["scheduler"]["params"]
+    low, high, warm, total = (params[k] for k in ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "total_num_steps"))
+    it = step - 1
+    if it < 0:
+        return low
+    gamma = it / warm if it < warm else max(0.0, (total - it) / (total - warm))
+    return low + (high - low) * gamma
+
+
 @functools.lru_cache(maxsize=None)
 def reference(epochs: int, batch: int = 32, accumulate: int = 1, limit: int | None = None,
-              clip: float | None = None, optimizer: str = "sgd", hidden: int = 64) -> dict:
+              clip: float | None = None, optimizer: str = "sgd", hidden: int = 64,
+              lrs: tuple[float, ...] | None = None) -> dict:
     """Plain PyTorch: rank r's batches from DistributedSampler(seed=0), the gradient of
     the mean of the ranks' losses (what an all-reduce average gives), the loss divided by
-    ``accumulate`` with a step at the end of each window (or of the epoch)."""
+    ``accumulate`` with a step at the end of each window (or of the epoch). ``lrs`` sets
+    the learning rate of every step."""
     train, val = digits_datasets()
     torch.manual_seed(0)
     module = DigitsClassifier(hidden=hidden)
-    if optimizer == "adam":
-        opt = torch.optim.Adam(module.parameters(), lr=0.01)
-        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.3)
-    else:
-        opt, scheduler = module.configure_optimizers()
+    opt, scheduler = make_optimizer(optimizer, module)
+    steps = 0
     samplers = [DistributedSampler(train, num_replicas=WORLD, rank=r, shuffle=True, seed=0) for r in range(WORLD)]
     x_all, y_all = train.tensors
     losses: list[list[float]] = [[] for _ in range(WORLD)]
@@ -164,7 +232,11 @@ def reference(epochs: int, batch: int = 32, accumulate: int = 1, limit: int | No
             if (i + 1) % accumulate == 0 or i + 1 == n:
                 if clip:
                     torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
+                if lrs is not None:
+                    for group in opt.param_groups:
+                        group["lr"] = lrs[steps]
                 opt.step()
+                steps += 1
                 opt.zero_grad(set_to_none=True)
         if scheduler is not None:
             scheduler.step()
@@ -308,6 +380,51 @@ def test_offload_trains_with_deepspeed_cpu_adam(ds_runs, name):
         assert run["memory"]["optimizer_state_bytes"] <= 2 * n_params * 4 / WORLD + 128
 
 
+@pytest.mark.parametrize("name", ["adam_groups", "adamw_groups"])
+def test_offload_maps_torch_adam_and_adamw_exactly(ds_runs, name):
+    runs = ds_runs(f"offload_{name}")
+    adamw = name == "adamw_groups"
+    for run in runs:
+        assert run["optimizer_type"] == "DeepSpeedCPUAdam"
+        assert run["adamw_mode"] is adamw
+        # Every group's hyper-parameters arrive unchanged (none falls back to a default).
+        assert run["optimizer_groups"] == [
+            {"lr": 0.01, "betas": (0.85, 0.99), "eps": 1e-6, "weight_decay": 0.05, "amsgrad": False},
+            {"lr": 0.02, "betas": (0.85, 0.99), "eps": 1e-6, "weight_decay": 0.0, "amsgrad": False},
+        ]
+    ref = reference(EPOCHS, optimizer=name)
+    assert max_loss_diff(runs, ref) < 1e-3
+    # The same weights as torch's own Adam(W) with the user's StepLR (re-pointed at the
+    # replacement, it lowers the rates after epoch 2).
+    assert max_state_diff(runs[0]["state_dict"], ref["state_dict"]) < OFFLOAD_TOL
+    # The tolerance tells the modes apart: L2 (Adam) and decoupled (AdamW) decay differ.
+    other = reference(EPOCHS, optimizer="adam_groups" if adamw else "adamw_groups")
+    assert max_state_diff(ref["state_dict"], other["state_dict"]) > 100 * OFFLOAD_TOL
+
+
+def test_offload_refuses_an_optimizer_deepspeed_cpu_adam_cannot_reproduce(ds_runs):
+    for run in ds_runs("offload_sgd_refused"):
+        error = run["error"]
+        assert error is not None and error.startswith("ConfigurationError"), error
+        for fix in ("SGD", "torch.optim.Adam", "AdamW", "DeepSpeedCPUAdam", '"zero_force_ds_cpu_optimizer": false',
+                    "offload_optimizer=False"):
+            assert fix in error, (fix, error)
+    for run in ds_runs("offload_amsgrad_refused"):
+        error = run["error"]
+        assert error is not None and error.startswith("ConfigurationError"), error
+        assert "amsgrad=True" in error, error
+
+
+def test_zero_force_ds_cpu_optimizer_false_steps_the_users_optimizer(ds_runs):
+    runs = ds_runs("offload_sgd_forced")
+    for run in runs:
+        assert run["optimizer_type"] == "SGD" and run["cpu_offload"] is True
+    # SGD with momentum and the user's StepLR, stepped on the CPU: the non-offloaded
+    # ZeRO-2 run's weights, and the hand-written loop's.
+    assert max_state_diff(runs[0]["state_dict"], ds_runs("stage2")[0]["state_dict"]) < 1e-5
+    assert max_state_diff(runs[0]["state_dict"], reference(EPOCHS)["state_dict"]) < 1e-5
+
+
 def test_nvme_offload_swaps_to_nvme_path_and_trains_like_the_reference(ds_runs):
     runs = ds_runs("stage3_nvme")
     for rank, run in enumerate(runs):
@@ -346,6 +463,20 @@ def test_resume_from_a_sharded_checkpoint_continues_like_an_uninterrupted_run(ds
         assert max(abs(a - b) for a, b in zip(before["losses"] + after["losses"], whole["losses"])) < LOSS_TOL
         assert float((after["val_logits"] - whole["val_logits"]).abs().max()) < 1e-4
         assert abs(after["callback_metrics"]["val_acc"] - whole["callback_metrics"]["val_acc"]) < 1e-6
+
+
+def test_resume_continues_the_deepspeed_config_scheduler(ds_runs):
+    straight, first, second = ds_runs("sched_straight"), ds_runs("sched_first"), ds_runs("sched_second")
+    expected = [warmup_decay_lr(s) for s in range(SCHED_STEPS)]
+    for whole, before, after in zip(straight, first, second):
+        assert before["global_step"] == SCHED_RESUME_AT and after["global_step"] == SCHED_STEPS
+        assert whole["lrs"] == pytest.approx(expected, abs=1e-12)
+        # After the resume the schedule goes on from step 13, not from its warm-up start.
+        assert before["lrs"] + after["lrs"] == pytest.approx(expected, abs=1e-12)
+        assert max_state_diff(after["state_dict"], whole["state_dict"]) < 1e-6
+    # And the straight run is plain SGD at those rates.
+    ref = reference(2, optimizer="sgd_only", lrs=tuple(expected))
+    assert max_state_diff(straight[0]["state_dict"], ref["state_dict"]) < 1e-5
 
 
 @pytest.mark.parametrize("stage", [2, 3])

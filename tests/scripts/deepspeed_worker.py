@@ -36,6 +36,14 @@ class Digits(DigitsClassifier):
         super().__init__(hidden=hidden)
         self.optimizer_name = optimizer
         self.last_logits = None
+        self.lrs: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        from hookloop_deepspeed import memory
+
+        # The learning rate this micro-batch's step runs at (schedules move after the step).
+        self.lrs.append(float(memory.base_optimizer(self.trainer.optimizer).param_groups[0]["lr"]))
+        return super().training_step(batch, batch_idx)
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
@@ -48,6 +56,19 @@ class Digits(DigitsClassifier):
         if self.optimizer_name == "adam":
             optimizer = torch.optim.Adam(self.parameters(), lr=0.01)
             return optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.3)
+        if self.optimizer_name in ("adam_groups", "adamw_groups"):
+            # Two groups with their own lr and weight decay, and betas/eps off the defaults,
+            # so that any hyper-parameter lost on the way to DeepSpeedCPUAdam shows.
+            cls = torch.optim.Adam if self.optimizer_name == "adam_groups" else torch.optim.AdamW
+            weights = [p for n, p in self.named_parameters() if n.endswith("weight")]
+            biases = [p for n, p in self.named_parameters() if n.endswith("bias")]
+            optimizer = cls([{"params": weights, "lr": 0.01, "weight_decay": 0.05},
+                             {"params": biases, "lr": 0.02, "weight_decay": 0.0}], betas=(0.85, 0.99), eps=1e-6)
+            return optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.3)
+        if self.optimizer_name == "adam_amsgrad":
+            return torch.optim.Adam(self.parameters(), lr=0.01, amsgrad=True)
+        if self.optimizer_name == "sgd_only":  # for a schedule from the DeepSpeed config
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
         return super().configure_optimizers()
 
 
@@ -58,6 +79,7 @@ class DigitsConfigureModel(Digits):
         hookloop.Module.__init__(self)
         self.lr, self.seed, self.optimizer_name, self.hidden = 0.1, seed, optimizer, hidden
         self.last_logits = None
+        self.lrs = []
         self.net = None
         self.partitioned_at_creation = None
 
@@ -103,6 +125,17 @@ class Recorder:
         self.result: dict = {"files_during_training": set()}
 
     @hookloop.hookimpl
+    def on_fit_start(self, trainer):
+        from hookloop_deepspeed import memory
+
+        # The hyper-parameters of the optimizer the engine really steps, before any step.
+        base = memory.base_optimizer(trainer.optimizer)
+        self.result["optimizer_groups"] = [
+            {k: g.get(k) for k in ("lr", "betas", "eps", "weight_decay", "amsgrad")} for g in base.param_groups
+        ]
+        self.result["adamw_mode"] = getattr(base, "adam_w_mode", None)
+
+    @hookloop.hookimpl
     def on_train_batch_end(self, loss):
         self.losses.append(float(loss))
         if self.watch_dir:  # what an NVMe offload keeps on disk while it trains
@@ -130,6 +163,7 @@ class Recorder:
         if hasattr(engine, "bfloat16_enabled"):
             result["bf16"] = bool(engine.bfloat16_enabled())
             result["zero_stage"] = int(engine.zero_optimization_stage())
+            result["cpu_offload"] = bool(engine.zero_cpu_offload())
         if not any(hasattr(p, "ds_tensor") for p in module.parameters()):  # not partitioned
             result["state_dict"] = {k: v.detach().float().clone() for k, v in module.state_dict().items()}
         # The engine's predictions on the whole validation set (every rank takes part:
@@ -158,19 +192,29 @@ def run(scenario: dict, out: Path) -> None:
     start = time.perf_counter()
     if scenario.get("validate"):
         # A fresh module validated from a checkpoint: the weights must come from the file.
-        metrics = trainer.validate(module, DataLoader(val, batch_size=128), ckpt_path=scenario["ckpt_path"])
+        (metrics,) = trainer.validate(module, DataLoader(val, batch_size=128), ckpt_path=scenario["ckpt_path"])
         result = {"callback_metrics": dict(metrics), "rank": trainer.global_rank, "seconds": time.perf_counter() - start}
         torch.save(result, out / f"{scenario['name']}.rank{trainer.global_rank}.pt")
         return
-    trainer.fit(
-        module,
-        DataLoader(train, batch_size=batch, shuffle=True),
-        DataLoader(val, batch_size=128),
-        ckpt_path=scenario.get("ckpt_path"),
-    )
+    try:
+        trainer.fit(
+            module,
+            DataLoader(train, batch_size=batch, shuffle=True),
+            DataLoader(val, batch_size=128),
+            ckpt_path=scenario.get("ckpt_path"),
+        )
+    except hookloop.ConfigurationError as exc:
+        if not scenario.get("expect_error"):
+            raise
+        # Refused at set-up on every rank alike: record the message, go on to the next.
+        torch.save({"error": f"{type(exc).__name__}: {exc}", "rank": trainer.global_rank},
+                   out / f"{scenario['name']}.rank{trainer.global_rank}.pt")
+        return
     result = dict(recorder.result)
     result.update(
+        error=None,
         losses=recorder.losses,
+        lrs=module.lrs,
         callback_metrics=dict(trainer.callback_metrics),
         seconds=time.perf_counter() - start,
         rank=trainer.global_rank,

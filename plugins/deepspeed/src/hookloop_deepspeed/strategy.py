@@ -33,16 +33,19 @@ _PREFIX = "hookloop-deepspeed:"
 _CLIENT_KEY = "hookloop_checkpoint"
 # Client state keys that the engine's own files already hold (sharded), so they are not
 # written a second time into the checkpoint.
-_ENGINE_OWNED = ("state_dict", "optimizer")
+_ENGINE_OWNED = ("state_dict", "optimizer_states", "optimizer")
 
 
 class DeepSpeedStrategy:
     """Train with DeepSpeed's engine: ZeRO stages 0-3, CPU/NVMe offload, sharded checkpoints.
 
     The engine wraps the loop's step module; the user's ``configure_optimizers``
-    optimizer is handed to it (with optimizer offload, ``DeepSpeedCPUAdam`` replaces it
-    and the plugin says so). Gradient accumulation, gradient clipping and precision
-    (``--precision`` / hookloop-amp) are mapped into the DeepSpeed config.
+    optimizer is handed to it (with optimizer offload, torch's Adam/AdamW become
+    ``DeepSpeedCPUAdam`` with the same settings, and other optimizers are refused unless
+    the config says ``"zero_force_ds_cpu_optimizer": false``). Gradient accumulation,
+    gradient clipping and precision (``--precision`` / hookloop-amp) are mapped into the
+    DeepSpeed config. Manual optimization works with one optimizer (the engine has one):
+    ``manual_backward`` is ``engine.backward`` and ``step()`` is ``engine.step()``.
 
     :param stage: ZeRO stage: 0 (plain data parallel), 1 (shard optimizer state), 2 (+
         gradients), 3 (+ parameters).
@@ -67,7 +70,8 @@ class DeepSpeedStrategy:
     hookloop_name = "deepspeed"
     hookloop_role = "strategy"
     # Precision plugins hand their setting over: the engine casts the model itself.
-    hookloop_owns = frozenset({"precision"})
+    # and the engine clips (its config's gradient_clipping), so self.clip_gradients is refused.
+    hookloop_owns = frozenset({"precision", "gradient_clipping"})
 
     def __init__(
         self,
@@ -272,10 +276,16 @@ class DeepSpeedStrategy:
         )
 
     @hookloop.hookimpl
-    def wrap_model(self, trainer, model, optimizer):
+    def wrap_model(self, trainer, model, optimizer, optimizers):
         """``deepspeed.initialize`` around the loop's step module; returns the engine."""
         import deepspeed
 
+        if len(optimizers) > 1:
+            raise ConfigurationError(
+                f"configure_optimizers returned {len(optimizers)} optimizers, and a DeepSpeed "
+                f"engine trains with one: use one optimizer (with several param groups), or "
+                f"another strategy (ddp) for several"
+            )
         config = self.ds_config
         optimizer = self._offload_optimizer(trainer, optimizer)
         model_parameters = None
@@ -324,42 +334,55 @@ class DeepSpeedStrategy:
         activations.activate()
 
     def _offload_optimizer(self, trainer, optimizer):
-        """With optimizer offload, DeepSpeed steps on the CPU with its own C++ Adam."""
+        """With optimizer offload, DeepSpeed steps on the CPU with its own C++ Adam.
+
+        ``torch.optim.Adam`` / ``AdamW`` become ``DeepSpeedCPUAdam`` with every group's
+        hyper-parameters; a ``DeepSpeedCPUAdam`` (or ``DeepSpeedCPULion``) is used as is;
+        with ``"zero_force_ds_cpu_optimizer": false`` in the config DeepSpeed steps the
+        user's optimizer itself. Anything else raises ``ConfigurationError``: a silent
+        switch to another optimizer would train a different model.
+        """
         if optimizer is None or offload_device(self.ds_config, "offload_optimizer") is None or "optimizer" in self.ds_config:
             return optimizer
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-        if isinstance(optimizer, DeepSpeedCPUAdam):
+        name = type(optimizer).__name__
+        if not self.ds_config.get("zero_force_ds_cpu_optimizer", True):
+            # DeepSpeed's own opt-out (its default refuses client optimizers under offload).
+            trainer.print(
+                f"{_PREFIX} optimizer offload: {name} from configure_optimizers steps on the CPU "
+                f"unchanged (zero_force_ds_cpu_optimizer=false)",
+                flush=True,
+            )
             return optimizer
-        groups = []
-        for group in optimizer.param_groups:
-            new = {k: v for k, v in group.items() if k in ("params", "lr", "weight_decay", "betas", "eps", "initial_lr")}
-            groups.append(new)
-        adamw = isinstance(optimizer, torch.optim.AdamW) or not isinstance(optimizer, torch.optim.Adam)
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        from deepspeed.ops.lion import DeepSpeedCPULion
+
+        if isinstance(optimizer, (DeepSpeedCPUAdam, DeepSpeedCPULion)):
+            return optimizer
+        groups, adamw = _cpu_adam_groups(optimizer)
         replacement = DeepSpeedCPUAdam(groups, adamw_mode=adamw)
-        first = optimizer.param_groups[0]
         trainer.print(
-            f"{_PREFIX} optimizer offload: {type(optimizer).__name__} from configure_optimizers is "
-            f"replaced by DeepSpeedCPUAdam ({'AdamW' if adamw else 'Adam'}, lr={first.get('lr')}, "
-            f"weight_decay={first.get('weight_decay', 0.0)}), which steps the offloaded state on the CPU",
+            f"{_PREFIX} optimizer offload: {name} from configure_optimizers is replaced by "
+            f"DeepSpeedCPUAdam ({'AdamW' if adamw else 'Adam'} mode, the same lr, betas, eps and "
+            f"weight_decay in each of its {len(groups)} param group(s)), which steps the offloaded "
+            f"state on the CPU",
             flush=True,
         )
-        scheduler = trainer.lr_scheduler
-        if scheduler is not None and getattr(scheduler, "optimizer", None) is optimizer:
+        for scheduler in hookloop.schedulers_of(trainer, optimizer):
             hookloop.repoint_lr_scheduler(scheduler, replacement)  # the schedule drives the replacement's lr
         return replacement
 
     @staticmethod
     def _drop_scheduler(trainer, optimizer) -> None:
-        scheduler = trainer.lr_scheduler
-        if scheduler is not None and getattr(scheduler, "optimizer", None) is optimizer:
+        for scheduler in hookloop.schedulers_of(trainer, optimizer):
             trainer.print(
                 f"{_PREFIX} {type(scheduler).__name__} from configure_optimizers drove the replaced "
                 f"optimizer and is dropped; define the schedule in the DeepSpeed config's "
                 f"'scheduler' section",
                 flush=True,
             )
-            trainer.lr_scheduler = None
+        trainer.lr_scheduler_configs = [
+            c for c in trainer.lr_scheduler_configs if getattr(c.scheduler, "optimizer", None) is not optimizer
+        ]
 
     @hookloop.hookimpl
     def wrap_optimizer(self, trainer, model, optimizer):
@@ -398,11 +421,12 @@ class DeepSpeedStrategy:
         return True
 
     @hookloop.hookimpl
-    def optimizer_step(self, trainer):
+    def optimizer_step(self, trainer, optimizer):
         """``engine.step()``: reduce (ZeRO), clip (``gradient_clipping``), step, zero the grads.
 
         Returns False when the step was skipped (fp16 overflow).
         """
+        hookloop.before_optimizer_step(trainer, optimizer, clip=False)  # the engine clips
         self.engine.step()
         return bool(self.engine.was_step_applied())
 
@@ -502,7 +526,10 @@ class DeepSpeedStrategy:
                 loaded, client_state = self.engine.load_checkpoint(
                     str(path),
                     load_optimizer_states=trainer.optimizer is not None,
-                    load_lr_scheduler_states=False,  # the loop's scheduler is in the client state
+                    # The engine holds a scheduler only from the config's 'scheduler'
+                    # section (the loop's own travels in the client state): skipping its
+                    # state would restart that schedule from its first step.
+                    load_lr_scheduler_states=self.engine.lr_scheduler is not None,
                     load_module_strict=True,
                 )
                 if loaded is None:
@@ -540,12 +567,61 @@ class DeepSpeedStrategy:
 
     @hookloop.hookimpl
     def load_model_state(self, trainer, checkpoint):
-        """The engine restored model and optimizer in ``load_checkpoint``; restore the scheduler."""
+        """The engine restored model and optimizer in ``load_checkpoint``; restore the
+        schedulers of ``configure_optimizers``."""
         if self.engine is None:
             return None
-        if trainer.lr_scheduler is not None and checkpoint.get("lr_scheduler") is not None:
-            trainer.lr_scheduler.load_state_dict(checkpoint["lr_scheduler"])
+        _, scheduler_states = hookloop.optimizer_and_scheduler_states(checkpoint)
+        for config, state in zip(trainer.lr_scheduler_configs, scheduler_states):
+            config.scheduler.load_state_dict(state)
         return True
+
+
+# Settings of a torch Adam/AdamW group that only choose torch's implementation (the
+# math is the same), so DeepSpeedCPUAdam reproduces the group without them.
+_ADAM_IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
+
+
+def _offload_refusal(what: str) -> ConfigurationError:
+    return ConfigurationError(
+        f"optimizer offload steps the optimizer on the CPU with DeepSpeed's DeepSpeedCPUAdam, "
+        f"which cannot reproduce {what} from configure_optimizers (hookloop does not swap in "
+        f"another optimizer silently). Fix one of: return torch.optim.Adam or torch.optim.AdamW "
+        f"(mapped exactly to DeepSpeedCPUAdam); return deepspeed.ops.adam.DeepSpeedCPUAdam "
+        f"yourself; set \"zero_force_ds_cpu_optimizer\": false in a custom DeepSpeed config "
+        f"(config=...) so that DeepSpeed steps your optimizer itself on the CPU (slower); or "
+        f"turn optimizer offload off (offload_optimizer=False, a preset without '_offload')"
+    )
+
+
+def _cpu_adam_groups(optimizer: torch.optim.Optimizer) -> tuple[list[dict], bool]:
+    """The param groups of a ``DeepSpeedCPUAdam`` that steps exactly as ``optimizer``, and
+    its ``adamw_mode``; ``ConfigurationError`` for any other optimizer or setting."""
+    # Exact types only: a subclass may change the step, which the mapping cannot see.
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        raise _offload_refusal(f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
+    name = type(optimizer).__name__
+    groups, modes = [], set()
+    for index, group in enumerate(optimizer.param_groups):
+        for setting in ("amsgrad", "maximize"):
+            if group.get(setting):
+                raise _offload_refusal(f"{name} with {setting}=True (param group {index})")
+        # torch's AdamW is Adam with decoupled weight decay; DeepSpeedCPUAdam has one mode
+        # for all its groups.
+        modes.add(bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))))
+        new = {k: v for k, v in group.items()
+               if k not in ("amsgrad", "maximize", "decoupled_weight_decay", *_ADAM_IMPLEMENTATION)}
+        # Tensor rates (torch allows them) go to the C++ step as plain numbers.
+        new["lr"], new["eps"], new["weight_decay"] = (_as_float(group[k]) for k in ("lr", "eps", "weight_decay"))
+        new["betas"] = tuple(_as_float(b) for b in group["betas"])
+        groups.append(new)
+    if len(modes) > 1:
+        raise _offload_refusal(f"{name} with decoupled_weight_decay differing between param groups")
+    return groups, modes.pop()
+
+
+def _as_float(value: Any) -> float:
+    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
 
 
 # ---------------------------------------------------------------------------------------
