@@ -1,5 +1,9 @@
 """Two nodes on localhost: two elastic agents with one process each, c10d rendezvous.
 
+For ``ddp`` and for ``ddp2`` (DataParallel inside a node, DDP across nodes: on a CPU
+there is no GPU to split over inside the node, so this checks its cross-node path; the
+in-node DataParallel path is checked on GPUs in tests/gpu).
+
 Node 0 is started by ``hookloop run --nodes 2 --node-rank 0 --rdzv-endpoint ...``; node 1
 by ``python script.py`` with ``Trainer(plugins=["ddp"], nodes=2, node_rank=1, ...)``,
 which re-launches itself through the same agent command (the in-code path, tested once).
@@ -13,6 +17,7 @@ import socket
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from conftest import REPO, max_abs_diff, tiny_data
@@ -29,14 +34,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_nodes_on_localhost(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "ddp2"])
+def test_two_nodes_on_localhost(tmp_path, strategy):
     endpoint = f"127.0.0.1:{_free_port()}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("HOOKLOOP_") and k not in ("LOCAL_RANK", "RANK")}
     env["HOOKLOOP_RUN_ID"] = f"ddp-test-{os.getpid()}"
     commands = [
-        [sys.executable, "-m", "hookloop", "run", "--plugins", "ddp", "--devices", "1", "--nodes", "2",
+        [sys.executable, "-m", "hookloop", "run", "--plugins", strategy, "--devices", "1", "--nodes", "2",
          "--node-rank", "0", "--rdzv-endpoint", endpoint, str(SCRIPT), str(tmp_path)],
-        [sys.executable, str(SCRIPT), str(tmp_path), "--relaunch", "1", endpoint],
+        [sys.executable, str(SCRIPT), str(tmp_path), "--relaunch", "1", endpoint, strategy],
     ]
     # Own process groups, so a hang can be killed with every agent and worker under it.
     nodes = [subprocess.Popen(c, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -58,3 +64,5 @@ def test_two_nodes_on_localhost(tmp_path):
     for record in ranks:
         assert max_abs_diff(record["state"], reference) <= 1e-5
     assert max_abs_diff(ranks[0]["state"], ranks[1]["state"]) == 0.0
+    assert {r["strategy"] for r in ranks} == {"DDP2" if strategy == "ddp2" else "DDP"}
+    assert [r["step_ends"] for r in ranks] == [12, 12]  # 96 / 2 nodes / 8 = 6 steps x 2 epochs

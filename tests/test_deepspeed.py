@@ -127,6 +127,15 @@ SCENARIOS = [
      "expect_error": True, "trainer": {"max_epochs": 1, "limit_train_batches": 2, "enable_checkpointing": False}},
 ]
 
+SCENARIOS += [
+    # Manual optimization through the engine (one optimizer: the engine has one).
+    {"name": "manual_stage2", "strategy": "deepspeed_stage_2", "module": "manual",
+     "trainer": {"max_epochs": EPOCHS, "enable_checkpointing": False}},
+    {"name": "manual_two_optimizers", "strategy": "deepspeed_stage_2", "module": "manual",
+     "module_kwargs": {"two_optimizers": True}, "expect_error": True,
+     "trainer": {"max_epochs": EPOCHS, "enable_checkpointing": False}},
+]
+
 DDP_SCENARIOS = [{"name": "ddp", "strategy": "ddp", "trainer": {"max_epochs": EPOCHS, "enable_checkpointing": False}}]
 
 
@@ -502,3 +511,23 @@ def test_collate_writes_one_state_dict_that_predicts_like_the_engine(ds_runs, tm
     with torch.no_grad():
         logits = plain(digits_datasets()[1].tensors[0])
     assert float((logits - ds_runs(f"stage{stage}")[0]["val_logits"]).abs().max()) < 1e-5
+
+
+# ---------------------------------------------------------------------------------------
+# Manual optimization
+# ---------------------------------------------------------------------------------------
+
+
+def test_manual_optimization_runs_through_the_engine(ds_runs):
+    """manual_backward -> engine.backward, step() -> engine.step(): the automatic run's
+    losses and weights."""
+    manual, automatic = ds_runs("manual_stage2"), ds_runs("stage2")
+    for m, a in zip(manual, automatic):
+        assert m["global_step"] == a["global_step"] == EPOCHS * STEPS_PER_EPOCH
+        assert m["losses"] == a["losses"]
+        assert max_state_diff(m["state_dict"], a["state_dict"]) == 0.0
+
+
+def test_two_optimizers_are_refused_by_the_engine(ds_runs):
+    for run in ds_runs("manual_two_optimizers"):
+        assert "2 optimizers, and a DeepSpeed engine trains with one" in run["error"]

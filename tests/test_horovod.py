@@ -181,10 +181,18 @@ def test_composes_with_amp_bf16_and_fp16_scaler(horovod_run):
     assert max_abs_diff(weights(out, "horovod_fp16_clip"), fp16) <= 1e-3
 
 
-@pytest.mark.parametrize("scenario", ["plain", "accum_clip", "bf16", "fp16_clip", "refit"])
+@pytest.mark.parametrize("scenario", ["plain", "accum_clip", "bf16", "fp16_clip", "refit", "manual_fp16_clip"])
 def test_parity_with_ddp(horovod_run, ddp_run, scenario):
     out, _, _ = horovod_run
     assert max_abs_diff(weights(out, f"horovod_{scenario}"), weights(ddp_run, f"ddp_{scenario}")) <= 1e-5
+
+
+@pytest.mark.parametrize("strategy", ["horovod", "ddp"])
+def test_manual_optimization_steps_through_the_strategy_and_scaler(horovod_run, ddp_run, strategy):
+    """self.manual_backward / opt.step() / self.clip_gradients under each strategy with
+    fp16: the same weights as the automatic loop with gradient_clip_val."""
+    out = horovod_run[0] if strategy == "horovod" else ddp_run
+    assert max_abs_diff(weights(out, f"{strategy}_manual_fp16_clip"), weights(out, f"{strategy}_fp16_clip")) == 0.0
 
 
 def test_horovodrun_started_by_hand_trains_in_place(tmp_path):

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sequ
 from . import checkpoint as ckpt
 from .datamodule import provides
 from .errors import CheckpointError, ConfigurationError
-from .helpers import DistributedSamplerWrapper, batch_size_of, move_to_device, rebuild_dataloader
+from .helpers import DistributedSamplerWrapper, apply_to_tensors, batch_size_of, move_to_device, rebuild_dataloader
 from .module import _STEP_BATCH, module_hooks_plugin
 from .optim import LoopOptimizer, parse_optimizers, step_schedulers
 
@@ -432,8 +432,9 @@ class _ValidationSchedule:
             return False
         if self.batches is None:
             return is_last
-        count = batch_idx if self.every_n_epochs is not None else trainer._total_batch_idx
-        return (count + 1) % self.batches == 0
+        # across epochs: the batches trained so far, this one included
+        done = batch_idx + 1 if self.every_n_epochs is not None else trainer._total_batch_idx
+        return done % self.batches == 0
 
     def run(self) -> None:
         trainer = self.trainer
@@ -596,7 +597,8 @@ def make_training_step(trainer):
                 out = _step_end(step_end_plugins, trainer, out)
             loss = _manual_loss(out)
             if batch_end is not None:
-                batch_end(trainer=trainer, outputs=out, loss=loss, batch=batch, batch_idx=batch_idx)
+                outputs = apply_to_tensors(out, torch.Tensor.detach)
+                batch_end(trainer=trainer, outputs=outputs, loss=loss, batch=batch, batch_idx=batch_idx)
             return trainer.should_stop or (max_steps is not None and trainer.global_step >= max_steps)
 
         return step
@@ -651,7 +653,9 @@ def make_training_step(trainer):
                 step_schedulers(trainer, "step", plateau=True, count=trainer.global_step)
             stop = trainer.should_stop or (max_steps is not None and trainer.global_step >= max_steps)
         if batch_end is not None:
-            batch_end(trainer=trainer, outputs=out, loss=loss.detach(), batch=batch, batch_idx=batch_idx)
+            detached = loss.detach()
+            outputs = detached if out is loss else apply_to_tensors(out, torch.Tensor.detach)
+            batch_end(trainer=trainer, outputs=outputs, loss=detached, batch=batch, batch_idx=batch_idx)
         return stop
 
     return step
@@ -895,7 +899,7 @@ def _gather_predictions(trainer, loader: DataLoader, outputs: list) -> list:
     world = trainer.world_size
     if world == 1:
         return [out for _, out in outputs]
-    local = [(count, _apply(out, lambda t: t.detach().cpu())) for count, out in outputs]
+    local = [(count, apply_to_tensors(out, lambda t: t.detach().cpu())) for count, out in outputs]
     shares = trainer.all_gather_object(local)
     sampler = loader.sampler
     if isinstance(sampler, DistributedSampler):
@@ -918,18 +922,6 @@ def _gather_predictions(trainer, loader: DataLoader, outputs: list) -> list:
     ordered = [samples[p] for p in sorted(samples)]
     size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None) or 1
     return [_merge(ordered[i : i + size]) for i in range(0, len(ordered), size)]
-
-
-def _apply(obj: Any, fn) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_apply(o, fn) for o in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_apply(o, fn) for o in obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, _apply(v, fn)) for k, v in obj.items())
-    return obj
 
 
 def _split(out: Any, count: int) -> list:

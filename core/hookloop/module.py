@@ -390,17 +390,18 @@ def _module_hook_impl(module: nn.Module, name: str, args: tuple[str, ...]):
                 metrics_store.epoch_level = False
             metrics.update(metrics_store.finish_epoch("train"))
 
-        params = ("trainer", "metrics")
     else:
-        def impl(self, *values):
-            return method(*values)
-
-        params = args
-    impl.__name__ = name
-    impl.__signature__ = inspect.Signature(
-        [inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in ("self", *params)]
-    )
+        impl = _forwarding_function(name, args, method)
     return hookimpl(tryfirst=True)(impl)
+
+
+def _forwarding_function(name: str, args: tuple[str, ...], target: Any):
+    """``def name(self, <args>): return target(<args>)`` with those parameter names:
+    pluggy passes each hook argument by the name the implementation's code declares."""
+    params = ", ".join(args)
+    namespace = {"_target": target}
+    exec(f"def {name}(self{', ' if args else ''}{params}):\n    return _target({params})\n", namespace)
+    return namespace[name]
 
 
 # ---------------------------------------------------------------------------------------

@@ -94,7 +94,8 @@ class Trainer:
         # hookloop.default(x): the script's own fallback, which `hookloop run` options override.
         fallbacks = {k: v.value for k, v in given.items() if isinstance(v, default)}
         given = {k: v for k, v in given.items() if k not in fallbacks}
-        in_code = _as_list(given.get("plugins", [])) + _as_list(strategy if strategy is not _UNSET else None)
+        # strategy="auto" is Lightning's default: the built-in single process, or hookloop run's.
+        in_code = _as_list(given.get("plugins", [])) + _as_list(None if strategy in (_UNSET, "auto") else strategy)
         in_code += _as_list(callbacks if callbacks is not _UNSET else None)
         if in_code or "plugins" in given:
             given["plugins"] = in_code

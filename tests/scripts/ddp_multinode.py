@@ -1,9 +1,10 @@
 """One "node" of the two-node test in tests/test_ddp_multinode.py.
 
-``ddp_multinode.py OUT`` runs under ``hookloop run --plugins ddp --nodes 2 ...`` (the CLI
-path); ``ddp_multinode.py OUT --relaunch NODE_RANK HOST:PORT`` is started with plain
-``python`` and names everything in code, so ``Trainer.fit`` re-launches the script
-through the same elastic agent (the in-code path). Each worker writes ``OUT/rank<R>.pt``.
+``ddp_multinode.py OUT`` runs under ``hookloop run --plugins STRATEGY --nodes 2 ...`` (the
+CLI path); ``ddp_multinode.py OUT --relaunch NODE_RANK HOST:PORT STRATEGY`` is started
+with plain ``python`` and names everything in code, so ``Trainer.fit`` re-launches the
+script through the same elastic agent (the in-code path). STRATEGY is ``ddp`` or
+``ddp2`` (one process per node either way here). Each worker writes ``OUT/rank<R>.pt``.
 """
 
 import os
@@ -21,10 +22,21 @@ if __name__ == "__main__":
     out = Path(sys.argv[1])
     kwargs = {}
     if "--relaunch" in sys.argv:
-        node_rank, endpoint = sys.argv[3], sys.argv[4]
-        kwargs = dict(plugins=["ddp"], devices=1, nodes=2, node_rank=int(node_rank), rdzv_endpoint=endpoint)
+        node_rank, endpoint, strategy = sys.argv[3], sys.argv[4], sys.argv[5]
+        kwargs = dict(plugins=[strategy], devices=1, nodes=2, node_rank=int(node_rank), rdzv_endpoint=endpoint)
     rank = int(os.environ.get("RANK", 0))  # unset in the process that re-launches
-    module = TinyModule(seed=10 + rank)  # different on each rank: DDP must broadcast rank 0's
+
+    class WithStepEnd(TinyModule):
+        """Lightning calls training_step_end whatever the strategy (ddp2: the node's
+        gathered outputs); it returns the loss unchanged here."""
+
+        step_ends = 0
+
+        def training_step_end(self, outputs):
+            self.step_ends += 1
+            return outputs
+
+    module = WithStepEnd(seed=10 + rank)  # different on each rank: DDP must broadcast rank 0's
     trainer = hookloop.Trainer(max_epochs=2, enable_checkpointing=False, **kwargs)
     trainer.fit(module, DataLoader(tiny_data(96), batch_size=8, shuffle=True))
     torch.save(
@@ -34,6 +46,8 @@ if __name__ == "__main__":
             "global_rank": trainer.global_rank,
             "node_rank": trainer.node_rank,
             "relaunched": "--relaunch" in sys.argv,
+            "strategy": type(trainer.strategy).__name__,
+            "step_ends": module.step_ends,
         },
         out / f"rank{trainer.global_rank}.pt",
     )

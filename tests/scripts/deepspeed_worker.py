@@ -109,7 +109,33 @@ class DigitsCheckpointed(Digits):
         return self.net[2](hidden)
 
 
-MODULES = {"digits": Digits, "configure_model": DigitsConfigureModel, "checkpointed": DigitsCheckpointed}
+class DigitsManual(Digits):
+    """Manual optimization: manual_backward is the engine's backward, step() its step."""
+
+    def __init__(self, seed: int = 0, optimizer: str = "sgd", two_optimizers: bool = False):
+        super().__init__(seed, optimizer)
+        self.automatic_optimization = False
+        self.two_optimizers = two_optimizers
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        return loss
+
+    def on_train_epoch_end(self):
+        self.lr_schedulers().step()  # the loop steps no scheduler under manual optimization
+
+    def configure_optimizers(self):
+        if self.two_optimizers:
+            return [torch.optim.SGD(self.net[0].parameters(), lr=0.1), torch.optim.SGD(self.net[2].parameters(), lr=0.1)]
+        return super().configure_optimizers()
+
+
+MODULES = {"digits": Digits, "configure_model": DigitsConfigureModel, "checkpointed": DigitsCheckpointed,
+           "manual": DigitsManual}
 
 
 class Recorder:

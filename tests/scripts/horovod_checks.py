@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for conftest
 from conftest import TinyModule, tiny_data  # noqa: E402
+from test_lightning_module import ManualTiny  # noqa: E402
 
 import hookloop  # noqa: E402
 
@@ -103,6 +104,13 @@ def parity_scenarios() -> hookloop.Trainer:
     t.fit(module, loader())
     save("fp16_clip", t, module)
     observed["amp_plugins"] = sorted(getattr(p, "hookloop_name", type(p).__name__) for p in t.plugins)
+
+    # manual optimization: manual_backward and step() through the strategy (Horovod's
+    # DistributedOptimizer / DDP's reducer) and the GradScaler must reproduce fp16_clip
+    t = trainer(precision="16-mixed")
+    module = ManualTiny(clip=0.5, seed=0)
+    t.fit(module, loader())
+    save("manual_fp16_clip", t, module)
 
     # the same module fitted twice (a new Trainer and optimizer each time): the first
     # run's optimizer must not interfere with the second one's
