@@ -9,7 +9,10 @@ SGD) and the same DataLoader go through
   (``make bench`` installs them).
 
 Variants run in interleaved rounds so that drift of the machine hits them alike; the
-median µs/step per variant is reported. The last line is ``hookloop/raw <ratio>``.
+median µs/step per variant is reported. Timings on shared cores move by a few per cent
+between runs, so the work is also counted: Python function calls per step, traced with
+``sys.setprofile`` over 2N steps minus N steps (which cancels set-up and teardown), a
+deterministic number. The last line is ``hookloop/raw <ratio>``.
 
     python benchmarks/loop_overhead.py [--steps 3000] [--rounds 5]
 """
@@ -22,6 +25,7 @@ import io
 import logging
 import os
 import statistics
+import sys
 import time
 import warnings
 
@@ -166,6 +170,28 @@ def accelerate_runner():
     return run
 
 
+def calls_per_step(run, data, steps: int = 200) -> float:
+    """Python calls (and C calls made from Python) per training step of ``run``."""
+
+    def count(n: int) -> int:
+        calls = 0
+
+        def profile(frame, event, arg):
+            nonlocal calls
+            if event in ("call", "c_call"):
+                calls += 1
+
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            sys.setprofile(profile)
+            try:
+                run(data, n)
+            finally:
+                sys.setprofile(None)
+        return calls
+
+    return (count(2 * steps) - count(steps)) / steps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3000)
@@ -193,12 +219,13 @@ def main() -> None:
                 run(data, args.steps)
                 times[name].append((time.perf_counter() - start) / args.steps * 1e6)
 
+    calls = {name: calls_per_step(run, data) for name, run in variants.items()}
     raw = statistics.median(times["raw"])
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.steps} steps x {args.rounds} rounds")
-    print(f"{'variant':<12}{'us/step':>10}{'x raw':>8}")
+    print(f"{'variant':<12}{'us/step':>10}{'x raw':>8}{'calls/step':>12}{'+ raw':>8}")
     for name, values in times.items():
         us = statistics.median(values)
-        print(f"{name:<12}{us:>10.1f}{us / raw:>8.3f}")
+        print(f"{name:<12}{us:>10.1f}{us / raw:>8.3f}{calls[name]:>12.1f}{calls[name] - calls['raw']:>+8.1f}")
     print(f"hookloop/raw {statistics.median(times['hookloop']) / raw:.3f}")
 
 

@@ -285,6 +285,9 @@ def _forward(trainer, kind: str, n_loaders: int = 1):
             f"batch_idx) does not take dataloader_idx: define {name}(self, batch, batch_idx, "
             f"dataloader_idx=0)"
         )
+    if kind == TRAIN:
+        # The per-step call: training_step itself when no strategy wrapped the module.
+        return method if isinstance(model, _StepModule) else (lambda batch, batch_idx: model(TRAIN, batch, batch_idx))
     if isinstance(model, _StepModule):
         if kind == PREDICT and not callable(method):
             return lambda batch, batch_idx, dataloader_idx: module(batch)
@@ -424,11 +427,16 @@ class _ValidationSchedule:
                 )
             self.batches = interval
 
-    def due(self, batch_idx: int, is_last: bool) -> bool:
+    def due_this_epoch(self) -> bool:
+        """Whether validation may run during the current epoch at all."""
         if not self.enabled:
             return False
+        return self.every_n_epochs is None or (self.trainer.current_epoch + 1) % self.every_n_epochs == 0
+
+    def due(self, batch_idx: int, is_last: bool) -> bool:
+        """Whether validation runs after ``batch_idx`` (``due_this_epoch`` is checked first)."""
         trainer = self.trainer
-        if self.every_n_epochs is not None and (trainer.current_epoch + 1) % self.every_n_epochs:
+        if not self.due_this_epoch():
             return False
         if self.batches is None:
             return is_last
@@ -443,17 +451,9 @@ class _ValidationSchedule:
         trainer._loop_stage = "validated"
 
 
-def _batches(iterator, n: int | None, start: int):
-    """``(batch_idx, batch, is_last)`` from ``start``; an unsized loader is read one
-    batch ahead, so its last batch is known (it ends an accumulation window)."""
-    if n is not None:
-        for batch_idx in range(start, n):
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                return
-            yield batch_idx, batch, batch_idx + 1 == n
-        return
+def _lookahead(iterator, start: int):
+    """``(batch_idx, batch, is_last)`` of an unsized loader, read one batch ahead so that
+    its last batch is known (it ends an accumulation window)."""
     try:
         batch = next(iterator)
     except StopIteration:
@@ -489,7 +489,17 @@ def _train_epoch(trainer, loader: DataLoader, step, validation: _ValidationSched
         if resumed_stage == "train" and validation.due(skip - 1, False):
             validation.run()  # it came after the checkpoint in the interrupted run
     batch_start = _event(trainer, "on_train_batch_start")
-    for batch_idx, batch, is_last in _batches(iterator, n, skip):
+    # Sized loaders (the common case) need no look-ahead; is_last is a comparison.
+    batches = enumerate(iterator, skip) if n is not None else _lookahead(iterator, skip)
+    validate = validation.due if validation.due_this_epoch() else None
+    for item in batches:
+        if n is not None:
+            batch_idx, batch = item
+            if batch_idx >= n:
+                break
+            is_last = batch_idx + 1 == n
+        else:
+            batch_idx, batch, is_last = item
         trainer.batch_idx = batch_idx
         if batch_start is not None and -1 in batch_start(trainer=trainer, batch=batch, batch_idx=batch_idx):
             return True  # Lightning: on_train_batch_start returning -1 ends the epoch
@@ -498,7 +508,7 @@ def _train_epoch(trainer, loader: DataLoader, step, validation: _ValidationSched
         trainer.batch_idx = batch_idx + 1
         trainer._loop_stage = "train"
         trainer._total_batch_idx += 1
-        if validation.due(batch_idx, is_last):
+        if validate is not None and validate(batch_idx, is_last):
             validation.run()
         if stop:
             return is_last
@@ -590,7 +600,7 @@ def make_training_step(trainer):
             trainer._current_batch = batch
             metrics.step_token += 1
             with _enter(contexts):
-                out = forward(batch, batch_idx, None)
+                out = forward(batch, batch_idx)
             if step_end_user is not None:
                 out = step_end_user(out)
             if step_end_plugins is not None:
@@ -621,9 +631,9 @@ def make_training_step(trainer):
         try:
             if contexts:
                 with _enter(contexts):
-                    out = forward(batch, batch_idx, None)
+                    out = forward(batch, batch_idx)
             else:
-                out = forward(batch, batch_idx, None)
+                out = forward(batch, batch_idx)
             if step_end_user is not None:
                 out = step_end_user(out)
             if step_end_plugins is not None:
