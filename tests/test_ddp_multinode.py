@@ -66,3 +66,25 @@ def test_two_nodes_on_localhost(tmp_path, strategy):
     assert max_abs_diff(ranks[0]["state"], ranks[1]["state"]) == 0.0
     assert {r["strategy"] for r in ranks} == {"DDP2" if strategy == "ddp2" else "DDP"}
     assert [r["step_ends"] for r in ranks] == [12, 12]  # 96 / 2 nodes / 8 = 6 steps x 2 epochs
+
+
+def test_ddp2_on_one_node_trains_in_the_launching_process(tmp_path):
+    """ddp2 starts one process per node: on one node that is the process running the
+    script, whatever devices says (no second interpreter)."""
+    script = tmp_path / "one_node.py"
+    script.write_text(
+        "import os, sys\n"
+        f"sys.path.insert(0, {str(REPO / 'tests')!r})\n"
+        "import hookloop\n"
+        "from conftest import TinyModule, tiny_data\n"
+        "from torch.utils.data import DataLoader\n"
+        "t = hookloop.Trainer(plugins=['ddp2'], devices=2, max_epochs=1, enable_checkpointing=False)\n"
+        "t.fit(TinyModule(), DataLoader(tiny_data(32), batch_size=8))\n"
+        "print('TRAINED', os.getpid(), t.world_size, t.global_step)\n"
+    )
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    pid, world, steps = stdout.split("TRAINED ")[1].split()
+    assert (int(pid), world, steps) == (proc.pid, "1", "4")

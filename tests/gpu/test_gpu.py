@@ -236,3 +236,23 @@ def test_ddp_fp16_on_two_gpus_matches_torchs_ddp_gradscaler_loop(tmp_path):
         assert 0 < record["raw_skipped"] < 12
     # All-reduced gradients: every rank takes the same steps to the same weights.
     assert max_abs_diff(ranks[0]["hookloop"], ranks[1]["hookloop"]) == 0.0
+
+
+# -- 7. ddp2: DataParallel inside the node -------------------------------------------------
+
+
+@pytest.mark.gpu(count=2)
+def test_ddp2_splits_each_batch_over_the_nodes_gpus_and_gathers_for_training_step_end(tmp_path):
+    """One node of ddp2: one process, DataParallel over GPUs 0 and 1, DDP outside it (a
+    world of one node here; tests/test_ddp_multinode.py runs two nodes on the CPU)."""
+    from conftest import TinyModule, reference_loop, state_of, tiny_data
+
+    run_python(HOOKLOOP + ["run", "--plugins", "ddp2", "--devices", "2", str(SCRIPTS / "gpu_ddp2.py"),
+                           str(tmp_path)], cwd=tmp_path, timeout=300)
+    result = torch.load(tmp_path / "ddp2.pt", weights_only=False)
+    assert result["strategy"] == "DDP2" and result["world_size"] == 1
+    assert result["devices_seen"] == ["cuda:0", "cuda:1"]
+    assert result["gathered_sizes"] == [16] * 12  # the node's whole batch, 6 steps x 2 epochs
+    reference = TinyModule(seed=0)
+    reference_loop(reference, DataLoader(tiny_data(96), batch_size=16), epochs=2)
+    assert max_abs_diff(result["state"], state_of(reference)) < 1e-5

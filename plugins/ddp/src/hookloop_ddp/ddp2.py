@@ -52,6 +52,14 @@ class DDP2(DDP):
         """torchrun with one process per node, whatever ``devices`` says."""
         return hookloop.elastic_command(dataclasses.replace(config, devices=1), script, script_args)
 
+    @hookloop.hookimpl
+    def spawn(self, trainer, function):
+        """One node: its one process is this one; train here rather than start it again."""
+        if trainer.config.nodes > 1 or hookloop.in_worker():
+            return None
+        result = function(trainer)
+        return True if result is None else result
+
     def check_process_count(self, trainer, cluster: ClusterEnvironment) -> None:
         if cluster.local_world_size != 1:
             raise hookloop.ConfigurationError(
