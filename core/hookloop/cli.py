@@ -11,6 +11,7 @@ import argparse
 import inspect
 import sys
 
+from . import contract
 from . import plugins as registry
 from .config import TrainerConfig, env_defaults
 from .errors import HookloopError
@@ -27,6 +28,18 @@ def _build_parser(commands: dict) -> argparse.ArgumentParser:
 
     p = sub.add_parser("plugins", help="list installed plugins (imports no backend)")
     p.add_argument("--load", action="store_true", help="import each plugin (never its backend) and ask its role, instead of reading it from the source")
+
+    c = sub.add_parser(
+        "check",
+        help="check installed plugins against the hook contract, without training",
+        description=(
+            "Import the named plugins (and only those) and check each: its entry point "
+            "resolves, its role is declared and known, every hook implementation names a "
+            "hook of the contract with arguments that hook has, its options are documented, "
+            "and its distribution's dependencies are installed. Exits 1 on any problem."
+        ),
+    )
+    c.add_argument("names", nargs="+", metavar="NAME", help="plugin names, as `hookloop plugins` lists them")
 
     r = sub.add_parser(
         "run",
@@ -49,6 +62,8 @@ def _build_parser(commands: dict) -> argparse.ArgumentParser:
     r.add_argument("--node-rank", type=int, default=None, help="this machine's rank, 0..nodes-1")
     r.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of node 0's rendezvous")
     r.add_argument("--max-restarts", type=int, default=None, help="restarts of failed workers")
+    r.add_argument("--plugin-option", action="append", default=[], metavar="PLUGIN.OPTION=VALUE",
+                   help="an option of a plugin, e.g. amp.init_scale=1024 (repeatable; values read as JSON)")
     r.add_argument("script", help="the training script")
     r.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
@@ -70,28 +85,49 @@ def _parse_devices(text: str | None):
     return [int(t) for t in text.split(",") if t.strip()]
 
 
+def cmd_check(args) -> int:
+    failed = False
+    for name in args.names:
+        _, problems = contract.check(name)
+        if not problems:
+            print(f"{name}: ok")
+            continue
+        failed = True
+        print(f"{name}: {len(problems)} problem(s)")
+        for problem in problems:
+            print(f"  - {problem.where}: {problem.message}\n    fix: {problem.fix}")
+    return 1 if failed else 0
+
+
 def cmd_plugins(args) -> int:
     infos = registry.installed_plugins()
     if not infos:
         print("no hookloop plugins are installed (entry-point group 'hookloop.plugins')")
         return 0
     rows = [("NAME", "DISTRIBUTION", "VERSION", "ROLE", "DEPENDENCIES")]
+    problems: dict[str, list] = {}
     for name in sorted(infos):
         info = infos[name]
         missing = info.missing_requirements()
         deps = "ok" if not missing else "missing: " + ", ".join(missing)
         # Read from the source without running it; --load imports the plugin to ask it.
         role = declared_role(info.value) or "?"
-        if args.load and not missing:
-            try:
-                role = registry.plugin_role(registry.resolve(name))
-            except HookloopError as exc:
-                role = f"error: {exc}"
+        if args.load:
+            plugin, found = contract.check(name)
+            if plugin is not None and not contract.role_problems(plugin, name):
+                role = registry.plugin_role(plugin)
+            if found:
+                problems[name] = found
+                deps = f"{len(found)} problem(s), see below"
         rows.append((name, info.distribution or "?", info.version or "?", role, deps))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[4])
-    return 0
+    for name, found in problems.items():
+        print(f"\n{name}:")
+        for problem in found:
+            print(f"  - {problem.where}: {problem.message}\n    fix: {problem.fix}")
+    return 1 if problems else 0
 
 
 def cmd_run(args) -> int:
@@ -112,13 +148,17 @@ def cmd_run(args) -> int:
     settings.update({k: v for k, v in explicit.items() if v is not None})
     if args.plugins is not None:
         settings["plugins"] = registry.split_names(args.plugins)
+    if args.plugin_option:
+        settings["plugin_options"] = registry.merge_plugin_options(
+            settings.get("plugin_options"), registry.parse_plugin_options(args.plugin_option))
     config = TrainerConfig(**settings)
     config.validate()
     # Load the named plugins (their code, not their backends) to ask how to launch.
     from .defaults import Defaults
 
     names = list(config.plugins) + registry.environment_plugins()
-    chosen = registry.collect(names)
+    options = registry.merge_plugin_options(registry.environment_plugin_options(), config.plugin_options)
+    chosen = [registry.apply_options(p, options) for p in registry.collect(names)]
     registry.check_composition(chosen)
     pm = registry.make_plugin_manager(chosen, Defaults())
     # The devices plugin chooses (and may narrow config.devices) before processes are counted.
@@ -150,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "plugins":
             return cmd_plugins(args)
+        if args.command == "check":
+            return cmd_check(args)
         if args.command == "run":
             return cmd_run(args)
     except HookloopError as exc:

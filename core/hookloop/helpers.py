@@ -6,8 +6,10 @@ call these instead of copying them.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import inspect
+import itertools
 import math
 import os
 import random
@@ -346,6 +348,88 @@ def _unrebuildable(cls: type, problem: str, fix: str) -> Exception:
         f"{problem}. Fix: {fix}, or pass use_distributed_sampler=False and give each rank "
         f"its share yourself"
     )
+
+
+# ---------------------------------------------------------------------------------------
+# Process groups
+# ---------------------------------------------------------------------------------------
+
+# How many process groups this process has made; every rank of a job counts the same.
+_GROUP_GENERATION = itertools.count()
+
+
+def init_process_group(backend: str, rank: int, world_size: int, timeout: float | None = None,
+                       master_addr: str | None = None, master_port: int | None = None) -> None:
+    """Make ``torch.distributed``'s default process group for a strategy's
+    ``setup_environment``: rank ``rank`` of ``world_size``, rendezvous at
+    ``MASTER_ADDR:MASTER_PORT`` (``env://``; arguments fill them in when the launcher did
+    not, as under SLURM). A world of one needs no rendezvous (an in-memory store).
+
+    A process may make several groups (``fit``, then a resumed ``fit``...), and under an
+    elastic agent its restarted successor reuses the agent's store, which keeps the keys
+    of the attempt before. torch names every default group alike, so each group gets
+    keys of its own: prefixed by the run id, the agent's restart count and this process's
+    group count. A rank that read an earlier group's keys would connect to dead peers.
+    """
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    kwargs: dict[str, Any] = {"backend": backend}
+    if timeout is not None:
+        kwargs["timeout"] = timedelta(seconds=timeout)
+    master_addr = master_addr or os.environ.get("MASTER_ADDR")
+    master_port = master_port or env_int("MASTER_PORT")
+    if world_size == 1 and not (master_addr and master_port):
+        dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+        return
+    if not (master_addr and master_port):
+        from .errors import ConfigurationError
+
+        raise ConfigurationError(
+            f"{world_size} processes were started but MASTER_ADDR / MASTER_PORT are not set, so "
+            f"they cannot find each other: launch with `hookloop run --plugins ddp --devices N` or torchrun"
+        )
+    os.environ.setdefault("MASTER_ADDR", str(master_addr))
+    os.environ.setdefault("MASTER_PORT", str(master_port))
+    rendezvous = dist.rendezvous("env://", rank=rank, world_size=world_size,
+                                 **({"timeout": kwargs["timeout"]} if "timeout" in kwargs else {}))
+    store, _, _ = next(rendezvous)
+    run = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("HOOKLOOP_RUN_ID") or "run"
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"hookloop/{run}/{restart}/{next(_GROUP_GENERATION)}", store)
+    dist.init_process_group(store=store, rank=rank, world_size=world_size, **kwargs)
+
+
+# Process groups destroyed by the latest release of this process (see release_process_group).
+_RETIRED: list = []
+atexit.register(_RETIRED.clear)
+
+
+def release_process_group(destroy: Any = None) -> None:
+    """Destroy ``torch.distributed``'s default process group and its subgroups, for a
+    strategy's ``teardown`` (a run leaves no process group behind). ``destroy``: the
+    backend's own destroy function when it keeps references to the groups (DeepSpeed's
+    ``deepspeed.comm.destroy_process_group``); default ``torch.distributed``'s.
+
+    ``destroy_process_group`` only unregisters a group; its C++ object, and the gloo
+    threads in it, die with the last reference, wherever that is dropped. Right after a
+    collective, a gloo thread is still freeing that collective's tensors, which takes
+    the GIL when Python made them. Dropped then, the group deadlocks (DDP's C++ reducer
+    releases it with the GIL held, and its destructor joins that thread) or aborts
+    ("Resource deadlock avoided"); both were seen in processes that train several times
+    under CPU load. So the groups' handles are held until the next release (or exit),
+    long after their threads went idle, and dropped from Python.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    world = getattr(dist.distributed_c10d, "_world", None)
+    groups = list(getattr(world, "pg_names", {})) or [dist.group.WORLD]
+    previous = _RETIRED[:]
+    _RETIRED[:] = groups
+    del previous
+    (destroy or dist.destroy_process_group)()
 
 
 # ---------------------------------------------------------------------------------------

@@ -37,6 +37,28 @@ How to read a hook below:
 Per-step hooks (phase 4) are resolved once per ``fit``: a hook that only the built-in
 default implements is called directly, and an observer hook that nobody implements costs
 nothing. A plugin that implements a per-step hook pays one pluggy call per step.
+
+Several plugins implementing one hook: pluggy calls the implementations in reverse
+order of registration (the built-in defaults first registered, so last called; then the
+plugins in the order the run lists them: code, then ``--plugins``, then
+``HOOKLOOP_PLUGINS``, so the last listed runs first). Put ``@hookloop.hookimpl(tryfirst=
+True)`` or ``(trylast=True)`` on an implementation to move it to the front or the back,
+and ``(wrapper=True)`` to run around the others (``result = yield``; Horovod wraps
+``optimizer_step`` this way). A subclass that overrides an inherited implementation
+keeps it a hook implementation, with the inherited options, even without repeating the
+decorator. The user's module hooks run first (``tryfirst``).
+
+Options: a plugin's options are its class's constructor arguments. Users set them with
+``hookloop.plugin("amp", init_scale=1024)``, ``Trainer(plugin_options={"amp":
+{"init_scale": 1024}})``, ``hookloop run --plugin-option amp.init_scale=1024``
+(repeatable) or ``HOOKLOOP_PLUGIN_OPTIONS="amp.init_scale=1024; ddp.timeout=60"``; per
+option, code beats the command line, which beats the environment. Document each option
+in the class docstring (``hookloop check`` looks for it).
+
+State in checkpoints: ``on_save_checkpoint`` / ``on_load_checkpoint`` for state that is
+the same on every rank (written by rank 0); ``on_save_rank_checkpoint`` /
+``on_load_rank_checkpoint`` for state each rank holds on its own (gathered into the
+checkpoint by rank, restored to the same rank).
 """
 
 from __future__ import annotations
@@ -399,6 +421,33 @@ def load_model_state(trainer, checkpoint):
 @hookspec
 def on_load_checkpoint(trainer, checkpoint):
     """Restore this plugin's state from ``checkpoint["plugins"][your_plugin_name]``."""
+
+
+@hookspec
+def on_save_rank_checkpoint(trainer, rank_state):
+    """Add *this rank's own* state before a checkpoint is written; every rank.
+
+    ``on_save_checkpoint`` state is rank 0's (the default writes rank 0's checkpoint
+    only). A plugin whose ranks hold different state (local SGD's per-rank optimizer
+    state, a sharded optimizer's partition, a per-rank RNG) stores it here, under
+    ``rank_state[your_plugin_name]``, in the types ``on_save_checkpoint`` allows. The core
+    gathers every rank's ``rank_state`` into ``checkpoint["rank_states"]``, a list
+    indexed by global rank, before the checkpoint is written (a collective: called on
+    every rank, and only when some plugin implements this hook).
+    """
+
+
+@hookspec
+def on_load_rank_checkpoint(trainer, rank_state, rank_states):
+    """Restore *this rank's own* state, after ``on_load_checkpoint``; every rank.
+
+    :param rank_state: the ``rank_state`` this global rank saved, or ``None`` when the
+        checkpoint was written by another number of processes.
+    :param rank_states: every rank's, in rank order, to redistribute when the number of
+        processes changed.
+
+    Called only when the checkpoint holds per-rank state.
+    """
 
 
 # ---------------------------------------------------------------------------------------

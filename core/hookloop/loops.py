@@ -1014,6 +1014,12 @@ def checkpoint_dict(trainer) -> dict:
         if state:
             checkpoint["datamodule"] = state
     trainer.hook.on_save_checkpoint(trainer=trainer, checkpoint=checkpoint)
+    per_rank = _event(trainer, "on_save_rank_checkpoint")
+    if per_rank is not None:
+        mine: dict = {}
+        per_rank(trainer=trainer, rank_state=mine)
+        # On the CPU: the list travels between ranks and is written by one of them.
+        checkpoint["rank_states"] = trainer.all_gather_object(apply_to_tensors(mine, lambda t: t.detach().cpu()))
     return checkpoint
 
 
@@ -1051,3 +1057,7 @@ def restore(trainer, ckpt_path: Any) -> None:
     if datamodule is not None and checkpoint.get("datamodule") and callable(getattr(datamodule, "load_state_dict", None)):
         datamodule.load_state_dict(checkpoint["datamodule"])
     trainer.hook.on_load_checkpoint(trainer=trainer, checkpoint=checkpoint)
+    states = checkpoint.get("rank_states")
+    if states is not None:
+        mine = states[trainer.global_rank] if len(states) == trainer.world_size else None
+        trainer.hook.on_load_rank_checkpoint(trainer=trainer, rank_state=mine, rank_states=states)

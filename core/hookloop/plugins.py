@@ -29,8 +29,9 @@ from typing import Any, Iterable
 
 import pluggy
 
-from . import hookspecs
+from . import contract, hookspecs
 from .errors import (
+    ConfigurationError,
     MissingDependencyError,
     PluginConflictError,
     PluginNotFoundError,
@@ -202,6 +203,37 @@ def plugin_role(plugin: Any) -> str:
     return role
 
 
+def plugin_options(plugin: Any) -> list[str]:
+    """A plugin's options: the parameters of its class's ``__init__``."""
+    cls = plugin if isinstance(plugin, type) else type(plugin)
+    if isinstance(plugin, types.ModuleType):
+        return []
+    try:
+        params = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return []
+    return [n for n, p in params.items() if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def apply_options(plugin: Any, options: dict[str, dict]) -> Any:
+    """Set ``options[plugin's name]`` on the plugin object (``plugin_options=``,
+    ``--plugin-option``, ``HOOKLOOP_PLUGIN_OPTIONS``); an unknown option is an error
+    naming the plugin's options."""
+    name = plugin_name(plugin)
+    if name in options and not isinstance(plugin, type):
+        for key, value in options[name].items():
+            if not hasattr(plugin, key):
+                known = plugin_options(plugin)
+                close = difflib.get_close_matches(key, known, n=1)
+                raise ConfigurationError(
+                    f"plugin {name!r} has no option {key!r}"
+                    + (f" (did you mean {close[0]!r}?)" if close else "")
+                    + f"; its options: {', '.join(known) or 'none'}"
+                )
+            setattr(plugin, key, value)
+    return plugin
+
+
 def plugin_owns(plugin: Any) -> frozenset[str]:
     return frozenset(getattr(plugin, "hookloop_owns", ()))
 
@@ -246,14 +278,22 @@ def collect(requested: Iterable[Any], defaults: Iterable[Any] = (), autoload: bo
         return _instantiate(spec, None, {}) if inspect.isclass(spec) else spec
 
     code_plugins = [load(s) for s in requested if not (isinstance(s, str) and s in blocked)]
-    code_roles = {plugin_role(p) for p in code_plugins} & set(EXCLUSIVE_ROLES)
+    code_by_role = {}
+    for p in code_plugins:
+        code_by_role.setdefault(plugin_role(p), []).append(plugin_name(p))
     default_plugins = []
     for spec in defaults:
         if isinstance(spec, str) and spec in blocked:
             continue
         p = load(spec)
-        if plugin_role(p) in code_roles:
-            continue  # explicit arguments in code win over CLI / environment defaults
+        role, name = plugin_role(p), plugin_name(p)
+        if role in EXCLUSIVE_ROLES and role in code_by_role and name not in code_by_role[role]:
+            # Explicit arguments in code win over CLI / environment defaults.
+            _say_once(
+                f"hookloop: the {role} {', '.join(map(repr, code_by_role[role]))} named in code "
+                f"replaces {name!r} from --plugins / HOOKLOOP_PLUGINS (a run has one {role})"
+            )
+            continue
         default_plugins.append(p)
     for p in code_plugins + default_plugins:
         n = plugin_name(p)
@@ -274,6 +314,16 @@ def collect(requested: Iterable[Any], defaults: Iterable[Any] = (), autoload: bo
             names_seen.add(name)
             chosen.append(p)
     return chosen
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    """Print ``message`` once per process (a script may build many Trainers)."""
+    if message not in _SAID:
+        _SAID.add(message)
+        print(message, flush=True)
 
 
 def default_precision_plugin(chosen: list[Any], precision: str) -> list[Any]:
@@ -321,17 +371,33 @@ def check_composition(plugins: list[Any]) -> None:
 # ---------------------------------------------------------------------------------------
 
 
+class HookloopPluginManager(pluggy.PluginManager):
+    """pluggy's manager, where an undecorated override of an inherited hook
+    implementation stays one (see :func:`hookloop.contract.hookimpl_options`)."""
+
+    def parse_hookimpl_opts(self, plugin: Any, name: str):
+        return contract.hookimpl_options(plugin, name)
+
+
 def make_plugin_manager(plugins: list[Any], defaults_plugin: Any) -> pluggy.PluginManager:
     """A pluggy manager with the hook specs, the built-in defaults and ``plugins``.
 
     The defaults plugin is registered first so that pluggy calls it last: any plugin's
-    ``firstresult`` implementation wins over it.
+    ``firstresult`` implementation wins over it. A plugin that does not fit the
+    contract (a hook that does not exist, an argument a hook does not have) is refused
+    with every problem named.
     """
-    pm = pluggy.PluginManager("hookloop")
+    pm = HookloopPluginManager("hookloop")
     pm.add_hookspecs(hookspecs)
     pm.register(defaults_plugin, name="hookloop.defaults")
     for p in plugins:
         name = plugin_name(p)
+        problems = contract.hook_problems(p, name)
+        if problems:
+            raise PluginValidationError(
+                f"plugin {name!r} does not fit the hook contract (core/hookloop/hookspecs.py):\n  "
+                + "\n  ".join(str(problem) for problem in problems)
+            )
         try:
             pm.register(p, name=name)
         except pluggy.PluginValidationError as exc:
@@ -341,19 +407,56 @@ def make_plugin_manager(plugins: list[Any], defaults_plugin: Any) -> pluggy.Plug
             ) from None
         except ValueError as exc:  # already registered
             raise PluginConflictError(f"plugin {name!r} is enabled twice: {exc}") from None
-    try:
-        pm.check_pending()
-    except pluggy.PluginValidationError as exc:
-        raise PluginValidationError(
-            f"{exc}. It names a hook that hookloop does not have (a typo?). "
-            f"Hooks: {', '.join(sorted(n for n in dir(hookspecs) if _is_spec(n)))}."
-        ) from None
     return pm
 
 
-def _is_spec(name: str) -> bool:
-    fn = getattr(hookspecs, name, None)
-    return callable(fn) and hasattr(fn, "hookloop_spec")
+OPTIONS_ENV = "HOOKLOOP_PLUGIN_OPTIONS"
+
+
+def parse_plugin_options(items: Iterable[str], source: str = "--plugin-option") -> dict[str, dict]:
+    """``["amp.init_scale=1024", "ddp.find_unused_parameters=true"]`` ->
+    ``{"amp": {"init_scale": 1024}, "ddp": {"find_unused_parameters": True}}``.
+
+    Values are read as JSON (``1024``, ``true``, ``[1, 2]``, ``"text"``), else as Python
+    literals (``True``, ``None``), else kept as the string.
+    """
+    import ast
+    import json
+
+    options: dict[str, dict] = {}
+    for item in items:
+        name_key, sep, raw = item.partition("=")
+        plugin, dot, key = name_key.strip().partition(".")
+        if not sep or not dot or not plugin or not key:
+            raise ConfigurationError(
+                f"{source} {item!r} must be PLUGIN.OPTION=VALUE, e.g. amp.init_scale=1024"
+            )
+        raw = raw.strip()
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            try:
+                value = ast.literal_eval(raw)
+            except (ValueError, SyntaxError):
+                value = raw
+        options.setdefault(plugin, {})[key.strip()] = value
+    return options
+
+
+def environment_plugin_options() -> dict[str, dict]:
+    """``HOOKLOOP_PLUGIN_OPTIONS="amp.init_scale=1024; ddp.timeout=60"`` (``;`` or newlines)."""
+    raw = os.environ.get(OPTIONS_ENV, "")
+    items = [part.strip() for part in re.split(r"[;\n]", raw) if part.strip()]
+    return parse_plugin_options(items, source=OPTIONS_ENV)
+
+
+def merge_plugin_options(*sources: dict) -> dict[str, dict]:
+    """Per plugin and option, the last source that sets it wins."""
+    merged: dict[str, dict] = {}
+    for source in sources:
+        for plugin, values in (source or {}).items():
+            merged.setdefault(plugin, {}).update(values)
+    return merged
 
 
 def environment_plugins() -> list[str]:

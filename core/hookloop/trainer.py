@@ -101,6 +101,12 @@ class Trainer:
             given["plugins"] = in_code
         from_env = env_defaults()
         settings = {**fallbacks, **from_env, **given}
+        # Options of plugins merge per option: HOOKLOOP_PLUGIN_OPTIONS < hookloop run
+        # --plugin-option < code.
+        settings["plugin_options"] = plugin_registry.merge_plugin_options(
+            plugin_registry.environment_plugin_options(),
+            fallbacks.get("plugin_options"), from_env.get("plugin_options"), given.get("plugin_options"),
+        )
         settings["plugins"] = _as_list(settings.get("plugins"))
         if "autoload_plugins" not in settings:
             settings["autoload_plugins"] = os.environ.get("HOOKLOOP_AUTOLOAD_PLUGINS", "") in ("1", "true", "yes")
@@ -113,14 +119,14 @@ class Trainer:
                 flush=True,
             )
 
-        # Plugins named in code win over those named by the CLI / environment.
+        # Plugins from code, `hookloop run --plugins` and HOOKLOOP_PLUGINS are combined;
+        # code wins only where both name a plugin of the same exclusive role.
         requested = in_code
-        defaults = list(from_env.get("plugins", [])) if "plugins" not in given else []
-        defaults += plugin_registry.environment_plugins()
+        defaults = list(from_env.get("plugins", [])) + plugin_registry.environment_plugins()
         options = self.config.plugin_options
         chosen = plugin_registry.collect(requested, defaults, autoload=self.config.autoload_plugins)
         chosen += plugin_registry.default_precision_plugin(chosen, self.config.precision)
-        chosen = [_apply_options(p, options) for p in chosen]
+        chosen = [plugin_registry.apply_options(p, options) for p in chosen]
         plugin_registry.check_composition(chosen)
         self.plugins = chosen
         self.plugin_manager = plugin_registry.make_plugin_manager(chosen, Defaults())
@@ -451,16 +457,6 @@ def _as_list(value: Any) -> list:
 def _is_datamodule(obj: Any) -> bool:
     """A DataModule by Lightning's duck type (not a subclass of hookloop.DataModule)."""
     return obj is not None and not isinstance(obj, (DataLoader, list, tuple, dict)) and callable(getattr(obj, "train_dataloader", None)) and callable(getattr(obj, "setup", None))
-
-
-def _apply_options(plugin: Any, options: dict) -> Any:
-    name = plugin_registry.plugin_name(plugin)
-    if name in options and not isinstance(plugin, type):
-        for key, value in options[name].items():
-            if not hasattr(plugin, key):
-                raise ConfigurationError(f"plugin {name!r} has no option {key!r}")
-            setattr(plugin, key, value)
-    return plugin
 
 
 def _check_module(module: Any, needs: tuple[str, ...]) -> None:

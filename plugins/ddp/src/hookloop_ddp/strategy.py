@@ -8,12 +8,8 @@ be pickled. Advanced users subclass :class:`DDP` and override
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import itertools
-import os
 import sys
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -29,8 +25,6 @@ from .environment import ClusterEnvironment
 #: ``ddp_spawn`` so a checkpoint of one resumes under the other.
 CHECKPOINT_KEY = "ddp"
 
-# How many process groups this process has made; every rank counts the same.
-_GROUP_GENERATION = itertools.count()
 
 
 def check_backend(name: Any) -> None:
@@ -190,30 +184,16 @@ class DDP:
         creates is destroyed at teardown.
         """
         cluster = self.cluster
-        kwargs: dict[str, Any] = {"backend": self.backend(trainer)}
-        if self.timeout is not None:
-            kwargs["timeout"] = timedelta(seconds=self.timeout)
-        if cluster.world_size == 1 and not (cluster.master_addr and cluster.master_port):
-            # A world of one needs no rendezvous: keep its store in memory.
-            dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
-            return
-        if not (cluster.master_addr and cluster.master_port):
+        if cluster.world_size > 1 and not (cluster.master_addr and cluster.master_port):
             raise hookloop.ConfigurationError(
                 f"{cluster.source} started {cluster.world_size} processes but MASTER_ADDR / "
                 f"MASTER_PORT are not set, so the processes cannot find each other: launch "
                 f"with `hookloop run --plugins ddp --devices N` or torchrun"
             )
-        # SLURM does not set these; env:// reads them.
-        os.environ.setdefault("MASTER_ADDR", str(cluster.master_addr))
-        os.environ.setdefault("MASTER_PORT", str(cluster.master_port))
-        rendezvous = dist.rendezvous("env://", rank=cluster.global_rank, world_size=cluster.world_size,
-                                     **({"timeout": kwargs["timeout"]} if "timeout" in kwargs else {}))
-        store, _, _ = next(rendezvous)
-        # A process may train several times (fit, then a resumed fit...). Each process
-        # group gets fresh keys in the launcher's store: torch names every default group
-        # alike, and a rank reading the previous group's keys would connect to nothing.
-        store = dist.PrefixStore(f"hookloop/{next(_GROUP_GENERATION)}", store)
-        dist.init_process_group(store=store, rank=cluster.global_rank, world_size=cluster.world_size, **kwargs)
+        # Each group gets fresh keys in the launcher's store (hookloop.init_process_group).
+        hookloop.init_process_group(self.backend(trainer), cluster.global_rank, cluster.world_size,
+                                    timeout=self.timeout, master_addr=cluster.master_addr,
+                                    master_port=cluster.master_port)
 
     def configure_ddp(self, trainer, model: nn.Module) -> nn.Module:
         """Wrap ``model`` (already on ``trainer.root_device``) for data-parallel training.
@@ -303,7 +283,7 @@ class DDP:
 
         ``trainer.model`` goes back to the unwrapped model: a DDP wrapper whose group is
         destroyed cannot run another step. The group's C++ object is kept until the
-        next teardown (or exit): see :func:`_retire` for why.
+        next teardown (or exit): see :func:`hookloop.release_process_group` for why.
         """
         self.comm_hook_state = None
         manual, self._manual_backward = self._manual_backward, None
@@ -313,9 +293,8 @@ class DDP:
         owned, self._owns_process_group = self._owns_process_group, False
         if wrapped is not None and trainer.model is wrapped[1]:
             trainer.model = wrapped[0]
-        if owned and dist.is_initialized():
-            _retire(_live_groups())
-            dist.destroy_process_group()
+        if owned:
+            hookloop.release_process_group()
 
     # -- model, optimizer, data ---------------------------------------------------------
 
@@ -452,37 +431,6 @@ def prepare_for_backward(model: nn.parallel.DistributedDataParallel, output: Any
         model.reducer.prepare_for_backward(tensors)
     else:
         model.require_forward_param_sync = False
-
-
-# Process groups destroyed by the latest teardown of this process (see ``_retire``).
-_RETIRED: list = []
-atexit.register(_RETIRED.clear)
-
-
-def _live_groups() -> list:
-    """Every process group of this process: the default one and its subgroups."""
-    world = getattr(dist.distributed_c10d, "_world", None)
-    groups = list(getattr(world, "pg_names", {}))
-    return groups if groups else [dist.group.WORLD]
-
-
-def _retire(groups: list) -> None:
-    """Hold ``groups`` until the next teardown, and let go of the previous teardown's.
-
-    ``destroy_process_group`` only unregisters a group; its C++ object, and the gloo
-    threads in it, die with the last reference, wherever that is dropped. Right after a
-    collective, a gloo thread is still freeing that collective's tensors, which takes
-    the GIL when Python made them (a communication hook's, ``reduce``'s). Dropped then,
-    the group deadlocks (DDP's C++ reducer releases it with the GIL held, and its
-    destructor joins that thread) or aborts ("Resource deadlock avoided": released by a
-    hook's callback running on one of the group's own threads). Both were seen in a
-    process that trains several times, under CPU load. Holding the handles here means
-    the last reference goes only when this process has trained again (or exits), long
-    after the threads went idle, and from Python, where torch drops the GIL first.
-    """
-    previous = _RETIRED[:]
-    _RETIRED[:] = groups
-    del previous
 
 
 def _check_process_count(devices: Any, cluster: ClusterEnvironment) -> None:

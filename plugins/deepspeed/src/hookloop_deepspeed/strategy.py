@@ -166,12 +166,11 @@ class DeepSpeedStrategy:
         import torch.distributed as dist
 
         backend = "nccl" if want_cuda else "gloo"
-        if not dist.is_initialized():
-            if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-                dist.init_process_group(backend)  # env:// from torchrun
-            else:
-                # One process without a launcher: a world of one needs no rendezvous.
-                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        self._owns_process_group = not dist.is_initialized()
+        if self._owns_process_group:
+            # env:// from torchrun, with keys of its own per group (a world of one: none).
+            hookloop.init_process_group(backend, hookloop.env_int("RANK", default=0),
+                                        hookloop.env_int("WORLD_SIZE", default=1))
         if "LOCAL_RANK" not in os.environ:
             # DeepSpeed reads LOCAL_RANK, which only launchers set; for the length of this
             # run only (hookloop reads it to tell a launched worker from a user's process).
@@ -246,8 +245,9 @@ class DeepSpeedStrategy:
 
     @hookloop.hookimpl
     def teardown(self, trainer, stage):
-        """Release the engine; the process group stays for later runs of this process
-        (DeepSpeed's communication layer keeps a global handle on it)."""
+        """Release the engine, hand back the unwrapped model, and destroy the process
+        group this plugin made (DeepSpeed adopts a new one in the next run's
+        ``init_distributed``)."""
         activations.deactivate()
         if self._set_local_rank:
             os.environ.pop("LOCAL_RANK", None)
@@ -257,8 +257,16 @@ class DeepSpeedStrategy:
             self._cast_handle = None
         engine, self.engine = self.engine, None
         if engine is not None:
+            if trainer.model is engine:
+                trainer.model = engine.module
             with contextlib.suppress(Exception):
                 engine.destroy()
+        if getattr(self, "_owns_process_group", False):
+            self._owns_process_group = False
+            import deepspeed.comm
+
+            # DeepSpeed's own destroy also drops the groups it caches (world, data parallel).
+            hookloop.release_process_group(deepspeed.comm.destroy_process_group)
 
     # -- model and data ------------------------------------------------------------------
 

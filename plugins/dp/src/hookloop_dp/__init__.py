@@ -147,6 +147,15 @@ class DP:
         return replicate_over_gpus(trainer, model, self.device_ids)
 
     @hookloop.hookimpl
+    def teardown(self, trainer):
+        """Hand back the unwrapped step module (DataParallel and the replica contexts
+        belong to the run)."""
+        model = trainer.model
+        while isinstance(model, (nn.DataParallel, ReplicaContexts)):
+            model = model.module
+        trainer.model = model
+
+    @hookloop.hookimpl
     def training_step_end(self, trainer, outputs):
         """Average gathered per-replica losses (:func:`average_replica_losses`)."""
         return average_replica_losses(trainer, outputs)

@@ -1,0 +1,201 @@
+"""Checking a plugin against the hook contract, before anything runs.
+
+Used when a run registers its plugins (a mistake is an error at ``Trainer(...)``), by
+``hookloop plugins --load`` and by ``hookloop check``. Every problem names the plugin,
+its class, the hook, what is wrong and how to fix it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import re
+import types
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from pluggy._decorators import varnames  # the argument names pluggy itself will read
+
+from . import hookspecs
+
+IMPL_ATTRIBUTE = "hookloop_impl"
+
+
+def specs() -> dict[str, tuple[str, ...]]:
+    """Every hook of the contract and its argument names."""
+    found = {}
+    for name in dir(hookspecs):
+        function = getattr(hookspecs, name)
+        if callable(function) and hasattr(function, "hookloop_spec"):
+            found[name] = varnames(function)[0]
+    return found
+
+
+def hookimpl_options(plugin: Any, name: str) -> dict | None:
+    """The ``@hookloop.hookimpl`` options of ``plugin.name``, or ``None`` if it is no hook
+    implementation.
+
+    A subclass method that overrides a base class's hook implementation without
+    repeating the decorator stays a hook implementation, with the base's options: an
+    override is a change of what the hook does, never a silent removal of the hook (a
+    ``configure_sampler`` override that vanished would let every rank train on all the
+    data).
+    """
+    try:
+        method = getattr(plugin, name)
+    except Exception:
+        return None
+    if not inspect.isroutine(method):
+        return None
+    options = getattr(method, IMPL_ATTRIBUTE, None)
+    if isinstance(options, dict):
+        return options
+    if isinstance(plugin, types.ModuleType):
+        return None
+    cls = plugin if isinstance(plugin, type) else type(plugin)
+    for base in cls.__mro__[1:]:
+        inherited = base.__dict__.get(name)
+        if inherited is None:
+            continue
+        inherited = getattr(inherited, "__func__", inherited)  # staticmethod/classmethod
+        options = getattr(inherited, IMPL_ATTRIBUTE, None)
+        return dict(options) if isinstance(options, dict) else None
+    return None
+
+
+def implementations(plugin: Any) -> Iterator[tuple[str, Any, dict]]:
+    """``(hook name, function, options)`` for every hook implementation of ``plugin``."""
+    for name in dir(plugin):
+        if name.startswith("__"):
+            continue
+        options = hookimpl_options(plugin, name)
+        if options is not None:
+            yield name, getattr(plugin, name), options
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One way a plugin does not fit the contract, and its fix."""
+
+    plugin: str
+    where: str  # "Class.method", or "Class" for the plugin as a whole
+    message: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"plugin {self.plugin!r} ({self.where}): {self.message}. Fix: {self.fix}"
+
+
+def owner_name(plugin: Any) -> str:
+    if isinstance(plugin, types.ModuleType):
+        return plugin.__name__
+    return (plugin if isinstance(plugin, type) else type(plugin)).__qualname__
+
+
+def hook_problems(plugin: Any, name: str) -> list[Problem]:
+    """Hook implementations naming a hook that does not exist, or arguments it lacks."""
+    known = specs()
+    owner = owner_name(plugin)
+    problems = []
+    for hook, function, _ in implementations(plugin):
+        where = f"{owner}.{hook}"
+        if hook not in known:
+            close = difflib.get_close_matches(hook, list(known), n=3, cutoff=0.6)
+            problems.append(Problem(
+                name, where, f"{hook!r} is not a hookloop hook",
+                f"rename it to {' or '.join(repr(c) for c in close)}" if close
+                else f"rename it to one of the hooks of hookloop.hookspecs: {', '.join(sorted(known))}",
+            ))
+            continue
+        args = varnames(function)[0]
+        unknown = [a for a in args if a not in known[hook]]
+        for arg in unknown:
+            close = difflib.get_close_matches(arg, known[hook], n=1, cutoff=0.6)
+            problems.append(Problem(
+                name, where, f"argument {arg!r} is not an argument of {hook}",
+                (f"rename it to {close[0]!r}; " if close else "remove it; ")
+                + f"{hook} takes {', '.join(known[hook])} (any of them, by name)",
+            ))
+    return problems
+
+
+def option_problems(plugin: Any, name: str) -> list[Problem]:
+    """Options (constructor arguments) that the plugin's docstrings do not mention."""
+    from .plugins import plugin_options
+
+    if isinstance(plugin, types.ModuleType):
+        return []
+    cls = plugin if isinstance(plugin, type) else type(plugin)
+    documented = " ".join(inspect.getdoc(c) or "" for c in (cls, cls.__init__))
+    problems = []
+    for option in plugin_options(plugin):
+        if not re.search(rf"\b{re.escape(option)}\b", documented):
+            problems.append(Problem(
+                name, cls.__qualname__, f"option {option!r} is not documented",
+                f"describe {option!r} in the docstring of {cls.__qualname__} (what it does, its "
+                f"default); users set it with hookloop.plugin({name!r}, {option}=...) or "
+                f"--plugin-option {name}.{option}=...",
+            ))
+    return problems
+
+
+def role_problems(plugin: Any, name: str) -> list[Problem]:
+    from .plugins import ROLES
+
+    owner = owner_name(plugin)
+    role = getattr(plugin, "hookloop_role", None)
+    if role is None:
+        return [Problem(name, owner, "declares no hookloop_role",
+                        f"set hookloop_role to one of {', '.join(ROLES)} (a plain string, so "
+                        f"`hookloop plugins` can read it without importing the plugin)")]
+    if role not in ROLES:
+        close = difflib.get_close_matches(str(role), ROLES, n=1)
+        return [Problem(name, owner, f"hookloop_role={role!r} is not a role",
+                        (f"did you mean {close[0]!r}? " if close else "") + f"roles: {', '.join(ROLES)}")]
+    return []
+
+
+def dependency_problems(info: Any) -> list[Problem]:
+    """Requirements of the plugin's distribution that are missing or not importable."""
+    import importlib.metadata as md
+    import importlib.util
+
+    problems = []
+    owners = md.packages_distributions()
+    for requirement in info.requires:
+        try:
+            md.distribution(requirement)
+        except md.PackageNotFoundError:
+            problems.append(Problem(info.name, info.distribution or "?", f"needs {requirement}, which is not installed",
+                                    f"pip install {requirement}"))
+            continue
+        wanted = requirement.lower().replace("_", "-")
+        modules = [m for m, dists in owners.items() if any(d.lower().replace("_", "-") == wanted for d in dists)]
+        if modules and not any(importlib.util.find_spec(m) is not None for m in modules if m.isidentifier()):
+            problems.append(Problem(info.name, info.distribution or "?",
+                                    f"{requirement} is installed but none of its modules ({', '.join(modules)}) can be found",
+                                    f"pip install --force-reinstall {requirement}"))
+    return problems
+
+
+def check(name: str) -> tuple[Any, list[Problem]]:
+    """Load the installed plugin ``name`` (its code, not its backend) and every problem
+    ``hookloop check`` reports: ``(plugin or None, problems)``."""
+    from .errors import HookloopError
+    from .plugins import installed_plugins, resolve, unknown_plugin_error
+
+    infos = installed_plugins()
+    if name not in infos:
+        return None, [Problem(name, "entry point", str(unknown_plugin_error(name, infos)),
+                              "install the distribution that provides it, or fix the name")]
+    info = infos[name]
+    problems = dependency_problems(info)
+    try:
+        plugin = resolve(name)
+    except HookloopError as exc:
+        return None, problems + [Problem(name, f"entry point {info.value}", str(exc), "see the message")]
+    except Exception as exc:  # the plugin's own code failed to import or construct
+        return None, problems + [Problem(name, f"entry point {info.value}", f"{type(exc).__name__}: {exc}",
+                                         "fix the plugin's import, or its constructor's defaults")]
+    problems += role_problems(plugin, name) + hook_problems(plugin, name) + option_problems(plugin, name)
+    return plugin, problems

@@ -1,0 +1,91 @@
+"""A tiny model, a tiny data set and the hand-written PyTorch loop a plugin is held to."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, Dataset
+
+import hookloop
+
+
+def tiny_dataset(n: int = 64, features: int = 8, seed: int = 1) -> "IndexedDataset":
+    """``n`` samples of ``features`` inputs and a 3-class label, deterministic from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, features, generator=g)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    return IndexedDataset(x, y)
+
+
+class IndexedDataset(Dataset):
+    """``(x, y, index)`` samples, so a step can record which samples it saw."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor):
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i], i
+
+
+class TinyClassifier(hookloop.Module):
+    """Linear 8 -> 16 -> ReLU -> 3, SGD with momentum; records the sample indices it
+    trains and validates on (``seen_train``, ``seen_val``) and logs ``val_acc``."""
+
+    def __init__(self, seed: int = 0, lr: float = 0.1, momentum: float = 0.9):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+        self.lr, self.momentum = lr, momentum
+        self.seen_train: list[int] = []
+        self.seen_val: list[int] = []
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y, index = batch
+        self.seen_train += index.tolist()
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y, index = batch
+        self.seen_val += index.tolist()
+        self.log("val_acc", (self(x).argmax(-1) == y).float().mean(), sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
+
+
+def weights(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
+
+
+def max_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def reference_fit(epochs: int, batch_size: int, world_size: int = 1, accumulate: int = 1, n: int = 64,
+                  seed: int = 0) -> dict[str, torch.Tensor]:
+    """The weights a data-parallel run of ``world_size`` ranks must reach, computed in one
+    process by hand: unshuffled loaders give rank ``r`` the samples ``r, r + W, ...``, so
+    the ranks' batch ``j`` together are the ``j``-th block of ``W * batch_size`` samples,
+    and averaging the ranks' gradients is the gradient of that block's mean loss."""
+    module = TinyClassifier(seed=seed)
+    optimizer = module.configure_optimizers()
+    data = tiny_dataset(n)
+    loader = DataLoader(data, batch_size=batch_size * world_size)
+    steps = len(loader)
+    for _ in range(epochs):
+        for i, (x, y, _) in enumerate(loader):
+            (F.cross_entropy(module(x), y) / accumulate).backward()
+            if (i + 1) % accumulate == 0 or i + 1 == steps:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+    return weights(module)

@@ -1,0 +1,149 @@
+"""hookloop.testing's conformance suites, run on every in-tree plugin (so the kit is
+proven on real plugins before authors rely on it), and shown to fail plugins that break
+the contract.
+
+Each strategy suite is one launch through the strategy's own launcher (torchrun,
+horovodrun, spawn) of hookloop/testing/worker.py on 2 processes (ddp2 and dp: one, as a
+CPU machine gives them; ddp2's two-node path is tests/test_ddp_multinode.py).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+from hookloop.testing import (
+    DevicesConformance,
+    ObserverConformance,
+    PrecisionConformance,
+    StrategyConformance,
+)
+import hookloop
+from conftest import install_fake_distribution
+
+
+class TestDDPConformance(StrategyConformance):
+    plugin = "ddp"
+
+
+class TestDDPSpawnConformance(StrategyConformance):
+    plugin = "ddp_spawn"
+
+
+class TestDDP2Conformance(StrategyConformance):
+    plugin = "ddp2"
+    world_size = 1
+
+
+class TestDPConformance(StrategyConformance):
+    plugin = "dp"
+    world_size = 1
+
+
+class TestHorovodConformance(StrategyConformance):
+    plugin = "horovod"
+    options = {"scale_lr": False}  # the reference trains at the unscaled rate
+
+
+class TestDeepSpeedConformance(StrategyConformance):
+    plugin = "deepspeed_stage_2"
+    checkpoint = "directory"
+
+
+class TestAmpConformance(PrecisionConformance):
+    plugin = "amp"
+    precision = "bf16-mixed"
+
+
+class TestGpusConformance(DevicesConformance):
+    plugin = "gpus"
+
+
+class CountsBatches:
+    """A minimal third-party observer: counts batches and notes epoch ends."""
+
+    hookloop_role = "observer"
+
+    def __init__(self):
+        self.batches, self.epochs = 0, []
+
+    @hookloop.hookimpl
+    def on_train_batch_end(self, batch_idx):
+        self.batches += 1
+
+    @hookloop.hookimpl
+    def on_validation_end(self, trainer, metrics):
+        self.epochs.append(("validation", trainer.sanity_checking))
+
+    @hookloop.hookimpl
+    def on_train_epoch_end(self, epoch, metrics):
+        self.epochs.append(("epoch", epoch))
+
+
+class TestObserverConformance(ObserverConformance):
+    plugin = CountsBatches  # a class under test, before it is packaged
+
+
+# -- the kit fails plugins that break the contract ---------------------------------------------
+
+BROKEN = textwrap.dedent('''
+    import torch
+    import hookloop
+    from hookloop_ddp import DDP
+
+
+    class NoSampler(DDP):
+        """Forgets to shard the data: every rank trains on all of it."""
+
+        hookloop_name = "nosampler"
+
+        @hookloop.hookimpl
+        def configure_sampler(self, trainer, dataloader, training):
+            return None
+
+
+    class Meddles:
+        """An observer that changes the weights."""
+
+        hookloop_role = "observer"
+
+        @hookloop.hookimpl
+        def on_train_epoch_end(self, trainer):
+            with torch.no_grad():
+                for p in trainer.module.parameters():
+                    p.mul_(0.99)
+''')
+
+SUITES = textwrap.dedent('''
+    from hookloop.testing import ObserverConformance, StrategyConformance
+    from hl_broken import Meddles
+
+
+    class TestNoSampler(StrategyConformance):
+        plugin = "nosampler"
+
+
+    class TestMeddles(ObserverConformance):
+        plugin = Meddles
+''')
+
+
+def test_the_suites_fail_plugins_that_break_the_contract(site, tmp_path):
+    install_fake_distribution(site, "hookloop-broken", {"nosampler": "hl_broken:NoSampler"}, {"hl_broken": BROKEN},
+                              requires=["hookloop-ddp"])
+    (tmp_path / "test_broken.py").write_text(SUITES)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOOKLOOP_")}
+    env["PYTHONPATH"] = str(site)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", "test_broken.py"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    failed = {line.split("::")[-1].split(" ")[0] for line in proc.stdout.splitlines() if line.startswith("FAILED")}
+    assert proc.returncode == 1, proc.stdout
+    # sharding, and the reference it breaks; everything else about it is fine
+    assert failed == {
+        "test_training_shards_are_disjoint_and_complete",
+        "test_agrees_with_the_one_process_reference",
+        "test_gradient_accumulation_agrees_with_the_reference",
+        "test_weights_are_unchanged_by_the_observer",
+    }, proc.stdout

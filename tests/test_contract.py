@@ -1,0 +1,489 @@
+"""The hook contract as documented: issue 10's contract defects, each with a test that
+failed before its fix, and ``hookloop check``.
+
+Plugins here are what a third party writes: installed as distributions with entry points
+(``install_fake_distribution`` lays out what pip leaves in site-packages), used through
+``hookloop run`` in real processes where the launch path matters.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, SequentialSampler
+
+import hookloop
+import hookloop.testing
+from conftest import REPO, TinyModule, install_fake_distribution, max_abs_diff, run_python, state_of, tiny_data
+from hookloop.defaults import Defaults
+
+HOOKLOOP = [sys.executable, "-m", "hookloop"]
+
+# A third party's local-SGD strategy (subclassing hookloop_ddp.DDP) and CSV observer.
+LOCALSGD = '''
+import hookloop
+import hookloop.testing
+from hookloop_ddp import DDP
+
+class LocalSGD(DDP):
+    """Post-local SGD on ddp: all-reduce for 2 steps, then average every 2 steps."""
+
+    hookloop_name = "localsgd"
+
+    def __init__(self):
+        super().__init__(comm_hook="post_localsgd", localsgd_start_iter=2, model_averaging_period=2)
+'''
+
+CSVLOG = '''
+import os
+import hookloop
+import hookloop.testing
+
+class CsvLog:
+    """Writes rank, epoch and loss per epoch to csvlog.rank<R>.csv."""
+
+    hookloop_role = "observer"
+
+    @hookloop.hookimpl
+    def on_train_epoch_end(self, trainer, epoch, metrics):
+        with open(f"csvlog.rank{trainer.global_rank}.csv", "a") as f:
+            f.write(f"{epoch},{metrics['train_loss']:.6f}\\n")
+'''
+
+SCRIPT = '''
+import sys
+sys.path.insert(0, {tests!r})
+import hookloop
+import hookloop.testing
+from conftest import TinyModule, tiny_data
+from torch.utils.data import DataLoader
+
+class InCode:
+    hookloop_name = "in_code"
+    hookloop_role = "observer"
+    @hookloop.hookimpl
+    def on_fit_end(self, trainer):
+        names = sorted(hookloop.plugins.plugin_name(p) for p in trainer.plugins)
+        print(f"RANK{{trainer.global_rank}} strategy={{type(trainer.strategy).__name__}} plugins={{names}}", flush=True)
+
+hookloop.Trainer(plugins={code!r}, max_epochs=2, enable_checkpointing=False).fit(
+    TinyModule(), DataLoader(tiny_data(32), batch_size=4))
+'''
+
+
+@pytest.fixture
+def third_party(site):
+    install_fake_distribution(site, "hookloop-localsgd", {"localsgd": "hl_localsgd:LocalSGD"}, {"hl_localsgd": LOCALSGD},
+                              requires=["hookloop-ddp"])
+    install_fake_distribution(site, "hookloop-csvlog", {"csvlog": "hl_csvlog:CsvLog"}, {"hl_csvlog": CSVLOG})
+    return site
+
+
+def run_script(tmp_path, site, code_plugins, cli):
+    script = SCRIPT.format(tests=str(REPO / "tests"), code="__CODE__").replace("'__CODE__'", code_plugins)
+    (tmp_path / "train.py").write_text(script)
+    return run_python(HOOKLOOP + ["run", *cli, "train.py"], cwd=tmp_path, env={"PYTHONPATH": str(site)}, timeout=300)
+
+
+# -- 1.1: plugins from code and from the command line combine ---------------------------------
+
+
+def test_code_plugins_and_run_plugins_combine(tmp_path, third_party):
+    """`hookloop run --plugins localsgd,csvlog` with Trainer(plugins=[InCode()]) in the
+    script: all three are used (the command-line ones were dropped)."""
+    out = run_script(tmp_path, third_party, "[InCode()]", ["--plugins", "localsgd,csvlog", "--devices", "2"])
+    lines = sorted(re.findall(r"RANK\d strategy=\w+ plugins=\[[^\]]*\]", out.stdout))
+    assert lines == [f"RANK{r} strategy=LocalSGD plugins=['csvlog', 'in_code', 'localsgd']" for r in (0, 1)]
+    for r in (0, 1):
+        assert len((tmp_path / f"csvlog.rank{r}.csv").read_text().splitlines()) == 2
+
+
+def test_a_strategy_in_code_replaces_the_command_lines_and_says_so_once(tmp_path, third_party):
+    out = run_script(tmp_path, third_party, "[InCode(), 'ddp']", ["--plugins", "localsgd,csvlog", "--devices", "2"])
+    lines = sorted(re.findall(r"RANK\d strategy=\w+ plugins=\[[^\]]*\]", out.stdout))
+    assert lines == [f"RANK{r} strategy=DDP plugins=['csvlog', 'ddp', 'in_code']" for r in (0, 1)]
+    note = "the strategy 'ddp' named in code replaces 'localsgd' from --plugins / HOOKLOOP_PLUGINS"
+    assert out.stdout.count(note) == 2  # once per process (each rank builds its Trainer)
+
+
+# -- 1.4: the per-step events ---------------------------------------------------------------
+
+
+def test_before_optimizer_step_sees_unscaled_gradients():
+    """A gradient-norm monitor under fp16: the GradScaler's scale is removed first."""
+    norms = []
+
+    class GradNorm:
+        hookloop_role = "observer"
+
+        @hookloop.hookimpl
+        def on_before_optimizer_step(self, optimizer):
+            grads = [p.grad for g in optimizer.param_groups for p in g["params"]]
+            norms.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))))
+
+    torch.manual_seed(0)
+    module = TinyModule()
+    reference = TinyModule()
+    reference.load_state_dict(module.state_dict())
+    loader = DataLoader(tiny_data(32), batch_size=8)
+    hookloop.Trainer(plugins=[hookloop.plugin("amp", allow_cpu_fp16=True, init_scale=2.0**10), GradNorm()],
+                     precision="16-mixed", max_epochs=1, enable_checkpointing=False).fit(module, loader)
+    x, y = next(iter(loader))
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = torch.nn.functional.cross_entropy(reference(x), y)
+    loss.backward()
+    expected = float(torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()]))
+    assert len(norms) == 4
+    assert norms[0] == pytest.approx(expected, rel=1e-3)  # not 1024 times it
+
+
+def pluggy_calls_per_step(plugins) -> float:
+    """Calls into pluggy's hook machinery per training step (over 2N minus N steps)."""
+
+    def count(steps):
+        calls = 0
+
+        def profile(frame, event, arg):
+            nonlocal calls
+            if event == "call" and "pluggy" in frame.f_code.co_filename:
+                calls += 1
+
+        trainer = hookloop.Trainer(plugins=plugins, max_steps=steps, enable_checkpointing=False, num_sanity_val_steps=0)
+        module, loader = TinyModule(), DataLoader(tiny_data(8 * 40), batch_size=8)
+        sys.setprofile(profile)
+        try:
+            trainer.fit(module, loader)
+        finally:
+            sys.setprofile(None)
+        return calls
+
+    return (count(20) - count(10)) / 10
+
+
+def test_events_nobody_implements_cost_nothing_per_step():
+    class EpochsOnly:
+        hookloop_role = "observer"
+
+        @hookloop.hookimpl
+        def on_train_epoch_end(self):
+            pass
+
+    class EveryBatch(EpochsOnly):
+        @hookloop.hookimpl
+        def on_train_batch_start(self):
+            pass
+
+    assert pluggy_calls_per_step([]) == 0
+    assert pluggy_calls_per_step([EpochsOnly()]) == 0
+    assert pluggy_calls_per_step([EveryBatch()]) > 0  # the count does see per-step hooks
+
+
+# -- 1.5: an override of an inherited hook implementation stays one -----------------------------
+
+
+class ShardsNothing:
+    hookloop_role = "strategy"
+
+    def __init__(self):
+        self.samplers = []
+
+    @hookloop.hookimpl(tryfirst=True)
+    def configure_sampler(self, dataloader, training):
+        sampler = SequentialSampler(dataloader.dataset)
+        self.samplers.append(("base", sampler))
+        return sampler
+
+
+class Reversed(torch.utils.data.Sampler):
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(self.n - 1, -1, -1))
+
+    def __len__(self):
+        return self.n
+
+
+class OverridesWithoutDecorator(ShardsNothing):
+    def configure_sampler(self, dataloader, training):  # no @hookimpl: still a hook
+        sampler = Reversed(len(dataloader.dataset))
+        self.samplers.append(("override", sampler))
+        return sampler
+
+
+def test_an_undecorated_override_of_a_hook_implementation_stays_one():
+    seen = []
+
+    class Records(TinyModule):
+        def training_step(self, batch, batch_idx):
+            seen.append(batch[0][0, 0].item())
+            return super().training_step(batch, batch_idx)
+
+    strategy = OverridesWithoutDecorator()
+    trainer = hookloop.Trainer(plugins=[strategy], max_epochs=1, enable_checkpointing=False)
+    trainer.fit(Records(), DataLoader(tiny_data(16), batch_size=4, shuffle=True))
+    assert [kind for kind, _ in strategy.samplers] == ["override"]
+    assert seen == [tiny_data(16).tensors[0][i, 0].item() for i in (15, 11, 7, 3)]
+    impl = next(i for i in trainer.hook.configure_sampler.get_hookimpls() if i.plugin is strategy)
+    assert impl.opts["tryfirst"]  # with the options it inherited
+
+
+# -- 1.6: documentation that disagreed with the code ----------------------------------------------
+
+
+def test_hookspecs_names_the_defaults_plugin_and_the_hooks_it_leaves_alone():
+    from hookloop import hookspecs
+
+    doc = inspect.getdoc(hookspecs)
+    assert "``hookloop.defaults``" in doc and "``single``" not in doc  # it said "built-in ``single`` plugin"
+    sentence = re.search(r"except (.*?), whose default", " ".join(doc.split())).group(1)
+    left = set(re.findall(r"``(\w+)``", sentence))
+    firstresult = {name for name in dir(hookspecs) if getattr(getattr(hookspecs, name), "hookloop_spec", {}).get("firstresult")}
+    implemented = {name for name in dir(Defaults) if hasattr(getattr(Defaults, name), "hookloop_impl")}
+    assert left == firstresult - implemented
+
+
+def test_quoted_readme_sections_exist():
+    """'README.md, "Section"' references point at headings that exist."""
+    headings = {m.group(1).strip() for m in re.finditer(r"^#+ (.+)$", (REPO / "README.md").read_text(), re.M)}
+    references = []
+    for path in [REPO / "README.md", *REPO.glob("docs/*.md"), *REPO.glob("plugins/*/README.md"), *REPO.glob("examples/*/README.md")]:
+        references += [(path.name, m.group(1)) for m in re.finditer(r'README\.md,\s*"([^"]+)"', path.read_text())]
+    assert references  # the example plugin's README has one
+    assert [r for r in references if r[1] not in headings] == []
+
+
+# -- 1.7: errors that name the plugin, the close hook and the real arguments ---------------------------
+
+
+def test_unknown_hook_names_the_plugin_and_the_close_hook():
+    class Typo:
+        hookloop_name = "typo"
+
+        @hookloop.hookimpl
+        def on_train_batch_ended(self, trainer):
+            pass
+
+    with pytest.raises(hookloop.PluginValidationError) as info:
+        hookloop.Trainer(plugins=[Typo()])
+    message = str(info.value)
+    assert "plugin 'typo' (test_unknown_hook_names_the_plugin_and_the_close_hook.<locals>.Typo.on_train_batch_ended)" in message
+    assert "rename it to 'on_train_batch_end'" in message
+    assert " object at 0x" not in message
+
+
+def test_misspelled_argument_lists_the_hooks_arguments():
+    class Misspelled:
+        hookloop_name = "misspelled"
+
+        @hookloop.hookimpl
+        def on_train_batch_end(self, trainer, batch_index):
+            pass
+
+    with pytest.raises(hookloop.PluginValidationError, match=re.escape(
+            "argument 'batch_index' is not an argument of on_train_batch_end. Fix: rename it to 'batch_idx'; "
+            "on_train_batch_end takes trainer, outputs, loss, batch, batch_idx")):
+        hookloop.Trainer(plugins=[Misspelled()])
+
+
+MISTAKES = {
+    "good": ('''
+class Plugin:
+    """Counts batches.
+
+    every: count every N batches
+    """
+    hookloop_role = "observer"
+    def __init__(self, every=1):
+        self.every = every
+    @hookloop.hookimpl
+    def on_train_batch_end(self, trainer, batch_idx):
+        pass
+''', None),
+    "unknown_hook": ('''
+class Plugin:
+    hookloop_role = "observer"
+    @hookloop.hookimpl
+    def on_train_batch_ended(self, trainer):
+        pass
+''', "'on_train_batch_ended' is not a hookloop hook"),
+    "bad_argument": ('''
+class Plugin:
+    hookloop_role = "observer"
+    @hookloop.hookimpl
+    def on_train_epoch_end(self, trainer, epoch_metrics):
+        pass
+''', "argument 'epoch_metrics' is not an argument of on_train_epoch_end"),
+    "no_role": ('''
+class Plugin:
+    @hookloop.hookimpl
+    def on_fit_start(self, trainer):
+        pass
+''', "declares no hookloop_role"),
+    "bad_role": ('''
+class Plugin:
+    hookloop_role = "obsever"
+''', "hookloop_role='obsever' is not a role"),
+    "undocumented_option": ('''
+class Plugin:
+    """Does something."""
+    hookloop_role = "observer"
+    def __init__(self, threshold=0.5):
+        self.threshold = threshold
+''', "option 'threshold' is not documented"),
+    "import_fails": ('''
+raise RuntimeError("broken at import")
+class Plugin:
+    hookloop_role = "observer"
+''', "RuntimeError: broken at import"),
+    "missing_dependency": ('''
+class Plugin:
+    hookloop_role = "observer"
+''', "needs not-a-real-package-hl, which is not installed\n    fix: pip install not-a-real-package-hl"),
+}
+
+
+@pytest.fixture
+def mistakes(site):
+    for name, (source, _) in MISTAKES.items():
+        requires = ["not-a-real-package-hl"] if name == "missing_dependency" else []
+        install_fake_distribution(site, f"hl-{name}", {name: f"hl_{name}:Plugin"},
+                                  {f"hl_{name}": "import hookloop\n" + textwrap.dedent(source)}, requires=requires)
+    return site
+
+
+def test_hookloop_check_a_good_plugin_and_each_mistake(mistakes, tmp_path):
+    good = run_python(HOOKLOOP + ["check", "good", "ddp", "amp"], cwd=tmp_path, env={"PYTHONPATH": str(mistakes)})
+    assert good.stdout.splitlines() == ["good: ok", "ddp: ok", "amp: ok"]
+    for name, (_, message) in MISTAKES.items():
+        if message is None:
+            continue
+        proc = __import__("subprocess").run(HOOKLOOP + ["check", name], cwd=tmp_path, capture_output=True, text=True,
+                                            env={**__import__("os").environ, "PYTHONPATH": str(mistakes)})
+        assert proc.returncode == 1, (name, proc.stdout)
+        assert message in proc.stdout, (name, proc.stdout)
+        assert "fix:" in proc.stdout
+
+
+def test_plugins_load_reports_the_problems_instead_of_ok(mistakes, tmp_path):
+    import os
+    import subprocess
+
+    proc = subprocess.run(HOOKLOOP + ["plugins", "--load"], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(mistakes)})
+    assert proc.returncode == 1
+    rows = {line.split()[0]: line for line in proc.stdout.splitlines() if line and not line.startswith(" ")}
+    assert rows["good"].endswith("ok")
+    for name in ("unknown_hook", "bad_argument", "undocumented_option"):
+        assert "problem(s), see below" in rows[name]
+    assert "'on_train_batch_ended' is not a hookloop hook" in proc.stdout
+
+
+# -- 1.8: options on the command line and in the environment ---------------------------------------
+
+
+SHOW_OPTIONS = '''
+import hookloop
+import hookloop.testing
+t = hookloop.Trainer(plugins=["amp"], precision="bf16-mixed", plugin_options={"amp": {"growth_interval": 7}})
+amp = t.plugins[0]
+print(f"OPTIONS init_scale={amp.init_scale} growth_interval={amp.growth_interval} allow_cpu_fp16={amp.allow_cpu_fp16}")
+'''
+
+
+def test_plugin_options_from_the_environment_the_command_line_and_code(tmp_path):
+    (tmp_path / "show.py").write_text(SHOW_OPTIONS)
+    env = {"HOOKLOOP_PLUGIN_OPTIONS": "amp.init_scale=8; amp.allow_cpu_fp16=true; amp.growth_interval=3"}
+    out = run_python(HOOKLOOP + ["run", "--plugin-option", "amp.init_scale=1024", "show.py"], cwd=tmp_path, env=env)
+    # per option: code beats the command line, which beats the environment
+    assert "OPTIONS init_scale=1024 growth_interval=7 allow_cpu_fp16=True" in out.stdout
+
+
+def test_bad_plugin_options_are_clear_errors():
+    with pytest.raises(hookloop.ConfigurationError, match="must be PLUGIN.OPTION=VALUE"):
+        hookloop.plugins.parse_plugin_options(["amp-init_scale=3"])
+    with pytest.raises(hookloop.ConfigurationError, match="no option 'init_scal' \\(did you mean 'init_scale'\\?\\); its options: allow_cpu_fp16, init_scale, growth_interval"):
+        hookloop.Trainer(plugins=["amp"], plugin_options={"amp": {"init_scal": 2}})
+
+
+# -- 1.8: state each rank holds on its own survives a checkpoint -------------------------------
+
+
+class RankCounter:
+    """State that differs per rank (as local SGD's optimizer state does)."""
+
+    hookloop_name = "rank_counter"
+    hookloop_role = "extension"
+
+    def __init__(self):
+        self.value, self.restored = 0.0, None
+
+    @hookloop.hookimpl
+    def on_train_batch_end(self, trainer):
+        self.value += trainer.global_rank + 1
+
+    @hookloop.hookimpl
+    def on_save_rank_checkpoint(self, trainer, rank_state):
+        rank_state["rank_counter"] = {"value": self.value, "rank": trainer.global_rank, "t": torch.tensor([self.value])}
+
+    @hookloop.hookimpl
+    def on_load_rank_checkpoint(self, rank_state, rank_states):
+        self.restored = (rank_state["rank_counter"], len(rank_states))
+
+
+def per_rank_state(root: str) -> dict:
+    """One rank of a 2-process ddp job: train, checkpoint, resume with a fresh plugin."""
+    first = RankCounter()
+    trainer = hookloop.Trainer(plugins=["ddp", first], max_epochs=1, default_root_dir=root)
+    trainer.fit(TinyModule(), DataLoader(tiny_data(32), batch_size=4))
+    second = RankCounter()
+    resumed = hookloop.Trainer(plugins=["ddp", second], max_epochs=2, default_root_dir=root)
+    resumed.fit(TinyModule(), DataLoader(tiny_data(32), batch_size=4), ckpt_path="last")
+    return {"rank": resumed.global_rank, "saved": first.value, "restored": second.restored}
+
+
+def test_per_rank_plugin_state_is_restored_to_its_rank(hookloop_processes, tmp_path):
+    results = hookloop_processes(per_rank_state, nprocs=2, args=(str(tmp_path),), timeout=180)
+    assert [r["saved"] for r in results] == [4.0, 8.0]  # 4 batches per rank x (rank + 1)
+    for r, result in enumerate(results):
+        state, count = result["restored"]
+        assert count == 2
+        assert state["rank"] == r and state["value"] == result["saved"] and torch.equal(state["t"], torch.tensor([result["saved"]]))
+
+
+def rank_of(exit_on_rank: int):
+    import os
+
+    rank = int(os.environ["RANK"])
+    if rank == exit_on_rank:
+        raise ValueError(f"rank {rank} fails on purpose")
+    return rank
+
+
+def test_the_process_fixture_names_the_failing_rank(hookloop_processes):
+    assert hookloop_processes(rank_of, nprocs=3, args=(-1,)) == [0, 1, 2]
+    with pytest.raises(hookloop.testing.ProcessError, match="rank 1 raised ValueError: rank 1 fails on purpose"):
+        hookloop_processes(rank_of, nprocs=2, args=(1,))
+
+
+def hangs_on_rank_one():
+    import os
+    import time
+
+    if os.environ["RANK"] == "1":
+        time.sleep(600)
+
+
+def test_the_process_fixture_kills_stragglers_after_its_timeout(hookloop_processes):
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(hookloop.testing.ProcessError, match=r"ran past 3 s: rank\(s\) \[1\] still running"):
+        hookloop_processes(hangs_on_rank_one, nprocs=2, timeout=3)
+    assert time.monotonic() - start < 30
