@@ -59,3 +59,6 @@ def test_pip_install_and_enable_by_name(tmp_path):
     (tmp_path / "check.py").write_text(SCRIPT.format(tests=str(REPO / "tests")))
     out = run_python([sys.executable, "check.py"], cwd=tmp_path, env={"PYTHONPATH": str(target)})
     assert "EMA-OK" in out.stdout
+    # The worked example passes the contract check it teaches.
+    checked = run_python([sys.executable, "-m", "hookloop", "check", "ema"], cwd=tmp_path, env={"PYTHONPATH": str(target)})
+    assert checked.stdout.strip() == "ema: ok"

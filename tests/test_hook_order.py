@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 import hookloop
 from conftest import REPO, TinyModule, tiny_data
 from hookloop.contract import specs
+from hookloop.testing.order import FIT_ORDER, documented_fit
 
 DOC = REPO / "docs" / "hooks.md"
 
@@ -66,7 +67,8 @@ def run(scenario: str, tmp_path) -> list[str]:
     kw = dict(max_epochs=2, accumulate_grad_batches=2, num_sanity_val_steps=1, default_root_dir=str(tmp_path))
     loaders = (DataLoader(tiny_data(16), batch_size=8), DataLoader(tiny_data(8), batch_size=8))
     if scenario == "fit":
-        hookloop.Trainer(plugins=[make_tracer(calls)], **kw).fit(Hooked(), *loaders)
+        # The conformance kit's copy of the documented run (hookloop.testing.order).
+        documented_fit([make_tracer(calls)], root=str(tmp_path))
     elif scenario == "resume":
         # traced too (into another list), so its checkpoint holds per-rank state
         hookloop.Trainer(plugins=[make_tracer([])], **{**kw, "max_epochs": 1}).fit(Hooked(), *loaders)
@@ -90,6 +92,12 @@ def run(scenario: str, tmp_path) -> list[str]:
 @pytest.mark.parametrize("scenario", ["fit", "resume", "exception", "test", "predict"])
 def test_documented_hook_order_is_the_order_of_a_real_run(scenario, tmp_path):
     assert run(scenario, tmp_path) == documented(scenario)
+
+
+def test_the_conformance_kit_carries_the_documented_fit_order():
+    """Observers are checked against hookloop.testing.order.FIT_ORDER (the page is not
+    installed with the package): it must be the page's sequence."""
+    assert FIT_ORDER == documented("fit")
 
 
 def test_every_hook_appears_in_the_documented_order():

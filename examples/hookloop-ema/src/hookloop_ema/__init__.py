@@ -14,7 +14,15 @@ import hookloop
 
 
 class EMA:
-    """Keep ``ema = decay * ema + (1 - decay) * w`` for every floating-point weight."""
+    """Keep ``ema = decay * ema + (1 - decay) * w`` for every floating-point weight.
+
+    Options:
+
+    ``decay`` (0.9)
+        how much of the average each optimizer step keeps, in (0, 1).
+    ``apply_at_end`` (True)
+        copy the averaged weights into the model when ``fit`` ends.
+    """
 
     hookloop_name = "ema"
     hookloop_role = "extension"  # composes with any strategy and precision plugin
