@@ -4,7 +4,9 @@ One process, one run: the same tiny model (Linear 32->64->ReLU->Linear 2, batch 
 SGD) and the same DataLoader go through
 
 * a hand-written loop (the reference: ``raw``),
-* ``hookloop.Trainer`` with no plugins,
+* ``hookloop.Trainer`` with no plugins (``hookloop``), with the default observers
+  (``hl+observers``: a progress bar drawn on a terminal, the csv logger, checkpoints), and
+  with those and a module that logs its loss every step (``hl+obs+log``),
 * and, when installed, Lightning's ``Trainer``, Lightning ``Fabric`` and Accelerate
   (``make bench`` installs them).
 
@@ -80,9 +82,55 @@ class HookloopModule(hookloop.Module):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
+class LoggingModule(HookloopModule):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+
+class Terminal(io.StringIO):
+    """What the progress bar draws on when stdout is a terminal (it redraws there)."""
+
+    def isatty(self):
+        return True
+
+
+#: How often the bar redraws (the default). Counting calls, redraws are turned off: under
+#: the profiler a step is slow, so time-throttled redraws would land on a varying number
+#: of steps; the timed rounds include them.
+REDRAW = {"seconds": 0.5}
+
+
+def bar():
+    return hookloop.ProgressBar(file=Terminal(), refresh_seconds=REDRAW["seconds"])
+
+
 def run_hookloop(data, steps: int) -> None:
-    trainer = hookloop.Trainer(max_steps=steps, enable_checkpointing=False)
+    """No plugins at all: the core loop's own cost."""
+    trainer = hookloop.Trainer(max_steps=steps, enable_checkpointing=False, enable_progress_bar=False, logger=False)
     trainer.fit(HookloopModule(), loader(data))
+
+
+def run_hookloop_observers(data, steps: int) -> None:
+    """The default observers on (progress bar on a terminal, csv, checkpoint), same module."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        trainer = hookloop.Trainer(max_steps=steps, default_root_dir=root,
+                                   callbacks=[bar()])
+        trainer.fit(HookloopModule(), loader(data))
+
+
+def run_hookloop_logging(data, steps: int) -> None:
+    """Defaults on and a module that logs its loss every step, shown in the bar and
+    written to the CSV every log_every_n_steps: what a typical run pays."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        trainer = hookloop.Trainer(max_steps=steps, default_root_dir=root,
+                                   callbacks=[bar()])
+        trainer.fit(LoggingModule(), loader(data))
 
 
 def lightning_runner():
@@ -202,7 +250,8 @@ def main() -> None:
     os.environ.pop("HOOKLOOP_TRAINER_DEFAULTS", None)
 
     data = make_data()
-    variants = {"raw": run_raw, "hookloop": run_hookloop}
+    variants = {"raw": run_raw, "hookloop": run_hookloop, "hl+observers": run_hookloop_observers,
+                "hl+obs+log": run_hookloop_logging}
     for name, factory in (("lightning", lightning_runner), ("fabric", fabric_runner), ("accelerate", accelerate_runner)):
         runner = factory()
         if runner is not None:
@@ -219,6 +268,7 @@ def main() -> None:
                 run(data, args.steps)
                 times[name].append((time.perf_counter() - start) / args.steps * 1e6)
 
+    REDRAW["seconds"] = float("inf")
     calls = {name: calls_per_step(run, data) for name, run in variants.items()}
     raw = statistics.median(times["raw"])
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.steps} steps x {args.rounds} rounds")
@@ -226,7 +276,8 @@ def main() -> None:
     for name, values in times.items():
         us = statistics.median(values)
         print(f"{name:<12}{us:>10.1f}{us / raw:>8.3f}{calls[name]:>12.1f}{calls[name] - calls['raw']:>+8.1f}")
-    print(f"hookloop/raw {statistics.median(times['hookloop']) / raw:.3f}")
+    print(f"hookloop/raw {statistics.median(times['hookloop']) / raw:.3f}  "
+          f"observers/raw {statistics.median(times['hl+observers']) / raw:.3f}")
 
 
 if __name__ == "__main__":

@@ -110,8 +110,9 @@ def test_bf16_digits_with_ddp_on_two_processes_within_one_point_of_fp32(tmp_path
             _, precision, world, plugins, acc = line.split()
             results[precision] = (world, plugins, float(acc.split("=")[1]))
     print(f"digits val_acc on 2 ddp processes: {results}")
-    assert results["32"][:2] == ("world=2", "plugins=ddp")
-    assert results["bf16-mixed"][:2] == ("world=2", "plugins=ddp,amp")  # amp enabled by precision
+    # the built-in progress bar and CSV logger come with every run
+    assert results["32"][:2] == ("world=2", "plugins=ddp,progress,csv")
+    assert results["bf16-mixed"][:2] == ("world=2", "plugins=ddp,progress,csv,amp")  # amp enabled by precision
     assert results["32"][2] >= 0.9
     assert abs(results["bf16-mixed"][2] - results["32"][2]) <= 0.01
 
@@ -133,9 +134,9 @@ def test_bf16_matches_hand_written_autocast_loop():
 
 def test_precision_alone_enables_amp():
     trainer = hookloop.Trainer(precision="bf16")
-    assert [type(p).__name__ for p in trainer.plugins] == ["AMP"]
+    assert [type(p).__name__ for p in trainer.plugins] == ["ProgressBar", "CSVLogger", "ModelCheckpoint", "AMP"]
     assert trainer.precision == "bf16-mixed"
-    assert hookloop.Trainer().plugins == []  # fp32 enables nothing
+    assert not hookloop.Trainer().has_plugin("precision")  # fp32 enables no precision plugin
 
 
 def test_precision_without_amp_installed_is_a_clear_error(monkeypatch):
@@ -166,7 +167,7 @@ def test_cli_precision_option_applies_autocast(tmp_path):
         """
     ))
     out = run_python(HOOKLOOP + ["run", "--precision", "bf16-mixed", "train.py", str(REPO / "tests")], cwd=tmp_path)
-    assert "PLUGINS ['amp'] bf16-mixed" in out.stdout
+    assert "PLUGINS ['progress', 'csv', 'amp'] bf16-mixed" in out.stdout
     assert "AUTOCAST True torch.bfloat16" in out.stdout
 
 
@@ -243,7 +244,7 @@ def test_scaler_state_is_saved_and_restored_on_resume(tmp_path):
     first = TinyModule()
     hookloop.Trainer(precision="16-mixed", max_steps=8, plugin_options=options,
                      default_root_dir=str(tmp_path / "split")).fit(first, loader)
-    saved = hookloop.safe_load(tmp_path / "split" / "checkpoints" / "last.ckpt")
+    saved = hookloop.safe_load(tmp_path / "split" / "logs" / "version_0" / "checkpoints" / "last.ckpt")
     scale_at_save = saved["plugins"]["amp"]["scaler"]["scale"]
     assert scale_at_save != 2.0**24  # it moved, so restoring it matters
     assert saved["plugins"]["amp"]["skipped_steps"] > 0
@@ -290,7 +291,7 @@ def test_strategy_that_owns_precision_gets_it_and_amp_steps_aside(capsys):
 
 def test_precision_owner_means_amp_is_not_auto_enabled():
     trainer = hookloop.Trainer(plugins=[OwnsPrecision()], precision="16-mixed")
-    assert [p.hookloop_name for p in trainer.plugins] == ["owner"]
+    assert [p.hookloop_name for p in trainer.plugins] == ["owner", "progress", "csv", "checkpoint"]
 
 
 def test_true_half_precision_is_refused_without_an_owning_strategy():

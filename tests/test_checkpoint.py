@@ -43,11 +43,11 @@ def test_mid_epoch_resume_bit_identical(tmp_path):
     torch.manual_seed(7)
     _, t1 = run(tmp_path / "b", None, max_steps=10)  # 7 batches per epoch: stops in epoch 2
     assert (t1.current_epoch, t1.batch_idx) == (1, 3)
-    ckpt = hookloop.safe_load(tmp_path / "b" / "checkpoints" / "last.ckpt")
+    ckpt = hookloop.safe_load(tmp_path / "b" / "logs" / "version_0" / "checkpoints" / "last.ckpt")
     assert {k: ckpt["loop"][k] for k in ("epoch", "global_step", "batch_idx", "stage")} == {
         "epoch": 1, "global_step": 10, "batch_idx": 3, "stage": "train"}
     torch.manual_seed(0)
-    resumed, t2 = run(tmp_path / "b", 2, ckpt_path=tmp_path / "b" / "checkpoints" / "last.ckpt", module=TinyModule(seed=5, scheduler=True))
+    resumed, t2 = run(tmp_path / "b", 2, ckpt_path=tmp_path / "b" / "logs" / "version_0" / "checkpoints" / "last.ckpt", module=TinyModule(seed=5, scheduler=True))
     assert t2.global_step == 14
     a, b = state_of(straight), state_of(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -55,7 +55,7 @@ def test_mid_epoch_resume_bit_identical(tmp_path):
 
 def test_checkpoint_content_loads_with_weights_only_into_plain_module(tmp_path):
     module, _ = run(tmp_path, 1)
-    ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+    ckpt = torch.load(tmp_path / "logs" / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
     assert set(ckpt) >= {"state_dict", "optimizer_states", "lr_schedulers", "loop", "rng", "plugins"}
     plain = TinyModule(seed=9)
     plain.load_state_dict(ckpt["state_dict"])
@@ -80,14 +80,19 @@ def test_failed_write_leaves_previous_checkpoint_loadable(tmp_path):
 def test_missing_checkpoint(tmp_path):
     with pytest.raises(hookloop.CheckpointError, match="does not exist"):
         run(tmp_path, 1, ckpt_path=tmp_path / "nope.ckpt")
-    with pytest.raises(hookloop.CheckpointError, match="ckpt_path='last'"):
-        run(tmp_path / "empty", 1, ckpt_path="last")
+    # "last" before any run wrote one starts from scratch with a warning, as in Lightning.
+    with pytest.warns(UserWarning, match=r"ckpt_path='last' but no run under .*empty.* wrote a last.ckpt yet: "
+                                         r"starting from scratch"):
+        module, trainer = run(tmp_path / "empty", 1, ckpt_path="last")
+    fresh, _ = run(tmp_path / "fresh", 1)
+    assert trainer.global_step == 7  # one whole epoch of 100 / 16 batches
+    assert all(torch.equal(a, b) for a, b in zip(state_of(module).values(), state_of(fresh).values()))
 
 
 @pytest.mark.parametrize("damage", ["garbage", "truncated"])
 def test_corrupt_checkpoint(tmp_path, damage):
     run(tmp_path, 1)
-    path = tmp_path / "checkpoints" / "last.ckpt"
+    path = tmp_path / "logs" / "version_0" / "checkpoints" / "last.ckpt"
     data = path.read_bytes()
     path.write_bytes(b"not a checkpoint at all" if damage == "garbage" else data[: len(data) // 2])
     with pytest.raises(hookloop.CheckpointError, match="corrupt"):

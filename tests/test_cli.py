@@ -32,7 +32,8 @@ def test_run_options_become_trainer_defaults(tmp_path):
     cfg = config_from(out.stdout)
     # code wins (max_epochs=7), the CLI wins over hookloop.default (root), default fills the rest.
     # One plain interpreter is not a launched worker: a Trainer in it may still launch some.
-    assert cfg == {"max_epochs": 7, "limit": 5, "accumulate": 4, "root": "out", "worker": None, "plugins": []}
+    assert cfg == {"max_epochs": 7, "limit": 5, "accumulate": 4, "root": "out", "worker": None,
+                   "plugins": ["ProgressBar", "CSVLogger", "ModelCheckpoint"]}
 
 
 def test_run_passes_script_arguments(tmp_path):
@@ -113,7 +114,7 @@ def test_digits_example_reaches_accuracy(tmp_path):
                                  str(REPO / "examples" / "digits.py")], cwd=tmp_path)
     acc = float(out.stdout.strip().splitlines()[-1].split()[-1])
     assert acc >= 0.9
-    assert (tmp_path / "out" / "checkpoints" / "last.ckpt").exists()
+    assert (tmp_path / "out" / "logs" / "version_0" / "checkpoints" / "last.ckpt").exists()
 
 
 def test_run_restarts_a_failed_worker_through_the_elastic_agent(tmp_path):

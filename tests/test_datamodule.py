@@ -85,7 +85,7 @@ def test_datamodule_state_travels_in_checkpoints(tmp_path):
     dm.epochs_seen = 7
     trainer = hookloop.Trainer(max_epochs=1, default_root_dir=str(tmp_path))
     trainer.fit(TinyModule(), datamodule=dm)
-    assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["datamodule"] == {"epochs_seen": 7}
+    assert torch.load(tmp_path / "logs" / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)["datamodule"] == {"epochs_seen": 7}
     fresh = Digits()
     hookloop.Trainer(max_epochs=2, default_root_dir=str(tmp_path)).fit(TinyModule(), datamodule=fresh, ckpt_path="last")
     assert fresh.epochs_seen == 7

@@ -69,12 +69,12 @@ SCENARIOS = [
     {"name": "resume_first", "strategy": {"name": "deepspeed_stage_3", "config": STAGE3_CONFIG}, "module": "configure_model",
      "trainer": {"max_steps": RESUME_AT, "default_root_dir": "resume"}},
     {"name": "resume_second", "strategy": {"name": "deepspeed_stage_3", "config": STAGE3_CONFIG}, "module": "configure_model",
-     "seed": 123, "ckpt_path": "resume/checkpoints/last.ckpt", "trainer": {"max_epochs": EPOCHS, "default_root_dir": "resume"}},
+     "seed": 123, "ckpt_path": "resume/logs/version_0/checkpoints/last.ckpt", "trainer": {"max_epochs": EPOCHS, "default_root_dir": "resume"}},
     # A fresh module (other initial weights) validated from the sharded checkpoints.
     {"name": "validate_stage2", "strategy": "deepspeed_stage_2", "seed": 7, "validate": True,
-     "ckpt_path": "stage2/checkpoints/last.ckpt"},
+     "ckpt_path": "stage2/logs/version_0/checkpoints/last.ckpt"},
     {"name": "validate_stage3", "strategy": {"name": "deepspeed_stage_3", "config": STAGE3_CONFIG}, "module": "configure_model",
-     "seed": 7, "validate": True, "ckpt_path": "stage3/checkpoints/last.ckpt"},
+     "seed": 7, "validate": True, "ckpt_path": "stage3/logs/version_0/checkpoints/last.ckpt"},
     # Gradient accumulation under ZeRO-2: 2 x 16 accumulated == 1 x 32.
     {"name": "accumulate2", "strategy": "deepspeed_stage_2", "batch_size": 16,
      "trainer": {"max_epochs": 1, "accumulate_grad_batches": 2, "limit_train_batches": 40, "enable_checkpointing": False}},
@@ -111,7 +111,7 @@ SCENARIOS = [
     {"name": "sched_first", "strategy": {"name": "deepspeed", "config": SCHED_CONFIG}, "optimizer": "sgd_only",
      "trainer": {"max_steps": SCHED_RESUME_AT, "default_root_dir": "sched"}},
     {"name": "sched_second", "strategy": {"name": "deepspeed", "config": SCHED_CONFIG}, "optimizer": "sgd_only",
-     "seed": 123, "ckpt_path": "sched/checkpoints/last.ckpt", "trainer": {"max_epochs": 2, "default_root_dir": "sched"}},
+     "seed": 123, "ckpt_path": "sched/logs/version_0/checkpoints/last.ckpt", "trainer": {"max_epochs": 2, "default_root_dir": "sched"}},
     # Optimizer offload maps torch Adam / AdamW (two param groups) exactly to DeepSpeedCPUAdam ...
     {"name": "offload_adam_groups", "strategy": "deepspeed_stage_2_offload", "optimizer": "adam_groups",
      "trainer": {"max_epochs": EPOCHS, "enable_checkpointing": False}},
@@ -465,7 +465,7 @@ def test_an_optimizer_in_the_custom_config_replaces_the_users(ds_runs):
 def test_resume_from_a_sharded_checkpoint_continues_like_an_uninterrupted_run(ds_runs):
     uninterrupted, first, second = ds_runs("stage3"), ds_runs("resume_first"), ds_runs("resume_second")
     assert first[0]["global_step"] == RESUME_AT
-    assert (ds_runs.workdir / "resume" / "checkpoints" / "last.ckpt").is_dir()
+    assert (ds_runs.workdir / "resume" / "logs" / "version_0" / "checkpoints" / "last.ckpt").is_dir()
     for whole, before, after in zip(uninterrupted, first, second):
         assert after["global_step"] == EPOCHS * STEPS_PER_EPOCH
         assert len(before["losses"]) + len(after["losses"]) == len(whole["losses"])
@@ -498,7 +498,7 @@ def test_validate_from_a_sharded_checkpoint(ds_runs, stage):
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_collate_writes_one_state_dict_that_predicts_like_the_engine(ds_runs, tmp_path, stage):
-    ckpt = ds_runs.workdir / f"stage{stage}" / "checkpoints" / "last.ckpt"
+    ckpt = ds_runs.workdir / f"stage{stage}" / "logs" / "version_0" / "checkpoints" / "last.ckpt"
     out = tmp_path / "model.pt"
     proc = run_python([str(Path(sys.executable).parent / "hookloop"), "deepspeed", "collate", str(ckpt), str(out)],
                       cwd=tmp_path, timeout=300)

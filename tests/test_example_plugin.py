@@ -37,11 +37,12 @@ SCRIPT = textwrap.dedent(
     for k, v in module.state_dict().items():
         assert torch.allclose(v, ema[k], atol=1e-7), k
     # Its state went into the checkpoint, loadable with weights_only=True.
-    ckpt = torch.load("run/checkpoints/last.ckpt", weights_only=True)
+    ckpt = torch.load("run/logs/version_0/checkpoints/last.ckpt", weights_only=True)
     assert set(ckpt["plugins"]["ema"]["shadow"]) == set(ema)
 
     # And by plain name, as `--plugins ema` / HOOKLOOP_PLUGINS would do.
-    named = hookloop.Trainer(plugins=["ema"], max_epochs=1, enable_checkpointing=False)
+    named = hookloop.Trainer(plugins=["ema"], max_epochs=1, enable_checkpointing=False,
+                             enable_progress_bar=False, logger=False)
     assert [type(p).__name__ for p in named.plugins] == ["EMA"]
     print("EMA-OK")
     """

@@ -210,7 +210,7 @@ def test_fast_dev_run_runs_n_batches_of_every_loop_and_saves_nothing(tmp_path, c
     t.fit(module, DataLoader(tiny_data(64), batch_size=8), DataLoader(tiny_data(64), batch_size=8))
     assert (events.train_batches, events.val_batches, events.sanity_batches) == (1, 1, 0)
     assert t.global_step == 1 and t.current_epoch == 1
-    assert not (tmp_path / "checkpoints").exists()
+    assert not list(tmp_path.rglob("*.ckpt"))
     t3 = hookloop.Trainer(fast_dev_run=3)
     tested = []
 

@@ -81,7 +81,7 @@ def test_save_hyperparameters_and_load_from_checkpoint(tmp_path):
     assert module.hparams.hidden == 32
     trainer = fit(module, DataLoader(tiny_data(32), batch_size=8), max_epochs=1, enable_checkpointing=True,
                   default_root_dir=str(tmp_path))
-    path = tmp_path / "checkpoints" / "last.ckpt"
+    path = tmp_path / "logs" / "version_0" / "checkpoints" / "last.ckpt"
     raw = torch.load(path, weights_only=True)  # what a user would do: nothing else unpickled
     assert raw["hyper_parameters"] == {"hidden": 32, "lr": 0.05, "layers": (8, 3), "note": "run-1"}
     loaded = Configured.load_from_checkpoint(path)
@@ -202,8 +202,11 @@ def test_module_hooks_are_called_in_lightnings_order(tmp_path):
     # a value the module logs in on_train_epoch_end reaches the plugins' on_train_epoch_end
     assert probe.metrics == [10.0, 11.0]
     resumed = Hooked()
-    fit(resumed, DataLoader(tiny_data(16), batch_size=8), max_epochs=3, ckpt_path=tmp_path / "checkpoints" / "last.ckpt")
-    assert ("on_load_checkpoint", 2) in resumed.calls
+    fit(resumed, DataLoader(tiny_data(16), batch_size=8), max_epochs=3, ckpt_path=tmp_path / "logs" / "version_0" / "checkpoints" / "last.ckpt")
+    # saved by the checkpoint callback at the end of the second epoch, where (as in Lightning)
+    # current_epoch is still that epoch's index; the resumed run starts with the third
+    assert ("on_load_checkpoint", 1) in resumed.calls
+    assert ("on_train_epoch_start", 2) in resumed.calls and ("on_train_epoch_start", 1) not in resumed.calls
 
 
 def test_a_module_without_hooks_adds_nothing_to_the_run():

@@ -260,4 +260,4 @@ def test_code_strategy_wins_over_environment_strategy(site, monkeypatch):
     )
     monkeypatch.setenv("HOOKLOOP_PLUGINS", "beta2")
     trainer = hookloop.Trainer(plugins=["alpha2"])
-    assert [registry.plugin_name(p) for p in trainer.plugins] == ["alpha2"]
+    assert [registry.plugin_name(p) for p in trainer.plugins if registry.plugin_role(p) == "strategy"] == ["alpha2"]

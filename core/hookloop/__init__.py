@@ -9,7 +9,7 @@ Plugin authors: implement hooks from :mod:`hookloop.hookspecs` with ``@hookloop.
 and register the plugin under the entry-point group ``hookloop.plugins``.
 """
 
-from .checkpoint import atomic_save, check_state_dict, optimizer_and_scheduler_states, safe_load
+from .checkpoint import atomic_save, atomic_write_text, check_state_dict, optimizer_and_scheduler_states, safe_load
 from .config import TrainerConfig
 from .datamodule import DataModule
 from .errors import (
@@ -34,12 +34,18 @@ from .helpers import (
     rebuild_dataloader,
     release_process_group,
     repoint_lr_scheduler,
+    run_hparams,
     seed_everything,
     torch_reduce_op,
 )
 from .hookspecs import hookimpl, hookspec
 from .launch import elastic_command, in_worker
 from .module import Module
+from .observers.checkpoint import ModelCheckpoint
+from .observers.csvlog import CSVLogger
+from .observers.early_stopping import EarlyStopping
+from .observers.lr_monitor import LearningRateMonitor
+from .observers.progress import ProgressBar
 from .optim import SchedulerConfig, before_optimizer_step, schedulers_of
 from .plugins import installed_plugins, resolve as plugin
 from .trainer import Trainer, default
@@ -47,21 +53,27 @@ from .trainer import Trainer, default
 __version__ = "0.1.0"
 
 __all__ = [
+    "CSVLogger",
     "CheckpointError",
     "ConfigurationError",
     "DataModule",
+    "EarlyStopping",
     "DistributedSamplerWrapper",
     "HookloopError",
+    "LearningRateMonitor",
+    "ModelCheckpoint",
     "MissingDependencyError",
     "Module",
     "PluginConflictError",
     "PluginNotFoundError",
     "PluginValidationError",
+    "ProgressBar",
     "SchedulerConfig",
     "Trainer",
     "TrainerConfig",
     "apply_to_tensors",
     "atomic_save",
+    "atomic_write_text",
     "batch_size_of",
     "before_optimizer_step",
     "check_state_dict",
@@ -82,6 +94,7 @@ __all__ = [
     "rebuild_dataloader",
     "release_process_group",
     "repoint_lr_scheduler",
+    "run_hparams",
     "safe_load",
     "schedulers_of",
     "seed_everything",

@@ -74,6 +74,16 @@ def _umask() -> int:
     return old
 
 
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path`` through a temporary file and a rename (never torn)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return path
+
+
 def safe_load(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
     """``torch.load(weights_only=True)``, with errors that say what is wrong with the file."""
     path = Path(path)

@@ -11,7 +11,7 @@ import argparse
 import inspect
 import sys
 
-from . import contract
+from . import contract, plot, scaffold
 from . import plugins as registry
 from .config import TrainerConfig, env_defaults
 from .errors import HookloopError
@@ -40,6 +40,24 @@ def _build_parser(commands: dict) -> argparse.ArgumentParser:
         ),
     )
     c.add_argument("names", nargs="+", metavar="NAME", help="plugin names, as `hookloop plugins` lists them")
+
+    n = sub.add_parser(
+        "new-plugin",
+        help="write a plugin package skeleton (code, tests, README, pyproject) to start from",
+        description=(
+            "Write hookloop-NAME/ (in --dir, default here): a small working plugin of the "
+            "role, its entry point, a README, and tests that run the role's conformance "
+            "suite. As generated, `hookloop check NAME` reports ok and the tests pass. "
+            "Never overwrites: an existing hookloop-NAME/ is an error."
+        ),
+    )
+    n.add_argument("name", metavar="NAME", help="the plugin's name, as users type it in --plugins: a lowercase identifier")
+    # Not argparse choices: scaffold checks the role, so the API and the command refuse a
+    # wrong one with the same message and exit status as the other commands' errors.
+    n.add_argument("--role", required=True, metavar="|".join(scaffold.ROLES), help="the kind of plugin")
+    n.add_argument("--dir", default=".", metavar="PATH", help="folder to write hookloop-NAME/ into (default: the current one)")
+
+    plot.add_parser(sub)
 
     r = sub.add_parser(
         "run",
@@ -99,6 +117,12 @@ def cmd_check(args) -> int:
     return 1 if failed else 0
 
 
+def cmd_new_plugin(args) -> int:
+    package = scaffold.new_plugin(args.name, args.role, args.dir)
+    print(scaffold.summary(package, args.name))
+    return 0
+
+
 def cmd_plugins(args) -> int:
     infos = registry.installed_plugins()
     if not infos:
@@ -119,6 +143,9 @@ def cmd_plugins(args) -> int:
             if found:
                 problems[name] = found
                 deps = f"{len(found)} problem(s), see below"
+        built = info.build_status()  # a backend installed but not compiled, with the fix
+        if built:
+            deps = f"not built: {built}" if deps == "ok" else f"{deps}; not built: {built}"
         rows.append((name, info.distribution or "?", info.version or "?", role, deps))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
@@ -158,7 +185,7 @@ def cmd_run(args) -> int:
 
     names = list(config.plugins) + registry.environment_plugins()
     options = registry.merge_plugin_options(registry.environment_plugin_options(), config.plugin_options)
-    chosen = [registry.apply_options(p, options) for p in registry.collect(names)]
+    chosen = [registry.apply_options(p, options) for p in registry.collect(names, options=options)]
     registry.check_composition(chosen)
     pm = registry.make_plugin_manager(chosen, Defaults())
     # The devices plugin chooses (and may narrow config.devices) before processes are counted.
@@ -192,8 +219,12 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_plugins(args)
         if args.command == "check":
             return cmd_check(args)
+        if args.command == "new-plugin":
+            return cmd_new_plugin(args)
         if args.command == "run":
             return cmd_run(args)
+        if args.command == "plot":
+            return plot.command(args)
     except HookloopError as exc:
         print(f"hookloop: error: {exc}", file=sys.stderr)
         return 2

@@ -52,6 +52,9 @@ class TrainerConfig:
     num_sanity_val_steps: int = 2
     fast_dev_run: bool | int = False
     overfit_batches: int | float = 0
+    log_every_n_steps: int = 50
+    enable_progress_bar: bool = True
+    logger: bool = True
     use_distributed_sampler: bool = True
     autoload_plugins: bool = False
     plugin_options: dict = field(default_factory=dict)
@@ -63,7 +66,7 @@ class TrainerConfig:
             raise ConfigurationError(
                 f"accelerator={self.accelerator!r} is not one of 'auto', 'cpu', 'cuda'/'gpu'"
             )
-        for name in ("accumulate_grad_batches", "nodes"):
+        for name in ("accumulate_grad_batches", "nodes", "log_every_n_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigurationError(f"{name}={value!r} must be an integer >= 1")
@@ -120,6 +123,7 @@ class TrainerConfig:
             self.num_sanity_val_steps = 0
             self.val_check_interval, self.check_val_every_n_epoch = 1.0, 1
             self.enable_checkpointing = False
+            self.logger = False
         if self.overfit_batches:
             # Lightning: the same first batches for training and validation, unshuffled.
             self.limit_train_batches = self.limit_val_batches = self.overfit_batches

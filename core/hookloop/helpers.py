@@ -450,3 +450,43 @@ def torch_reduce_op(op: str):
         "max": dist.ReduceOp.MAX,
         "min": dist.ReduceOp.MIN,
     }[op]
+
+
+def run_hparams(trainer, flat: bool = False) -> dict:
+    """What the loggers record as a run's hyperparameters: ``{"trainer": {...}, "module":
+    {...}}``, the Trainer's settings (plugins by name) and the module's
+    ``save_hyperparameters()``, as plain values (numbers, strings, lists, dicts; anything
+    else by its ``repr``) that YAML, JSON, TensorBoard and MLflow all take. ``flat=True``
+    joins nested keys with ``/`` (``{"trainer/max_epochs": 2, "module/lr": 0.1}``), the
+    form of TensorBoard's and MLflow's parameters."""
+    import dataclasses
+
+    from . import plugins
+
+    # Not dataclasses.asdict: it deep-copies, and plugin objects need not be copyable.
+    settings = {f.name: getattr(trainer.config, f.name) for f in dataclasses.fields(trainer.config)
+                if f.name != "plugins"}
+    settings["plugins"] = [plugins.plugin_name(p) for p in trainer.plugins]
+    hparams = dict(getattr(trainer.module, "hparams", None) or {})
+    tree = {"trainer": _plain(settings), "module": _plain(hparams)}
+    return _flatten(tree) if flat else tree
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    flat: dict = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}/"))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _plain(value):
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return repr(value)

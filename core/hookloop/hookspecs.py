@@ -675,6 +675,22 @@ def on_predict_end(trainer):
 
 
 @hookspec
+def on_log_metrics(trainer, metrics, step, epoch):
+    """A row of metrics for the loggers (the CSV, TensorBoard and MLflow plugins).
+
+    :param metrics: names to floats, already reduced across ranks where the module asked
+        (metrics logged with ``logger=False`` are left out).
+    :param step: ``trainer.global_step`` the row belongs to; ``epoch``: the epoch.
+
+    Emitted every ``log_every_n_steps`` optimizer steps (the step metrics), at the end of
+    every training epoch (its epoch metrics), of every validation run (not the sanity
+    check) and of ``test``, and whenever a plugin calls ``trainer.log_metrics(...)``
+    (``lr_monitor``, the device monitors). Called on every rank: write from global rank
+    0 (``trainer.is_global_zero``). Nobody implementing it costs nothing.
+    """
+
+
+@hookspec
 def on_exception(trainer, exception):
     """``fit``/``validate``/``test``/``predict`` raised ``exception``; called before it
     propagates (not for ``KeyboardInterrupt``/``SystemExit``)."""

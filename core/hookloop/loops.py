@@ -17,6 +17,8 @@ import contextlib
 import inspect
 import re
 import sys
+import warnings
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -88,6 +90,7 @@ def session(trainer, stage: str):
     trainer.state = stage
     try:
         hook.setup_environment(trainer=trainer)
+        _resolve_run_dir(trainer)
         _prepare_data(trainer)
         if datamodule is not None:
             datamodule.trainer = trainer
@@ -112,16 +115,105 @@ def session(trainer, stage: str):
             trainer.state = None
 
 
+def _resolve_run_dir(trainer) -> None:
+    """``trainer.log_dir``: decided by global rank 0 (once per Trainer) and broadcast."""
+    from . import rundir
+
+    if trainer._log_dir is None:
+        chosen = None
+        if trainer.global_rank == 0:
+            try:
+                chosen = str(rundir.claim(trainer.default_root_dir, rundir.run_token(), trainer._run_index))
+            except OSError as exc:
+                # Told to every rank, so none waits for a directory that never comes.
+                chosen = OSError(f"{exc.strerror or exc}: {exc.filename or trainer.default_root_dir}")
+        chosen = trainer.broadcast(chosen, 0)
+        if isinstance(chosen, OSError):
+            raise ConfigurationError(
+                f"cannot create the run directory under default_root_dir={str(trainer.default_root_dir)!r} "
+                f"({chosen}): make it writable or choose another (Trainer(default_root_dir=...) or "
+                f"--default-root-dir)"
+            )
+        trainer._log_dir = Path(chosen)
+
+
+try:
+    from pluggy._callers import _multicall as _PLUGGY_MULTICALL
+except ImportError:  # pragma: no cover - another pluggy: events always go through pluggy
+    _PLUGGY_MULTICALL = None
+
+
 def _event(trainer, name: str) -> Callable | None:
-    """The hook caller of event ``name``, or ``None`` when nobody implements it."""
+    """A caller of event ``name`` (keyword arguments, a list of the non-None results, as
+    pluggy's), or ``None`` when nobody implements it.
+
+    Resolved once per epoch or evaluation run, it is what the per-step path calls. When
+    the implementations are plain functions (no wrappers) and nobody monitors the hook
+    calls (pluggy's ``add_hookcall_monitoring``), it calls them directly, in pluggy's
+    order and with pluggy's arguments: a per-step event then costs one call per
+    implementation instead of pluggy's dispatch (about ten calls).
+    """
     caller = getattr(trainer.hook, name)
-    return caller if caller.get_hookimpls() else None
+    impls = caller.get_hookimpls()
+    if not impls:
+        return None
+    if (_PLUGGY_MULTICALL is None or getattr(trainer.plugin_manager, "_inner_hookexec", None) is not _PLUGGY_MULTICALL
+            or caller.spec is None or caller.spec.opts.get("firstresult")
+            or any(impl.hookwrapper or impl.wrapper for impl in impls)):
+        return caller
+    return _direct_caller(name, caller.spec.argnames, [(impl.function, impl.argnames) for impl in reversed(impls)])
+
+
+def _direct_caller(name: str, argnames: tuple[str, ...], impls: list) -> Callable:
+    """``def call(*, <hook args>)`` calling each implementation with its own arguments."""
+    namespace: dict[str, Any] = {}
+    lines = [f"def {name}(*, {', '.join(argnames)}):", "    out = []"]
+    for i, (function, names) in enumerate(impls):
+        namespace[f"f{i}"] = function
+        lines += [f"    r = f{i}({', '.join(names)})", "    if r is not None:", "        out.append(r)"]
+    lines.append("    return out")
+    exec("\n".join(lines), namespace)  # noqa: S102 - names from the hook specs and implementations
+    return namespace[name]
 
 
 def _resolve_events(trainer) -> None:
     # Read by public helpers on the step path (hookloop.before_optimizer_step).
     trainer._on_before_optimizer_step = _event(trainer, "on_before_optimizer_step")
     trainer._on_before_zero_grad = _event(trainer, "on_before_zero_grad")
+    trainer._on_log_metrics = _event(trainer, "on_log_metrics")
+    trainer._module_epoch_end = next((impl for impl in trainer.hook.on_train_epoch_end.get_hookimpls()
+                                      if impl.plugin_name.startswith("module:")), None)
+
+
+def log_row(trainer, metrics: dict, step: int | None = None) -> None:
+    """Hand a row of metrics to the loggers (``on_log_metrics``), without the ones logged
+    with ``logger=False``. Nothing happens when no logger is enabled."""
+    event = trainer._on_log_metrics
+    if event is None or not metrics:
+        return
+    hidden = trainer._metrics.not_for_logger
+    row = {k: float(v) for k, v in metrics.items() if k not in hidden}
+    if row:
+        event(trainer=trainer, metrics=row, step=trainer.global_step if step is None else step, epoch=trainer.current_epoch)
+
+
+def log_epoch_row(trainer, extra: dict | None = None) -> None:
+    """The training epoch's row for the loggers, with ``extra`` (what the module logged in
+    its ``on_train_epoch_end``)."""
+    row = trainer._epoch_row
+    trainer._epoch_row = None
+    if row is not None:
+        metrics = trainer._metrics
+        # the epoch's values: a step metric was logged at its steps, a forked one as name_epoch
+        log_row(trainer, {k: v for k, v in {**row, **(extra or {})}.items()
+                          if k not in metrics.step_values and k not in metrics.forked})
+
+
+def _log_step_metrics(trainer) -> None:
+    """The step metrics, every ``log_every_n_steps`` optimizer steps (reads the device)."""
+    metrics = trainer._metrics.latest_step_values()
+    trainer._metrics.callback_metrics.update(metrics)
+    log_row(trainer, metrics)
 
 
 def _prepare_data(trainer) -> None:
@@ -328,6 +420,8 @@ def fit(trainer) -> None:
             )
         if trainer._ckpt_path is not None:
             restore(trainer, trainer._ckpt_path)
+        else:
+            resume_after_restart(trainer)
         _print_effective_batch(trainer, train_loader)
         validation = _ValidationSchedule(trainer, train_loader, val_loaders)
         hook.on_fit_start(trainer=trainer)
@@ -352,10 +446,9 @@ def fit(trainer) -> None:
                 trainer.model.train()
                 hook.on_train_epoch_start(trainer=trainer, epoch=epoch)
                 if not _train_epoch(trainer, train_loader, step, validation):
-                    # Stopped inside the epoch (max_steps, should_stop): keep the position,
-                    # so a checkpoint resumes at the next batch of this epoch.
-                    if config.enable_checkpointing:
-                        trainer.save_checkpoint(trainer.default_root_dir / "checkpoints" / "last.ckpt")
+                    # Stopped inside the epoch (max_steps, should_stop): the position stays,
+                    # so a checkpoint (the checkpoint plugin's, at on_train_end) resumes at
+                    # the next batch of this epoch.
                     break
             _end_epoch(trainer, epoch, resumed_stage)
         hook.on_train_end(trainer=trainer)
@@ -448,6 +541,7 @@ class _ValidationSchedule:
         trainer = self.trainer
         results = evaluate(trainer, VALIDATE, self.val_loaders, limit=trainer.config.limit_val_batches)
         trainer._epoch_val_metrics = {k: v for r in results for k, v in r.items()}
+        log_row(trainer, trainer._epoch_val_metrics)
         trainer._loop_stage = "validated"
 
 
@@ -468,6 +562,7 @@ def _lookahead(iterator, start: int):
 def _train_epoch(trainer, loader: DataLoader, step, validation: _ValidationSchedule) -> bool:
     """Train one epoch (validating when due); False when training stopped inside it."""
     n = batch_limit(loader, trainer.config.limit_train_batches, "limit_train_batches")
+    trainer.num_training_batches = n  # for observers (progress bars); None: unsized
     accumulate = trainer.accumulate_grad_batches
     skip, resumed_stage = trainer.batch_idx, trainer._loop_stage
     if skip and n is not None and skip >= n:
@@ -504,10 +599,7 @@ def _train_epoch(trainer, loader: DataLoader, step, validation: _ValidationSched
         if batch_start is not None and -1 in batch_start(trainer=trainer, batch=batch, batch_idx=batch_idx):
             return True  # Lightning: on_train_batch_start returning -1 ends the epoch
         boundary = is_last or (batch_idx + 1) % accumulate == 0
-        stop = step(batch, batch_idx, boundary)
-        trainer.batch_idx = batch_idx + 1
-        trainer._loop_stage = "train"
-        trainer._total_batch_idx += 1
+        stop = step(batch, batch_idx, boundary)  # it counts the batch as done (_batch_done)
         if validate is not None and validate(batch_idx, is_last):
             validation.run()
         if stop:
@@ -524,18 +616,22 @@ def _end_epoch(trainer, epoch: int, resumed_stage: str) -> None:
     metrics = trainer._metrics
     if resumed_stage != "epoch_end":
         metrics.stage = "train"
-        epoch_metrics = {**metrics.finish_epoch("train"), **trainer._epoch_val_metrics}
+        train_metrics = metrics.finish_epoch("train")
+        trainer._epoch_row = train_metrics
+        epoch_metrics = {**train_metrics, **trainer._epoch_val_metrics}
         if trainer.automatic_optimization:
             step_schedulers(trainer, "epoch", plateau=False, count=epoch + 1)
         trainer._loop_stage = "epoch_end"
+        if trainer._module_epoch_end is None:
+            log_epoch_row(trainer)
+        # else the module's on_train_epoch_end (first of all implementations) logs the row
+        # with what the module logs there, before any plugin (a checkpoint) sees the event
         trainer.hook.on_train_epoch_end(trainer=trainer, epoch=epoch, metrics=epoch_metrics)
     if trainer.automatic_optimization:
         step_schedulers(trainer, "epoch", plateau=True, count=epoch + 1)
     trainer.current_epoch = epoch + 1
     trainer.batch_idx = 0
     trainer._loop_stage = "train"
-    if trainer.config.enable_checkpointing:
-        trainer.save_checkpoint(trainer.default_root_dir / "checkpoints" / "last.ckpt")
 
 
 # ---------------------------------------------------------------------------------------
@@ -593,6 +689,8 @@ def make_training_step(trainer):
     max_steps = trainer.config.max_steps
     device = trainer.root_device
     move = device.type != "cpu"
+    log_rows = trainer._on_log_metrics is not None
+    every = trainer.config.log_every_n_steps
     if manual:
         def step(batch, batch_idx: int, boundary: bool) -> bool:
             if move:
@@ -606,6 +704,10 @@ def make_training_step(trainer):
             if step_end_plugins is not None:
                 out = _step_end(step_end_plugins, trainer, out)
             loss = _manual_loss(out)
+            if log_rows and trainer.global_step // every > trainer._logged_step // every:
+                trainer._logged_step = trainer.global_step
+                _log_step_metrics(trainer)
+            _batch_done(trainer, batch_idx)
             if batch_end is not None:
                 outputs = apply_to_tensors(out, torch.Tensor.detach)
                 batch_end(trainer=trainer, outputs=outputs, loss=loss, batch=batch, batch_idx=batch_idx)
@@ -661,14 +763,30 @@ def make_training_step(trainer):
             if step_schedules:
                 step_schedulers(trainer, "step", plateau=False, count=trainer.global_step)
                 step_schedulers(trainer, "step", plateau=True, count=trainer.global_step)
-            stop = trainer.should_stop or (max_steps is not None and trainer.global_step >= max_steps)
+            if log_rows and trainer.global_step % every == 0:
+                _log_step_metrics(trainer)
+            stop = max_steps is not None and trainer.global_step >= max_steps
+        # The loop's position after the batch, set before on_train_batch_end: a checkpoint
+        # written there resumes at the next batch (inline: this is the per-step path).
+        trainer.batch_idx = batch_idx + 1
+        trainer._loop_stage = "train"
+        trainer._total_batch_idx += 1
         if batch_end is not None:
             detached = loss.detach()
             outputs = detached if out is loss else apply_to_tensors(out, torch.Tensor.detach)
             batch_end(trainer=trainer, outputs=outputs, loss=detached, batch=batch, batch_idx=batch_idx)
-        return stop
+        # should_stop set by a plugin at this batch's end stops here (as in Lightning).
+        return stop or trainer.should_stop
 
     return step
+
+
+def _batch_done(trainer, batch_idx: int) -> None:
+    """The loop's position after a batch, set before on_train_batch_end: a checkpoint
+    written there resumes at the next batch."""
+    trainer.batch_idx = batch_idx + 1
+    trainer._loop_stage = "train"
+    trainer._total_batch_idx += 1
 
 
 def _step_end(callers, trainer, out):
@@ -744,6 +862,7 @@ def run_evaluation(trainer, stage: str) -> list[dict]:
             restore(trainer, trainer._ckpt_path)
         limit = trainer.config.limit_val_batches if stage == VALIDATE else trainer.config.limit_test_batches
         results = evaluate(trainer, stage, loaders, limit=limit)
+        log_row(trainer, {k: v for r in results for k, v in r.items()})
         if trainer._verbose and trainer.global_rank == 0:
             _print_results(stage, results)
         return results
@@ -1023,18 +1142,66 @@ def checkpoint_dict(trainer) -> dict:
     return checkpoint
 
 
+def resume_after_restart(trainer) -> None:
+    """Resume ``fit`` where the failed attempt left off, in a worker that an elastic agent
+    restarted (``TORCHELASTIC_RESTART_COUNT`` > 0, ``hookloop run --max-restarts``).
+
+    The restarted worker runs the script again from the top; a ``fit`` given no
+    ``ckpt_path`` then loads this run's newest ``last.ckpt`` (its run directory is the
+    same in every attempt: see :mod:`hookloop.rundir`), or starts from scratch when the
+    run has written none yet. Global rank 0 chooses the file (every rank loads the same)
+    and says what happened. Called once the run directory and the process group exist.
+    """
+    from .helpers import env_int
+
+    restart = env_int("TORCHELASTIC_RESTART_COUNT", default=0)
+    if not restart:
+        return
+    places = [Path(trainer.log_dir) / "checkpoints"]
+    own = getattr(trainer.checkpoint_callback, "dir", None)  # ModelCheckpoint(dirpath=...)
+    if own is not None and Path(own) not in places:
+        places.insert(0, Path(own))
+    found = None
+    if trainer.global_rank == 0:
+        existing = [place / "last.ckpt" for place in places if (place / "last.ckpt").exists()]
+        found = str(max(existing, key=lambda p: p.stat().st_mtime)) if existing else None
+    found = trainer.broadcast(found, 0)
+    if found is None:
+        trainer.print(f"hookloop: restart {restart} of this run (TORCHELASTIC_RESTART_COUNT={restart}): no "
+                      f"last.ckpt under {' or '.join(str(p) for p in places)} yet, starting from scratch")
+        return
+    restore(trainer, found)
+    trainer.print(f"hookloop: restart {restart} of this run (TORCHELASTIC_RESTART_COUNT={restart}): resumed "
+                  f"from {found} at epoch {trainer.current_epoch}, global step {trainer.global_step}")
+
+
 def restore(trainer, ckpt_path: Any) -> None:
-    """Load ``ckpt_path`` (or ``"last"``) into the model, optimizers, loop and plugins."""
-    from pathlib import Path
+    """Load ``ckpt_path`` (or ``"last"``) into the model, optimizers, loop and plugins.
+
+    ``"last"`` when no run wrote a ``last.ckpt`` yet loads nothing: the run starts from
+    scratch, with a warning (Lightning's behaviour).
+    """
+    from . import rundir
 
     path = Path(ckpt_path)
-    if str(ckpt_path) == "last":
-        path = trainer.default_root_dir / "checkpoints" / "last.ckpt"
-        if not path.exists():
+    if str(ckpt_path) == "best":
+        best = getattr(trainer.checkpoint_callback, "best_model_path", "")
+        if not best:
             raise CheckpointError(
-                f"ckpt_path='last' but no checkpoint was written under {path.parent}: "
-                f"train once with enable_checkpointing=True, or pass a checkpoint path"
+                "ckpt_path='best' but this trainer's checkpoint plugin has no best checkpoint yet: fit with "
+                "ModelCheckpoint(monitor=...) first, or pass a checkpoint path"
             )
+        path = Path(best)
+    elif str(ckpt_path) == "last":
+        found = rundir.newest_last_checkpoint(trainer.default_root_dir)
+        if found is None:
+            # As Lightning: nothing to resume is a fresh start, not an error.
+            if trainer.is_global_zero:
+                warnings.warn(
+                    f"ckpt_path='last' but no run under {trainer.default_root_dir / 'logs'} wrote a "
+                    f"last.ckpt yet: starting from scratch")
+            return
+        path = found
     checkpoint = trainer.hook.load_checkpoint(trainer=trainer, path=path)
     if not isinstance(checkpoint, dict) or "loop" not in checkpoint:
         raise CheckpointError(f"{str(path)!r} is not a hookloop checkpoint (no loop state)")

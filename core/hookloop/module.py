@@ -388,7 +388,11 @@ def _module_hook_impl(module: nn.Module, name: str, args: tuple[str, ...]):
                 method()
             finally:
                 metrics_store.epoch_level = False
-            metrics.update(metrics_store.finish_epoch("train"))
+            finished = metrics_store.finish_epoch("train")
+            metrics.update(finished)
+            from .loops import log_epoch_row
+
+            log_epoch_row(trainer, finished)
 
     else:
         impl = _forwarding_function(name, args, method)

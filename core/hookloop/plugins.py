@@ -14,6 +14,10 @@ pytest does). Each plugin may declare:
     a set of concerns a strategy takes over from other plugins, e.g. ``{"precision"}``
     for DeepSpeed: a precision plugin then hands its setting to the strategy instead of
     applying it itself.
+``hookloop_build_status``
+    optional, callable without arguments (a ``staticmethod``): ``None`` when the backend is
+    ready, else what is not built and the command that builds it. ``hookloop plugins``
+    shows it as ``not built: <message>``; it must not import the backend.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Any, Iterable
 
 import pluggy
 
-from . import contract, hookspecs
+from . import contract, hookspecs, sourcescan
 from .errors import (
     ConfigurationError,
     MissingDependencyError,
@@ -66,6 +70,32 @@ class PluginInfo:
     def missing_requirements(self) -> list[str]:
         """Requirements of the plugin's distribution that are not installed."""
         return [req for req in self.requires if not _is_installed(req)]
+
+    def build_status(self) -> str | None:
+        """The plugin's ``hookloop_build_status()``: ``None`` when ready (or when it has
+        none). Imports the plugin only when its source declares one."""
+        if not sourcescan.declares(self.value, BUILD_STATUS):
+            return None
+        try:
+            plugin = _load_entry_point(self)
+        except MissingDependencyError:
+            return None  # shown as missing requirements instead
+        return build_status(plugin, self.name)
+
+
+BUILD_STATUS = "hookloop_build_status"
+
+
+def build_status(plugin: Any, name: str | None = None) -> str | None:
+    """What a plugin object says is not built yet, or ``None`` (see the module docstring)."""
+    check = getattr(plugin, BUILD_STATUS, None)
+    if not callable(check):
+        return None
+    try:
+        status = check()
+    except Exception as exc:  # a broken check must not break the listing
+        return f"unknown ({name or plugin_name(plugin)}.{BUILD_STATUS}() raised {type(exc).__name__}: {exc})"
+    return None if status is None else str(status)
 
 
 _REQ_NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
@@ -248,15 +278,30 @@ def split_names(spec: str | None) -> list[str]:
     return [s.strip() for s in (spec or "").split(",") if s.strip()]
 
 
-def collect(requested: Iterable[Any], defaults: Iterable[Any] = (), autoload: bool = False) -> list[Any]:
+def collect(requested: Iterable[Any], defaults: Iterable[Any] = (), autoload: bool = False,
+            builtin: Iterable[str] = (), options: dict[str, dict] | None = None) -> list[Any]:
     """Turn the user's plugin specs into plugin objects, in a stable order.
 
     ``requested`` come from code (``Trainer(plugins=...)``), ``defaults`` from the CLI
     (``--plugins``) and ``HOOKLOOP_PLUGINS``. Both are used; where a default plugin
     has the same exclusive role as a requested one, the requested one wins. With
     ``autoload`` every installed plugin that is not a strategy is loaded too (strategies
-    exclude each other, so they are always chosen by name); ``no:NAME`` blocks one.
+    exclude each other, so they are always chosen by name), except those that declare
+    ``hookloop_autoload = False`` (they need options to mean anything); ``no:NAME``
+    blocks one.
+    ``builtin`` names the core's own observers (progress, csv, checkpoint): added last,
+    unless blocked or already given (a user's ``ModelCheckpoint(...)`` replaces the
+    default one). A plugin this makes from a class is made with its ``options``
+    (``options[name]``), so the class checks them as it would in code.
     """
+    options = options or {}
+
+    def make(cls: Any, name: str | None) -> Any:
+        given = options.get(name or getattr(cls, "hookloop_name", None) or cls.__name__, {}) if inspect.isclass(cls) else {}
+        known = set(plugin_options(cls)) if given else set()
+        # Unknown names are left to apply_options, whose error lists the real ones.
+        return _instantiate(cls, name, {k: v for k, v in given.items() if k in known})
+
     requested = list(requested)
     defaults = list(defaults)
     blocked = {s[3:] for s in requested + defaults if isinstance(s, str) and s.startswith("no:")}
@@ -274,8 +319,8 @@ def collect(requested: Iterable[Any], defaults: Iterable[Any] = (), autoload: bo
                 infos = installed_plugins()
             if spec not in infos:
                 raise unknown_plugin_error(spec, infos)
-            return _instantiate(_load_entry_point(infos[spec]), spec, {})
-        return _instantiate(spec, None, {}) if inspect.isclass(spec) else spec
+            return make(_load_entry_point(infos[spec]), spec)
+        return make(spec, None) if inspect.isclass(spec) else spec
 
     code_plugins = [load(s) for s in requested if not (isinstance(s, str) and s in blocked)]
     code_by_role = {}
@@ -302,13 +347,22 @@ def collect(requested: Iterable[Any], defaults: Iterable[Any] = (), autoload: bo
         names_seen.add(n)
         chosen.append(p)
 
+    for name in builtin:
+        if name in names_seen or name in blocked:
+            continue
+        names_seen.add(name)
+        chosen.append(make(BUILTIN_OBSERVERS[name](), name))
+
     if autoload:
         if infos is None:
             infos = installed_plugins()
         for name in sorted(infos):
             if name in names_seen or name in blocked:
                 continue
-            p = _instantiate(_load_entry_point(infos[name]), name, {})
+            obj = _load_entry_point(infos[name])
+            if getattr(obj, "hookloop_autoload", True) is False:
+                continue  # only useful configured (early_stopping: which metric): by name only
+            p = make(obj, name)
             if plugin_role(p) == "strategy":
                 continue
             names_seen.add(name)
@@ -324,6 +378,30 @@ def _say_once(message: str) -> None:
     if message not in _SAID:
         _SAID.add(message)
         print(message, flush=True)
+
+
+def _progress():
+    from .observers.progress import ProgressBar
+
+    return ProgressBar
+
+
+def _csv():
+    from .observers.csvlog import CSVLogger
+
+    return CSVLogger
+
+
+def _checkpoint():
+    from .observers.checkpoint import ModelCheckpoint
+
+    return ModelCheckpoint
+
+
+#: The core's own observers a run gets by default (imported, not looked up as entry
+#: points: they are part of the core). Also registered as entry points of the core
+#: distribution, so `hookloop plugins` lists them and they can be named.
+BUILTIN_OBSERVERS = {"progress": _progress, "csv": _csv, "checkpoint": _checkpoint}
 
 
 def default_precision_plugin(chosen: list[Any], precision: str) -> list[Any]:

@@ -37,17 +37,40 @@ def declared_role(entry_point_value: str) -> str | None:
     return _class_role(module, tree, attr, _MAX_HOPS)
 
 
-def _class_role(module: str, tree: ast.Module, name: str, hops: int) -> str | None:
+def declares(entry_point_value: str, attribute: str) -> bool:
+    """Whether the class an entry point names assigns or defines ``attribute`` in its body
+    or a base class's (the module's top level for a module plugin), read as
+    :func:`declared_role` reads the role."""
+    module, _, attr = entry_point_value.partition(":")
+    module, attr = module.strip(), attr.split("[")[0].strip()
+    tree = _parse(module) if "." not in attr else None
+    if tree is None:
+        return False
+
+    def find(body: list[ast.stmt]) -> bool | None:
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == attribute:
+                return True
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            if any(isinstance(t, ast.Name) and t.id == attribute for t in targets):
+                return True
+        return None
+
+    return bool(_class_role(module, tree, attr, _MAX_HOPS, find) if attr else find(tree.body))
+
+
+def _class_role(module: str, tree: ast.Module, name: str, hops: int, find=None) -> str | None:
+    find = find or _assigned_role  # what to look for in a class body (the role by default)
     if hops <= 0:
         return None
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and node.name == name:
-            role = _assigned_role(node.body)
+            role = find(node.body)
             if role is not None:
                 return role
             for base in node.bases:  # inherited: bases named in this module or imported
                 if isinstance(base, ast.Name):
-                    role = _class_role(module, tree, base.id, hops - 1)
+                    role = _class_role(module, tree, base.id, hops - 1, find)
                     if role is not None:
                         return role
             return None
@@ -57,7 +80,7 @@ def _class_role(module: str, tree: ast.Module, name: str, hops: int) -> str | No
                 if (alias.asname or alias.name) == name:
                     source = _absolute(module, node, tree)
                     sub = _parse(source) if source else None
-                    return _class_role(source, sub, alias.name, hops - 1) if sub else None
+                    return _class_role(source, sub, alias.name, hops - 1, find) if sub else None
     return None
 
 

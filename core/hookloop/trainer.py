@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 
 from . import loops
 from . import plugins as plugin_registry
+from . import rundir
 from .config import TrainerConfig, env_defaults
 from .datamodule import DataModule
 from .defaults import Defaults
@@ -86,6 +87,9 @@ class Trainer:
         num_sanity_val_steps: int = _UNSET,
         fast_dev_run: bool | int = _UNSET,
         overfit_batches: int | float = _UNSET,
+        log_every_n_steps: int = _UNSET,
+        enable_progress_bar: bool = _UNSET,
+        logger: bool = _UNSET,
         use_distributed_sampler: bool = _UNSET,
         autoload_plugins: bool = _UNSET,
         plugin_options: dict = _UNSET,
@@ -124,7 +128,8 @@ class Trainer:
         requested = in_code
         defaults = list(from_env.get("plugins", [])) + plugin_registry.environment_plugins()
         options = self.config.plugin_options
-        chosen = plugin_registry.collect(requested, defaults, autoload=self.config.autoload_plugins)
+        chosen = plugin_registry.collect(requested, defaults, autoload=self.config.autoload_plugins,
+                                         builtin=_builtin_observers(self.config), options=options)
         chosen += plugin_registry.default_precision_plugin(chosen, self.config.precision)
         chosen = [plugin_registry.apply_options(p, options) for p in chosen]
         plugin_registry.check_composition(chosen)
@@ -156,6 +161,8 @@ class Trainer:
         self._epoch_rng: dict | None = None
         self._loop_stage = "train"
         self._total_batch_idx = 0
+        self._epoch_row: dict | None = None  # the epoch row for the loggers, until logged
+        self._module_epoch_end = None
         self._epoch_val_metrics: dict[str, float] = {}
         self._ckpt_path: Any = None
         self._verbose = True
@@ -164,6 +171,11 @@ class Trainer:
         self._clip_requests: dict[int, tuple] = {}
         self._on_before_optimizer_step = None
         self._on_before_zero_grad = None
+        self._on_log_metrics = None
+        self._logged_step = 0
+        # This Trainer's run directory (rundir.py): decided in its first run, kept after.
+        self._log_dir: Path | None = None
+        self._run_index = rundir.next_index()
 
     # -- plain attributes plugins read ---------------------------------------------------
 
@@ -226,6 +238,28 @@ class Trainer:
     def is_global_zero(self) -> bool:
         return self.global_rank == 0
 
+    @property
+    def log_dir(self) -> Path:
+        """This run's directory, ``<default_root_dir>/logs/version_N``: its logs and
+        checkpoints. The same on every rank and after every elastic restart."""
+        if self._log_dir is None:  # outside a run (one process): as rank 0 decides in one
+            self._log_dir = rundir.claim(self.default_root_dir, rundir.run_token(), self._run_index)
+        return self._log_dir
+
+    @property
+    def checkpoint_callback(self) -> Any:
+        """The checkpoint plugin of the run (``best_model_path``, ``last_model_path``), or
+        ``None`` with checkpointing off."""
+        return next((p for p in self.plugins if plugin_registry.plugin_name(p) == "checkpoint"), None)
+
+    def log_metrics(self, metrics: dict, step: int | None = None) -> None:
+        """Hand a row of metrics (names to numbers) to the loggers, for plugins that
+        measure something themselves (learning rates, device statistics); ``step``
+        defaults to ``global_step``. Also in ``callback_metrics``."""
+        floats = {k: float(v) for k, v in metrics.items()}
+        self._metrics.callback_metrics.update(floats)
+        loops.log_row(self, floats, step)
+
     def has_plugin(self, role: str) -> bool:
         """Whether a plugin of ``role`` (``"strategy"``, ``"precision"``...) is enabled."""
         return any(plugin_registry.plugin_role(p) == role for p in self.plugins)
@@ -240,12 +274,16 @@ class Trainer:
         return self.hook.reduce(trainer=self, tensor=tensor, op=op)
 
     def barrier(self, name: str = "") -> None:
-        self.hook.barrier(trainer=self, name=name)
+        """Wait for every rank (the ``barrier`` hook; nothing to wait for in a world of 1)."""
+        if self.world_size > 1:
+            self.hook.barrier(trainer=self, name=name)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """``obj`` as global rank ``src`` holds it, on every rank (``None`` included:
         the object travels in a one-element list, so a firstresult hook never mistakes
-        a broadcast ``None`` for "not handled")."""
+        a broadcast ``None`` for "not handled"). In a world of 1: ``obj``, no hook call."""
+        if self.world_size == 1:
+            return obj
         return self.hook.broadcast(trainer=self, obj=[obj], src=src)[0]
 
     def all_gather_object(self, obj: Any) -> list:
@@ -266,7 +304,8 @@ class Trainer:
         # pluggy's hook callers hold the hook-spec module, which cannot be pickled: the
         # plugin manager is rebuilt from the (pickled) plugins on arrival.
         state = self.__dict__.copy()
-        for key in ("plugin_manager", "hook", "_on_before_optimizer_step", "_on_before_zero_grad", "_loop_optimizer_cache"):
+        for key in ("plugin_manager", "hook", "_on_before_optimizer_step", "_on_before_zero_grad", "_on_log_metrics",
+                    "_loop_optimizer_cache"):
             state.pop(key, None)
         return state
 
@@ -275,6 +314,7 @@ class Trainer:
         self.plugin_manager = plugin_registry.make_plugin_manager(self.plugins, Defaults())
         self.hook = self.plugin_manager.hook
         self._on_before_optimizer_step = self._on_before_zero_grad = self._loop_optimizer_cache = None
+        self._on_log_metrics = None
 
     # -- entry points -------------------------------------------------------------------
 
@@ -289,10 +329,14 @@ class Trainer:
         """Train ``model`` on ``train_dataloaders`` (or the DataModule's loaders);
         validate as ``val_check_interval`` says when validation loaders are given.
 
-        ``ckpt_path`` resumes from a checkpoint file, or ``"last"`` for
-        ``<default_root_dir>/checkpoints/last.ckpt``. With ``devices > 1`` and no launcher
-        around this process, the script is re-launched through the strategy's launcher
-        (torchrun by default) and this process exits with the workers' status.
+        ``ckpt_path`` resumes from a checkpoint file, ``"last"`` for the newest run's
+        ``<default_root_dir>/logs/version_N/checkpoints/last.ckpt`` (none yet: training
+        starts from scratch, with a warning), or ``"best"`` for the checkpoint callback's
+        best. Without ``ckpt_path``, a worker that an elastic agent restarted
+        (``hookloop run --max-restarts``) resumes from this run's own ``last.ckpt``, if it
+        wrote one. With ``devices > 1`` and no launcher around this process, the script
+        is re-launched through the strategy's launcher (torchrun by default) and this
+        process exits with the workers' status.
         """
         if isinstance(train_dataloaders, DataModule) or _is_datamodule(train_dataloaders):
             datamodule, train_dataloaders = train_dataloaders, None
@@ -432,6 +476,19 @@ class Trainer:
                 f"plugins=['ddp'] or --plugins ddp (pip install hookloop-ddp). Installed "
                 f"plugins: {', '.join(installed) or 'none'}."
             )
+
+
+def _builtin_observers(config: TrainerConfig) -> list[str]:
+    """The observers every run gets unless blocked (``no:NAME``) or turned off, as pytest
+    ships its terminal reporter: the progress bar, the CSV logger, the checkpoints."""
+    names = []
+    if config.enable_progress_bar:
+        names.append("progress")
+    if config.logger:
+        names.append("csv")
+    if config.enable_checkpointing:
+        names.append("checkpoint")
+    return names
 
 
 # Module-level (not lambdas): a spawn-based strategy pickles the function it runs.

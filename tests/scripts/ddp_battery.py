@@ -134,7 +134,7 @@ record["unwrapped_after_fit"] = type(trainer.model).__name__
 # Checkpoints: rank 0 writes, no rank reads early, keys are the plain module's.
 root = OUT / "ckpt"
 trainer, module = fit(default_root_dir=str(root), enable_checkpointing=True)
-saved = torch.load(root / "checkpoints" / "last.ckpt", weights_only=True)  # right after fit, every rank
+saved = torch.load(root / "logs" / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)  # right after fit, every rank
 record["ckpt_read_diff"] = max(float((saved["state_dict"][k] - v).abs().max()) for k, v in module.state_dict().items())
 record["ckpt_state"] = state(module)
 
@@ -142,7 +142,7 @@ record["ckpt_state"] = state(module)
 root = OUT / "resume"
 fit(max_epochs=1, default_root_dir=str(root), enable_checkpointing=True)
 trainer, module = fit(module=TinyModule(seed=7 + RANK), max_epochs=2, default_root_dir=str(root),
-                      ckpt_path=str(root / "checkpoints" / "last.ckpt"))
+                      ckpt_path=str(root / "logs" / "version_0" / "checkpoints" / "last.ckpt"))
 record["resumed"] = state(module)
 record["resumed_step"] = trainer.global_step
 
@@ -174,12 +174,12 @@ record["powersgd"] = state(fit(plugin=DDP(comm_hook="powersgd", powersgd_start_i
 root = OUT / "powersgd"
 fit(plugin=DDP(comm_hook="powersgd", powersgd_start_iter=2), max_epochs=1,
     default_root_dir=str(root), enable_checkpointing=True)
-powersgd_ckpt = torch.load(root / "checkpoints" / "last.ckpt", weights_only=True)
+powersgd_ckpt = torch.load(root / "logs" / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
 saved = powersgd_ckpt["plugins"]["ddp"]["comm_hook"]
 record["powersgd_saved"] = {"hook": saved["hook"], "iter": saved["iter"], "ranks": len(saved["ranks"]),
                             "residuals_differ": not torch.equal(*(r["net.0.weight"]["error"] for r in saved["ranks"]))}
 record["powersgd_resumed"] = state(fit(plugin=DDP(comm_hook="powersgd", powersgd_start_iter=2), default_root_dir=str(root),
-                                       ckpt_path=str(root / "checkpoints" / "last.ckpt"))[1])
+                                       ckpt_path=str(root / "logs" / "version_0" / "checkpoints" / "last.ckpt"))[1])
 
 
 # Extension points: a subclass with its own rendezvous (a file store) and wrapper.

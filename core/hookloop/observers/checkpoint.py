@@ -1,0 +1,287 @@
+"""``checkpoint``: Lightning's ModelCheckpoint, as a built-in observer.
+
+Saves through ``trainer.save_checkpoint`` (so every strategy writes its own format) into
+``<run dir>/checkpoints/``: the ``save_top_k`` best checkpoints by ``monitor`` (or the
+latest ones without a monitor) named by ``filename``, and ``last.ckpt``. When: at the
+end of every ``every_n_epochs`` training epochs (after the epoch's validation), every
+``every_n_train_steps`` optimizer steps, and at the end of training when it stopped
+inside an epoch (``max_steps``, ``trainer.should_stop``); ``last.ckpt`` also at every
+epoch's end, as in Lightning. Under several processes global rank 0's metric values
+decide what is saved and how it is named. Its bookkeeping (the best paths and scores)
+travels in the checkpoints, so a resumed run continues it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import hookloop
+
+_GROUP = re.compile(r"\{([A-Za-z_][\w.]*)([:}])")
+
+
+class ModelCheckpoint:
+    """Save checkpoints as a run trains (built in: ``no:checkpoint`` or
+    ``enable_checkpointing=False`` turn it off; pass your own instance to configure it:
+    ``Trainer(callbacks=[hookloop.ModelCheckpoint(monitor="val_acc", mode="max")])``).
+
+    dirpath: where checkpoints go (default: ``<run dir>/checkpoints``)
+    filename: the template of top-k names, with metric values: ``"{epoch}-{val_acc:.3f}"``
+        (default ``"{epoch}-{step}"``); with auto_insert_metric_name each becomes
+        ``name=value`` (``epoch=3-val_acc=0.912.ckpt``), as in Lightning
+    monitor: the metric that ranks checkpoints (None: keep the latest ones)
+    mode: "min" or "max": which values of monitor are better
+    save_top_k: how many to keep (-1: all, 0: none but last.ckpt)
+    save_last: also write last.ckpt at every save (default True)
+    every_n_epochs: save at the end of every n-th epoch (0: never at epoch ends)
+    every_n_train_steps: also save every n optimizer steps (None: not within epochs)
+    auto_insert_metric_name: write ``name=`` before each value in filename
+    """
+
+    hookloop_name = "checkpoint"
+    hookloop_role = "observer"
+
+    def __init__(self, dirpath: str | os.PathLike | None = None, filename: str | None = None, monitor: str | None = None,
+                 mode: str = "min", save_top_k: int = 1, save_last: bool = True, every_n_epochs: int = 1,
+                 every_n_train_steps: int | None = None, auto_insert_metric_name: bool = True):
+        if mode not in ("min", "max"):
+            raise hookloop.ConfigurationError(
+                f"checkpoint mode={mode!r} must be 'min' (lower {monitor or 'monitored value'} is better) or 'max'")
+        if not isinstance(save_top_k, int) or save_top_k < -1:
+            raise hookloop.ConfigurationError(f"checkpoint save_top_k={save_top_k!r} must be -1 (all), 0 or a count")
+        if not isinstance(every_n_epochs, int) or every_n_epochs < 0:
+            raise hookloop.ConfigurationError(f"checkpoint every_n_epochs={every_n_epochs!r} must be an integer >= 0")
+        if every_n_train_steps is not None and (not isinstance(every_n_train_steps, int) or every_n_train_steps < 1):
+            raise hookloop.ConfigurationError(
+                f"checkpoint every_n_train_steps={every_n_train_steps!r} must be None or an integer >= 1")
+        self.dirpath, self.filename, self.monitor, self.mode = dirpath, filename, monitor, mode
+        self.save_top_k, self.save_last = save_top_k, save_last
+        self.every_n_epochs, self.every_n_train_steps = every_n_epochs, every_n_train_steps
+        self.auto_insert_metric_name = auto_insert_metric_name
+        self.best_k_models: dict[str, float] = {}
+        self.best_model_path = ""
+        self.best_model_score: float | None = None
+        self.last_model_path = ""
+        self.latest: list[str] = []  # without a monitor: the newest files, oldest first
+        self.dir: Path | None = None
+        self._last_saved: tuple | None = None
+        self._steps: Any = None
+
+    # -- the run --------------------------------------------------------------------------
+
+    @hookloop.hookimpl
+    def setup(self, trainer, stage):
+        if stage != "fit":
+            return
+        self.dir = Path(self.dirpath) if self.dirpath else Path(trainer.log_dir) / "checkpoints"
+        sharded = getattr(trainer.strategy, "hookloop_checkpoint_format", "file") == "directory"
+        last = self.dir / "last.ckpt"
+        if last.exists() and last.is_dir() != sharded:
+            # Found now, not after an epoch of training at the first save.
+            raise hookloop.ConfigurationError(
+                f"{str(last)!r} is a {'directory' if last.is_dir() else 'file'}, and this run's strategy writes "
+                f"{'sharded checkpoint directories' if sharded else 'single-file checkpoints'}: use another "
+                f"checkpoint directory (ModelCheckpoint(dirpath=...)) or remove it"
+            )
+        if self.every_n_train_steps:
+            # Only runs that ask for it pay a call per step.
+            self._steps = _SaveEverySteps(self)
+            trainer.plugin_manager.register(self._steps, name="checkpoint.every_n_train_steps")
+
+    @hookloop.hookimpl
+    def teardown(self, trainer):
+        steps, self._steps = self._steps, None
+        if steps is not None:
+            trainer.plugin_manager.unregister(steps)
+
+    # trylast: as Lightning runs checkpoint callbacks after the others, so what they
+    # changed at this event (an early-stopping count) is in the checkpoint.
+    @hookloop.hookimpl(trylast=True)
+    def on_train_epoch_end(self, trainer, epoch):
+        if self.every_n_epochs and (epoch + 1) % self.every_n_epochs == 0:
+            self.save(trainer)
+        elif self.save_last:
+            self.save(trainer, top_k=False)  # as Lightning: last.ckpt at every epoch's end
+
+    @hookloop.hookimpl(trylast=True)
+    def on_train_end(self, trainer):
+        """Training stopped inside an epoch: save where it stopped, so a resume continues
+        at the next batch."""
+        if trainer.batch_idx and self._position(trainer) != self._last_saved:
+            self.save(trainer)
+
+    # -- saving ---------------------------------------------------------------------------
+
+    def _position(self, trainer) -> tuple:
+        return trainer.current_epoch, trainer.global_step, trainer.batch_idx, trainer._loop_stage
+
+    def _monitored(self, trainer) -> float | None:
+        if self.monitor is None:
+            return None
+        metrics = trainer.callback_metrics
+        if self.monitor not in metrics:
+            raise hookloop.ConfigurationError(
+                f"ModelCheckpoint(monitor={self.monitor!r}) but no metric of that name was logged (logged: "
+                f"{', '.join(sorted(metrics)) or 'none'}): log it with self.log({self.monitor!r}, ...) or monitor "
+                f"one of those"
+            )
+        return float(metrics[self.monitor])
+
+    def _candidate(self, trainer) -> tuple[float | None, str]:
+        """The monitored value and the file name as global rank 0 sees them, on every rank:
+        ranks that logged different values (no ``sync_dist``) still agree on what to
+        save, as they must (saving is collective)."""
+        found: Any = None
+        if trainer.is_global_zero:
+            try:
+                found = (self._monitored(trainer), self.format_name(trainer))
+            except hookloop.ConfigurationError as exc:
+                found = str(exc)
+        if trainer.world_size > 1:
+            found = trainer.broadcast(found, 0)
+        if isinstance(found, str):
+            raise hookloop.ConfigurationError(found)
+        return found
+
+    def format_name(self, trainer) -> str:
+        """The filename template with this moment's epoch, step and metric values."""
+        template = self.filename or "{epoch}-{step}"
+        if self.auto_insert_metric_name:
+            template = _GROUP.sub(lambda m: f"{m.group(1)}={{{m.group(1)}{m.group(2)}", template)
+        values = {"epoch": trainer.current_epoch, "step": trainer.global_step, **trainer.callback_metrics}
+        try:
+            name = template.format(**{k.replace("/", "_"): v for k, v in values.items()})
+        except KeyError as exc:
+            raise hookloop.ConfigurationError(
+                f"checkpoint filename={self.filename!r} names {exc.args[0]!r}, which was not logged (logged: "
+                f"{', '.join(sorted(trainer.callback_metrics)) or 'none'})"
+            ) from None
+        return name if name.endswith(".ckpt") else name + ".ckpt"
+
+    def _better(self, value: float, than: float) -> bool:
+        return value < than if self.mode == "min" else value > than
+
+    def save(self, trainer, top_k: bool = True) -> None:
+        """Save now (every rank calls it: saving is collective): top-k, then last.ckpt."""
+        position = self._position(trainer)
+        if position == self._last_saved:
+            return
+        self._last_saved = position
+        written = None
+        if top_k and self.save_top_k != 0:
+            value, name = self._candidate(trainer)
+            if value is not None and not math.isfinite(value):
+                pass  # nan/inf never ranks among the best
+            elif self.monitor is None or self._qualifies(value):
+                path = str(self.dir / name)
+                drop = self._book(path, value)
+                trainer.save_checkpoint(path)
+                written = path
+                self._remove(trainer, drop)
+        if self.save_last:
+            last = str(self.dir / "last.ckpt")
+            self.last_model_path = last
+            if written is not None:
+                self._copy(trainer, written, last)
+            else:
+                trainer.save_checkpoint(last)
+
+    def _qualifies(self, value: float) -> bool:
+        if self.save_top_k == -1 or len(self.best_k_models) < self.save_top_k:
+            return True
+        worst = max(self.best_k_models.values()) if self.mode == "min" else min(self.best_k_models.values())
+        return self._better(value, worst)
+
+    def _book(self, path: str, value: float | None) -> list[str]:
+        """Record ``path`` before it is written (its own bookkeeping goes into it); return
+        the paths it pushes out."""
+        drop: list[str] = []
+        if value is None:
+            self.latest = [p for p in self.latest if p != path] + [path]
+            if self.save_top_k != -1:
+                while len(self.latest) > self.save_top_k:
+                    drop.append(self.latest.pop(0))
+            self.best_model_path = path
+            return drop
+        self.best_k_models[path] = value
+        if self.save_top_k != -1 and len(self.best_k_models) > self.save_top_k:
+            worst = max(self.best_k_models, key=self.best_k_models.get) if self.mode == "min" else min(
+                self.best_k_models, key=self.best_k_models.get)
+            del self.best_k_models[worst]
+            drop.append(worst)
+        best = min(self.best_k_models, key=self.best_k_models.get) if self.mode == "min" else max(
+            self.best_k_models, key=self.best_k_models.get)
+        self.best_model_path, self.best_model_score = best, self.best_k_models[best]
+        return drop
+
+    def _remove(self, trainer, paths: list[str]) -> None:
+        if trainer.is_global_zero:
+            for path in paths:
+                if path in (self.last_model_path,) or path in self.best_k_models:
+                    continue
+                target = Path(path)
+                if target.is_dir():
+                    shutil.rmtree(target, ignore_errors=True)
+                elif target.exists():
+                    target.unlink()
+        trainer.barrier("checkpoint_remove")
+
+    def _copy(self, trainer, source: str, target: str) -> None:
+        """last.ckpt as a copy of the checkpoint just written (no second serialisation)."""
+        if trainer.is_global_zero:
+            src, dst = Path(source), Path(target)
+            tmp = dst.with_name(f".{dst.name}.tmp")
+            if src.is_dir():
+                shutil.rmtree(tmp, ignore_errors=True)
+                shutil.copytree(src, tmp)
+                if dst.exists():
+                    shutil.rmtree(dst, ignore_errors=True) if dst.is_dir() else dst.unlink()
+            else:
+                shutil.copyfile(src, tmp)
+            os.replace(tmp, dst)
+        trainer.barrier("checkpoint_last")
+
+    # -- state ------------------------------------------------------------------------------
+
+    @hookloop.hookimpl
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["plugins"]["checkpoint"] = {
+            "dir": str(self.dir) if self.dir else None, "monitor": self.monitor, "mode": self.mode,
+            "best_k_models": dict(self.best_k_models), "best_model_path": self.best_model_path,
+            "best_model_score": self.best_model_score, "last_model_path": self.last_model_path,
+            "latest": list(self.latest),
+        }
+
+    @hookloop.hookimpl
+    def on_load_checkpoint(self, checkpoint):
+        """Continue the bookkeeping of the run the checkpoint came from, when it kept its
+        checkpoints where this one does and ranked them by the same metric."""
+        state = checkpoint.get("plugins", {}).get("checkpoint")
+        if not state or state["dir"] != (str(self.dir) if self.dir else None) or state["monitor"] != self.monitor:
+            return
+        self.best_k_models = {p: s for p, s in state["best_k_models"].items() if Path(p).exists()}
+        self.best_model_path, self.best_model_score = state["best_model_path"], state["best_model_score"]
+        self.last_model_path, self.latest = state["last_model_path"], list(state["latest"])
+
+
+class _SaveEverySteps:
+    """``every_n_train_steps``: registered only by runs that ask for it."""
+
+    hookloop_role = "observer"
+
+    def __init__(self, owner: ModelCheckpoint):
+        self.owner = owner
+
+    @hookloop.hookimpl(trylast=True)
+    def on_train_batch_end(self, trainer):
+        n = self.owner.every_n_train_steps
+        # Once per optimizer step: at the micro-batch that took it (the position moves).
+        if trainer.global_step and trainer.global_step % n == 0 and (
+                trainer.global_step != getattr(self, "_step", None)):
+            self._step = trainer.global_step
+            self.owner.save(trainer)

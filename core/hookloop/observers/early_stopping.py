@@ -1,0 +1,119 @@
+"""``early_stopping`` (opt-in): Lightning's EarlyStopping.
+
+Stops training when ``monitor`` stops improving for ``patience`` checks (by more than
+``min_delta``), reaches ``stopping_threshold``, or is not finite (``check_finite``).
+Checked after each validation when the run validates (mid-epoch too, with
+``val_check_interval``), else at each training epoch's end. Global rank 0 decides and
+broadcasts, so every rank stops at the same optimizer step; the loop honours
+``trainer.should_stop`` after every step as well as between epochs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import hookloop
+
+
+class EarlyStopping:
+    """Stop training when a metric stops improving.
+
+    monitor: the metric to watch ("val_loss")
+    mode: "min" or "max": which direction is an improvement
+    patience: checks without improvement before stopping (3)
+    min_delta: the least change that counts as an improvement (0.0)
+    check_finite: stop when the metric is nan or infinite (True)
+    stopping_threshold: stop as soon as the metric is better than this (None)
+    check_on_train_epoch_end: check at the training epoch's end rather than after each
+        validation (None: after validation when the run validates)
+    """
+
+    hookloop_name = "early_stopping"
+    hookloop_role = "observer"
+    # Which metric to watch is the user's choice: never loaded by HOOKLOOP_AUTOLOAD_PLUGINS.
+    hookloop_autoload = False
+
+    def __init__(self, monitor: str = "val_loss", mode: str = "min", patience: int = 3, min_delta: float = 0.0,
+                 check_finite: bool = True, stopping_threshold: float | None = None,
+                 check_on_train_epoch_end: bool | None = None):
+        if mode not in ("min", "max"):
+            raise hookloop.ConfigurationError(
+                f"early_stopping mode={mode!r} must be 'min' (lower {monitor} is better) or 'max'")
+        if not isinstance(patience, int) or patience < 0:
+            raise hookloop.ConfigurationError(f"early_stopping patience={patience!r} must be an integer >= 0")
+        self.monitor, self.mode, self.patience, self.min_delta = monitor, mode, patience, abs(min_delta)
+        self.check_finite, self.stopping_threshold = check_finite, stopping_threshold
+        self.check_on_train_epoch_end = check_on_train_epoch_end
+        self.wait_count = 0
+        self.best_score: float | None = None
+        self.stopped_epoch: int | None = None
+        self.reason: str | None = None
+
+    def _on_epoch_end(self, trainer) -> bool:
+        if self.check_on_train_epoch_end is not None:
+            return self.check_on_train_epoch_end
+        return not trainer.val_dataloaders
+
+    @hookloop.hookimpl
+    def on_validation_end(self, trainer):
+        if trainer.state == "fit" and not trainer.sanity_checking and not self._on_epoch_end(trainer):
+            self.check(trainer)
+
+    @hookloop.hookimpl
+    def on_train_epoch_end(self, trainer):
+        if self._on_epoch_end(trainer):
+            self.check(trainer)
+
+    def _improved(self, value: float) -> bool:
+        if self.best_score is None:
+            return True
+        if self.mode == "min":
+            return value < self.best_score - self.min_delta
+        return value > self.best_score + self.min_delta
+
+    def _decide(self, value: float) -> str | None:
+        """Why to stop now, or None; updates the patience count."""
+        if self.check_finite and not math.isfinite(value):
+            return f"{self.monitor} = {value} is not finite"
+        threshold = self.stopping_threshold
+        if threshold is not None and (value < threshold if self.mode == "min" else value > threshold):
+            return f"{self.monitor} = {value:.6g} reached the stopping threshold {threshold}"
+        if self._improved(value):
+            self.best_score, self.wait_count = value, 0
+            return None
+        self.wait_count += 1
+        if self.wait_count > self.patience:
+            return (f"{self.monitor} did not improve by more than {self.min_delta} for {self.wait_count} checks "
+                    f"(best {self.best_score:.6g})")
+        return None
+
+    def check(self, trainer) -> None:
+        """Decide on rank 0 and tell every rank (a collective: every rank calls it)."""
+        decision = None
+        if trainer.is_global_zero:
+            metrics = trainer.callback_metrics
+            if self.monitor not in metrics:
+                decision = ("error", f"EarlyStopping(monitor={self.monitor!r}) but no metric of that name was logged "
+                                     f"(logged: {', '.join(sorted(metrics)) or 'none'}): log it with "
+                                     f"self.log({self.monitor!r}, ...) or monitor one of those")
+            else:
+                reason = self._decide(float(metrics[self.monitor]))
+                decision = ("stop", reason) if reason else ("go", None)
+        decision, self.wait_count, self.best_score = trainer.broadcast((decision, self.wait_count, self.best_score), 0)
+        if decision[0] == "error":
+            raise hookloop.ConfigurationError(decision[1])
+        if decision[0] == "stop":
+            trainer.should_stop = True
+            self.stopped_epoch, self.reason = trainer.current_epoch, decision[1]
+            trainer.print(f"hookloop: early stopping at epoch {trainer.current_epoch}, step {trainer.global_step}: "
+                          f"{decision[1]}", flush=True)
+
+    @hookloop.hookimpl
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["plugins"]["early_stopping"] = {"wait_count": self.wait_count, "best_score": self.best_score}
+
+    @hookloop.hookimpl
+    def on_load_checkpoint(self, checkpoint):
+        state = checkpoint.get("plugins", {}).get("early_stopping")
+        if state:
+            self.wait_count, self.best_score = state["wait_count"], state["best_score"]

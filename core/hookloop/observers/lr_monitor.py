@@ -1,0 +1,66 @@
+"""``lr_monitor`` (opt-in): Lightning's LearningRateMonitor.
+
+Logs the learning rate of every optimizer's parameter groups (and their momentum),
+per step (every ``log_every_n_steps`` optimizer steps) or per epoch, as metrics named
+``lr-<Optimizer>`` (``lr-<Optimizer>/pg<i>`` with several groups, ``lr-<Optimizer>-<j>``
+for the j-th optimizer of a class) that the loggers write.
+"""
+
+from __future__ import annotations
+
+import hookloop
+
+
+class LearningRateMonitor:
+    """Log learning rates (and momentum).
+
+    logging_interval: "step", "epoch", or None (each optimizer's scheduler's interval;
+        "epoch" without a scheduler)
+    log_momentum: also log each group's momentum (SGD) or first beta (Adam) as momentum-<...>
+    """
+
+    hookloop_name = "lr_monitor"
+    hookloop_role = "observer"
+
+    def __init__(self, logging_interval: str | None = None, log_momentum: bool = False):
+        if logging_interval not in (None, "step", "epoch"):
+            raise hookloop.ConfigurationError(
+                f"lr_monitor logging_interval={logging_interval!r} must be 'step', 'epoch' or None")
+        self.logging_interval, self.log_momentum = logging_interval, log_momentum
+        self._logged_step = -1
+
+    def _interval(self, trainer) -> str:
+        if self.logging_interval:
+            return self.logging_interval
+        intervals = {c.interval for c in trainer.lr_scheduler_configs}
+        return "step" if intervals == {"step"} else "epoch"
+
+    def values(self, trainer) -> dict[str, float]:
+        """Every group's learning rate (and momentum), by Lightning's names."""
+        out: dict[str, float] = {}
+        counts: dict[str, int] = {}
+        for optimizer in trainer.optimizers:
+            base = type(getattr(optimizer, "optimizer", optimizer)).__name__
+            index = counts[base] = counts.get(base, -1) + 1
+            name = f"lr-{base}" if index == 0 else f"lr-{base}-{index}"
+            groups = optimizer.param_groups
+            for g, group in enumerate(groups):
+                key = name if len(groups) == 1 else f"{name}/pg{g + 1}"
+                out[key] = float(group["lr"])
+                if self.log_momentum:
+                    momentum = group.get("momentum", (group.get("betas") or (None,))[0])
+                    if momentum is not None:
+                        out[key.replace("lr-", "momentum-", 1)] = float(momentum)
+        return out
+
+    @hookloop.hookimpl
+    def on_train_epoch_start(self, trainer):
+        if self._interval(trainer) == "epoch":
+            trainer.log_metrics(self.values(trainer))
+
+    @hookloop.hookimpl
+    def on_train_batch_end(self, trainer):
+        step = trainer.global_step
+        if self._interval(trainer) == "step" and step != self._logged_step and step % trainer.config.log_every_n_steps == 0:
+            self._logged_step = step
+            trainer.log_metrics(self.values(trainer))

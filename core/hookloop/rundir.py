@@ -1,0 +1,78 @@
+"""Run directories: ``<default_root_dir>/logs/version_N/``, one per run, shared by its ranks
+and by every elastic restart of it.
+
+Global rank 0 decides and broadcasts, so the ranks agree. A directory belongs to a run by
+a marker file naming the launcher's run id (torchrun's ``TORCHELASTIC_RUN_ID``, which its
+restarted workers keep; hookloop's own id for processes it spawns) and the Trainer's
+index among the runs of this process (a script that builds two Trainers gets two
+directories, the same two on every rank and after every restart). Without a launcher a
+process makes up its run id, so every new process starts new versions.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from pathlib import Path
+
+MARKER = ".hookloop-run"
+RUN_ID_ENV = "HOOKLOOP_RUN_TOKEN"
+_VERSION = re.compile(r"^version_(\d+)$")
+_runs_in_process = 0
+
+
+def run_token() -> str:
+    """This job's run id: torchrun's, or one made here and passed on to child processes."""
+    token = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get(RUN_ID_ENV)
+    if not token or token == "none":
+        token = uuid.uuid4().hex
+        os.environ[RUN_ID_ENV] = token  # processes spawned from here inherit it
+    return token
+
+
+def next_index() -> int:
+    """The index of the next run in this process (counted alike on every rank)."""
+    global _runs_in_process
+    _runs_in_process += 1
+    return _runs_in_process - 1
+
+
+def versions(logs: Path) -> list[tuple[int, Path]]:
+    if not logs.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in logs.iterdir() if p.is_dir() and (m := _VERSION.match(p.name))]
+    return sorted(found)
+
+
+def claim(root: Path, token: str, index: int) -> Path:
+    """The run directory for ``(token, index)`` under ``root``: the one a previous attempt
+    of the same run marked, else a new ``version_N`` (claimed with an exclusive mkdir)."""
+    logs = root / "logs"
+    key = f"{token}:{index}"
+    for _, path in versions(logs):
+        marker = path / MARKER
+        if marker.is_file() and marker.read_text().strip() == key:
+            return path
+    logs.mkdir(parents=True, exist_ok=True)
+    number = versions(logs)[-1][0] + 1 if versions(logs) else 0
+    while True:
+        path = logs / f"version_{number}"
+        try:
+            path.mkdir()
+        except FileExistsError:  # another run took it meanwhile
+            number += 1
+            continue
+        (path / MARKER).write_text(key + "\n")
+        return path
+
+
+def newest_last_checkpoint(root: Path) -> Path | None:
+    """``last.ckpt`` of the most recently written run under ``root`` (or the pre-version
+    location ``<root>/checkpoints/last.ckpt``), or ``None``."""
+    candidates = [p / "checkpoints" / "last.ckpt" for _, p in versions(root / "logs")]
+    candidates.append(root / "checkpoints" / "last.ckpt")
+    existing = [c for c in candidates if c.exists()]
+    if not existing:
+        return None
+    return max(existing, key=lambda c: c.stat().st_mtime)
