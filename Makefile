@@ -1,43 +1,79 @@
-# The two commands of the README: `make demo` and `make test`. Both create .venv and
-# install the core and every in-tree plugin first.
+# The two commands of the README, `make demo` and `make test`, and the steps under them.
 #
+#   make demo      .venv with torch, the core (+ plot extra), ddp, amp and scikit-learn only;
+#                  trains examples/digits.py on 2 processes, then plots its metrics
+#   make backends  builds Horovod from source and compiles DeepSpeed's CPU ops (minutes)
+#   make test      every in-tree plugin and the backends, then the whole test suite
+#
+# Each step leaves a stamp in .venv, so `make test` after `make demo` goes on from there.
 # torch==2.13.0 is installed first and alone: it is a CPU build on this machine's disk,
 # and any requirement that admits a newer torch would pull a multi-GB CUDA build.
 
 VENV    ?= .venv
 PYTHON  := $(VENV)/bin/python
-PIP     := $(PYTHON) -m pip
+# --no-compile: pip compiles every file of every wheel on one core (a minute for torch
+# alone on 2 cores); COMPILE does it afterwards on every core (20 s for everything, seconds
+# when up to date). It matters: where PYTHONDONTWRITEBYTECODE=1 nothing is cached at
+# import, and each of the test suite's hundreds of processes would compile torch again
+# (measured: `import torch` 5.8 s instead of 2.2 s).
+PIP     := $(PYTHON) -m pip --disable-pip-version-check install -q --no-compile
+COMPILE  = $(PYTHON) -m compileall -q -j 0 "$$($(PYTHON) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null 2>&1 || true
 TORCH   ?= torch==2.13.0
 PLUGINS := $(sort $(dir $(wildcard plugins/*/pyproject.toml)))
-STAMP   := $(VENV)/.hookloop-installed
+DEMO_PLUGINS := $(sort $(dir $(wildcard plugins/ddp/pyproject.toml plugins/amp/pyproject.toml)))
 PYTEST_ARGS ?=
 
-.PHONY: demo test bench install clean
+TORCH_STAMP    := $(VENV)/.hookloop-torch
+DEMO_STAMP     := $(VENV)/.hookloop-demo
+BACKENDS_STAMP := $(VENV)/.hookloop-backends
+STAMP          := $(VENV)/.hookloop-installed
 
-install: $(STAMP)
+.PHONY: demo backends test bench install clean
 
-$(STAMP): pyproject.toml $(wildcard plugins/*/pyproject.toml) $(wildcard plugins/*/build_*.sh) Makefile
+$(TORCH_STAMP):
 	test -x $(PYTHON) || python3 -m venv $(VENV)
-	$(PIP) install -q --disable-pip-version-check $(TORCH)
+	$(PIP) $(TORCH)
+	touch $@
+
+# What the demo needs: the observers (progress bar, CSV log) are in the core.
+$(DEMO_STAMP): $(TORCH_STAMP) pyproject.toml $(addsuffix pyproject.toml,$(DEMO_PLUGINS)) Makefile
+	$(PIP) -e '.[plot]' $(foreach p,$(DEMO_PLUGINS),-e $(p)) scikit-learn
+	$(COMPILE)
+	touch $@
+
+backends: $(BACKENDS_STAMP)
+
+# Horovod first: hookloop-horovod requires horovod==0.28.1, which only installs built
+# from source (cached in ~/.cache/hookloop/wheels). Then DeepSpeed's CPU ops, which it
+# would otherwise compile inside the first run (`hookloop plugins` says when they are not).
+$(BACKENDS_STAMP): $(DEMO_STAMP) $(wildcard plugins/*/build_*.sh plugins/deepspeed/pyproject.toml)
 	@if [ -x plugins/horovod/build_horovod.sh ]; then PYTHON=$(PYTHON) plugins/horovod/build_horovod.sh; fi
-	$(PIP) install -q --disable-pip-version-check -e . $(foreach p,$(PLUGINS),-e $(p)) pytest scikit-learn
 	@# DeepSpeed's NVMe offload (async_io op) links libaio: install it where apt-get can.
 	@if [ -d plugins/deepspeed ] && command -v apt-get >/dev/null && ! ldconfig -p | grep -q 'libaio\.so '; then \
 		(apt-get update -qq && apt-get install -y -qq libaio-dev) || echo "hookloop-deepspeed: could not install libaio-dev; NVMe offload stays unavailable"; fi
-	@# DeepSpeed compiles its CPU ops on first use (minutes): do it here, once.
-	@if [ -d plugins/deepspeed ]; then DS_ACCELERATOR=cpu $(PYTHON) -m hookloop_deepspeed.build_ops; fi
+	@if [ -d plugins/deepspeed ]; then \
+		$(PIP) -e plugins/deepspeed && DS_ACCELERATOR=cpu $(PYTHON) -m hookloop_deepspeed.build_ops; fi
 	touch $@
 
-demo: $(STAMP)
-	$(VENV)/bin/hookloop plugins --load
+# Every other in-tree plugin (the demo's and the backends' are already in).
+install: $(STAMP)
+$(STAMP): $(BACKENDS_STAMP) $(wildcard plugins/*/pyproject.toml) Makefile
+	$(PIP) $(foreach p,$(filter-out $(DEMO_PLUGINS),$(PLUGINS)),-e $(p)) pytest scikit-learn
+	$(COMPILE)
+	touch $@
+
+demo: $(DEMO_STAMP)
+	$(VENV)/bin/hookloop plugins
 	$(VENV)/bin/hookloop run $(if $(wildcard plugins/ddp),--plugins ddp --devices 2) \
 		--default-root-dir .demo examples/digits.py
+	@printf 'metrics report: '
+	@$(VENV)/bin/hookloop plot .demo
 
 test: $(STAMP)
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	$(PIP) install -q --disable-pip-version-check pytorch-lightning==2.6.6 accelerate==1.15.0
+	$(PIP) pytorch-lightning==2.6.6 accelerate==1.15.0
 	$(PYTHON) benchmarks/loop_overhead.py
 
 clean:

@@ -144,7 +144,7 @@ def test_resume_mid_epoch_equals_uninterrupted_run(horovod_run):
     # Stopped at step 9 of 12 (mid-epoch), resumed into a differently seeded module.
     assert max_abs_diff(weights(out, "horovod_resumed"), weights(out, "horovod_scaled")) <= 1e-6
     assert all(r["resumed_step"] == 12 for r in ranks)
-    assert (out / "resume" / "checkpoints" / "last.ckpt").is_file()
+    assert (out / "resume" / "logs" / "version_0" / "checkpoints" / "last.ckpt").is_file()
 
 
 def test_resume_on_one_worker_rescales_the_learning_rate(horovod_run):
@@ -213,7 +213,7 @@ def test_digits_example_under_hookloop_run(tmp_path):
     )
     accuracy = float(re.search(r"validation accuracy: ([0-9.]+)", proc.stdout).group(1))
     assert accuracy >= 0.9, proc.stdout
-    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+    assert (tmp_path / "logs" / "version_0" / "checkpoints" / "last.ckpt").is_file()
 
 
 # ---------------------------------------------------------------------------------------

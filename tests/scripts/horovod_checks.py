@@ -103,7 +103,8 @@ def parity_scenarios() -> hookloop.Trainer:
     module = TinyModule(seed=0)
     t.fit(module, loader())
     save("fp16_clip", t, module)
-    observed["amp_plugins"] = sorted(getattr(p, "hookloop_name", type(p).__name__) for p in t.plugins)
+    observed["amp_plugins"] = sorted(getattr(p, "hookloop_name", type(p).__name__) for p in t.plugins
+                                     if hookloop.plugins.plugin_role(p) != "observer")  # not the built-in ones
 
     # manual optimization: manual_backward and step() through the strategy (Horovod's
     # DistributedOptimizer / DDP's reducer) and the GradScaler must reproduce fp16_clip
@@ -147,7 +148,7 @@ def horovod_scenarios() -> None:
     t.fit(TinyModule(seed=0, scheduler=True), loader())
     t = trainer({"scale_lr": True}, enable_checkpointing=True, default_root_dir=str(OUT / "resumed"))
     module = TinyModule(seed=5, scheduler=True)
-    t.fit(module, loader(), ckpt_path=str(OUT / "resume" / "checkpoints" / "last.ckpt"))
+    t.fit(module, loader(), ckpt_path=str(OUT / "resume" / "logs" / "version_0" / "checkpoints" / "last.ckpt"))
     save("resumed", t, module)
     observed["resumed_step"] = t.global_step
 
@@ -170,9 +171,9 @@ def horovod_scenarios() -> None:
 
 def rescale_scenario() -> None:
     """One worker resumes the two-worker checkpoint: its lr scaled by 2 becomes scaled by 1."""
-    saved = torch.load(OUT / "resume" / "checkpoints" / "last.ckpt", weights_only=True)
+    saved = torch.load(OUT / "resume" / "logs" / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
     t = trainer({"scale_lr": True}, devices=1, max_steps=9)  # stop right after restoring
-    t.fit(TinyModule(seed=0, scheduler=True), loader(), ckpt_path=str(OUT / "resume" / "checkpoints" / "last.ckpt"))
+    t.fit(TinyModule(seed=0, scheduler=True), loader(), ckpt_path=str(OUT / "resume" / "logs" / "version_0" / "checkpoints" / "last.ckpt"))
     observed.update(
         world_size=t.world_size,
         saved_lr=saved["optimizer_states"][0]["param_groups"][0]["lr"],

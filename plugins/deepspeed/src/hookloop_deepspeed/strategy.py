@@ -18,7 +18,7 @@ import torch
 import hookloop
 from hookloop import CheckpointError, ConfigurationError, MissingDependencyError
 
-from . import activations
+from . import activations, build_ops
 from .config import (
     DEFAULT_OPTIONS,
     build_config,
@@ -72,6 +72,10 @@ class DeepSpeedStrategy:
     # Precision plugins hand their setting over: the engine casts the model itself.
     # and the engine clips (its config's gradient_clipping), so self.clip_gradients is refused.
     hookloop_owns = frozenset({"precision", "gradient_clipping"})
+    # Checkpoints are directories of shards (the checkpoint plugin checks before training).
+    hookloop_checkpoint_format = "directory"
+    # `hookloop plugins` shows "not built: ..." until DeepSpeed's CPU ops are compiled.
+    hookloop_build_status = staticmethod(build_ops.build_status)
 
     def __init__(
         self,

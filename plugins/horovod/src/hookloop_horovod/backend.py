@@ -9,7 +9,10 @@ so it has to be built), it was built without its PyTorch extension, or without G
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from importlib.machinery import EXTENSION_SUFFIXES
+from pathlib import Path
 from types import ModuleType
 
 import hookloop
@@ -47,6 +50,18 @@ def import_horovod() -> ModuleType:
             f"installed build)."
         )
     return hvd
+
+
+def build_status() -> str | None:
+    """``None`` when Horovod's compiled PyTorch extension is installed, else the command
+    that builds it (the plugin's ``hookloop_build_status``, shown by ``hookloop plugins``).
+    Looks for the file without importing Horovod; an extension built against another torch
+    is still caught at launch by :func:`import_horovod`."""
+    spec = importlib.util.find_spec("horovod")  # the top-level package: imports nothing
+    folders = (spec.submodule_search_locations or []) if spec else []
+    if any(next(Path(f, "torch").glob(f"mpi_lib_v2{s}"), None) for f in folders for s in EXTENSION_SUFFIXES):
+        return None
+    return "run 'make backends' (or plugins/horovod/build_horovod.sh)"
 
 
 def check_launcher() -> None:

@@ -19,7 +19,7 @@ import torch
 
 import hookloop
 
-from .backend import import_horovod, under_horovod_launcher
+from .backend import build_status, import_horovod, under_horovod_launcher
 from .launcher import HOSTS_ENV, horovodrun_command
 
 COMPRESSIONS = ("none", "fp16")
@@ -49,6 +49,8 @@ class Horovod:
 
     hookloop_name = "horovod"
     hookloop_role = "strategy"
+    # `hookloop plugins` shows "not built: ..." until Horovod's PyTorch extension is built.
+    hookloop_build_status = staticmethod(build_status)
 
     def __init__(
         self,
