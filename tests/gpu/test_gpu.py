@@ -169,7 +169,7 @@ def test_fp16_on_cuda_matches_the_gradscaler_loop_and_checkpoints_the_scaler(tmp
                                plugin_options={"amp": options}, default_root_dir=str(tmp_path))
     trainer.fit(module, loader)
     amp = next(p for p in trainer.plugins if p.hookloop_name == "amp")
-    saved = hookloop.safe_load(tmp_path / "checkpoints" / "last.ckpt")
+    saved = hookloop.safe_load(tmp_path / "logs" / "version_0" / "checkpoints" / "last.ckpt")
 
     reference = Net()
     scale, skipped = amp_reference(reference, loader, 3, torch.float16, clip=0.5, **options)
@@ -256,3 +256,41 @@ def test_ddp2_splits_each_batch_over_the_nodes_gpus_and_gathers_for_training_ste
     reference = TinyModule(seed=0)
     reference_loop(reference, DataLoader(tiny_data(96), batch_size=16), epochs=2)
     assert max_abs_diff(result["state"], state_of(reference)) < 1e-5
+
+
+# -- 8. device_stats and throughput (hookloop-monitor) ---------------------------------------
+
+
+@pytest.mark.gpu
+def test_device_stats_reads_the_real_gpu_through_nvml(tmp_path):
+    """device_stats on a CUDA run, through the real pynvml: plausible readings of the GPU
+    the run trains on (its total memory as torch reports it, within 1 %)."""
+    import csv
+    import warnings
+
+    from hookloop_monitor import DeviceStats, Throughput
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = hookloop.Trainer(accelerator="cuda", devices=1, max_epochs=2, enable_checkpointing=False,
+                                   enable_progress_bar=False, default_root_dir=str(tmp_path),
+                                   plugins=[DeviceStats(every_n_steps=2), Throughput(every_n_steps=2)])
+        trainer.fit(Net(), DataLoader(data(256), batch_size=32))  # 8 steps an epoch
+    assert not [str(w.message) for w in caught if "device_stats" in str(w.message)]
+    assert trainer.root_device == torch.device("cuda", 0)
+    with open(trainer.log_dir / "metrics.csv", newline="") as f:
+        rows = [row for row in csv.DictReader(f) if row.get("rank0/gpu_util")]
+    assert [int(row["step"]) for row in rows] == [2, 4, 6, 8, 10, 12, 14, 16]
+    total_mib = torch.cuda.get_device_properties(0).total_memory / 2**20
+    for row in rows:
+        value = {k.removeprefix("rank0/"): float(v) for k, v in row.items() if k.startswith("rank0/") and v}
+        assert 0 <= value["gpu_util"] <= 100, row
+        assert 0 < value["gpu_mem_used_mib"] <= value["gpu_mem_total_mib"], row
+        assert value["gpu_mem_total_mib"] == pytest.approx(total_mib, rel=0.01), row
+        assert 0 < value["cuda_max_allocated_mib"] <= value["gpu_mem_used_mib"], row
+        assert 0 < value["gpu_temp_c"] < 120, row
+        assert value.get("gpu_power_w", 1.0) > 0, row  # absent where the board does not report power
+        assert value["rss_mib"] > 0, row
+    metrics = trainer.callback_metrics  # throughput, on the same GPU run: 8 batches of 32 an epoch
+    assert 0 < metrics["rank0/batches_per_sec"] and metrics["rank0/samples_per_sec"] == pytest.approx(
+        32 * metrics["rank0/batches_per_sec"])
