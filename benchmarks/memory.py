@@ -65,13 +65,15 @@ class Probe:
     hookloop_role = "observer"
 
     def __init__(self):
-        self.report: dict | None = None
+        self.reports: list[dict] | None = None
 
     @hookloop.hookimpl
     def on_fit_end(self, trainer):
         from hookloop_deepspeed.memory import memory_report
 
-        self.report = memory_report(trainer)
+        # Gathered here, while the strategy's process group still exists (a run's group is
+        # destroyed when fit returns).
+        self.reports = trainer.all_gather_object(memory_report(trainer))
 
 
 def measure(strategy, devices: int, steps: int) -> tuple[list[dict], int]:
@@ -82,11 +84,7 @@ def measure(strategy, devices: int, steps: int) -> tuple[list[dict], int]:
     quiet = io.StringIO()
     with contextlib.redirect_stdout(quiet):
         trainer.fit(MLP(), DataLoader(data, batch_size=16, shuffle=True))
-    import torch.distributed as dist
-
-    reports = [None] * trainer.world_size
-    dist.all_gather_object(reports, probe.report)
-    return reports, trainer.world_size
+    return probe.reports, trainer.world_size
 
 
 def limits(stage: int | None, n: int, world: int) -> dict[str, float]:
@@ -115,6 +113,16 @@ def main() -> None:
     for label, strategy, stage in runs:
         reports, world = measure(strategy, args.devices, args.steps)
         rows.append((label, stage, reports, world))
+    # FSDP rows (hookloop-fsdp, benchmarks/fsdp_rows.py): measured in every rank, printed last.
+    fsdp = None
+    if "fsdp" in hookloop.installed_plugins():
+        import fsdp_rows
+
+        fsdp = fsdp_rows.measure(args.devices, args.steps, MLP)
+    # ddp_sharded rows (hookloop-fairscale, benchmarks/sharded_rows.py): measured in every rank.
+    import sharded_rows
+
+    sharded = sharded_rows.measure(args.devices, args.steps, MLP, WIDTH)
     if os.environ.get("RANK", "0") != "0":
         return
     # ddp first in the table: the baseline.
@@ -133,11 +141,14 @@ def main() -> None:
             ratio = f"{measured / limit[key]:.3f}" if limit[key] else ("-" if measured == 0 else "inf")
             cells.append(f"{measured / mb:8.2f} ({limit[key] / mb:6.2f}, {ratio:>5})")
         print(f"{label:<20}" + "".join(f"{c:>34}" for c in cells))
+    sharded_rows.print_rows(sharded)  # in the table: its limits (8N/W, 0, 4N) and OSS's greedy split
     ddp = next((r for r in rows if r[1] is None), None)
     stage3 = next(r for r in rows if r[1] == 3)
     if ddp is not None:
         total = lambda rep: rep["optimizer_state_bytes"] + rep["master_weight_bytes"] + rep["parameter_bytes"]  # noqa: E731
         print(f"stage3/ddp bytes per rank (state + master + parameters) {max(map(total, stage3[2])) / max(map(total, ddp[2])):.2f}")
+    if fsdp is not None:
+        fsdp_rows.report(fsdp)  # its own table: FSDP's limits, measured from local shards; step time vs ddp
 
 
 if __name__ == "__main__":

@@ -1,0 +1,92 @@
+"""``hookloop fsdp collate CKPT_DIR OUT.pt``: one plain state dict from a sharded checkpoint.
+
+Registered under the entry-point group ``hookloop.commands``; the ``hookloop`` command
+imports this module only when the sub-command runs. The shards are merged by torch's
+own converter, ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``, which
+needs no process group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from hookloop import CheckpointError
+
+from .checkpoint import LATEST, MODEL_DIR, committed_tag, file_mode
+
+
+def collate(checkpoint_dir: str | os.PathLike, output: str | os.PathLike, tag: str | None = None) -> dict[str, torch.Tensor]:
+    """Merge the model shards of a sharded fsdp checkpoint into one file at ``output``.
+
+    The file holds the user's module's state dict (its keys, plain tensors in the dtype
+    trained), so ``module.load_state_dict(torch.load(output, weights_only=True))`` loads
+    it into the plain ``nn.Module``. Optimizer state is left out: resume from the
+    directory itself. Written atomically (a temporary file, then a rename). Returns the
+    state dict.
+    """
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.is_dir():
+        raise CheckpointError(
+            f"{str(checkpoint_dir)!r} is not a directory: pass the directory that the fsdp strategy "
+            f"wrote with state_dict_type='sharded' (e.g. checkpoints/last.ckpt)")
+    if tag is not None:
+        shards = checkpoint_dir / tag
+        if not (shards / MODEL_DIR / ".metadata").is_file():
+            raise CheckpointError(f"{str(checkpoint_dir)!r} has no complete checkpoint tag {tag!r}")
+    else:
+        shards = committed_tag(checkpoint_dir)
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        dcp_to_torch_save(shards / MODEL_DIR, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.chmod(tmp, file_mode())
+        os.replace(tmp, output)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return torch.load(output, map_location="cpu", weights_only=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``hookloop fsdp ...``."""
+    parser = argparse.ArgumentParser(prog="hookloop fsdp", description="Tools for checkpoints written by the fsdp strategy.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    c = sub.add_parser(
+        "collate",
+        help="merge a sharded checkpoint's model shards into one plain state dict (optimizer state is dropped)",
+        description=(
+            "Merge the model shards of a checkpoint directory written with state_dict_type='sharded' "
+            "into one state dict with your module's keys, using torch.distributed.checkpoint's own "
+            "converter; load it with module.load_state_dict(torch.load(OUT, weights_only=True)). "
+            "Optimizer state is dropped: resume training from the directory itself."
+        ),
+    )
+    c.add_argument("checkpoint_dir", help="the checkpoint directory (e.g. checkpoints/last.ckpt)")
+    c.add_argument("output", help="the .pt file to write")
+    c.add_argument("--tag", default=None, help=f"the tag to read (default: the one named in '{LATEST}')")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        state = collate(args.checkpoint_dir, args.output, tag=args.tag)
+    except CheckpointError as exc:
+        print(f"hookloop fsdp: error: {exc}", file=sys.stderr)
+        return 2
+    n = sum(v.numel() for v in state.values() if isinstance(v, torch.Tensor))
+    print(f"wrote {args.output}: {len(state)} tensors, {n} elements (optimizer state dropped)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,457 @@
+"""The ``fsdp`` strategy: PyTorch's FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+Built on :class:`hookloop_ddp.DDP` through its extension points: launching (torchrun,
+several nodes), the launcher's environment, the process group and its teardown, the
+samplers and the collectives are ddp's; this class changes the model (sharded units,
+activation checkpointing, meta-device creation), precision, gradient accumulation and
+checkpoints (``torch.distributed.checkpoint``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import hookloop
+from hookloop import ConfigurationError
+from hookloop_ddp import DDP
+
+from . import checkpoint as ckpt
+from . import options as opts
+from .sharding import (
+    FSDPRoot,
+    Sharded,
+    broadcast_from_rank0,
+    checkpoint_activations,
+    detach_stale,
+    materialise,
+    reattach,
+    repoint_optimizers,
+    snapshot,
+    unshard_module,
+)
+
+#: The key of this plugin's state in ``checkpoint["plugins"]`` (the fp16 scaler's).
+CHECKPOINT_KEY = "fsdp"
+
+# ddp's options that mean something under FSDP too; the others (DistributedDataParallel's
+# own) are refused with a message rather than silently ignored.
+_DDP_OPTIONS_KEPT = ("process_group_backend", "sampler_seed", "timeout")
+_DDP_DEFAULTS = {n: p.default for n, p in inspect.signature(DDP.__init__).parameters.items() if n != "self"}
+
+
+class FSDP(DDP):
+    """Fully sharded data parallel training with PyTorch's FSDP2 (``fully_shard``).
+
+    Each rank keeps a shard of every parameter, gradient and optimizer state; a unit's
+    parameters are all-gathered for its forward and backward and its gradients are
+    reduce-scattered. Launching, multi-node, the samplers and ``sync_dist`` are ddp's
+    (``hookloop run --plugins fsdp --devices N [--nodes M ...]``).
+
+    Options (constructor arguments, ``plugin_options={"fsdp": {...}}`` or
+    ``--plugin-option fsdp.NAME=VALUE``), with Lightning's ``FSDPStrategy`` names:
+
+    ``auto_wrap_policy``
+        which submodules become FSDP units of their own (all-gathered one at a time):
+        a set of ``nn.Module`` classes (or class names, e.g. ``{"Block"}``), a minimum
+        number of parameters per unit (torch's size-based policy), a function
+        ``module -> bool``, or ``None`` (default: the whole model is one unit). A class
+        the model does not contain is an error.
+    ``sharding_strategy``
+        ``"FULL_SHARD"`` (default: parameters resharded after forward),
+        ``"SHARD_GRAD_OP"`` (kept gathered from forward to backward:
+        ``reshard_after_forward=False``), ``"NO_SHARD"`` (every rank holds everything;
+        gradients all-reduced), ``"HYBRID_SHARD"`` (a 2-D mesh: replicate across
+        nodes, shard within each; see ``device_mesh``). torch's ``ShardingStrategy``
+        enum is accepted too.
+    ``device_mesh``
+        ``HYBRID_SHARD``'s mesh as ``(replicas, shard size)``; default ``(nodes,
+        processes per node)``. Its product must be the number of processes.
+    ``cpu_offload``
+        keep sharded parameters, gradients and the optimizer step on the CPU
+        (``CPUOffloadPolicy``).
+    ``activation_checkpointing_policy``
+        modules whose activations are recomputed in backward (torch's non-reentrant
+        ``torch.utils.checkpoint``): a set of classes or class names, or a function
+        ``module -> bool``.
+    ``state_dict_type``
+        ``"full"`` (default): ``module.state_dict()`` gathers plain full tensors
+        (a collective), checkpoints are hookloop's single file written by rank 0, and
+        after ``fit`` the module holds its full trained parameters again on every rank.
+        ``"sharded"``: ``module.state_dict()`` holds this rank's DTensor shards,
+        checkpoints are directories written by every rank in parallel with
+        ``torch.distributed.checkpoint`` (resumable on another number of processes;
+        ``hookloop fsdp collate`` makes one file of them), and after ``fit`` the
+        module keeps its shards (nothing is ever gathered).
+    ``meta_init``
+        run the module's ``configure_model()`` on the meta device (default True), so
+        the model is created sharded; ``False`` builds it normally on every rank.
+    ``allow_cpu_fp16``
+        run ``precision="16-mixed"``/``"16-true"`` on the CPU (meant for CUDA; for tests).
+    ``process_group_backend``, ``sampler_seed``, ``timeout``
+        as for ddp: the backend (gloo on CPU, nccl on CUDA), the samplers' seed, the
+        collectives' timeout in seconds.
+
+    Precision comes from ``--precision`` (the strategy owns it: hookloop-amp steps
+    aside): ``bf16-mixed`` / ``16-mixed`` compute in half precision on fp32 sharded
+    weights (``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)``; fp16 with a
+    sharded gradient scaler), ``bf16-true`` / ``16-true`` keep the weights in half
+    precision.
+    """
+
+    hookloop_name = "fsdp"
+    hookloop_role = "strategy"
+    hookloop_owns = frozenset({"precision"})
+
+    _FSDP_OPTIONS = (
+        "auto_wrap_policy", "sharding_strategy", "device_mesh", "cpu_offload",
+        "activation_checkpointing_policy", "state_dict_type", "meta_init", "allow_cpu_fp16",
+    )
+    _OPTIONS = DDP._OPTIONS + _FSDP_OPTIONS
+
+    def __init__(
+        self,
+        auto_wrap_policy: Any = None,
+        sharding_strategy: Any = "FULL_SHARD",
+        device_mesh: tuple[int, int] | None = None,
+        cpu_offload: bool = False,
+        activation_checkpointing_policy: Any = None,
+        state_dict_type: str = "full",
+        meta_init: bool = True,
+        allow_cpu_fp16: bool = False,
+        process_group_backend: str | None = None,
+        sampler_seed: int = 0,
+        timeout: float | None = None,
+    ):
+        super().__init__(process_group_backend=process_group_backend, sampler_seed=sampler_seed, timeout=timeout)
+        self.auto_wrap_policy = auto_wrap_policy
+        self.sharding_strategy = sharding_strategy
+        self.device_mesh = device_mesh
+        self.cpu_offload = cpu_offload
+        self.activation_checkpointing_policy = activation_checkpointing_policy
+        self.state_dict_type = state_dict_type
+        self.meta_init = meta_init
+        self.allow_cpu_fp16 = allow_cpu_fp16
+        # Run state.
+        self.mesh: Any = None
+        self.sharded: Sharded | None = None
+        self._full_hooks: list = []
+        self._gather_state_dicts = True
+        self._failed = False
+        self._scaling: _GradScaling | None = None
+
+    def _check_option(self, name: str, value: Any) -> None:
+        if name in DDP._OPTIONS and name not in _DDP_OPTIONS_KEPT:
+            if value is not _DDP_DEFAULTS.get(name) and value != _DDP_DEFAULTS.get(name):
+                raise ConfigurationError(
+                    f"fsdp option {name}={value!r} is one of DistributedDataParallel's, which the fsdp "
+                    f"strategy does not use (FSDP all-gathers parameters and reduce-scatters gradients "
+                    f"itself). Its options: {', '.join(self._FSDP_OPTIONS + _DDP_OPTIONS_KEPT)}")
+            return
+        if name == "auto_wrap_policy":
+            opts.module_policy(name, value, sizes=True)
+        elif name == "activation_checkpointing_policy":
+            opts.module_policy(name, value, sizes=False)
+        elif name == "sharding_strategy":
+            opts.sharding_strategy(value)
+        elif name == "state_dict_type":
+            opts.state_dict_type(value)
+        elif name == "device_mesh":
+            opts.device_mesh(value)
+        elif name in ("cpu_offload", "meta_init", "allow_cpu_fp16"):
+            opts.check_bool(name, value)
+        else:
+            super()._check_option(name, value)
+
+    # -- launching ------------------------------------------------------------------------
+
+    @hookloop.hookimpl
+    def launch_command(self, config):
+        """Check the mesh against the processes about to start, in the launching process
+        (``plugin_options`` are final only now). Returns ``None``: torchrun, as ddp."""
+        if isinstance(config.devices, int) and config.devices >= 1:
+            per_node = config.num_processes()
+            opts.mesh_shape(opts.sharding_strategy(self.sharding_strategy), opts.device_mesh(self.device_mesh),
+                            per_node * config.nodes, per_node)
+        return None
+
+    # -- environment ----------------------------------------------------------------------
+
+    @hookloop.hookimpl
+    def setup(self, trainer, stage):
+        """Check precision and the mesh against this run, make the device mesh, and for
+        ``16-mixed`` register the sharded gradient scaler."""
+        self._failed = False
+        opts.check_precision(trainer.precision, trainer.root_device, self.allow_cpu_fp16)
+        shape = self.make_mesh(trainer)
+        if trainer.precision == "16-mixed" and stage == "fit":
+            self._scaling = _GradScaling(trainer.root_device)
+            trainer.plugin_manager.register(self._scaling, name=f"{self.hookloop_name}.grad_scaling")
+        if trainer.global_rank == 0:
+            dims = " x ".join(map(str, shape))
+            strategy = opts.sharding_strategy(self.sharding_strategy)
+            print(f"hookloop-fsdp: {strategy} on a {dims} mesh, precision {trainer.precision}, "
+                  f"state_dict_type {opts.state_dict_type(self.state_dict_type)}", flush=True)
+
+    def make_mesh(self, trainer) -> tuple[int, ...]:
+        """The device mesh of this run (``self.mesh``) for ``sharding_strategy`` on
+        ``trainer.world_size`` processes; returns its shape."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = opts.mesh_shape(opts.sharding_strategy(self.sharding_strategy), opts.device_mesh(self.device_mesh),
+                                trainer.world_size, self.cluster.local_world_size if self.cluster else None)
+        names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
+        self.mesh = init_device_mesh(trainer.root_device.type, shape, mesh_dim_names=names)
+        return shape
+
+    @hookloop.hookimpl
+    def on_exception(self, trainer):
+        """A failed run gathers nothing at teardown: the other ranks may not be there."""
+        self._failed = True
+
+    @hookloop.hookimpl
+    def teardown(self, trainer):
+        """Take FSDP off the module (gathering it whole under ``state_dict_type="full"``),
+        then ddp's teardown: the unwrapped step module back in ``trainer.model``, the
+        process group destroyed."""
+        for handle in self._full_hooks:
+            handle.remove()
+        self._full_hooks = []
+        scaling, self._scaling = self._scaling, None
+        if scaling is not None:
+            trainer.plugin_manager.unregister(scaling)
+        sharded, self.sharded = self.sharded, None
+        try:
+            if sharded is not None:
+                gather = self._full and not self._failed and dist.is_initialized()
+                unshard_module(sharded, list(trainer.optimizers), gather=gather)
+        finally:
+            self.mesh = None
+            super().teardown(trainer)
+
+    @property
+    def _full(self) -> bool:
+        return opts.state_dict_type(self.state_dict_type) == "full"
+
+    # -- model ----------------------------------------------------------------------------
+
+    @hookloop.hookimpl
+    def model_init_context(self, trainer):
+        """``configure_model()`` runs on the meta device: no tensor is allocated until the
+        model is sharded (``meta_init=False``: normally)."""
+        return torch.device("meta") if self.meta_init else contextlib.nullcontext()
+
+    @hookloop.hookimpl
+    def wrap_model(self, trainer, model, optimizers):
+        """Shard the user's module into FSDP units under a root unit; point the optimizers
+        of ``configure_optimizers`` at the sharded parameters."""
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        module = model.module
+        strategy = opts.sharding_strategy(self.sharding_strategy)
+        # The policies are checked against the model before anything is changed.
+        units = opts.wrap_units(opts.module_policy("auto_wrap_policy", self.auto_wrap_policy, sizes=True), module)
+        recomputed = opts.checkpointed_modules(
+            opts.module_policy("activation_checkpointing_policy", self.activation_checkpointing_policy, sizes=False), module)
+        names = {id(p): n for n, p in module.named_parameters()}
+        stale = detach_stale(module)
+        real = [t for t in (*module.parameters(), *module.buffers()) if not t.is_meta]
+        device = trainer.root_device
+        with torch.no_grad():
+            for t in real:
+                t.data = t.data.to(device)
+        broadcast_from_rank0([t.data for t in real])
+        stored, computed = opts.PRECISIONS[trainer.precision]
+        dtypes = {(id(m), n): t.dtype for m in module.modules()
+                  for n, t in (*m._parameters.items(), *m._buffers.items()) if t is not None and t.is_meta}
+        if stored is not None:
+            module.to(stored)  # bf16-true: the weights themselves in half precision
+        root = FSDPRoot(model)
+        snapshots = snapshot(root)
+        checkpoint_activations(recomputed)
+        kwargs: dict[str, Any] = {"mesh": self.mesh, "reshard_after_forward": strategy != "SHARD_GRAD_OP"}
+        if computed is not None:
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=computed,
+                                                       reduce_dtype=torch.float32 if stored is None else computed)
+        kwargs["offload_policy"] = (CPUOffloadPolicy(pin_memory=torch.cuda.is_available() and device.type == "cuda")
+                                    if self.cpu_offload else OffloadPolicy())
+        root_reshard = None  # torch's choice for a root: kept gathered from forward to backward
+        if not trainer.automatic_optimization:
+            # Manual optimization steps inside the root's forward (training_step runs in
+            # it): a unit gathered once per forward would run on its weights from before
+            # the step. So every module with parameters of its own is a unit, gathered at
+            # each call and resharded after it, and the root holds none.
+            chosen = set(units) | {m for m in module.modules() if any(True for _ in m.parameters(recurse=False))}
+            units = opts.wrap_units(chosen.__contains__, module)
+            kwargs["reshard_after_forward"] = root_reshard = True
+        # From here on teardown takes FSDP off again, whatever fails.
+        self.sharded = Sharded(root=root, module=module, snapshots=snapshots)
+        self._wrapped = (model, root)  # ddp's teardown gives trainer.model back
+        for unit in units:
+            fully_shard(unit, **kwargs)
+        fully_shard(root, **{**kwargs, "reshard_after_forward": root_reshard})
+        materialise(root, torch.device("cpu") if self.cpu_offload else device, dtypes, keep=set(stale))
+        reattach(module, stale)
+        repoint_optimizers(optimizers, names, module)
+        if self._full:
+            self._install_full_state_dict(module)
+        return root
+
+    @hookloop.hookimpl
+    def wrap_optimizer(self, optimizer):
+        """Nothing to wrap: ``wrap_model`` pointed the optimizer at the sharded parameters."""
+        return None
+
+    def _install_full_state_dict(self, module: nn.Module) -> None:
+        """``state_dict_type="full"``: ``state_dict()`` of the module (or of any part of
+        it) returns plain full tensors, gathered from the shards on every rank (to the
+        CPU), as FSDP's full state dicts are. A collective: call it on every rank."""
+        from torch.distributed.tensor import DTensor
+
+        def gather(m, state_dict, prefix, local_metadata):
+            if not self._gather_state_dicts:
+                return
+            for name, value in m._parameters.items():
+                key = prefix + name
+                if isinstance(state_dict.get(key), DTensor):
+                    state_dict[key] = state_dict[key].full_tensor().detach().cpu()
+
+        for m in module.modules():
+            if any(isinstance(p, DTensor) for p in m._parameters.values()):
+                self._full_hooks.append(m.register_state_dict_post_hook(gather))
+
+    @contextlib.contextmanager
+    def sharded_state_dicts(self):
+        """Inside it, ``state_dict()`` returns DTensor shards even under
+        ``state_dict_type="full"`` (for ``torch.distributed.checkpoint``'s own calls)."""
+        previous, self._gather_state_dicts = self._gather_state_dicts, False
+        try:
+            yield
+        finally:
+            self._gather_state_dicts = previous
+
+    # -- the step -------------------------------------------------------------------------
+
+    @hookloop.hookimpl
+    def accumulation_context(self, model):
+        """Non-boundary micro-batches accumulate unsharded gradients without reducing
+        them: ``set_requires_gradient_sync(False)`` on every unit, for that micro-batch."""
+        return _no_gradient_sync(model)
+
+    @hookloop.hookimpl
+    def reduce(self, trainer, tensor, op):
+        """ddp's all-reduce, in float32 for half-precision values (gloo reduces neither)."""
+        if tensor.dtype in (torch.bfloat16, torch.float16):
+            return super().reduce(trainer, tensor.float(), op).to(tensor.dtype)
+        return super().reduce(trainer, tensor, op)
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    @hookloop.hookimpl
+    def save_checkpoint(self, trainer, checkpoint, path):
+        """Write the configured format, on every rank: ``full``, hookloop's file (rank 0,
+        atomic, gathered optimizer state); ``sharded``, a directory of per-rank shards
+        (``torch.distributed.checkpoint``, committed atomically). After ``fit`` (no process
+        group) a sharded module is re-attached to a process group made for the write."""
+        path = Path(path)
+        if self.sharded is None and not self._full and dist.is_available() and not dist.is_initialized():
+            return ckpt.save_after_run(self, trainer, checkpoint, path)
+        if self._full:
+            return ckpt.save_full(self, trainer, checkpoint, path)
+        return ckpt.save_sharded(self, trainer, checkpoint, path)
+
+    @hookloop.hookimpl
+    def load_checkpoint(self, trainer, path):
+        """A checkpoint file (``full``, or any hookloop checkpoint) or a sharded directory;
+        either loads under either ``state_dict_type``."""
+        return ckpt.load(trainer, Path(path))
+
+    @hookloop.hookimpl
+    def load_model_state(self, trainer, checkpoint):
+        """Put the checkpoint's model and optimizer state into the shards (a full state
+        dict is sliced on every rank; a sharded one is resharded by
+        ``torch.distributed.checkpoint`` for this number of processes), then the
+        schedulers."""
+        if self.sharded is None:
+            return None
+        ckpt.load_model_state(self, trainer, checkpoint)
+        return True
+
+
+FSDPStrategy = FSDP  # Lightning's name
+
+
+class FSDPCPUOffload(FSDP):
+    """FSDP with parameters, gradients and the optimizer step offloaded to the CPU
+    (Lightning's ``"fsdp_cpu_offload"``); every :class:`FSDP` option applies."""
+
+    hookloop_name = "fsdp_cpu_offload"
+
+    def __init__(self, **options: Any):
+        super().__init__(**{"cpu_offload": True, **options})
+
+
+@contextlib.contextmanager
+def _no_gradient_sync(model: nn.Module):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+class _GradScaling:
+    """``precision="16-mixed"``: torch's ``ShardedGradScaler`` (each rank checks its
+    gradient shards for inf/nan; the verdict is all-reduced, so every rank skips the
+    same steps). Registered by :meth:`FSDP.setup` for fp16 runs only."""
+
+    hookloop_role = "extension"
+
+    def __init__(self, device: torch.device):
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        self.scaler = ShardedGradScaler(device=device.type)
+        self.skipped_steps = 0
+
+    @hookloop.hookimpl
+    def backward(self, loss):
+        """Backpropagate the scaled loss."""
+        self.scaler.scale(loss).backward()
+        return True
+
+    @hookloop.hookimpl
+    def optimizer_step(self, trainer, optimizer):
+        """Unscale the gradient shards, clip (``before_optimizer_step``), step unless a
+        rank found inf/nan, update the scale; returns whether the step was taken."""
+        with warnings.catch_warnings():
+            # found_inf, a one-element tensor, meets the DTensor gradients as a replica.
+            warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1")
+            self.scaler.unscale_(optimizer)
+            hookloop.before_optimizer_step(trainer, optimizer)
+            scale = self.scaler.get_scale()
+            self.scaler.step(optimizer)
+            self.scaler.update()
+        stepped = self.scaler.get_scale() >= scale
+        self.skipped_steps += not stepped
+        return stepped
+
+    @hookloop.hookimpl
+    def on_save_checkpoint(self, checkpoint):
+        """The scaler's state, under ``checkpoint["plugins"]["fsdp"]["scaler"]``."""
+        checkpoint["plugins"].setdefault(CHECKPOINT_KEY, {})["scaler"] = self.scaler.state_dict()
+
+    @hookloop.hookimpl
+    def on_load_checkpoint(self, checkpoint):
+        """Restore the scaler's state, if the checkpoint has one."""
+        saved = checkpoint.get("plugins", {}).get(CHECKPOINT_KEY, {}).get("scaler")
+        if saved:
+            self.scaler.load_state_dict(saved)
+
+

@@ -1,0 +1,76 @@
+"""HYBRID_SHARD on two nodes on localhost: two elastic agents with two processes each
+(c10d rendezvous, as on two machines). The default mesh replicates across the nodes and
+shards within each: a (2 nodes, 2 processes) mesh of (Replicate(), Shard(0)) parameters.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import torch
+from torch.nn import functional as F
+from torch.utils.data import DataLoader
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "tests" / "scripts"))
+from fsdp_models import Net, data  # noqa: E402
+
+SCRIPT = REPO / "tests" / "scripts" / "fsdp_multinode.py"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def reference(epochs: int = 2, batch: int = 16) -> dict:
+    """One process, by hand: the four ranks' batches of 4 together are the blocks of 16."""
+    module = Net(seed=0)  # rank 0's weights: every rank starts from them
+    config = module.configure_optimizers()
+    optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
+    for _ in range(epochs):
+        for x, y in DataLoader(data(), batch_size=batch):
+            F.cross_entropy(module(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def test_hybrid_shard_on_two_nodes(tmp_path):
+    endpoint = f"127.0.0.1:{_free_port()}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOOKLOOP_") and k not in ("LOCAL_RANK", "RANK")}
+    env["HOOKLOOP_RUN_ID"] = f"fsdp-hybrid-{os.getpid()}"
+    nodes = [
+        subprocess.Popen([sys.executable, "-m", "hookloop", "run", "--plugins", "fsdp", "--devices", "2", "--nodes", "2",
+                          "--node-rank", str(node), "--rdzv-endpoint", endpoint, str(SCRIPT), str(tmp_path)],
+                         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+        for node in (0, 1)
+    ]
+    try:
+        outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+    for node, output in zip(nodes, outputs):
+        assert node.returncode == 0, output
+
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    assert [(r["global_rank"], r["world_size"], r["node_rank"]) for r in ranks] == [(0, 4, 0), (1, 4, 0), (2, 4, 1), (3, 4, 1)]
+    expected = reference()
+    for r, record in enumerate(ranks):
+        assert record["mesh"] == (2, 2) and record["mesh_dims"] == ("replicate", "shard")
+        assert set(record["placements"].values()) == {"(Replicate(), Shard(dim=0))"}
+        # sharded within the node (2 ways), replicated across the nodes
+        assert record["local_shapes"]["head.weight"] == ((2, 32), (1, 32))[r % 2]
+        assert record["local_shapes"]["blocks.1.fc.weight"] == (16, 32)
+        assert record["steps"] == 8
+        assert max(float((record["final"][k] - v).abs().max()) for k, v in expected.items()) <= 1e-5
