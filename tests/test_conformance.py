@@ -86,6 +86,47 @@ class TestObserverConformance(ObserverConformance):
     plugin = CountsBatches  # a class under test, before it is packaged
 
 
+# Every in-tree observer: the core's own and those of plugins/tensorboard, mlflow, monitor.
+class TestProgressConformance(ObserverConformance):
+    plugin = "progress"
+
+
+class TestCSVConformance(ObserverConformance):
+    plugin = "csv"
+
+
+class TestCheckpointConformance(ObserverConformance):
+    plugin = "checkpoint"
+    options = {"monitor": "val_acc", "mode": "max", "save_top_k": 2}
+
+
+class TestEarlyStoppingConformance(ObserverConformance):
+    plugin = "early_stopping"
+    options = {"monitor": "val_acc", "mode": "max", "patience": 5}
+
+
+class TestLRMonitorConformance(ObserverConformance):
+    plugin = "lr_monitor"
+
+
+class TestTensorBoardConformance(ObserverConformance):
+    plugin = "tensorboard"
+
+
+class TestMLflowConformance(ObserverConformance):
+    plugin = "mlflow"
+
+
+class TestDeviceStatsConformance(ObserverConformance):
+    plugin = "device_stats"
+    options = {"every_n_steps": 1}
+
+
+class TestThroughputConformance(ObserverConformance):
+    plugin = "throughput"
+    options = {"every_n_steps": 1}
+
+
 # -- the kit fails plugins that break the contract ---------------------------------------------
 
 BROKEN = textwrap.dedent('''

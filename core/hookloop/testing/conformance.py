@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -62,17 +63,18 @@ class StrategyConformance:
     epochs = 2
 
     @pytest.fixture(scope="class")
-    def runs(self, tmp_path_factory) -> dict[str, list[dict]]:
+    @classmethod
+    def runs(cls, tmp_path_factory) -> dict[str, list[dict]]:
         """Every run of the worker, per name, one record per rank (rank order)."""
-        if not self.plugin:
-            pytest.fail(f"{type(self).__name__} must set plugin = '<name>'")
-        out = tmp_path_factory.mktemp(f"conformance-{self.plugin}")
-        spec = {"batch_size": self.batch_size, "samples": self.samples, "epochs": self.epochs,
-                "devices": self.world_size, "options": {self.plugin: dict(self.options)} if self.options else {},
-                "resume_at": self.samples // (self.batch_size * self.world_size) + 3}
+        if not cls.plugin:
+            pytest.fail(f"{cls.__name__} must set plugin = '<name>'")
+        out = tmp_path_factory.mktemp(f"conformance-{cls.plugin}")
+        spec = {"batch_size": cls.batch_size, "samples": cls.samples, "epochs": cls.epochs,
+                "devices": cls.world_size, "options": {cls.plugin: dict(cls.options)} if cls.options else {},
+                "resume_at": cls.samples // (cls.batch_size * cls.world_size) + 3}
         (out / "spec.json").write_text(json.dumps(spec))
-        _hookloop("run", "--plugins", self.plugin, "--devices", str(self.world_size), str(WORKER), str(out),
-                  str(out / "spec.json"), cwd=out, timeout=self.timeout)
+        _hookloop("run", "--plugins", cls.plugin, "--devices", str(cls.world_size), str(WORKER), str(out),
+                  str(out / "spec.json"), cwd=out, timeout=cls.timeout)
         found: dict[str, list[dict]] = {}
         for name in ("fit", "accumulate", "interrupted", "resumed"):
             files = sorted(out.glob(f"{name}.rank*.pt"), key=lambda p: int(p.stem.split("rank")[1]))
@@ -167,10 +169,12 @@ def _fit(plugins: list, precision: str = "32", epochs: int = 2, seed: int = 0, m
     from torch.utils.data import DataLoader
 
     module = module or TinyClassifier(seed=seed)
-    trainer = hookloop.Trainer(plugins=plugins, precision=precision, max_epochs=epochs, enable_checkpointing=False,
-                               num_sanity_val_steps=1)
-    trainer.fit(module, DataLoader(tiny_dataset(), batch_size=8, shuffle=True),
-                DataLoader(tiny_dataset(16, seed=2), batch_size=8))
+    # Logs go to a temporary run directory, not into the author's working directory.
+    with tempfile.TemporaryDirectory(prefix="hookloop-conformance-") as root:
+        trainer = hookloop.Trainer(plugins=plugins, precision=precision, max_epochs=epochs, num_sanity_val_steps=1,
+                                   default_root_dir=root)
+        trainer.fit(module, DataLoader(tiny_dataset(), batch_size=8, shuffle=True),
+                    DataLoader(tiny_dataset(16, seed=2), batch_size=8))
     return trainer, module
 
 
