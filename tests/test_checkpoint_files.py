@@ -33,4 +33,4 @@ def test_checkpoint_gets_the_mode_of_a_plain_open_under_the_umask(tmp_path, umas
     assert mode_of(path) == expected and after_overwrite == expected
     assert umask_now == umask  # reading the umask did not change it
     assert torch.equal(hookloop.safe_load(path)["w"], torch.arange(4))
-    assert sorted(os.listdir(tmp_path)) == ["last.ckpt", "plain.txt"]
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt", "last.prev.ckpt", "plain.txt"]

@@ -116,7 +116,7 @@ def test_checkpoint_written_once_without_module_prefix(battery):
     ranks, _, out = battery
     files = sorted(p.name for p in (out / "ckpt" / "logs" / "version_0" / "checkpoints").iterdir())
     # the top-1 and last.ckpt of the checkpoint plugin, no temporary files of a second writer
-    assert files == ["epoch=1-step=12.ckpt", "last.ckpt"]
+    assert files == ["epoch=1-step=12.ckpt", "last.ckpt", "last.prev.ckpt"]
     checkpoint = torch.load(out / "ckpt" / "logs" / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
     assert not any(k.startswith("module.") for k in checkpoint["state_dict"])
     plain = TinyModule()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -157,19 +158,20 @@ def start_job(out, *args):
     )
 
 
-def finish(proc, timeout=150):
+def finish(proc, timeout=150, stderr_too=False, status=0):
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         stdout, stderr = proc.communicate()
         raise AssertionError(f"the job hung:\n{stdout}\n{stderr}") from None
-    assert proc.returncode == 0, f"exit status {proc.returncode}:\n{stdout}\n{stderr}"
-    return stdout
+    ok = proc.returncode == 0 if status == 0 else proc.returncode != 0
+    assert ok, f"exit status {proc.returncode}:\n{stdout}\n{stderr}"
+    return (stdout, stderr) if stderr_too else stdout
 
 
-def steps(out, rank: int, attempt: int) -> list[int]:
-    path = out / f"steps.rank{rank}.attempt{attempt}"
+def steps(out, rank: int, attempt: int, rerun: int = 0) -> list[int]:
+    path = out / f"steps.{f'run{rerun}.' if rerun else ''}rank{rank}.attempt{attempt}"
     return [int(line) for line in path.read_text().split()] if path.exists() else []
 
 
@@ -196,3 +198,203 @@ def test_a_worker_killed_mid_epoch_is_restarted_and_the_run_resumes_bit_identica
     reference = torch.load(tmp_path / "straight" / "weights.pt")
     assert resumed.keys() == reference.keys()
     assert all(torch.equal(resumed[k], reference[k]) for k in reference)
+
+
+# ---------------------------------------------------------------------------------------
+# Preemption (SIGTERM) and hung ranks, end to end: the same job, uninterrupted, is the
+# reference of every faulted run below.
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The final weights of the uninterrupted job (8 steps)."""
+    out = tmp_path_factory.mktemp("reference") / "straight"
+    finish(start_job(out))
+    assert steps(out, 0, 0) == steps(out, 1, 0) == list(range(1, 9))
+    return torch.load(out / "weights.pt")
+
+
+def assert_same_weights(out, reference):
+    resumed = torch.load(out / "weights.pt")
+    assert resumed.keys() == reference.keys()
+    assert all(torch.equal(resumed[k], reference[k]) for k in reference)
+
+
+def test_sigterm_to_a_worker_checkpoints_at_the_next_step_boundary_and_the_restart_resumes_exactly(tmp_path, reference):
+    started = time.monotonic()
+    out = tmp_path / "term"
+    # Global rank 1 receives SIGTERM at the end of step 3 (in on_train_batch_end).
+    stdout, stderr = finish(start_job(out, "3", "--fault", "term"), stderr_too=True)
+    print(f"SIGTERM to a worker, whole job: {time.monotonic() - started:.1f}s")
+    last = out / "root" / "logs" / "version_0" / "checkpoints" / "last.ckpt"
+    # Both ranks agreed to stop at the boundary after step 3: neither took step 4...
+    assert steps(out, 0, 0) == steps(out, 1, 0) == [1, 2, 3]
+    assert "hookloop: global rank 1 received SIGTERM" in stderr
+    assert ("hookloop: preempted (SIGTERM): stopped at the optimizer-step boundary after epoch 0, global step 3 "
+            f"(batch 3 of the epoch); checkpoint written to {last}; exiting with status 143") in stdout
+    # ...and the restarted workers continued from that checkpoint, not from step 2's.
+    assert f"resumed from {last} at epoch 0, global step 3" in stdout
+    assert steps(out, 0, 1) == steps(out, 1, 1) == [4, 5, 6, 7, 8]
+    assert_same_weights(out, reference)
+
+
+def test_sigterm_to_the_agent_ends_the_job_with_a_checkpoint_and_a_rerun_resumes_exactly(tmp_path, reference):
+    started = time.monotonic()
+    out = tmp_path / "agent"
+    # Global rank 0 sends SIGTERM to its parent, the elastic agent, at the end of step 3;
+    # the agent forwards it to both workers and exits. Later steps take 0.5 s each, so
+    # the forwarded signal lands inside the run.
+    stdout, stderr = finish(start_job(out, "3", "--fault", "term-agent", "--slow", "0.5"),
+                            stderr_too=True, status="failure")
+    first = time.monotonic() - started
+    assert "Received 15 death signal, shutting down workers" in stderr  # the agent's own log
+    stopped = steps(out, 0, 0)
+    assert stopped == steps(out, 1, 0) and 3 <= len(stopped) < 8 and stopped == list(range(1, len(stopped) + 1))
+    n = stopped[-1]
+    last = out / "root" / "logs" / "version_0" / "checkpoints" / "last.ckpt"
+    assert f"stopped at the optimizer-step boundary after epoch {(n - 1) // 4}, global step {n} " in stdout
+    assert torch.load(last, weights_only=False)["loop"]["global_step"] == n
+    assert steps(out, 0, 1) == []  # the agent itself was stopped: no restart
+    # The same command again (what a requeued job runs), with ckpt_path="last".
+    finish(start_job_again(out, "--rerun", "1", "--ckpt-last"))
+    print(f"SIGTERM to the agent: stopped after step {n}; first job {first:.1f}s, "
+          f"both {time.monotonic() - started:.1f}s")
+    assert steps(out, 0, 0, rerun=1) == steps(out, 1, 0, rerun=1) == list(range(n + 1, 9))
+    assert_same_weights(out, reference)
+
+
+def test_a_stopped_rank_fails_the_others_within_the_timeout_and_the_restart_resumes_exactly(tmp_path, reference):
+    started = time.monotonic()
+    out = tmp_path / "stopped"
+    # Global rank 1 SIGSTOPs itself before step 4; rank 0 waits in step 4's gradient
+    # all-reduce until the 5 s process-group timeout.
+    stdout, stderr = finish(start_job(out, "3", "--fault", "stop", "--timeout", "5"), stderr_too=True)
+    print(f"SIGSTOP of a worker, whole job: {time.monotonic() - started:.1f}s")
+    assert ("CollectiveTimeoutError: global rank 0: the all_reduce of the gradients in backward "
+            "(DistributedDataParallel's reducer, or the strategy's gradient synchronisation) failed after "
+            "global step 3 (process-group timeout 5 s)") in stderr
+    assert "Suspected rank(s): 1 (did not report" in stderr
+    # The agent could not SIGTERM the stopped process; its SIGKILL did end it.
+    assert "forcefully exiting via 9" in stderr
+    last = out / "root" / "logs" / "version_0" / "checkpoints" / "last.ckpt"
+    assert f"resumed from {last} at epoch 0, global step 2" in stdout
+    assert steps(out, 1, 0) == [1, 2, 3]
+    assert steps(out, 0, 1) == steps(out, 1, 1) == [3, 4, 5, 6, 7, 8]
+    assert_same_weights(out, reference)
+
+
+def start_job_again(out, *args):
+    """The job's command run again in the same folder (a requeued or resubmitted job)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "HOOKLOOP_"))}
+    env.pop("LOCAL_RANK", None)
+    return subprocess.Popen(
+        [sys.executable, "-m", "hookloop", "run", "--plugins", "ddp", "--devices", "2", "--max-restarts", "1",
+         str(SCRIPT), str(out), *args],
+        cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Preemption in one process: the flag alone, SLURM's requeue, a late SIGTERM
+# ---------------------------------------------------------------------------------------
+
+
+class SignalsAt(TinyModule):
+    """Sends this process SIGTERM at the end of the batch that makes ``global_step == at``
+    (or in ``on_train_end`` with ``at="end"``); records the steps it trains."""
+
+    def __init__(self, at):
+        super().__init__(seed=0)
+        self.at, self.steps = at, []
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.steps.append(self.trainer.global_step)
+        if self.trainer.global_step == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_train_end(self):
+        if self.at == "end":
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def one_process_fit(root, module, ckpt_path=None, **options):
+    trainer = hookloop.Trainer(max_epochs=2, default_root_dir=str(root), enable_progress_bar=False, **options)
+    torch.manual_seed(3)
+    trainer.fit(module, DataLoader(tiny_data(64), batch_size=16, shuffle=True), ckpt_path=ckpt_path)
+    return trainer
+
+
+@pytest.fixture
+def fake_scontrol(tmp_path, monkeypatch):
+    """An ``scontrol`` executable first on PATH that records its arguments."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = tmp_path / "scontrol.args"
+    script = bin_dir / "scontrol"
+    script.write_text(f"#!/bin/sh\necho \"$@\" >> {record}\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    return record
+
+
+def test_sigterm_in_one_process_checkpoints_requeues_the_slurm_job_and_a_rerun_resumes_exactly(
+        tmp_path, agent_env, monkeypatch, fake_scontrol, capsys):
+    straight = SignalsAt(None)
+    one_process_fit(tmp_path / "straight", straight)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    before = signal.getsignal(signal.SIGTERM)
+    preempted = SignalsAt(3)
+    with pytest.raises(SystemExit) as stopped:
+        one_process_fit(tmp_path / "root", preempted, requeue_on_preemption=True)
+    assert stopped.value.code == hookloop.faults.PREEMPTED_EXIT_CODE == 143
+    assert signal.getsignal(signal.SIGTERM) is before  # fit put the previous handler back
+    assert preempted.steps == [1, 2, 3]
+    out = capsys.readouterr().out
+    assert "stopped at the optimizer-step boundary after epoch 0, global step 3" in out
+    assert "hookloop: requeued the SLURM job: `scontrol requeue 4242`" in out
+    assert fake_scontrol.read_text() == "requeue 4242\n"
+    # A new process (run id) of the same job: ckpt_path="last" finds the checkpoint.
+    monkeypatch.setattr(rundir, "_runs_in_process", 0)
+    monkeypatch.setenv(rundir.RUN_ID_ENV, "the requeued job")
+    resumed = SignalsAt(None)
+    one_process_fit(tmp_path / "root", resumed, ckpt_path="last")
+    assert resumed.steps == [4, 5, 6, 7, 8]
+    a, b = state_of(straight), state_of(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_requeue_command_names_the_job_or_the_array_task(monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    assert hookloop.faults.slurm_requeue_command() == ["scontrol", "requeue", "77"]
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "70")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
+    assert hookloop.faults.slurm_requeue_command() == ["scontrol", "requeue", "70_3"]
+    for key in ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
+        monkeypatch.delenv(key)
+    assert hookloop.faults.slurm_requeue_command() is None
+
+
+def test_a_sigterm_after_the_last_step_goes_to_the_handler_from_before_fit(tmp_path, agent_env):
+    received = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    try:
+        module = SignalsAt("end")
+        trainer = one_process_fit(tmp_path, module)  # no SystemExit: training was complete
+        assert module.steps == list(range(1, 9)) and trainer.global_step == 8
+        assert received == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_process_group_timeout_is_checked_and_defaults_per_backend():
+    assert hookloop.faults.default_process_group_timeout("gloo") == 300
+    assert hookloop.faults.default_process_group_timeout("nccl") == 600
+    assert hookloop.faults.default_process_group_timeout("cpu:gloo,cuda:nccl") == 600
+    assert hookloop.faults.default_process_group_timeout("mpi") is None  # torch's own
+    assert hookloop.Trainer(process_group_timeout=12.5).config.process_group_timeout == 12.5
+    for bad in (0, -1, "10", True):
+        with pytest.raises(hookloop.ConfigurationError, match="process_group_timeout=.* must be a number of seconds"):
+            hookloop.Trainer(process_group_timeout=bad)

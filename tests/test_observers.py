@@ -298,7 +298,7 @@ def test_top_k_keeps_the_best_files_by_the_monitored_metric(mode, best_epochs):
     trainer = fit(module, epochs=5, callbacks=[callback])
     directory = Path(trainer.log_dir) / "checkpoints"
     expected = {f"epoch={e}-val_loss={VALS[e]:.2f}.ckpt" for e in best_epochs}
-    assert {p.name for p in directory.iterdir()} == expected | {"last.ckpt"}
+    assert {p.name for p in directory.iterdir()} == expected | {"last.ckpt", "last.prev.ckpt"}
     best = best_epochs[0] if VALS[best_epochs[0]] == (min if mode == "min" else max)(VALS) else best_epochs[1]
     assert trainer.checkpoint_callback is callback
     assert callback.best_model_path == str(directory / f"epoch={best}-val_loss={VALS[best]:.2f}.ckpt")
@@ -334,7 +334,7 @@ def test_a_resumed_run_continues_the_top_k_bookkeeping(tmp_path):
     trainer.fit(Scripted(val_values=VALS), train_loader(), val_loader(), ckpt_path=tmp_path / "ck" / "last.ckpt")
     # epoch 2's file (4.0) from the first run was pushed out by epoch 3's (1.0) in the second
     assert reference == {"epoch=3-step=28.ckpt", "epoch=4-step=35.ckpt"}
-    assert {p.name for p in (tmp_path / "ck").iterdir()} == reference | {"last.ckpt"}
+    assert {p.name for p in (tmp_path / "ck").iterdir()} == reference | {"last.ckpt", "last.prev.ckpt"}
     assert again.best_model_path == str(tmp_path / "ck" / "epoch=3-step=28.ckpt") and again.best_model_score == 1.0
 
 
@@ -342,7 +342,7 @@ def test_every_n_train_steps_saves_at_those_steps():
     trainer = fit(Scripted(), epochs=2, val=False,
                   callbacks=[hookloop.ModelCheckpoint(every_n_train_steps=3, every_n_epochs=0, save_top_k=-1)])
     names = {p.name for p in (Path(trainer.log_dir) / "checkpoints").iterdir()}
-    assert names == {f"epoch={(s - 1) // BATCHES}-step={s}.ckpt" for s in (3, 6, 9, 12)} | {"last.ckpt"}
+    assert names == {f"epoch={(s - 1) // BATCHES}-step={s}.ckpt" for s in (3, 6, 9, 12)} | {"last.ckpt", "last.prev.ckpt"}
     # training ended at step 14, between two saves: last.ckpt is where it stopped
     assert hookloop.safe_load(Path(trainer.log_dir) / "checkpoints" / "last.ckpt")["loop"]["global_step"] == 14
 

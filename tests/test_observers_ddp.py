@@ -45,7 +45,7 @@ def test_rank_zero_decides_early_stopping_and_every_rank_stops_at_the_same_step(
 
 def test_rank_zero_values_choose_the_top_k_files_on_every_rank(battery):
     ranks, _, _ = battery
-    expected = ["epoch=1-val_loss=3.0.ckpt", "epoch=2-val_loss=4.0.ckpt", "last.ckpt"]
+    expected = ["epoch=1-val_loss=3.0.ckpt", "epoch=2-val_loss=4.0.ckpt", "last.ckpt", "last.prev.ckpt"]
     for record in ranks:
         assert record["files"] == expected
         assert Path(record["best_model_path"]).name == "epoch=1-val_loss=3.0.ckpt"

@@ -14,6 +14,7 @@ from .config import TrainerConfig
 from .datamodule import DataModule
 from .errors import (
     CheckpointError,
+    CollectiveTimeoutError,
     ConfigurationError,
     HookloopError,
     MissingDependencyError,
@@ -49,12 +50,14 @@ from .observers.progress import ProgressBar
 from .optim import SchedulerConfig, before_optimizer_step, schedulers_of
 from .plugins import installed_plugins, resolve as plugin
 from .trainer import Trainer, default
+from .unpickling import refused_object, unsafe_checkpoint_error, weights_only_loads
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CSVLogger",
     "CheckpointError",
+    "CollectiveTimeoutError",
     "ConfigurationError",
     "DataModule",
     "EarlyStopping",
@@ -92,6 +95,7 @@ __all__ = [
     "optimizer_and_scheduler_states",
     "plugin",
     "rebuild_dataloader",
+    "refused_object",
     "release_process_group",
     "repoint_lr_scheduler",
     "run_hparams",
@@ -99,4 +103,6 @@ __all__ = [
     "schedulers_of",
     "seed_everything",
     "torch_reduce_op",
+    "unsafe_checkpoint_error",
+    "weights_only_loads",
 ]

@@ -6,9 +6,13 @@ Public helpers for plugins: :func:`atomic_save`, :func:`safe_load`,
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 import random
+import re
+import shutil
+import struct
 import tempfile
 import zipfile
 from pathlib import Path
@@ -17,17 +21,41 @@ from typing import Any
 import torch
 
 from .errors import CheckpointError
+from .unpickling import refused_object, unsafe_checkpoint_error
 
 #: 2: ``optimizer_states`` and ``lr_schedulers`` are lists (several optimizers), the
 #: loop state has a ``stage``, and ``metrics`` holds the epoch's partial sums.
 FORMAT_VERSION = 2
 
 
+#: A replaced ``last.ckpt`` is kept under this name, so the last two always exist.
+LAST, PREVIOUS = "last.ckpt", "last.prev.ckpt"
+
+#: The checksum trailer: the zip archive's comment (which ``torch.load`` ignores), the
+#: last bytes of the file: this prefix and the SHA-256 (64 hex digits) of every byte
+#: before the digest. Check one by hand: ``head -c -64 F | sha256sum; tail -c 64 F``.
+CHECKSUM_PREFIX = b"hookloop-sha256:"
+_DIGEST_LEN = 64
+_TRAILER_LEN = len(CHECKSUM_PREFIX) + _DIGEST_LEN
+_EOCD = b"PK\x05\x06"  # the zip end-of-central-directory record: its last 2 bytes are the comment length
+
+
+def previous_of(path: str | os.PathLike) -> Path | None:
+    """Where the checkpoint that ``path`` replaces is kept (``last.prev.ckpt`` beside a
+    ``last.ckpt``), or ``None`` for files whose predecessor is not kept."""
+    path = Path(path)
+    return path.with_name(PREVIOUS) if path.name == LAST else None
+
+
 def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
     """``torch.save`` to a temporary file beside ``path``, fsync, then rename over it.
 
     A crash at any moment leaves either the previous file or the new one, never a torn
-    one: the rename is atomic on POSIX file systems.
+    one: the rename is atomic on POSIX file systems. The file ends with a SHA-256
+    checksum of its bytes (see :data:`CHECKSUM_PREFIX`; :func:`safe_load` verifies it),
+    and replacing a ``last.ckpt`` keeps the one it replaces as ``last.prev.ckpt``. A
+    write that fails (disk full, file size limit) raises :class:`CheckpointError`,
+    removes the temporary file and leaves ``path`` as it was.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -37,17 +65,72 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
         # open(path, "w") would, so other users and groups read it as the umask allows.
         os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            writer = _ChecksumWriter(f)
+            torch.save(obj, writer)
+            writer.write_trailer()
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
+        _install(tmp, path)
+    except BaseException as exc:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(exc, OSError):
+            raise _write_error(path, exc) from exc
         raise
-    try:  # make the rename itself durable
+    return path
+
+
+def atomic_copy(source: str | os.PathLike, path: str | os.PathLike) -> Path:
+    """Copy the checkpoint file ``source`` to ``path`` as :func:`atomic_save` writes one
+    (temporary file, fsync, rename; a replaced ``last.ckpt`` kept as ``last.prev.ckpt``).
+    The copy carries the source's checksum trailer, bytes and all."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())
+        with os.fdopen(fd, "wb") as f, open(source, "rb") as src:
+            shutil.copyfileobj(src, f, 1 << 20)
+            f.flush()
+            os.fsync(f.fileno())
+        _install(tmp, path)
+    except BaseException as exc:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        if isinstance(exc, OSError):
+            raise _write_error(path, exc) from exc
+        raise
+    return path
+
+
+def _write_error(path: Path, exc: OSError) -> CheckpointError:
+    kept = "is unchanged" if path.exists() else "was not written"
+    return CheckpointError(
+        f"writing checkpoint {str(path)!r} failed ({exc.strerror or exc}); {path.name} {kept} and no temporary "
+        f"file is left. Free disk space or raise the file size limit (ulimit -f), or checkpoint elsewhere "
+        f"(ModelCheckpoint(dirpath=...))."
+    )
+
+
+def _install(tmp: str, path: Path) -> None:
+    """Rename the finished temporary file ``tmp`` over ``path``, first keeping the file it
+    replaces as :func:`previous_of` ``path`` (a hard link, so ``path`` exists at every
+    moment; a rename where the file system has no hard links), then fsync the directory."""
+    previous = previous_of(path)
+    if previous is not None and path.is_file():
+        link = previous.with_name(f".{previous.name}.{os.getpid()}.tmp")
+        try:
+            if os.path.lexists(link):
+                os.unlink(link)
+            os.link(path, link)
+            os.replace(link, previous)
+        except OSError:
+            os.replace(path, previous)  # no hard links here: path is missing until the next rename
+    os.replace(tmp, path)
+    try:  # make the renames themselves durable
         dir_fd = os.open(path.parent, os.O_RDONLY)
         try:
             os.fsync(dir_fd)
@@ -55,7 +138,88 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
             os.close(dir_fd)
     except OSError:
         pass
-    return path
+
+
+class _ChecksumWriter:
+    """The file object ``torch.save`` writes through: hashes what passes, holding back the
+    last 2 bytes (the zip comment length, which :meth:`write_trailer` sets)."""
+
+    def __init__(self, f):
+        self.f, self.hash, self.tail = f, hashlib.sha256(), b""
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        if len(view) >= 2:
+            self.hash.update(self.tail)
+            self.hash.update(view[:-2])
+            self.tail = bytes(view[-2:])
+        else:
+            both = self.tail + bytes(view)
+            self.hash.update(both[:-2])
+            self.tail = both[-2:]
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def write_trailer(self) -> None:
+        if self.tail != b"\x00\x00":  # not a zip without a comment: leave the file as torch wrote it
+            return
+        self.f.seek(-2, os.SEEK_CUR)
+        head = struct.pack("<H", _TRAILER_LEN) + CHECKSUM_PREFIX
+        self.hash.update(head)
+        self.f.write(head + self.hash.hexdigest().encode("ascii"))
+
+
+def verify_checksum(path: str | os.PathLike) -> str | None:
+    """Check the checksum trailer of the checkpoint file ``path`` without unpickling it.
+
+    :returns: the verified SHA-256 (hex), or ``None`` for a file without a trailer that
+        is otherwise whole (written by plain ``torch.save`` or an older hookloop).
+    :raises CheckpointError: the bytes do not match the checksum (naming both), or a zip
+        archive ends without its end record or trailer (truncated).
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        if f.read(4) != b"PK\x03\x04":
+            return None  # not a zip archive: torch.load says what it is
+        f.seek(max(0, size - (1 << 16) - 22))
+        end = f.read()
+        trailer = end[-(_TRAILER_LEN + 22):]
+        if (len(trailer) == _TRAILER_LEN + 22 and trailer.startswith(_EOCD)
+                and trailer[20:22] == struct.pack("<H", _TRAILER_LEN) and trailer[22:].startswith(CHECKSUM_PREFIX)):
+            expected = trailer[-_DIGEST_LEN:].decode("ascii", "replace")
+            actual = _sha256(f, size - _DIGEST_LEN)
+            if actual != expected:
+                raise CheckpointError(
+                    f"checkpoint {str(path)!r} is corrupt: the SHA-256 of its bytes is {actual}, the checksum "
+                    f"written with it is {expected}. Resume from an earlier checkpoint (last.prev.ckpt is the "
+                    f"one before last.ckpt)."
+                )
+            return actual
+        if _EOCD in end:
+            return None  # a whole zip archive without hookloop's trailer
+        actual = _sha256(f, size)
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is truncated or corrupt: it ends ({size} bytes) without the zip end record "
+            f"and hookloop's checksum trailer, so the expected checksum is lost with its end (actual SHA-256 of "
+            f"what is left: {actual}). Resume from an earlier checkpoint (last.prev.ckpt is the one before "
+            f"last.ckpt)."
+        )
+
+
+def _sha256(f, length: int) -> str:
+    f.seek(0)
+    digest, left, chunk = hashlib.sha256(), length, bytearray(1 << 20)
+    view = memoryview(chunk)
+    while left > 0:
+        n = f.readinto(view[: min(left, len(chunk))])
+        if not n:
+            break
+        digest.update(view[:n])
+        left -= n
+    return digest.hexdigest()
 
 
 def _umask() -> int:
@@ -99,10 +263,17 @@ def safe_load(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
             f"checkpoint {str(path)!r} is a directory: a sharded checkpoint, which only the "
             f"strategy that wrote it (e.g. --plugins deepspeed) can load"
         )
+    verify_checksum(path)  # before anything is unpickled
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except (RuntimeError, OSError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        refused = refused_object(exc)
+        if refused is not None:
+            raise unsafe_checkpoint_error(path, refused) from exc
+        # torch's weights-only message starts with advice to load unsafely; keep its reason.
+        reason = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", str(exc))
+        first = (reason.group(1).strip() if reason else
+                 str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
         raise CheckpointError(
             f"checkpoint {str(path)!r} cannot be read ({first}); it is corrupt or not a "
             f"hookloop/torch checkpoint. Resume from an earlier checkpoint."

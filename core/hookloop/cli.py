@@ -80,6 +80,10 @@ def _build_parser(commands: dict) -> argparse.ArgumentParser:
     r.add_argument("--node-rank", type=int, default=None, help="this machine's rank, 0..nodes-1")
     r.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of node 0's rendezvous")
     r.add_argument("--max-restarts", type=int, default=None, help="restarts of failed workers")
+    r.add_argument("--process-group-timeout", type=float, default=None, metavar="SECONDS",
+                   help="seconds a collective may wait before the ranks fail (default: gloo 300, nccl 600)")
+    r.add_argument("--requeue-on-preemption", action="store_true", default=None,
+                   help="under SLURM, requeue the job (scontrol requeue) after a SIGTERM checkpoint")
     r.add_argument("--plugin-option", action="append", default=[], metavar="PLUGIN.OPTION=VALUE",
                    help="an option of a plugin, e.g. amp.init_scale=1024 (repeatable; values read as JSON)")
     r.add_argument("script", help="the training script")
@@ -171,6 +175,8 @@ def cmd_run(args) -> int:
         "node_rank": args.node_rank,
         "rdzv_endpoint": args.rdzv_endpoint,
         "max_restarts": args.max_restarts,
+        "process_group_timeout": args.process_group_timeout,
+        "requeue_on_preemption": args.requeue_on_preemption,
     }
     settings.update({k: v for k, v in explicit.items() if v is not None})
     if args.plugins is not None:

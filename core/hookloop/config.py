@@ -58,6 +58,10 @@ class TrainerConfig:
     use_distributed_sampler: bool = True
     autoload_plugins: bool = False
     plugin_options: dict = field(default_factory=dict)
+    #: seconds a collective may wait (None: hookloop.faults.DEFAULT_TIMEOUTS per backend)
+    process_group_timeout: float | None = None
+    #: after a SIGTERM checkpoint, global rank 0 runs `scontrol requeue $SLURM_JOB_ID`
+    requeue_on_preemption: bool = False
 
     def validate(self) -> None:
         """Check every value and normalise aliases; raise ``ConfigurationError``."""
@@ -80,7 +84,7 @@ class TrainerConfig:
         if self.nodes > 1 and not self.rdzv_endpoint:
             raise ConfigurationError(
                 f"nodes={self.nodes} needs a rendezvous endpoint that every node can reach: "
-                f"--rdzv-endpoint HOST:PORT (the address of node 0)"
+                f"--rdzv-endpoint HOST:PORT or Trainer(rdzv_endpoint='HOST:PORT'), the address of node 0"
             )
         for name in ("max_epochs", "max_steps"):
             value = getattr(self, name)
@@ -135,6 +139,14 @@ class TrainerConfig:
             raise ConfigurationError(
                 f"gradient_clip_algorithm={self.gradient_clip_algorithm!r} must be 'norm' or 'value'"
             )
+        timeout = self.process_group_timeout
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
+            raise ConfigurationError(
+                f"process_group_timeout={timeout!r} must be a number of seconds > 0, or None for the "
+                f"backend's default (gloo 300, nccl 600)"
+            )
+        if not isinstance(self.requeue_on_preemption, bool):
+            raise ConfigurationError(f"requeue_on_preemption={self.requeue_on_preemption!r} must be True or False")
         self.num_processes()  # validates devices
 
     def num_processes(self) -> int:

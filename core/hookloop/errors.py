@@ -29,3 +29,8 @@ class MissingDependencyError(HookloopError, ImportError):
 
 class CheckpointError(HookloopError, RuntimeError):
     """A checkpoint that does not exist, is corrupt, or belongs to another model."""
+
+
+class CollectiveTimeoutError(HookloopError, RuntimeError):
+    """A collective (all_reduce, broadcast, barrier...) that timed out or lost a peer: a
+    rank stopped making progress. Names the collective and the suspected rank(s)."""

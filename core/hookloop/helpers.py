@@ -13,6 +13,7 @@ import itertools
 import math
 import os
 import random
+import time
 from typing import Any, Iterator
 
 import torch
@@ -356,6 +357,10 @@ def _unrebuildable(cls: type, problem: str, fix: str) -> Exception:
 
 # How many process groups this process has made; every rank of a job counts the same.
 _GROUP_GENERATION = itertools.count()
+# The newest group's store (keys of its own) and timeout in seconds, for the report of a
+# collective that failed (hookloop.faults).
+_GROUP_STORE: Any = None
+_GROUP_TIMEOUT: float | None = None
 
 
 def init_process_group(backend: str, rank: int, world_size: int, timeout: float | None = None,
@@ -370,11 +375,22 @@ def init_process_group(backend: str, rank: int, world_size: int, timeout: float 
     of the attempt before. torch names every default group alike, so each group gets
     keys of its own: prefixed by the run id, the agent's restart count and this process's
     group count. A rank that read an earlier group's keys would connect to dead peers.
+
+    ``timeout`` (seconds) bounds every collective of the group; ``None`` is the backend's
+    default, ``hookloop.faults.DEFAULT_TIMEOUTS`` (gloo 300 s, nccl 600 s; torch's own for
+    other backends). Strategies pass ``Trainer(process_group_timeout=...)`` (or their
+    own option) here.
     """
     import torch.distributed as dist
     from datetime import timedelta
 
+    from .faults import default_process_group_timeout
+
+    global _GROUP_STORE, _GROUP_TIMEOUT
     kwargs: dict[str, Any] = {"backend": backend}
+    if timeout is None:
+        timeout = default_process_group_timeout(backend)
+    _GROUP_TIMEOUT = timeout
     if timeout is not None:
         kwargs["timeout"] = timedelta(seconds=timeout)
     master_addr = master_addr or os.environ.get("MASTER_ADDR")
@@ -397,12 +413,32 @@ def init_process_group(backend: str, rank: int, world_size: int, timeout: float 
     run = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("HOOKLOOP_RUN_ID") or "run"
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"hookloop/{run}/{restart}/{next(_GROUP_GENERATION)}", store)
+    _GROUP_STORE = store  # for the report of a failed collective (hookloop.faults.census)
     dist.init_process_group(store=store, rank=rank, world_size=world_size, **kwargs)
 
 
 # Process groups destroyed by the latest release of this process (see release_process_group).
 _RETIRED: list = []
-atexit.register(_RETIRED.clear)
+
+
+def _quiesce_at_exit() -> None:
+    """Let gloo's worker threads finish before the interpreter shuts down.
+
+    A gloo worker destroys each finished collective's work object itself, and with it the
+    last references to tensors Python made, which takes the GIL. If the interpreter is
+    already finalising then, the thread is made to exit inside that C++ destructor and
+    the process aborts ("terminate called without an active exception", exit -6) after a
+    run that succeeded: seen in about 1 of 10 two-process runs (core dump: the
+    ``ProcessGroupGloo::runLoop`` thread in ``~AsyncWork`` -> ``take_gil`` ->
+    ``PyThread_exit_thread``). Sleeping here releases the GIL while those threads
+    finish; then the retired groups are dropped."""
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if _RETIRED or _GROUP_STORE is not None or distributed:
+        time.sleep(0.2)
+    _RETIRED.clear()
+
+
+atexit.register(_quiesce_at_exit)
 
 
 def release_process_group(destroy: Any = None) -> None:

@@ -387,8 +387,10 @@ def save_checkpoint(trainer, checkpoint, path):
     """Write ``checkpoint`` to ``path``.
 
     Called on every rank (so sharded strategies can write their shards). The default
-    writes on global rank 0 only, atomically (temporary file, fsync, rename), then
-    waits at a barrier so no rank reads before the write is complete. DeepSpeed writes a
+    writes on global rank 0 only, atomically (temporary file, fsync, rename) with a
+    SHA-256 trailer, keeping a replaced ``last.ckpt`` as ``last.prev.ckpt``
+    (:func:`hookloop.atomic_save`), then waits at a barrier so no rank reads before the
+    write is complete. DeepSpeed writes a
     sharded directory through its engine.
 
     :returns: the path written. Stops at first non-None result.
@@ -399,8 +401,10 @@ def save_checkpoint(trainer, checkpoint, path):
 def load_checkpoint(trainer, path):
     """Read the checkpoint at ``path`` and return it as a dict.
 
-    The default uses ``torch.load(path, map_location="cpu", weights_only=True)`` and
-    raises :class:`hookloop.CheckpointError` for a missing or corrupt file.
+    The default uses ``torch.load(path, map_location="cpu", weights_only=True)`` after
+    checking the file's SHA-256 trailer, and raises :class:`hookloop.CheckpointError` for
+    a missing, truncated or corrupt file (which ``ckpt_path="last"`` and a restart's
+    resume answer by loading ``last.prev.ckpt`` instead).
 
     Stops at first non-None result.
     """

@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 from . import checkpoint as ckpt
+from . import faults
 from .datamodule import provides
 from .errors import CheckpointError, ConfigurationError
 from .helpers import DistributedSamplerWrapper, apply_to_tensors, batch_size_of, move_to_device, rebuild_dataloader
@@ -100,8 +101,12 @@ def session(trainer, stage: str):
         set_up = True
         yield
     except BaseException as exc:
+        # A collective that timed out or lost a peer: say which one, and which rank.
+        explained = faults.collective_failure_error(trainer, exc) if trainer.world_size > 1 else None
         if set_up and not isinstance(exc, (SystemExit, KeyboardInterrupt)):
-            hook.on_exception(trainer=trainer, exception=exc)
+            hook.on_exception(trainer=trainer, exception=explained or exc)
+        if explained is not None:
+            raise explained from exc
         raise
     finally:
         try:
@@ -418,10 +423,11 @@ def fit(trainer) -> None:
                 f"val_dataloaders were given but {type(trainer.module).__name__} has no "
                 f"validation_step(batch, batch_idx)"
             )
+        trainer._train_batch_size = _per_device_batch(train_loader)  # saved in checkpoints' loop state
         if trainer._ckpt_path is not None:
-            restore(trainer, trainer._ckpt_path)
+            restore(trainer, trainer._ckpt_path, train_loader=train_loader)
         else:
-            resume_after_restart(trainer)
+            resume_after_restart(trainer, train_loader=train_loader)
         _print_effective_batch(trainer, train_loader)
         validation = _ValidationSchedule(trainer, train_loader, val_loaders)
         hook.on_fit_start(trainer=trainer)
@@ -432,27 +438,43 @@ def fit(trainer) -> None:
         if max_epochs is None:
             max_epochs = 1000 if config.max_steps is None else sys.maxsize
         step = make_training_step(trainer)
-        while trainer.current_epoch < max_epochs and not _done(trainer):
-            epoch = trainer.current_epoch
-            resumed_stage = trainer._loop_stage
-            if resumed_stage != "epoch_end":
-                sampler = getattr(train_loader, "sampler", None)
-                if hasattr(sampler, "set_epoch"):
-                    sampler.set_epoch(epoch)
-                if not trainer.batch_idx:
-                    trainer._metrics.start("train")  # a mid-epoch resume keeps the restored sums
-                    trainer._epoch_val_metrics = {}
-                trainer._metrics.stage = "train"
-                trainer.model.train()
-                hook.on_train_epoch_start(trainer=trainer, epoch=epoch)
-                if not _train_epoch(trainer, train_loader, step, validation):
-                    # Stopped inside the epoch (max_steps, should_stop): the position stays,
-                    # so a checkpoint (the checkpoint plugin's, at on_train_end) resumes at
-                    # the next batch of this epoch.
-                    break
-            _end_epoch(trainer, epoch, resumed_stage)
-        hook.on_train_end(trainer=trainer)
-        hook.on_fit_end(trainer=trainer)
+        # SIGTERM: stop at the next optimizer-step boundary with a checkpoint (hookloop.faults).
+        preemption = trainer._preemption = faults.Preemption().install()
+        try:
+            _fit_epochs(trainer, train_loader, step, validation, max_epochs)
+            hook.on_train_end(trainer=trainer)
+            hook.on_fit_end(trainer=trainer)
+        except BaseException:
+            preemption.uninstall(pass_on=False)
+            raise
+        finally:
+            trainer._preemption = None
+        # A SIGTERM after the last step boundary goes to the handler from before fit.
+        preemption.uninstall()
+
+
+def _fit_epochs(trainer, train_loader, step, validation, max_epochs: int) -> None:
+    """The epochs of ``fit``, from where a restored checkpoint left off."""
+    hook = trainer.hook
+    while trainer.current_epoch < max_epochs and not _done(trainer):
+        epoch = trainer.current_epoch
+        resumed_stage = trainer._loop_stage
+        if resumed_stage != "epoch_end":
+            sampler = getattr(train_loader, "sampler", None)
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(epoch)
+            if not trainer.batch_idx:
+                trainer._metrics.start("train")  # a mid-epoch resume keeps the restored sums
+                trainer._epoch_val_metrics = {}
+            trainer._metrics.stage = "train"
+            trainer.model.train()
+            hook.on_train_epoch_start(trainer=trainer, epoch=epoch)
+            if not _train_epoch(trainer, train_loader, step, validation):
+                # Stopped inside the epoch (max_steps, should_stop): the position stays,
+                # so a checkpoint (the checkpoint plugin's, at on_train_end) resumes at
+                # the next batch of this epoch.
+                break
+        _end_epoch(trainer, epoch, resumed_stage)
 
 
 def _done(trainer) -> bool:
@@ -460,10 +482,17 @@ def _done(trainer) -> bool:
     return trainer.should_stop or (max_steps is not None and trainer.global_step >= max_steps)
 
 
+def _per_device_batch(loader: Any) -> int | None:
+    """The batch size of one process's training batches, ``None`` where the loader does
+    not say (a custom batch sampler, an iterable dataset batching itself)."""
+    size = getattr(loader, "batch_size", None) or getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+    return int(size) if isinstance(size, int) else None
+
+
 def _print_effective_batch(trainer, loader: DataLoader) -> None:
     if trainer.global_rank != 0 or trainer.world_size * trainer.accumulate_grad_batches <= 1:
         return
-    per_device = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
+    per_device = _per_device_batch(loader)
     factors = f"{trainer.world_size} processes x {trainer.accumulate_grad_batches} accumulated batches"
     if per_device is None:
         print(f"hookloop: effective batch size = (batch_sampler's batches) x {factors}", flush=True)
@@ -584,6 +613,8 @@ def _train_epoch(trainer, loader: DataLoader, step, validation: _ValidationSched
         if resumed_stage == "train" and validation.due(skip - 1, False):
             validation.run()  # it came after the checkpoint in the interrupted run
     batch_start = _event(trainer, "on_train_batch_start")
+    preemption = getattr(trainer, "_preemption", None)
+    single = trainer.world_size == 1  # one process: the SIGTERM flag is read, no call per step
     # Sized loaders (the common case) need no look-ahead; is_last is a comparison.
     batches = enumerate(iterator, skip) if n is not None else _lookahead(iterator, skip)
     validate = validation.due if validation.due_this_epoch() else None
@@ -600,6 +631,8 @@ def _train_epoch(trainer, loader: DataLoader, step, validation: _ValidationSched
             return True  # Lightning: on_train_batch_start returning -1 ends the epoch
         boundary = is_last or (batch_idx + 1) % accumulate == 0
         stop = step(batch, batch_idx, boundary)  # it counts the batch as done (_batch_done)
+        if boundary and preemption is not None and (preemption.requested if single else preemption.agreed(trainer)):
+            preemption.stop(trainer)  # checkpoint and SystemExit, on every rank
         if validate is not None and validate(batch_idx, is_last):
             validation.run()
         if stop:
@@ -1118,6 +1151,13 @@ def checkpoint_dict(trainer) -> dict:
             "stage": trainer._loop_stage,
             "total_batch_idx": trainer._total_batch_idx,
             "epoch_val_metrics": dict(trainer._epoch_val_metrics),
+            # What the position means in samples, for a resume on another world size
+            # (see _adapt_position); checkpoints without them are taken as written on
+            # the world size that resumes them.
+            "world_size": trainer.world_size,
+            "batch_size": getattr(trainer, "_train_batch_size", None),
+            "accumulate_grad_batches": trainer.accumulate_grad_batches,
+            "epoch_batches": getattr(trainer, "num_training_batches", None),
         },
         "metrics": trainer._metrics.state_dict(),
         "rng": ckpt.rng_state(),
@@ -1142,7 +1182,7 @@ def checkpoint_dict(trainer) -> dict:
     return checkpoint
 
 
-def resume_after_restart(trainer) -> None:
+def resume_after_restart(trainer, train_loader: Any = None) -> None:
     """Resume ``fit`` where the failed attempt left off, in a worker that an elastic agent
     restarted (``TORCHELASTIC_RESTART_COUNT`` > 0, ``hookloop run --max-restarts``).
 
@@ -1163,23 +1203,31 @@ def resume_after_restart(trainer) -> None:
         places.insert(0, Path(own))
     found = None
     if trainer.global_rank == 0:
-        existing = [place / "last.ckpt" for place in places if (place / "last.ckpt").exists()]
-        found = str(max(existing, key=lambda p: p.stat().st_mtime)) if existing else None
+        # last.prev.ckpt alone: killed between its two renames (file systems without hard links)
+        existing = [(place / name) for place in places for name in (ckpt.LAST, ckpt.PREVIOUS)
+                    if (place / name).exists()]
+        found = str(max(existing, key=lambda p: p.stat().st_mtime).with_name(ckpt.LAST)) if existing else None
     found = trainer.broadcast(found, 0)
     if found is None:
         trainer.print(f"hookloop: restart {restart} of this run (TORCHELASTIC_RESTART_COUNT={restart}): no "
                       f"last.ckpt under {' or '.join(str(p) for p in places)} yet, starting from scratch")
         return
-    restore(trainer, found)
+    used = restore(trainer, found, fall_back=True, train_loader=train_loader)
     trainer.print(f"hookloop: restart {restart} of this run (TORCHELASTIC_RESTART_COUNT={restart}): resumed "
-                  f"from {found} at epoch {trainer.current_epoch}, global step {trainer.global_step}")
+                  f"from {used} at epoch {trainer.current_epoch}, global step {trainer.global_step}")
 
 
-def restore(trainer, ckpt_path: Any) -> None:
-    """Load ``ckpt_path`` (or ``"last"``) into the model, optimizers, loop and plugins.
+def restore(trainer, ckpt_path: Any, fall_back: bool = False, train_loader: Any = None) -> Path | None:
+    """Load ``ckpt_path`` (or ``"last"``) into the model, optimizers, loop and plugins;
+    return the path loaded.
+
+    ``train_loader`` (``fit``'s, as this rank iterates it) lets a checkpoint written on
+    another number of processes resume: see :func:`_adapt_position`.
 
     ``"last"`` when no run wrote a ``last.ckpt`` yet loads nothing: the run starts from
-    scratch, with a warning (Lightning's behaviour).
+    scratch, with a warning (Lightning's behaviour). For ``"last"`` (and with
+    ``fall_back``) a ``last.ckpt`` that cannot be read (corrupt, truncated, missing) falls
+    back to the ``last.prev.ckpt`` beside it, with a warning naming both.
     """
     from . import rundir
 
@@ -1200,11 +1248,9 @@ def restore(trainer, ckpt_path: Any) -> None:
                 warnings.warn(
                     f"ckpt_path='last' but no run under {trainer.default_root_dir / 'logs'} wrote a "
                     f"last.ckpt yet: starting from scratch")
-            return
-        path = found
-    checkpoint = trainer.hook.load_checkpoint(trainer=trainer, path=path)
-    if not isinstance(checkpoint, dict) or "loop" not in checkpoint:
-        raise CheckpointError(f"{str(path)!r} is not a hookloop checkpoint (no loop state)")
+            return None
+        path, fall_back = found, True
+    checkpoint, path = _read_checkpoint(trainer, path, fall_back)
     trainer.hook.load_model_state(trainer=trainer, checkpoint=checkpoint)
     loop = checkpoint["loop"]
     trainer.current_epoch = int(loop["epoch"])
@@ -1216,6 +1262,8 @@ def restore(trainer, ckpt_path: Any) -> None:
     trainer._epoch_rng = checkpoint.get("epoch_rng")
     if trainer.batch_idx and trainer._loop_stage == "train" and trainer._epoch_rng is None:
         raise CheckpointError(f"{str(path)!r} was saved mid-epoch without the epoch's RNG state")
+    if train_loader is not None:
+        _adapt_position(trainer, loop, train_loader)
     if checkpoint.get("metrics"):
         trainer._metrics.load_state_dict(checkpoint["metrics"])
     if checkpoint.get("rng") is not None:
@@ -1228,3 +1276,88 @@ def restore(trainer, ckpt_path: Any) -> None:
     if states is not None:
         mine = states[trainer.global_rank] if len(states) == trainer.world_size else None
         trainer.hook.on_load_rank_checkpoint(trainer=trainer, rank_state=mine, rank_states=states)
+    return path
+
+
+def _adapt_position(trainer, loop: dict, train_loader: Any) -> None:
+    """Resume a checkpoint written on another number of processes (docs/decisions.md,
+    "Changing world size").
+
+    The weights, optimizer and step count carry over as they are (every process holds
+    them whole); the distributed sampler re-shards the data by itself. What changes is
+    the meaning of ``batch_idx``, which counts one process's batches: a mid-epoch
+    position is converted by samples seen (``batch_idx x batch size x world size``,
+    rounded to the nearest whole batch of the new world size), a position at the
+    epoch's end stays the epoch's end. Global rank 0 prints one line saying so.
+    Checkpoints without ``loop["world_size"]`` (older ones) are taken as written on
+    this world size.
+    """
+    old_world = loop.get("world_size")
+    if old_world is None or int(old_world) == trainer.world_size:
+        return
+    old_world, new_world = int(old_world), trainer.world_size
+    old_batch, new_batch = loop.get("batch_size"), _per_device_batch(train_loader)
+    old_acc, new_acc = int(loop.get("accumulate_grad_batches") or 1), trainer.accumulate_grad_batches
+    batch_idx, stage = trainer.batch_idx, trainer._loop_stage
+    epoch = trainer.current_epoch
+    if not batch_idx or stage == "epoch_end":
+        where = "start" if not batch_idx else "end"
+        position = f"the checkpoint is at the {where} of epoch {epoch}, so the position carries over as it is"
+    else:
+        old_n = loop.get("epoch_batches")
+        new_n = batch_limit(train_loader, trainer.config.limit_train_batches, "limit_train_batches")
+        if old_batch and new_batch:
+            seen = batch_idx * int(old_batch) * old_world
+            converted = round(seen / (new_batch * new_world))
+            unit = f" = {seen} samples"
+        else:  # batch sizes unknown: the processes' share of the epoch
+            converted, unit = round(batch_idx * old_world / new_world), ""
+        if old_n is not None and batch_idx >= int(old_n) and new_n is not None:
+            converted = new_n  # after the epoch's last batch: nothing of it is left to train
+        elif new_n is not None:
+            converted = min(converted, new_n)
+        trainer.batch_idx = converted
+        if not converted:
+            trainer._loop_stage = "train"
+        position = (f"the mid-epoch position ({batch_idx} batches per process{unit} of epoch {epoch}) becomes "
+                    f"{converted} batches per process of the epoch's new sharding, by samples seen")
+        if old_world > 1 and new_world > 1 and old_batch and new_batch and converted * new_batch * new_world == seen:
+            position += " (the same samples: both shard one shuffled order)"
+        else:
+            position += (" (the rest of this epoch is drawn from the new order, so a few samples may be seen "
+                         "twice or not at all in this epoch)")
+
+    def effective(world: int, batch: Any, acc: int) -> str:
+        procs = f"{world} process{'es' if world != 1 else ''} x {acc} accumulated batch{'es' if acc != 1 else ''}"
+        return f"{int(batch) * world * acc} ({batch} per device x {procs})" if batch else f"(batches) x {procs}"
+
+    trainer.print(f"hookloop: resuming a checkpoint of {old_world} processes on {new_world}: effective batch size "
+                  f"{effective(old_world, old_batch, old_acc)} -> {effective(new_world, new_batch, new_acc)}; "
+                  f"{position}", flush=True)
+
+
+def _read_checkpoint(trainer, path: Path, fall_back: bool) -> tuple[dict, Path]:
+    """Read the checkpoint at ``path``; with ``fall_back``, one that cannot be read makes
+    the previous one (``last.prev.ckpt`` beside a ``last.ckpt``) the one read."""
+
+    def read(p: Path) -> dict:
+        checkpoint = trainer.hook.load_checkpoint(trainer=trainer, path=p)
+        if not isinstance(checkpoint, dict) or "loop" not in checkpoint:
+            raise CheckpointError(f"{str(p)!r} is not a hookloop checkpoint (no loop state)")
+        return checkpoint
+
+    previous = ckpt.previous_of(path) if fall_back else None
+    try:
+        return read(path), path
+    except CheckpointError as exc:
+        if previous is None or not previous.exists():
+            raise
+        newest = exc
+    try:
+        checkpoint = read(previous)
+    except CheckpointError as exc:
+        raise CheckpointError(f"neither checkpoint can be loaded: {newest}; and the previous one: {exc}") from exc
+    if trainer.is_global_zero:
+        warnings.warn(f"newest checkpoint {str(path)!r} cannot be loaded ({newest}); resuming from the previous "
+                      f"checkpoint {str(previous)!r} instead")
+    return checkpoint, previous

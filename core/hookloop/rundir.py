@@ -69,10 +69,11 @@ def claim(root: Path, token: str, index: int) -> Path:
 
 def newest_last_checkpoint(root: Path) -> Path | None:
     """``last.ckpt`` of the most recently written run under ``root`` (or the pre-version
-    location ``<root>/checkpoints/last.ckpt``), or ``None``."""
-    candidates = [p / "checkpoints" / "last.ckpt" for _, p in versions(root / "logs")]
-    candidates.append(root / "checkpoints" / "last.ckpt")
-    existing = [c for c in candidates if c.exists()]
+    location ``<root>/checkpoints/last.ckpt``), or ``None``. A directory holding only its
+    ``last.prev.ckpt`` (killed between two renames) counts too: the path returned is then
+    a missing ``last.ckpt``, and loading it falls back to the previous one."""
+    directories = [p / "checkpoints" for _, p in versions(root / "logs")] + [root / "checkpoints"]
+    existing = [d / name for d in directories for name in ("last.ckpt", "last.prev.ckpt") if (d / name).exists()]
     if not existing:
         return None
-    return max(existing, key=lambda c: c.stat().st_mtime)
+    return max(existing, key=lambda c: c.stat().st_mtime).with_name("last.ckpt")

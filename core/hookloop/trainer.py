@@ -49,6 +49,10 @@ class Trainer:
     ``strategy`` (a strategy plugin's name or object) and ``callbacks`` (plugin objects)
     are Lightning's names for entries of ``plugins``.
 
+    Faults (:mod:`hookloop.faults`): ``process_group_timeout`` (seconds a collective may
+    wait; default gloo 300, nccl 600) and ``requeue_on_preemption`` (under SLURM, global
+    rank 0 runs ``scontrol requeue`` after the checkpoint a SIGTERM causes).
+
     Attributes plugins read (see :mod:`hookloop.hookspecs`): ``config``, ``module`` (the
     user's module), ``model`` (what the strategy wrapped), ``optimizers`` (and
     ``optimizer``, the first), ``lr_scheduler_configs``, ``world_size``, ``global_rank``,
@@ -93,6 +97,8 @@ class Trainer:
         use_distributed_sampler: bool = _UNSET,
         autoload_plugins: bool = _UNSET,
         plugin_options: dict = _UNSET,
+        process_group_timeout: float | None = _UNSET,
+        requeue_on_preemption: bool = _UNSET,
     ):
         given = {k: v for k, v in locals().items() if k in _CONFIG_FIELDS and v is not _UNSET}
         # hookloop.default(x): the script's own fallback, which `hookloop run` options override.
@@ -349,7 +355,7 @@ class Trainer:
         if val and not callable(getattr(model, "validation_step", None)):
             raise ConfigurationError(
                 f"val_dataloaders were given but {type(model).__name__} has no "
-                f"validation_step(batch, batch_idx)"
+                f"validation_step(batch, batch_idx): define one, or leave val_dataloaders out"
             )
         _check_training_step(model)
         self._start(model, datamodule, ckpt_path, train=train_dataloaders, val=val)

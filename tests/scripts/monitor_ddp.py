@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hookloop  # noqa: E402
 from conftest import TinyModule, tiny_data  # noqa: E402
 
+faulthandler.enable()  # a crash prints every thread
 faulthandler.dump_traceback_later(120, exit=True)  # a hang fails with the stacks
 OUT = Path(sys.argv[1])
 RANK = int(os.environ["RANK"])

@@ -6,9 +6,11 @@ latest ones without a monitor) named by ``filename``, and ``last.ckpt``. When: a
 end of every ``every_n_epochs`` training epochs (after the epoch's validation), every
 ``every_n_train_steps`` optimizer steps, and at the end of training when it stopped
 inside an epoch (``max_steps``, ``trainer.should_stop``); ``last.ckpt`` also at every
-epoch's end, as in Lightning. Under several processes global rank 0's metric values
-decide what is saved and how it is named. Its bookkeeping (the best paths and scores)
-travels in the checkpoints, so a resumed run continues it.
+epoch's end, as in Lightning; the ``last.ckpt`` it replaces is kept as ``last.prev.ckpt``
+(every file ends with a SHA-256 checksum, see :mod:`hookloop.checkpoint`). Under several
+processes global rank 0's metric values decide what is saved and how it is named. Its
+bookkeeping (the best paths and scores) travels in the checkpoints, so a resumed run
+continues it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import hookloop
+from hookloop.checkpoint import atomic_copy
 
 _GROUP = re.compile(r"\{([A-Za-z_][\w.]*)([:}])")
 
@@ -235,15 +238,15 @@ class ModelCheckpoint:
         """last.ckpt as a copy of the checkpoint just written (no second serialisation)."""
         if trainer.is_global_zero:
             src, dst = Path(source), Path(target)
-            tmp = dst.with_name(f".{dst.name}.tmp")
-            if src.is_dir():
+            if src.is_dir():  # a strategy's sharded directory: no previous kept, no checksum
+                tmp = dst.with_name(f".{dst.name}.tmp")
                 shutil.rmtree(tmp, ignore_errors=True)
                 shutil.copytree(src, tmp)
                 if dst.exists():
                     shutil.rmtree(dst, ignore_errors=True) if dst.is_dir() else dst.unlink()
-            else:
-                shutil.copyfile(src, tmp)
-            os.replace(tmp, dst)
+                os.replace(tmp, dst)
+            else:  # fsynced, checksum and all; the last.ckpt it replaces becomes last.prev.ckpt
+                atomic_copy(src, dst)
         trainer.barrier("checkpoint_last")
 
     # -- state ------------------------------------------------------------------------------

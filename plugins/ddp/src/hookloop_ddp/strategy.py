@@ -87,7 +87,8 @@ class DDP:
     ``sampler_seed``
         seed of the distributed samplers (the same on every rank).
     ``timeout``
-        seconds a collective may wait before failing (``None``: torch's default).
+        seconds a collective may wait before failing (``None``: the Trainer's
+        ``process_group_timeout``, whose default is gloo 300 s, nccl 600 s).
     """
 
     hookloop_name = "ddp"
@@ -191,8 +192,10 @@ class DDP:
                 f"with `hookloop run --plugins ddp --devices N` or torchrun"
             )
         # Each group gets fresh keys in the launcher's store (hookloop.init_process_group).
+        # The plugin's own timeout wins over the Trainer's; None: the backend's default.
+        timeout = self.timeout if self.timeout is not None else trainer.config.process_group_timeout
         hookloop.init_process_group(self.backend(trainer), cluster.global_rank, cluster.world_size,
-                                    timeout=self.timeout, master_addr=cluster.master_addr,
+                                    timeout=timeout, master_addr=cluster.master_addr,
                                     master_port=cluster.master_port)
 
     def configure_ddp(self, trainer, model: nn.Module) -> nn.Module:

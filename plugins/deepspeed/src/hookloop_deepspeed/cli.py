@@ -16,6 +16,8 @@ import torch
 import hookloop
 from hookloop import CheckpointError
 
+from .safe_globals import checkpoint_safe_globals
+
 # The engine wraps the loop's step module, which holds the user's module as `module`.
 _STEP_MODULE_PREFIX = "module."
 
@@ -44,20 +46,24 @@ def collate(checkpoint_dir: str | os.PathLike, output: str | os.PathLike, tag: s
         raise CheckpointError(f"{str(checkpoint_dir)!r} has no checkpoint tag {tag!r}")
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    if any(shard_dir.glob("*zero_pp_rank_*_optim_states.pt")):
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    # DeepSpeed reads its shards with torch.load(weights_only=False): inside this block
+    # every load is weights-only, so a shared checkpoint cannot run code.
+    with hookloop.weights_only_loads(checkpoint_dir, checkpoint_safe_globals()):
+        if any(shard_dir.glob("*zero_pp_rank_*_optim_states.pt")):
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        try:
-            state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
-        except Exception as exc:
-            raise CheckpointError(f"cannot collate {str(shard_dir)!r}: {type(exc).__name__}: {exc}") from exc
-    else:
-        # ZeRO stage 0 keeps the whole model in one file; nothing to gather.
-        files = sorted(shard_dir.glob("mp_rank_*_model_states.pt"))
-        if not files:
-            raise CheckpointError(f"{str(shard_dir)!r} holds no DeepSpeed model states")
-        # DeepSpeed's own file format pickles more than tensors.
-        state = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
+            try:
+                state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
+            except Exception as exc:
+                if hookloop.refused_object(exc) is not None:
+                    raise  # weights_only_loads says which file holds what
+                raise CheckpointError(f"cannot collate {str(shard_dir)!r}: {type(exc).__name__}: {exc}") from exc
+        else:
+            # ZeRO stage 0 keeps the whole model in one file; nothing to gather.
+            files = sorted(shard_dir.glob("mp_rank_*_model_states.pt"))
+            if not files:
+                raise CheckpointError(f"{str(shard_dir)!r} holds no DeepSpeed model states")
+            state = torch.load(files[0], map_location="cpu", weights_only=True)["module"]
     if state and all(k.startswith(_STEP_MODULE_PREFIX) for k in state):
         state = {k[len(_STEP_MODULE_PREFIX):]: v for k, v in state.items()}
     state = {

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,8 @@ import torch
 import hookloop
 from hookloop import CheckpointError, ConfigurationError, MissingDependencyError
 
-from . import activations, build_ops
+from . import activations
+from .safe_globals import checkpoint_safe_globals
 from .config import (
     DEFAULT_OPTIONS,
     build_config,
@@ -75,7 +77,13 @@ class DeepSpeedStrategy:
     # Checkpoints are directories of shards (the checkpoint plugin checks before training).
     hookloop_checkpoint_format = "directory"
     # `hookloop plugins` shows "not built: ..." until DeepSpeed's CPU ops are compiled.
-    hookloop_build_status = staticmethod(build_ops.build_status)
+    @staticmethod
+    def hookloop_build_status():
+        """``None`` when DeepSpeed's CPU ops are compiled, else the command that builds them."""
+        # Imported here: `python -m hookloop_deepspeed.build_ops` must not find it imported.
+        from .build_ops import build_status
+
+        return build_status()
 
     def __init__(
         self,
@@ -531,21 +539,25 @@ class DeepSpeedStrategy:
             raise CheckpointError(
                 f"{str(path)!r} is not a DeepSpeed checkpoint directory (it has no 'latest' file)"
             )
+        _check_zero3_world_size(trainer, path, zero_stage(self.ds_config))
         try:
-            if trainer.optimizer is None and zero_stage(self.ds_config) == 3:
-                client_state = self._load_zero3_weights(trainer, path)
-            else:
-                loaded, client_state = self.engine.load_checkpoint(
-                    str(path),
-                    load_optimizer_states=trainer.optimizer is not None,
-                    # The engine holds a scheduler only from the config's 'scheduler'
-                    # section (the loop's own travels in the client state): skipping its
-                    # state would restart that schedule from its first step.
-                    load_lr_scheduler_states=self.engine.lr_scheduler is not None,
-                    load_module_strict=True,
-                )
-                if loaded is None:
-                    raise CheckpointError(f"DeepSpeed found no checkpoint in {str(path)!r}")
+            # DeepSpeed reads its shards with torch.load(weights_only=False): inside this
+            # block every load is weights-only, so a shared checkpoint cannot run code.
+            with hookloop.weights_only_loads(path, checkpoint_safe_globals()):
+                if trainer.optimizer is None and zero_stage(self.ds_config) == 3:
+                    client_state = self._load_zero3_weights(trainer, path)
+                else:
+                    loaded, client_state = self.engine.load_checkpoint(
+                        str(path),
+                        load_optimizer_states=trainer.optimizer is not None,
+                        # The engine holds a scheduler only from the config's 'scheduler'
+                        # section (the loop's own travels in the client state): skipping its
+                        # state would restart that schedule from its first step.
+                        load_lr_scheduler_states=self.engine.lr_scheduler is not None,
+                        load_module_strict=True,
+                    )
+                    if loaded is None:
+                        raise CheckpointError(f"DeepSpeed found no checkpoint in {str(path)!r}")
         except CheckpointError:
             raise
         except Exception as exc:  # DeepSpeed raises assorted types for a foreign checkpoint
@@ -573,8 +585,8 @@ class DeepSpeedStrategy:
                 module.load_state_dict(state, strict=True)
         files = sorted((path / tag).glob(f"zero_pp_rank_{trainer.global_rank}_*model_states.pt")) or sorted(
             (path / tag).glob("*model_states.pt"))
-        # DeepSpeed's own file format pickles more than tensors.
-        return torch.load(files[0], map_location="cpu", weights_only=False)
+        # Called inside weights_only_loads: DeepSpeed's classes are the only others accepted.
+        return torch.load(files[0], map_location="cpu", weights_only=True)
 
 
     @hookloop.hookimpl
@@ -742,3 +754,24 @@ def _new_tag(path: Path, global_step: int) -> str:
         tag = f"global_step{global_step}.{n}"
         n += 1
     return tag
+
+
+def _check_zero3_world_size(trainer, path: Path, stage: int) -> None:
+    """Refuse, before DeepSpeed touches the engine, a ZeRO-3 checkpoint written by another
+    number of processes: its parameter and optimizer shards are partitioned for that
+    many ranks and DeepSpeed does not re-partition them (docs/decisions.md, "Changing
+    world size"). ZeRO 1-2 checkpoints are left to DeepSpeed, which merges every rank's
+    optimizer shards and partitions them again for the new world size."""
+    if stage != 3:
+        return
+    tag = (path / "latest").read_text().strip()
+    ranks = {re.search(r"zero_pp_rank_(\d+)_", p.name).group(1) for p in (path / tag).glob("*zero_pp_rank_*_optim_states.pt")}
+    if ranks and len(ranks) != trainer.world_size:
+        raise CheckpointError(
+            f"{str(path)!r} is a ZeRO-3 checkpoint of {len(ranks)} processes and this run has "
+            f"{trainer.world_size}: its shards are partitioned for {len(ranks)} ranks and cannot be resharded. "
+            f"Resume it on {len(ranks)} processes (--devices {len(ranks)}), or start from its weights here: "
+            f"`hookloop deepspeed collate {path} OUT.pt`, then load OUT.pt into the module before fit "
+            f"(module.load_state_dict(torch.load('OUT.pt', weights_only=True))); the optimizer state and the "
+            f"loop position are not carried over"
+        )

@@ -313,7 +313,6 @@ def _load_full(strategy, trainer, checkpoint: dict, optimizer_states: list) -> N
 
 
 def _load_sharded(strategy, trainer, tag: Path, checkpoint: dict) -> None:
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
@@ -321,12 +320,16 @@ def _load_sharded(strategy, trainer, tag: Path, checkpoint: dict) -> None:
         set_optimizer_state_dict,
     )
 
+    from . import safe_dcp  # DCP unpickles with plain pickle: never run a shared checkpoint's code
+
     module = strategy.sharded.module
     info = checkpoint.get(SHARDS_INFO, {})
     with strategy.sharded_state_dicts():
         model_state = get_model_state_dict(module)
         try:
-            dcp.load(model_state, checkpoint_id=str(tag / MODEL_DIR))
+            safe_dcp.load(model_state, tag / MODEL_DIR, source=tag)
+        except CheckpointError:
+            raise
         except Exception as exc:  # DCP raises assorted types for another model's shards
             raise CheckpointError(
                 f"cannot load the model shards of {str(tag)!r} into {type(trainer.module).__name__}: "
@@ -341,7 +344,9 @@ def _load_sharded(strategy, trainer, tag: Path, checkpoint: dict) -> None:
             return
         states = {key: get_optimizer_state_dict(module, o) for key, o in wanted.items()}
         try:
-            dcp.load(states, checkpoint_id=str(tag / OPTIMIZER_DIR))
+            safe_dcp.load(states, tag / OPTIMIZER_DIR, source=tag)
+        except CheckpointError:
+            raise
         except Exception as exc:
             raise CheckpointError(
                 f"cannot load the optimizer shards of {str(tag)!r}: {type(exc).__name__}: "

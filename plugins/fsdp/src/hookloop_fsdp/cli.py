@@ -3,7 +3,8 @@
 Registered under the entry-point group ``hookloop.commands``; the ``hookloop`` command
 imports this module only when the sub-command runs. The shards are merged by torch's
 own converter, ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``, which
-needs no process group.
+needs no process group, with the metadata reader of :mod:`hookloop_fsdp.safe_dcp`
+(a checkpoint holding pickled objects other than plain data is refused, not run).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def collate(checkpoint_dir: str | os.PathLike, output: str | os.PathLike, tag: s
     directory itself. Written atomically (a temporary file, then a rename). Returns the
     state dict.
     """
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from .safe_dcp import to_torch_save  # dcp_to_torch_save, without unpickling objects
 
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
@@ -48,7 +49,7 @@ def collate(checkpoint_dir: str | os.PathLike, output: str | os.PathLike, tag: s
     fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.", suffix=".tmp")
     os.close(fd)
     try:
-        dcp_to_torch_save(shards / MODEL_DIR, tmp)
+        to_torch_save(shards / MODEL_DIR, tmp, source=shards)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.chmod(tmp, file_mode())

@@ -1,0 +1,138 @@
+"""Resuming a ddp checkpoint on another number of processes (issue 12, item 5).
+
+scikit-learn's digits, batches of 32 per process (tests/scripts/world_size_job.py):
+3 epochs on 2 processes and, beside it, 3 on 1; then each checkpoint resumes on the
+other world size up to epoch 6. Each resumed run must reach the accuracy of an
+uninterrupted 6-epoch run on one process (computed here, in this process), take the
+optimizer steps the new world size makes, and say on one line how the effective batch
+size changed. A checkpoint without the world size (written before it was saved)
+resumes as before, silently.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import hookloop
+from hookloop import checkpoint as ckpt
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "examples"))
+from digits import DigitsClassifier, digits_datasets  # noqa: E402
+
+SCRIPT = REPO / "tests" / "scripts" / "world_size_job.py"
+# 1437 training digits: 45 steps per epoch on 1 process, 23 on 2 (batches of 32 each).
+STEPS = {1: 45, 2: 23}
+MARGIN = 0.03  # accuracy points a resumed run may lose against the uninterrupted one
+
+
+def start(devices: int, out, *args):
+    out.mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "HOOKLOOP_"))}
+    env.pop("LOCAL_RANK", None)
+    return subprocess.Popen(
+        [sys.executable, "-m", "hookloop", "run", "--plugins", "ddp", "--devices", str(devices), str(SCRIPT),
+         str(out), *args],
+        cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def finish(proc, timeout: float = 120) -> str:
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"the job hung:\n{stdout}\n{stderr}") from None
+    assert proc.returncode == 0, f"exit status {proc.returncode}:\n{stdout}\n{stderr}"
+    return stdout
+
+
+def last_of(out):
+    return out / "root" / "logs" / "version_0" / "checkpoints" / "last.ckpt"
+
+
+def result(out) -> dict:
+    return json.loads((out / "result.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Both first halves side by side, then both resumes side by side."""
+    root = tmp_path_factory.mktemp("world_size")
+    started = time.monotonic()
+    first = {2: start(2, root / "two", "--epochs", "3"), 1: start(1, root / "one", "--epochs", "3")}
+    finish(first[2]), finish(first[1])
+    resumed = {
+        "2->1": start(1, root / "two_to_one", "--epochs", "6", "--ckpt", str(last_of(root / "two"))),
+        "1->2": start(2, root / "one_to_two", "--epochs", "6", "--ckpt", str(last_of(root / "one"))),
+    }
+    outputs = {name: finish(proc) for name, proc in resumed.items()}
+    print(f"four jobs: {time.monotonic() - started:.1f}s")
+    return root, outputs
+
+
+@pytest.fixture(scope="module")
+def uninterrupted():
+    """The validation accuracy of 6 epochs on one process, never stopped."""
+    hookloop.seed_everything(0)
+    train, val = digits_datasets()
+    module = DigitsClassifier()
+    trainer = hookloop.Trainer(max_epochs=6, num_sanity_val_steps=0, enable_checkpointing=False,
+                               enable_progress_bar=False, logger=False)
+    trainer.fit(module, DataLoader(train, batch_size=32, shuffle=True))
+    with torch.no_grad():
+        x, y = val.tensors
+        return float((module(x).argmax(-1) == y).float().mean())
+
+
+def test_the_checkpoint_records_what_its_position_means(runs):
+    root, _ = runs
+    loop = ckpt.safe_load(last_of(root / "two"))["loop"]
+    assert (loop["world_size"], loop["batch_size"], loop["accumulate_grad_batches"]) == (2, 32, 1)
+    assert loop["epoch_batches"] == STEPS[2] and loop["stage"] == "epoch_end"
+
+
+@pytest.mark.parametrize("change, out, old, new", [("2->1", "two_to_one", 2, 1), ("1->2", "one_to_two", 1, 2)])
+def test_training_continues_on_the_new_world_size_to_the_expected_accuracy(runs, uninterrupted, change, out,
+                                                                           old, new):
+    root, outputs = runs
+    done = result(root / out)
+    # 3 epochs of the old world size's steps, then 3 of the new one's: nothing trained twice.
+    assert done["epoch"] == 6 and done["global_step"] == 3 * STEPS[old] + 3 * STEPS[new]
+    assert uninterrupted > 0.93  # the reference itself learned the digits
+    assert done["val_acc"] >= uninterrupted - MARGIN, (done["val_acc"], uninterrupted)
+    # One line, from global rank 0 only, saying how the effective batch size changed.
+    lines = [line for line in outputs[change].splitlines() if "resuming a checkpoint of" in line]
+    plural = {1: "1 process", 2: "2 processes"}
+    assert lines == [
+        f"hookloop: resuming a checkpoint of {old} processes on {new}: effective batch size "
+        f"{32 * old} (32 per device x {plural[old]} x 1 accumulated batch) -> "
+        f"{32 * new} (32 per device x {plural[new]} x 1 accumulated batch); the checkpoint is at the end of "
+        f"epoch 2, so the position carries over as it is"
+    ]
+
+
+def test_a_checkpoint_without_a_world_size_resumes_as_before(runs, tmp_path, capsys):
+    """Checkpoints written before the world size was saved: taken as this world size's."""
+    root, _ = runs
+    checkpoint = ckpt.safe_load(last_of(root / "two"))
+    for key in ("world_size", "batch_size", "accumulate_grad_batches", "epoch_batches"):
+        del checkpoint["loop"][key]
+    old = tmp_path / "old.ckpt"
+    torch.save(checkpoint, old)
+    hookloop.seed_everything(0)
+    train, _ = digits_datasets()
+    trainer = hookloop.Trainer(max_epochs=4, num_sanity_val_steps=0, enable_checkpointing=False,
+                               enable_progress_bar=False, logger=False, default_root_dir=str(tmp_path))
+    trainer.fit(DigitsClassifier(), DataLoader(train, batch_size=32, shuffle=True), ckpt_path=str(old))
+    assert trainer.global_step == 3 * STEPS[2] + STEPS[1]
+    assert "resuming a checkpoint of" not in capsys.readouterr().out
