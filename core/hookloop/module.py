@@ -346,7 +346,7 @@ def _reduce_op(fx: Any) -> str:
     else:
         name = {torch.mean: "mean", torch.sum: "sum", torch.max: "max", torch.min: "min"}.get(fx)
     if name not in REDUCE_OPS:
-        raise ValueError(f"reduce_fx={fx!r} must be one of {', '.join(REDUCE_OPS)} (or torch.mean, torch.sum, torch.max, torch.min)")
+        raise ConfigurationError(f"reduce_fx={fx!r} must be one of {', '.join(REDUCE_OPS)} (or torch.mean, torch.sum, torch.max, torch.min)")
     return name
 
 
@@ -468,7 +468,10 @@ class Metrics:
         if isinstance(value, torch.Tensor):
             value = value.detach()
             if value.numel() != 1:
-                raise ValueError(f"self.log({name!r}, ...) needs a scalar, got shape {tuple(value.shape)}")
+                raise ConfigurationError(
+                    f"self.log({name!r}, ...) needs a scalar, got a tensor of shape {tuple(value.shape)}: "
+                    f"reduce it first (e.g. .mean()), or log each element under its own name"
+                )
             value = value.reshape(())
             if value.device != device:
                 value = value.to(device, non_blocking=True)

@@ -196,6 +196,11 @@ def resolve(name: str, **options: Any) -> Any:
 
 def _instantiate(obj: Any, name: str | None, options: dict) -> Any:
     if inspect.isclass(obj):
+        known = plugin_options(obj)
+        if not _takes_any_keyword(obj):
+            for key in options:
+                if key not in known:
+                    raise _unknown_option_error(name or _declared_name(obj) or obj.__name__, key, known)
         plugin = obj(**options)
     else:
         if options:
@@ -253,15 +258,28 @@ def apply_options(plugin: Any, options: dict[str, dict]) -> Any:
     if name in options and not isinstance(plugin, type):
         for key, value in options[name].items():
             if not hasattr(plugin, key):
-                known = plugin_options(plugin)
-                close = difflib.get_close_matches(key, known, n=1)
-                raise ConfigurationError(
-                    f"plugin {name!r} has no option {key!r}"
-                    + (f" (did you mean {close[0]!r}?)" if close else "")
-                    + f"; its options: {', '.join(known) or 'none'}"
-                )
+                raise _unknown_option_error(name, key, plugin_options(plugin))
             setattr(plugin, key, value)
     return plugin
+
+
+def _unknown_option_error(name: str, key: str, known: list[str]) -> ConfigurationError:
+    close = difflib.get_close_matches(key, known, n=1)
+    return ConfigurationError(
+        f"plugin {name!r} has no option {key!r}"
+        + (f" (did you mean {close[0]!r}?)" if close else "")
+        + f"; its options: {', '.join(known) or 'none'}"
+    )
+
+
+def _takes_any_keyword(cls: type) -> bool:
+    """Whether ``cls(**options)`` accepts names outside :func:`plugin_options` (``**kwargs``),
+    or its signature cannot be read (then the class checks for itself)."""
+    try:
+        params = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return True
+    return any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def plugin_owns(plugin: Any) -> frozenset[str]:

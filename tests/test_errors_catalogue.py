@@ -1,0 +1,880 @@
+"""docs/errors.md, the catalogue of bad input, checked row by row.
+
+Every row of the catalogue has an id, what the user did, what is raised and the exact
+message. This module holds one trigger per id (``@row("C01")``): it does the bad thing for
+real and lets the error out. The tests check that the ids of the document and of the
+triggers are the same set (no row without a test, no test without a row), and, per row,
+the exception's class and that its message matches the documented one: ``<name>`` in the
+documented message stands for a run-specific part (a path, a list of installed plugins),
+and runs of whitespace compare equal (a long message may wrap in the document).
+
+A row whose "raises" column reads ``exit 2`` is a command: its trigger returns
+:class:`Exit`, and the documented message is what the command prints on stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, IterableDataset
+
+import hookloop
+import hookloop.cli
+from conftest import REPO, TinyModule, install_fake_distribution, tiny_data
+
+DOC = REPO / "docs" / "errors.md"
+SECTIONS = ("configuration", "plugins", "strategies' options", "launch", "data", "module", "checkpoints",
+            "run directories")
+
+# ---------------------------------------------------------------------------------------
+# Reading the catalogue
+# ---------------------------------------------------------------------------------------
+
+_ID = re.compile(r"^[A-Z]\d\d$")
+_PLACEHOLDER = re.compile(r"<[a-z][a-z0-9 _-]*>")
+
+
+@dataclass(frozen=True)
+class Row:
+    id: str
+    section: str
+    did: str
+    raises: str
+    message: str
+
+
+def _cells(line: str) -> list[str]:
+    """The cells of a Markdown table row; ``\\|`` is a pipe inside a cell."""
+    parts = re.split(r"(?<!\\)\|", line.strip().strip("|"))
+    return [p.strip().replace("\\|", "|") for p in parts]
+
+
+def _code(cell: str) -> str:
+    """The text of a cell that is one code span (`` `x` `` or ``` `` x `` ```)."""
+    for fence in ("``", "`"):
+        if cell.startswith(fence) and cell.endswith(fence) and len(cell) > 2 * len(fence):
+            inner = cell[len(fence):-len(fence)]
+            return inner.strip() if fence == "``" else inner
+    return cell
+
+
+def read_catalogue(path: Path = DOC) -> list[Row]:
+    rows, section = [], None
+    for line in path.read_text().splitlines():
+        if line.startswith("## "):
+            section = line[3:].strip().lower()
+            continue
+        if not line.startswith("|"):
+            continue
+        cells = _cells(line)
+        if not _ID.match(cells[0]):
+            continue  # the header and the |---| line
+        assert len(cells) == 4, f"docs/errors.md row {cells[0]} needs 4 cells, has {len(cells)}: {line}"
+        rows.append(Row(cells[0], section, _code(cells[1]), _code(cells[2]), _code(cells[3])))
+    return rows
+
+
+def message_pattern(documented: str) -> re.Pattern:
+    """The documented message as a regex: ``<placeholders>`` match anything, whitespace
+    matches any whitespace, the rest is literal."""
+    parts = []
+    for i, piece in enumerate(_PLACEHOLDER.split(documented)):
+        if i:
+            parts.append(r".*?")
+        parts += [r"\s+" if token.isspace() else re.escape(token) for token in re.split(r"(\s+)", piece) if token]
+    return re.compile("".join(parts), re.S)
+
+
+ROWS = read_catalogue() if DOC.is_file() else []
+
+# ---------------------------------------------------------------------------------------
+# Triggers: one per row id
+# ---------------------------------------------------------------------------------------
+
+TRIGGERS: dict[str, Callable[[Path], object]] = {}
+
+
+def row(row_id: str):
+    def register(function):
+        assert row_id not in TRIGGERS, f"two triggers for {row_id}"
+        TRIGGERS[row_id] = function
+        return function
+
+    return register
+
+
+@dataclass
+class Exit:
+    """What a command did: its exit status and its stderr."""
+
+    code: int
+    stderr: str
+
+
+def hookloop_command(tmp: Path, *args: str) -> Exit:
+    """``python -m hookloop ARGS`` in a real process (about 3 s: keep these few)."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOOKLOOP_")}
+    proc = subprocess.run([sys.executable, "-m", "hookloop", *args], cwd=tmp, env=env,
+                          capture_output=True, text=True, timeout=120)
+    return Exit(proc.returncode, proc.stderr)
+
+
+def in_process_command(*args: str) -> Exit:
+    """``hookloop ARGS`` through the same ``main`` as the console script, in this process."""
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = hookloop.cli.main(list(args))
+    return Exit(code, err.getvalue())
+
+
+def loader(n: int = 16, batch_size: int = 8, seed: int = 1) -> DataLoader:
+    return DataLoader(tiny_data(n, seed=seed), batch_size=batch_size)
+
+
+def quiet(**kwargs) -> hookloop.Trainer:
+    """A Trainer that writes nothing (no logs, no checkpoints, no progress bar)."""
+    kwargs.setdefault("max_epochs", 1)
+    kwargs.setdefault("enable_checkpointing", False)
+    kwargs.setdefault("logger", False)
+    kwargs.setdefault("enable_progress_bar", False)
+    return hookloop.Trainer(**kwargs)
+
+
+class Stream(IterableDataset):
+    """A dataset without a length."""
+
+    def __iter__(self):
+        return iter(zip(*tiny_data(16).tensors))
+
+
+def saved_run(tmp: Path, module: nn.Module | None = None) -> Path:
+    """One epoch of ``module`` (a TinyModule) under ``tmp``; returns its last.ckpt."""
+    trainer = hookloop.Trainer(max_epochs=1, default_root_dir=str(tmp), enable_progress_bar=False)
+    trainer.fit(module or TinyModule(), loader())
+    return Path(trainer.checkpoint_callback.last_model_path)
+
+
+# -- configuration ------------------------------------------------------------------------
+
+
+@row("C01")
+def _(tmp):
+    hookloop.Trainer(max_epochs=-1)
+
+
+@row("C02")
+def _(tmp):
+    hookloop.Trainer(accumulate_grad_batches=0)
+
+
+@row("C03")
+def _(tmp):
+    hookloop.Trainer(accelerator="tpu")
+
+
+@row("C04")
+def _(tmp):
+    hookloop.Trainer(precision="fp8")
+
+
+@row("C05")
+def _(tmp):
+    hookloop.Trainer(devices=0)
+
+
+@row("C06")
+def _(tmp):
+    hookloop.Trainer(devices=[0, 0])
+
+
+@row("C07")
+def _(tmp):
+    hookloop.Trainer(devices="two")
+
+
+@row("C08")
+def _(tmp):
+    hookloop.Trainer(limit_val_batches=1.5)
+
+
+@row("C09")
+def _(tmp):
+    hookloop.Trainer(val_check_interval=2.5)
+
+
+@row("C10")
+def _(tmp):
+    hookloop.Trainer(check_val_every_n_epoch=None, val_check_interval=0.5)
+
+
+@row("C11")
+def _(tmp):
+    hookloop.Trainer(num_sanity_val_steps=-2)
+
+
+@row("C12")
+def _(tmp):
+    hookloop.Trainer(fast_dev_run=-1)
+
+
+@row("C13")
+def _(tmp):
+    hookloop.Trainer(gradient_clip_val=0)
+
+
+@row("C14")
+def _(tmp):
+    hookloop.Trainer(gradient_clip_algorithm="l2")
+
+
+@row("C15")
+def _(tmp):
+    hookloop.Trainer(nodes=2)
+
+
+@row("C16")
+def _(tmp):
+    hookloop.Trainer(node_rank=1)
+
+
+@row("C17")
+def _(tmp):
+    hookloop.Trainer(check_val_every_n_epoch=0)
+
+
+@row("C18")
+def _(tmp):
+    hookloop.Trainer(process_group_timeout=0)
+
+
+@row("C19")
+def _(tmp):
+    hookloop.Trainer(requeue_on_preemption="yes")
+
+
+# -- plugins ------------------------------------------------------------------------------
+
+
+@row("P01")
+def _(tmp):
+    hookloop.Trainer(plugins=["ddpp"])
+
+
+@row("P02")
+def _(tmp):
+    site = tmp / "site"
+    install_fake_distribution(
+        site, "hookloop-needsdep", {"needsdep": "hl_needsdep:P"},
+        {"hl_needsdep": "import some_backend_that_is_not_here\nclass P: pass\n"},
+        requires=["hookloop", "some-backend-that-is-not-here>=1.0"],
+    )
+    import importlib
+
+    sys.path.insert(0, str(site))
+    importlib.invalidate_caches()
+    try:
+        hookloop.Trainer(plugins=["needsdep"])
+    finally:
+        sys.path.remove(str(site))
+        sys.modules.pop("hl_needsdep", None)
+        importlib.invalidate_caches()
+
+
+@row("P03")
+def _(tmp):
+    hookloop.Trainer(plugins=["ddp", "deepspeed"])
+
+
+@row("P04")
+def _(tmp):
+    class MyPlugin:
+        @hookloop.hookimpl
+        def on_train_batch_end(self, trainer, batch_index):  # the contract says batch_idx
+            pass
+
+    hookloop.Trainer(plugins=[MyPlugin()])
+
+
+@row("P05")
+def _(tmp):
+    class MyPlugin:
+        @hookloop.hookimpl
+        def on_train_batch_ended(self, trainer):
+            pass
+
+    hookloop.Trainer(plugins=[MyPlugin()])
+
+
+@row("P06")
+def _(tmp):
+    class MyPlugin:
+        hookloop_role = "magic"
+
+    hookloop.Trainer(plugins=[MyPlugin()])
+
+
+@row("P07")
+def _(tmp):
+    hookloop.Trainer(plugins=["amp"], plugin_options={"amp": {"init_scal": 1024}})
+
+
+@row("P08")
+def _(tmp):
+    import os
+
+    os.environ["HOOKLOOP_PLUGIN_OPTIONS"] = "amp.init_scale"
+    try:
+        hookloop.Trainer()
+    finally:
+        del os.environ["HOOKLOOP_PLUGIN_OPTIONS"]
+
+
+@row("P09")
+def _(tmp):
+    class One:
+        hookloop_role = "precision"
+
+    class Other:
+        hookloop_role = "precision"
+
+    hookloop.Trainer(plugins=[One(), Other()])
+
+
+@row("P10")
+def _(tmp):
+    hookloop.plugin("early_stopping", monitor="val_loss", modee="min")
+
+
+# -- strategies' and observers' options ----------------------------------------------------
+
+
+@row("S01")
+def _(tmp):
+    hookloop.Trainer(plugins=["deepspeed"], plugin_options={"deepspeed": {"stage": 7}})
+
+
+@row("S02")
+def _(tmp):
+    hookloop.plugin("deepspeed", stage=2, offload_parameters=True)
+
+
+@row("S03")
+def _(tmp):
+    hookloop.ModelCheckpoint(monitor="val_loss", mode="lowest")
+
+
+@row("S04")
+def _(tmp):
+    hookloop.ModelCheckpoint(save_top_k=-2)
+
+
+@row("S05")
+def _(tmp):
+    hookloop.Trainer(plugins=["early_stopping"],
+                     plugin_options={"early_stopping": {"monitor": "val_loss", "mode": "up"}})
+
+
+@row("S06")
+def _(tmp):
+    hookloop.EarlyStopping(monitor="val_loss", patience=-1)
+
+
+@row("S07")
+def _(tmp):
+    hookloop.plugin("fsdp", sharding_strategy="FULL")
+
+
+@row("S08")
+def _(tmp):
+    hookloop.Trainer(plugins=["fsdp"], plugin_options={"fsdp": {"state_dict_type": "fulll"}})
+
+
+@row("S09")
+def _(tmp):
+    hookloop.Trainer(plugins=["pipe"], plugin_options={"pipe": {"balance": [2, 0]}})
+
+
+@row("S10")
+def _(tmp):
+    class Seq(TinyModule):
+        def __init__(self):
+            super().__init__()
+            self.sequential_module = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                                                   nn.Linear(16, 3))
+
+        def forward(self, x):
+            return self.sequential_module(x)
+
+    quiet(plugins=[hookloop.plugin("pipe", balance=[2, 2])]).fit(Seq(), loader())
+
+
+@row("S11")
+def _(tmp):
+    hookloop.Trainer(plugins=["ddp"], plugin_options={"ddp": {"process_group_backend": "nope"}})
+
+
+@row("S12")
+def _(tmp):
+    hookloop.LearningRateMonitor(logging_interval="batch")
+
+
+@row("S13")
+def _(tmp):
+    trainer = quiet(callbacks=[hookloop.ModelCheckpoint(monitor="val_accuracy", dirpath=tmp / "ck")])
+    trainer.fit(TinyModule(), loader(), loader(8))
+
+
+@row("S14")
+def _(tmp):
+    trainer = quiet(callbacks=[hookloop.EarlyStopping(monitor="val_los")])
+    trainer.fit(TinyModule(), loader(), loader(8))
+
+
+# -- launch -------------------------------------------------------------------------------
+
+
+@row("L01")
+def _(tmp):
+    (tmp / "train.py").write_text("print('must not run')\n")
+    return hookloop_command(tmp, "run", "--devices", "2", "train.py")
+
+
+@row("L02")
+def _(tmp):
+    (tmp / "train.py").write_text("print('must not run')\n")
+    return hookloop_command(tmp, "run", "--plugins", "ddpp", "train.py")
+
+
+@row("L03")
+def _(tmp):
+    quiet(devices=2).fit(TinyModule(), loader())
+
+
+@row("L04")
+def _(tmp):
+    (tmp / "train.py").write_text("print('must not run')\n")
+    return in_process_command("run", "--plugin-option", "amp.init_scale", "train.py")
+
+
+@row("L05")
+def _(tmp):
+    return in_process_command("plot", str(tmp / "nowhere"))
+
+
+@row("L06")
+def _(tmp):
+    return in_process_command("new-plugin", "My-Plugin", "--role", "observer")
+
+
+# -- data ---------------------------------------------------------------------------------
+
+
+@row("D01")
+def _(tmp):
+    quiet(limit_train_batches=0.5).fit(TinyModule(), DataLoader(Stream(), batch_size=4))
+
+
+@row("D02")
+def _(tmp):
+    quiet(val_check_interval=0.5).fit(TinyModule(), DataLoader(Stream(), batch_size=4), loader(8))
+
+
+@row("D03")
+def _(tmp):
+    quiet(limit_train_batches=0.05).fit(TinyModule(), loader(80))
+
+
+@row("D04")
+def _(tmp):
+    quiet(val_check_interval=11).fit(TinyModule(), loader(80), loader(8))
+
+
+@row("D05")
+def _(tmp):
+    quiet().fit(TinyModule())
+
+
+@row("D06")
+def _(tmp):
+    quiet().fit(TinyModule(), loader(), datamodule=hookloop.DataModule())
+
+
+@row("D07")
+def _(tmp):
+    quiet().fit(TinyModule(), [loader(), loader()])
+
+
+@row("D08")
+def _(tmp):
+    quiet().fit(TinyModule(), tiny_data(16))
+
+
+@row("D09")
+def _(tmp):
+    class MyModel(TinyModule):
+        validation_step = None
+
+    quiet().fit(MyModel(), loader(), loader(8))
+
+
+@row("D10")
+def _(tmp):
+    class MyModel(TinyModule):
+        pass
+
+    quiet().validate(MyModel(), [loader(8), loader(8)])
+
+
+@row("D11")
+def _(tmp):
+    class MyModel(TinyModule):
+        def test_step(self, batch, batch_idx):
+            pass
+
+    quiet().test(MyModel())
+
+
+# -- module -------------------------------------------------------------------------------
+
+
+@row("M01")
+def _(tmp):
+    class MyModel(TinyModule):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self(x), y, reduction="none")
+
+    quiet().fit(MyModel(), loader())
+
+
+@row("M02")
+def _(tmp):
+    class MyModel(TinyModule):
+        def training_step(self, batch, batch_idx):
+            return 0.5
+
+    quiet().fit(MyModel(), loader())
+
+
+@row("M03")
+def _(tmp):
+    class MyModel(TinyModule):
+        def configure_optimizers(self):
+            return [torch.optim.SGD(self.net[0].parameters(), lr=0.1), torch.optim.SGD(self.net[2].parameters(), lr=0.1)]
+
+    quiet().fit(MyModel(), loader())
+
+
+@row("M04")
+def _(tmp):
+    class MyModel(TinyModule):
+        def training_step(self, batch, batch_idx, optimizer_idx):
+            return super().training_step(batch, batch_idx)
+
+    quiet().fit(MyModel(), loader())
+
+
+@row("M05")
+def _(tmp):
+    class MyModel(TinyModule):
+        def configure_optimizers(self):
+            return None
+
+    quiet().fit(MyModel(), loader())
+
+
+@row("M06")
+def _(tmp):
+    class MyModel(TinyModule):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.1)
+            return opt, torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+
+    quiet().fit(MyModel(), loader())
+
+
+@row("M07")
+def _(tmp):
+    class MyModel(TinyModule):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.1)
+            plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+            return {"optimizer": opt, "lr_scheduler": plateau, "monitor": "val_lost"}
+
+    quiet().fit(MyModel(), loader(), loader(8))
+
+
+@row("M08")
+def _(tmp):
+    class MyModel(TinyModule):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.1)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1),
+                                                       "intervall": "step"}}
+
+    quiet().fit(MyModel(), loader())
+
+
+@row("M09")
+def _(tmp):
+    class MyModel(TinyModule):
+        def training_step(self, batch, batch_idx):
+            self.optimizers()
+
+    quiet().fit(MyModel(), loader())
+
+
+@row("M10")
+def _(tmp):
+    class MyModel(hookloop.Module):
+        def __init__(self, loss=nn.CrossEntropyLoss()):
+            super().__init__()
+            self.save_hyperparameters()
+
+    MyModel()
+
+
+@row("M11")
+def _(tmp):
+    class MyModel(hookloop.Module):
+        def __init__(self, lr=0.1):
+            super().__init__()
+            self.save_hyperparameters("learning_rate")
+
+    MyModel()
+
+
+@row("M12")
+def _(tmp):
+    class MyModel(TinyModule):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = F.cross_entropy(self(x), y, reduction="none")
+            self.log("train_loss", loss)
+            return loss.mean()
+
+    quiet().fit(MyModel(), loader())
+
+
+@row("M13")
+def _(tmp):
+    class MyModel(TinyModule):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.log("loss_median", loss, reduce_fx="median")
+            return loss
+
+    quiet().fit(MyModel(), loader())
+
+
+@row("M14")
+def _(tmp):
+    class MyModel(nn.Module):
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    quiet().fit(MyModel(), loader())
+
+
+@row("M15")
+def _(tmp):
+    class MyModel(TinyModule):
+        def predict_step(self, batch, batch_idx):
+            self.log("count", 1.0)
+            return self(batch[0])
+
+    quiet().predict(MyModel(), loader())
+
+
+# -- checkpoints ---------------------------------------------------------------------------
+
+
+@row("K01")
+def _(tmp):
+    quiet().fit(TinyModule(), loader(), ckpt_path=tmp / "nope.ckpt")
+
+
+@row("K02")
+def _(tmp):
+    path = tmp / "last.ckpt"
+    path.write_bytes(b"not a checkpoint at all")
+    quiet().fit(TinyModule(), loader(), ckpt_path=path)
+
+
+@row("K03")
+def _(tmp):
+    path = saved_run(tmp)
+
+    class MyModel(TinyModule):
+        def __init__(self):
+            super().__init__()
+            self.net[0] = nn.Linear(8, 32)
+            self.net[2] = nn.Linear(32, 3)
+
+    quiet(max_epochs=2).fit(MyModel(), loader(), ckpt_path=path)
+
+
+@row("K04")
+def _(tmp):
+    quiet().validate(TinyModule(), loader(), ckpt_path="best")
+
+
+@row("K05")
+def _(tmp):
+    (tmp / "sharded.ckpt").mkdir()
+    quiet().fit(TinyModule(), loader(), ckpt_path=tmp / "sharded.ckpt")
+
+
+@row("K06")
+def _(tmp):
+    path = tmp / "weights.pt"
+    torch.save(TinyModule().state_dict(), path)
+    TinyModule.load_from_checkpoint(path)
+
+
+@row("K07")
+def _(tmp):
+    path = tmp / "wrapped.ckpt"
+    torch.save({"state_dict": {f"module.{k}": v for k, v in TinyModule().state_dict().items()}}, path)
+    TinyModule.load_from_checkpoint(path)
+
+
+@row("K08")
+def _(tmp):
+    class TwoSchedulers(TinyModule):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.1)
+            return [opt], [torch.optim.lr_scheduler.StepLR(opt, 1), torch.optim.lr_scheduler.ExponentialLR(opt, 0.9)]
+
+    path = saved_run(tmp, TwoSchedulers())
+    quiet(max_epochs=2).fit(TinyModule(scheduler=True), loader(), ckpt_path=path)
+
+
+@row("K09")
+def _(tmp):
+    path = tmp / "weights.pt"
+    torch.save(TinyModule().state_dict(), path)
+    quiet().fit(TinyModule(), loader(), ckpt_path=path)
+
+
+@row("K10")
+def _(tmp):
+    path = saved_run(tmp)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit flipped inside the archive
+    path.write_bytes(bytes(data))
+    quiet().fit(TinyModule(), loader(), ckpt_path=path)
+
+
+@row("K11")
+def _(tmp):
+    class Payload:
+        def __reduce__(self):
+            return (os.system, ("true",))
+
+    path = tmp / "shared.ckpt"
+    torch.save({"loop": Payload()}, path)
+    quiet().fit(TinyModule(), loader(), ckpt_path=path)
+
+
+# -- run directories -----------------------------------------------------------------------
+
+
+@row("R01")
+def _(tmp):
+    blocker = tmp / "a-file"
+    blocker.write_text("not a directory")
+    hookloop.Trainer(max_epochs=1, default_root_dir=str(blocker / "runs"),
+                     enable_progress_bar=False).fit(TinyModule(), loader())
+
+
+@row("R02")
+def _(tmp):
+    (tmp / "ck" / "last.ckpt").mkdir(parents=True)  # what a sharded (DeepSpeed) run left there
+    quiet(enable_checkpointing=True, callbacks=[hookloop.ModelCheckpoint(dirpath=tmp / "ck")]).fit(TinyModule(), loader())
+
+
+# ---------------------------------------------------------------------------------------
+# The tests
+# ---------------------------------------------------------------------------------------
+
+
+def run_trigger(row_id: str, tmp: Path) -> tuple[str, str]:
+    """(what was raised, the message) for the trigger of ``row_id``."""
+    try:
+        result = TRIGGERS[row_id](tmp)
+    except Exception as exc:  # noqa: BLE001 - the point is to catch what the row documents
+        return type(exc).__name__, str(exc)
+    if isinstance(result, Exit):
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        last = lines[-1] if lines else ""
+        prefix = "hookloop: error: "
+        return f"exit {result.code}", last[len(prefix):] if last.startswith(prefix) else result.stderr
+    return "nothing", ""
+
+
+def test_every_row_has_a_trigger_and_every_trigger_a_row():
+    documented = [r.id for r in ROWS]
+    assert len(documented) == len(set(documented)), "an id appears twice in docs/errors.md"
+    assert set(documented) == set(TRIGGERS), (
+        f"rows without a trigger: {sorted(set(documented) - set(TRIGGERS))}; "
+        f"triggers without a row: {sorted(set(TRIGGERS) - set(documented))}"
+    )
+
+
+def test_the_catalogue_is_complete_enough():
+    assert len(ROWS) >= 40
+    assert {r.section for r in ROWS} == set(SECTIONS)
+    for r in ROWS:
+        assert r.did and r.raises and r.message, r
+
+
+def test_rows_are_distinct():
+    # The same message may come from code and from a command (P01, L02), not twice from one.
+    seen = [(r.raises, r.message) for r in ROWS]
+    assert len(seen) == len(set(seen))
+
+
+@pytest.mark.parametrize("entry", ROWS, ids=[r.id for r in ROWS])
+def test_row(entry: Row, tmp_path):
+    raised, message = run_trigger(entry.id, tmp_path)
+    assert raised == entry.raises, f"{entry.id}: expected {entry.raises}, got {raised}: {message}"
+    assert message_pattern(entry.message).fullmatch(message.strip()), (
+        f"{entry.id}: the message differs from docs/errors.md\n  documented: {entry.message}\n  actual:     {message}"
+    )
+
+
+def test_message_pattern():
+    pattern = message_pattern("checkpoint <path> does not exist.<hint>")
+    assert pattern.fullmatch("checkpoint '/tmp/x.ckpt' does not exist.")
+    assert pattern.fullmatch("checkpoint '/tmp/x.ckpt' does not exist. Did you mean y?")
+    assert not pattern.fullmatch("checkpoint '/tmp/x.ckpt' is corrupt.")
+    assert message_pattern("a (b) [c]\n  d").fullmatch("a (b) [c] d")
+
+
+if __name__ == "__main__":
+    # Print what every trigger raises (for writing a row): python tests/test_errors_catalogue.py [ID...]
+    import os
+    import tempfile
+
+    for row_id in sys.argv[1:] or sorted(TRIGGERS):
+        with tempfile.TemporaryDirectory() as tmp:
+            os.chdir(tmp)
+            raised, message = run_trigger(row_id, Path(tmp))
+            print(json.dumps({"id": row_id, "raises": raised, "message": message}))
