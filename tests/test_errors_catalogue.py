@@ -482,6 +482,13 @@ def _(tmp):
     return in_process_command("new-plugin", "My-Plugin", "--role", "observer")
 
 
+@row("L07")
+def _(tmp):
+    (tmp / "train.py").write_text("print('must not run')\n")
+    return in_process_command("run", "--plugins", "horovod", "--devices", "2", "--max-restarts", "1",
+                              str(tmp / "train.py"))
+
+
 # -- data ---------------------------------------------------------------------------------
 
 

@@ -103,8 +103,15 @@ class Horovod:
         """``python -m horovod.runner.launch -np N -H localhost:N --gloo python script ...``.
 
         Horovod is checked here, so a missing build fails before any worker starts.
+        ``--max-restarts`` is refused: horovodrun (not elastic) never restarts a worker.
         """
         self.check_options()
+        if getattr(config, "max_restarts", 0):
+            raise hookloop.ConfigurationError(
+                f"horovod cannot restart failed workers (max_restarts={config.max_restarts}): horovodrun "
+                f"ends the job when a worker dies, and Horovod Elastic (horovodrun --min-np/"
+                f"--host-discovery-script) is not supported by hookloop-horovod. Drop --max-restarts and "
+                f"re-run the job with ckpt_path='last', or use --plugins ddp, whose launcher restarts workers")
         from .backend import check_launcher
 
         check_launcher()
