@@ -34,12 +34,12 @@ STEPS = {1: 45, 2: 23}
 MARGIN = 0.03  # accuracy points a resumed run may lose against the uninterrupted one
 
 
-def start(devices: int, out, *args):
+def start(devices: int, out, *args, strategy: str = "ddp"):
     out.mkdir(exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "HOOKLOOP_"))}
     env.pop("LOCAL_RANK", None)
     return subprocess.Popen(
-        [sys.executable, "-m", "hookloop", "run", "--plugins", "ddp", "--devices", str(devices), str(SCRIPT),
+        [sys.executable, "-m", "hookloop", "run", "--plugins", strategy, "--devices", str(devices), str(SCRIPT),
          str(out), *args],
         cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
@@ -136,3 +136,33 @@ def test_a_checkpoint_without_a_world_size_resumes_as_before(runs, tmp_path, cap
     trainer.fit(DigitsClassifier(), DataLoader(train, batch_size=32, shuffle=True), ckpt_path=str(old))
     assert trainer.global_step == 3 * STEPS[2] + STEPS[1]
     assert "resuming a checkpoint of" not in capsys.readouterr().out
+
+
+def test_a_zero_checkpoint_of_another_world_size_is_refused_naming_the_conversion(tmp_path):
+    """DeepSpeed does not re-partition ZeRO optimizer shards (its loader raises
+    ZeRORuntimeException); hookloop refuses before the engine loads anything, and says
+    how to carry the weights over."""
+    pytest.importorskip("hookloop_deepspeed")
+    finish(start(2, tmp_path / "two", "--epochs", "1", strategy="deepspeed_stage_2"))
+    checkpoint = last_of(tmp_path / "two")
+    proc = start(1, tmp_path / "one", "--epochs", "2", "--ckpt", str(checkpoint), strategy="deepspeed_stage_2")
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert (f"CheckpointError: {str(checkpoint)!r} is a ZeRO-2 checkpoint of 2 processes and this run has 1: "
+            f"its shards are partitioned for 2 ranks and DeepSpeed cannot reshard them. Resume it on 2 processes "
+            f"(--devices 2), or start from its weights here: `hookloop deepspeed collate {checkpoint} OUT.pt`"
+            ) in stdout + stderr
+    assert not (tmp_path / "one" / "result.json").exists()
+
+
+def test_a_mid_epoch_position_is_converted_by_samples_seen(tmp_path, uninterrupted):
+    """Stopped after 10 of epoch 2's 23 two-process batches (640 samples), resumed on one
+    process: it goes on at batch 20 of that epoch's 45, so the epoch trains 25 more steps."""
+    stopped = 2 * STEPS[2] + 10
+    finish(start(2, tmp_path / "two", "--epochs", "6", "--steps", str(stopped)))
+    out = finish(start(1, tmp_path / "one", "--epochs", "6", "--ckpt", str(last_of(tmp_path / "two"))))
+    assert ("the mid-epoch position (10 batches per process = 640 samples of epoch 2) becomes 20 batches "
+            "per process") in out
+    done = result(tmp_path / "one")
+    assert done["epoch"] == 6 and done["global_step"] == stopped + (STEPS[1] - 20) + 3 * STEPS[1]
+    assert done["val_acc"] >= uninterrupted - MARGIN, (done["val_acc"], uninterrupted)

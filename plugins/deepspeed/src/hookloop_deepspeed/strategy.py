@@ -539,7 +539,7 @@ class DeepSpeedStrategy:
             raise CheckpointError(
                 f"{str(path)!r} is not a DeepSpeed checkpoint directory (it has no 'latest' file)"
             )
-        _check_zero3_world_size(trainer, path, zero_stage(self.ds_config))
+        _check_zero_world_size(trainer, path, zero_stage(self.ds_config))
         try:
             # DeepSpeed reads its shards with torch.load(weights_only=False): inside this
             # block every load is weights-only, so a shared checkpoint cannot run code.
@@ -756,20 +756,21 @@ def _new_tag(path: Path, global_step: int) -> str:
     return tag
 
 
-def _check_zero3_world_size(trainer, path: Path, stage: int) -> None:
-    """Refuse, before DeepSpeed touches the engine, a ZeRO-3 checkpoint written by another
-    number of processes: its parameter and optimizer shards are partitioned for that
-    many ranks and DeepSpeed does not re-partition them (docs/decisions.md, "Changing
-    world size"). ZeRO 1-2 checkpoints are left to DeepSpeed, which merges every rank's
-    optimizer shards and partitions them again for the new world size."""
-    if stage != 3:
+def _check_zero_world_size(trainer, path: Path, stage: int) -> None:
+    """Refuse, before DeepSpeed touches the engine, a ZeRO 1-3 checkpoint written by
+    another number of processes: its optimizer (and for ZeRO-3 parameter) shards are
+    partitioned for that many ranks, and DeepSpeed (0.19) refuses to re-partition them
+    ("Automatic adjustment of ZeRO's optimizer state partitioning with a new world size is
+    not currently supported"; docs/decisions.md, "Changing world size")."""
+    if stage < 1:
         return
     tag = (path / "latest").read_text().strip()
     ranks = {re.search(r"zero_pp_rank_(\d+)_", p.name).group(1) for p in (path / tag).glob("*zero_pp_rank_*_optim_states.pt")}
     if ranks and len(ranks) != trainer.world_size:
         raise CheckpointError(
-            f"{str(path)!r} is a ZeRO-3 checkpoint of {len(ranks)} processes and this run has "
-            f"{trainer.world_size}: its shards are partitioned for {len(ranks)} ranks and cannot be resharded. "
+            f"{str(path)!r} is a ZeRO-{stage} checkpoint of {len(ranks)} processes and this run has "
+            f"{trainer.world_size}: its shards are partitioned for {len(ranks)} ranks and DeepSpeed cannot "
+            f"reshard them. "
             f"Resume it on {len(ranks)} processes (--devices {len(ranks)}), or start from its weights here: "
             f"`hookloop deepspeed collate {path} OUT.pt`, then load OUT.pt into the module before fit "
             f"(module.load_state_dict(torch.load('OUT.pt', weights_only=True))); the optimizer state and the "
