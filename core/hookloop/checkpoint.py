@@ -16,7 +16,7 @@ import struct
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -57,6 +57,31 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
     write that fails (disk full, file size limit) raises :class:`CheckpointError`,
     removes the temporary file and leaves ``path`` as it was.
     """
+
+    def write(f) -> None:
+        writer = _ChecksumWriter(f)
+        torch.save(obj, writer)
+        writer.write_trailer()
+
+    return _atomic_write(path, write)
+
+
+def atomic_copy(source: str | os.PathLike, path: str | os.PathLike) -> Path:
+    """Copy the checkpoint file ``source`` to ``path`` as :func:`atomic_save` writes one
+    (temporary file, fsync, rename; a replaced ``last.ckpt`` kept as ``last.prev.ckpt``).
+    The copy carries the source's checksum trailer, bytes and all."""
+
+    def write(f) -> None:
+        with open(source, "rb") as src:
+            shutil.copyfileobj(src, f, 1 << 20)
+
+    return _atomic_write(path, write)
+
+
+def _atomic_write(path: str | os.PathLike, write: Callable[[Any], None]) -> Path:
+    """``write(file)`` into a temporary file beside ``path``, fsync, then install it over
+    ``path`` (keeping a replaced ``last.ckpt`` as ``last.prev.ckpt``). A failed write
+    removes the temporary file; an ``OSError`` becomes a :class:`CheckpointError`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -65,33 +90,7 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
         # open(path, "w") would, so other users and groups read it as the umask allows.
         os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
-            writer = _ChecksumWriter(f)
-            torch.save(obj, writer)
-            writer.write_trailer()
-            f.flush()
-            os.fsync(f.fileno())
-        _install(tmp, path)
-    except BaseException as exc:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        if isinstance(exc, OSError):
-            raise _write_error(path, exc) from exc
-        raise
-    return path
-
-
-def atomic_copy(source: str | os.PathLike, path: str | os.PathLike) -> Path:
-    """Copy the checkpoint file ``source`` to ``path`` as :func:`atomic_save` writes one
-    (temporary file, fsync, rename; a replaced ``last.ckpt`` kept as ``last.prev.ckpt``).
-    The copy carries the source's checksum trailer, bytes and all."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())
-        with os.fdopen(fd, "wb") as f, open(source, "rb") as src:
-            shutil.copyfileobj(src, f, 1 << 20)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         _install(tmp, path)
