@@ -66,8 +66,9 @@ def raw_round(data: TensorDataset, epochs: int) -> float:
     return steps / (time.perf_counter() - start)
 
 
-def hookloop_round(data: TensorDataset, epochs: int) -> float:
-    """Steps/s of epochs 2.. of ``hookloop.Trainer(plugins=["ddp"])``."""
+def hookloop_round(data: TensorDataset, epochs: int, strategy: str = "ddp") -> float:
+    """Steps/s of epochs 2.. of ``hookloop.Trainer(plugins=[strategy])`` (also used by
+    sharded_throughput.py)."""
     import hookloop
 
     class Net(hookloop.Module):
@@ -102,7 +103,7 @@ def hookloop_round(data: TensorDataset, epochs: int) -> float:
             self.end, self.steps = time.perf_counter(), trainer.global_step - self.steps_at_start
 
     clock = Clock()
-    trainer = hookloop.Trainer(plugins=["ddp", clock], max_epochs=epochs, enable_checkpointing=False)
+    trainer = hookloop.Trainer(plugins=[strategy, clock], max_epochs=epochs, enable_checkpointing=False)
     trainer.fit(Net(), DataLoader(data, batch_size=BATCH, shuffle=True))
     return clock.steps / (clock.end - clock.start)
 

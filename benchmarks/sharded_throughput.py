@@ -38,19 +38,10 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-BATCH = 64
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ddp_throughput import BATCH, hookloop_round, make_data, make_net  # noqa: E402  the same model, data, clock
+
 VARIANTS = ("raw", "raw_sharded", "ddp", "ddp_sharded")
-
-
-def make_data(n: int) -> TensorDataset:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(n, 256, generator=g)
-    return TensorDataset(x, (x[:, :10].argmax(-1)))
-
-
-def make_net() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
 
 
 def raw_round(data: TensorDataset, epochs: int, sharded: bool) -> float:
@@ -81,51 +72,6 @@ def raw_round(data: TensorDataset, epochs: int, sharded: bool) -> float:
                 optimizer.zero_grad(set_to_none=True)
             steps += 1
     return steps / (time.perf_counter() - start)
-
-
-def hookloop_round(data: TensorDataset, epochs: int, strategy: str) -> float:
-    """Steps/s of epochs 2.. of ``hookloop.Trainer(plugins=[strategy])``."""
-    import contextlib
-    import io
-
-    import hookloop
-
-    class Net(hookloop.Module):
-        def __init__(self):
-            super().__init__()
-            self.net = make_net()
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return F.cross_entropy(self.net(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
-
-    class Clock:
-        """Reads the time at epoch boundaries only: nothing runs per step."""
-
-        hookloop_name, hookloop_role = "clock", "observer"
-
-        def __init__(self):
-            self.start = self.end = 0.0
-            self.steps_at_start = self.steps = 0
-
-        @hookloop.hookimpl
-        def on_train_epoch_start(self, trainer, epoch):
-            if epoch == 1:
-                self.start, self.steps_at_start = time.perf_counter(), trainer.global_step
-
-        @hookloop.hookimpl
-        def on_fit_end(self, trainer):
-            self.end, self.steps = time.perf_counter(), trainer.global_step - self.steps_at_start
-
-    clock = Clock()
-    trainer = hookloop.Trainer(plugins=[strategy, clock], max_epochs=epochs, enable_checkpointing=False,
-                               num_sanity_val_steps=0)
-    with contextlib.redirect_stdout(io.StringIO()):
-        trainer.fit(Net(), DataLoader(data, batch_size=BATCH, shuffle=True))
-    return clock.steps / (clock.end - clock.start)
 
 
 def worker(args) -> None:
