@@ -319,9 +319,13 @@ def test_one_process_cpu_run(tmp_path, one_thread):
     for row in rows_with(rows, "rank0/batches_per_sec"):
         bps = float(row["rank0/batches_per_sec"])
         first, last = windows[int(row["step"])]
-        assert bps == pytest.approx((last - first) / (ends[last] - ends[first]), rel=0.1), row
-        # Every timed step holds one 20 ms sleep: at most 50 batches/s.
-        assert 0.5 / delay <= bps <= 1 / delay, row
+        # The window's length by the monitor's clock against the module's: they differ only by
+        # the dispatch between the module's hook and the plugin's (a garbage collection there
+        # on a loaded machine takes milliseconds, hence an absolute 10 ms).
+        assert (last - first) / bps == pytest.approx(ends[last] - ends[first], abs=0.01), row
+        # Every timed step holds one 20 ms sleep: at most 50 batches/s. (No lower bound: a
+        # loaded machine may stretch a step to any length.)
+        assert bps <= 1 / delay, row
         assert float(row["rank0/samples_per_sec"]) == pytest.approx(4 * bps, rel=1e-9)  # batches of 4
         assert float(row["throughput/samples_per_sec"]) == float(row["rank0/samples_per_sec"])
         p50, p90, top = (float(row[f"rank0/step_time_{q}_ms"]) for q in ("p50", "p90", "max"))
@@ -372,11 +376,13 @@ def test_two_processes_under_ddp(tmp_path):
         assert float(row["throughput/samples_per_sec"]) == pytest.approx(sum(per_rank), rel=1e-12)
         assert float(row["throughput/batches_per_sec"]) == pytest.approx(
             sum(float(row[f"rank{r}/batches_per_sec"]) for r in (0, 1)), rel=1e-12)
+        # Rank 1 sleeps 60 ms every step and rank 0 waits for it: at most 1/0.06 batches/s
+        # each (5 % for the two clocks). No lower bound: a loaded machine stretches any step.
         for r in (0, 1):
-            assert 0.6 / slow <= float(row[f"rank{r}/batches_per_sec"]) <= 1.05 / slow, row
+            assert float(row[f"rank{r}/batches_per_sec"]) <= 1.05 / slow, row
         before = [float(row[f"rank{r}/before_backward_p50_ms"]) for r in (0, 1)]
         assert before[0] >= 20 and before[1] >= 60, row
         assert float(row["throughput/slowest_rank"]) == 1.0, row
-        # (60 + overhead) / (20 + overhead): 3 without overhead.
-        assert 1.5 <= float(row["throughput/slowest_rank_ratio"]) <= 3.3, row
+        # (60 + overhead) / (20 + overhead): 3 without overhead, above 1 as rank 1 is slowest.
+        assert float(row["throughput/slowest_rank_ratio"]) > 1, row
         assert float(row["throughput/slowest_rank_ratio"]) == pytest.approx(before[1] / before[0], rel=1e-9)
