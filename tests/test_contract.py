@@ -429,6 +429,20 @@ def test_bad_plugin_options_are_clear_errors():
         hookloop.Trainer(plugins=["amp"], plugin_options={"amp": {"init_scal": 2}})
 
 
+def test_options_for_a_plugin_the_run_does_not_use_are_refused(tmp_path):
+    # A misspelt plugin name: its options would otherwise be silently unused.
+    with pytest.raises(hookloop.ConfigurationError,
+                       match=r"options are given for plugin 'ampp' \(init_scale\), which this run does not use "
+                             r"\(did you mean 'amp'\?\); the run's plugins: amp, progress, csv, checkpoint\."):
+        hookloop.Trainer(plugins=["amp"], plugin_options={"ampp": {"init_scale": 2}}, default_root_dir=tmp_path)
+    # A blocked built-in observer is not in the run either.
+    with pytest.raises(hookloop.ConfigurationError, match="options are given for plugin 'progress'"):
+        hookloop.Trainer(plugins=["no:progress"], plugin_options={"progress": {"refresh_seconds": 2.0}}, default_root_dir=tmp_path)
+    # The same options reach the plugin when it is in the run, from code or by default.
+    trainer = hookloop.Trainer(plugin_options={"progress": {"refresh_seconds": 2.0}}, default_root_dir=tmp_path)
+    assert next(p for p in trainer.plugins if hookloop.plugins.plugin_name(p) == "progress").refresh_seconds == 2.0
+
+
 # -- 1.8: state each rank holds on its own survives a checkpoint -------------------------------
 
 

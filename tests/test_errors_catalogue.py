@@ -268,6 +268,21 @@ def _(tmp):
     hookloop.Trainer(requeue_on_preemption="yes")
 
 
+@row("C20")
+def _(tmp):
+    hookloop.Trainer(enable_checkpointing="no")
+
+
+@row("C21")
+def _(tmp):
+    hookloop.Trainer(max_restarts=-1)
+
+
+@row("C22")
+def _(tmp):
+    hookloop.Trainer(default_root_dir=None)
+
+
 # -- plugins ------------------------------------------------------------------------------
 
 
@@ -359,6 +374,11 @@ def _(tmp):
 @row("P10")
 def _(tmp):
     hookloop.plugin("early_stopping", monitor="val_loss", modee="min")
+
+
+@row("P11")
+def _(tmp):
+    hookloop.Trainer(plugin_options={"amp": {"init_scale": 1024}}, default_root_dir=tmp)
 
 
 # -- strategies' and observers' options ----------------------------------------------------

@@ -114,6 +114,21 @@ def test_bad_configuration_is_refused_early(kwargs, match):
         fit(TinyModule(), DataLoader(tiny_data(), batch_size=8), max_epochs=1, **kwargs)
 
 
+@pytest.mark.parametrize("name", ["enable_checkpointing", "enable_progress_bar", "logger", "use_distributed_sampler",
+                                  "autoload_plugins", "requeue_on_preemption"])
+@pytest.mark.parametrize("value", ["no", 0, None])
+def test_switches_must_be_booleans(name, value):
+    # "no" is truthy: it would silently have meant True.
+    with pytest.raises(hookloop.ConfigurationError, match=f"^{name}={value!r} must be True or False$"):
+        hookloop.Trainer(**{name: value})
+
+
+@pytest.mark.parametrize("value", ["1.0", True, 0.0])
+def test_gradient_clip_val_must_be_a_positive_number(value):
+    with pytest.raises(hookloop.ConfigurationError, match="must be a positive number"):
+        hookloop.Trainer(gradient_clip_val=value)
+
+
 def test_module_without_required_methods():
     with pytest.raises(hookloop.ConfigurationError, match="configure_optimizers"):
         hookloop.Trainer().fit(torch.nn.Linear(2, 2), DataLoader(tiny_data(), batch_size=8))

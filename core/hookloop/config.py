@@ -131,9 +131,10 @@ class TrainerConfig:
         if self.overfit_batches:
             # Lightning: the same first batches for training and validation, unshuffled.
             self.limit_train_batches = self.limit_val_batches = self.overfit_batches
-        if self.gradient_clip_val is not None and self.gradient_clip_val <= 0:
+        clip = self.gradient_clip_val
+        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip <= 0):
             raise ConfigurationError(
-                f"gradient_clip_val={self.gradient_clip_val!r} must be positive (or None)"
+                f"gradient_clip_val={clip!r} must be a positive number (or None)"
             )
         if self.gradient_clip_algorithm not in ("norm", "value"):
             raise ConfigurationError(
@@ -145,14 +146,26 @@ class TrainerConfig:
                 f"process_group_timeout={timeout!r} must be a number of seconds > 0, or None for the "
                 f"backend's default (gloo 300, nccl 600)"
             )
-        if not isinstance(self.requeue_on_preemption, bool):
-            raise ConfigurationError(f"requeue_on_preemption={self.requeue_on_preemption!r} must be True or False")
+        for name in _SWITCHES:
+            # A string is truthy: enable_checkpointing="no" would silently mean yes.
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ConfigurationError(f"{name}={value!r} must be True or False")
+        if not _is_int(self.max_restarts) or self.max_restarts < 0:
+            raise ConfigurationError(f"max_restarts={self.max_restarts!r} must be an integer >= 0")
+        if not isinstance(self.default_root_dir, (str, os.PathLike)):
+            raise ConfigurationError(f"default_root_dir={self.default_root_dir!r} must be a path (a str or os.PathLike)")
         self.num_processes()  # validates devices
 
     def num_processes(self) -> int:
         """Processes per node that ``devices`` asks for."""
         return count_devices(self.devices)
 
+
+
+#: the on/off settings, checked to be real booleans
+_SWITCHES = ("enable_checkpointing", "enable_progress_bar", "logger", "use_distributed_sampler",
+             "autoload_plugins", "requeue_on_preemption")
 
 
 def _is_int(value: Any) -> bool:

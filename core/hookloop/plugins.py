@@ -263,6 +263,23 @@ def apply_options(plugin: Any, options: dict[str, dict]) -> Any:
     return plugin
 
 
+def check_options_used(plugins: Iterable[Any], options: dict[str, dict]) -> None:
+    """Refuse options addressed to a plugin that is not in the run: a misspelt or
+    forgotten plugin would otherwise leave its options silently unused."""
+    enabled = [plugin_name(p) for p in plugins]
+    unused = [name for name in options if name not in enabled]
+    if not unused:
+        return
+    name = unused[0]
+    close = difflib.get_close_matches(name, enabled, n=1)
+    raise ConfigurationError(
+        f"options are given for plugin {name!r} ({', '.join(sorted(options[name])) or 'none'}), which this run "
+        f"does not use" + (f" (did you mean {close[0]!r}?)" if close else "")
+        + f"; the run's plugins: {', '.join(enabled)}. Enable it (plugins=[{name!r}] or --plugins {name}) "
+        f"or remove its options (plugin_options=, --plugin-option, HOOKLOOP_PLUGIN_OPTIONS)"
+    )
+
+
 def _unknown_option_error(name: str, key: str, known: list[str]) -> ConfigurationError:
     close = difflib.get_close_matches(key, known, n=1)
     return ConfigurationError(
