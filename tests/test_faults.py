@@ -245,13 +245,16 @@ def test_sigterm_to_a_worker_checkpoints_at_the_next_step_boundary_and_the_resta
     assert_same_weights(out, reference)
 
 
-def test_sigterm_to_the_agent_ends_the_job_with_a_checkpoint_and_a_rerun_resumes_exactly(tmp_path, reference):
+# term-agent: global rank 0 sends SIGTERM to its parent, the elastic agent; term-launcher:
+# to the agent's parent, `hookloop run` (a container's PID 1), which passes it on to the
+# agent (before it did, `hookloop run` died alone and the job ran on, all 8 steps).
+@pytest.mark.parametrize("fault", ["term-agent", "term-launcher"])
+def test_sigterm_to_the_agent_ends_the_job_with_a_checkpoint_and_a_rerun_resumes_exactly(tmp_path, reference, fault):
     started = time.monotonic()
     out = tmp_path / "agent"
-    # Global rank 0 sends SIGTERM to its parent, the elastic agent, at the end of step 3;
-    # the agent forwards it to both workers and exits. Later steps take 0.5 s each, so
-    # the forwarded signal lands inside the run.
-    stdout, stderr = finish(start_job(out, "3", "--fault", "term-agent", "--slow", "0.5"),
+    # SIGTERM at the end of step 3; the agent forwards it to both workers and exits. Later
+    # steps take 0.5 s each, so the forwarded signal lands inside the run.
+    stdout, stderr = finish(start_job(out, "3", "--fault", fault, "--slow", "0.5"),
                             stderr_too=True, status="failure")
     first = time.monotonic() - started
     assert "Received 15 death signal, shutting down workers" in stderr  # the agent's own log
@@ -264,7 +267,7 @@ def test_sigterm_to_the_agent_ends_the_job_with_a_checkpoint_and_a_rerun_resumes
     assert steps(out, 0, 1) == []  # the agent itself was stopped: no restart
     # The same command again (what a requeued job runs), with ckpt_path="last".
     finish(start_job_again(out, "--rerun", "1", "--ckpt-last"))
-    print(f"SIGTERM to the agent: stopped after step {n}; first job {first:.1f}s, "
+    print(f"SIGTERM ({fault}): stopped after step {n}; first job {first:.1f}s, "
           f"both {time.monotonic() - started:.1f}s")
     assert steps(out, 0, 0, rerun=1) == steps(out, 1, 0, rerun=1) == list(range(n + 1, 9))
     assert_same_weights(out, reference)

@@ -12,6 +12,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+from typing import Callable
 
 from .config import DEFAULTS_ENV, TrainerConfig
 
@@ -68,6 +70,7 @@ def run_command(cmd: list[str], defaults: dict | None = None, workers: bool = Tr
     if defaults is not None:
         env[DEFAULTS_ENV] = json.dumps(defaults)
     proc = subprocess.Popen(cmd, env=env)
+    forwarding = _forward_sigterm(proc)
     try:
         return proc.wait()
     except KeyboardInterrupt:
@@ -77,3 +80,23 @@ def run_command(cmd: list[str], defaults: dict | None = None, workers: bool = Tr
         except subprocess.TimeoutExpired:
             proc.kill()
             return proc.wait()
+    finally:
+        forwarding()
+
+
+def _forward_sigterm(proc: subprocess.Popen) -> Callable[[], None]:
+    """Pass a SIGTERM this process receives on to the launched process (torchrun's agent,
+    which passes it to every worker: each checkpoints at its next step boundary and exits
+    143; README "Faults"), and keep waiting for it. Without this, a SIGTERM sent to
+    ``hookloop run`` alone (a container's PID 1, a scheduler that signals the main process)
+    would end it and leave the agent and the workers running unsupervised. Returns the
+    function that restores the previous handler."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None  # only the main thread may set handlers; nothing to restore
+
+    def forward(signum, frame):
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    previous = signal.signal(signal.SIGTERM, forward)
+    return lambda: signal.signal(signal.SIGTERM, previous)

@@ -10,6 +10,8 @@ With ``AT``, in the first attempt only (``TORCHELASTIC_RESTART_COUNT`` 0) of run
 * ``--fault term-agent``: global rank 0 sends SIGTERM to its parent, the elastic agent,
   there; every later step then sleeps ``--slow`` seconds, so the SIGTERM the agent
   forwards arrives mid-epoch;
+* ``--fault term-launcher``: the same, to the agent's parent, ``hookloop run`` (which
+  passes it on to the agent);
 * ``--fault stop``: global rank 1 sends itself SIGSTOP at the start of the batch after
   step ``AT`` (a rank that stops making progress).
 
@@ -43,7 +45,7 @@ faulthandler.dump_traceback_later(90, exit=True)
 parser = argparse.ArgumentParser()
 parser.add_argument("out", type=Path)
 parser.add_argument("at", type=int, nargs="?")
-parser.add_argument("--fault", default="kill", choices=["kill", "term", "term-agent", "stop"])
+parser.add_argument("--fault", default="kill", choices=["kill", "term", "term-agent", "term-launcher", "stop"])
 parser.add_argument("--rerun", type=int, default=0)
 parser.add_argument("--ckpt-last", action="store_true")
 parser.add_argument("--timeout", type=float, default=None)
@@ -53,6 +55,12 @@ OUT, KILL_AT, FAULT = ARGS.out, ARGS.at, ARGS.fault
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 FAULTY = KILL_AT is not None and ATTEMPT == 0 and ARGS.rerun == 0
 STEPS = f"steps.run{ARGS.rerun}." if ARGS.rerun else "steps."
+
+
+def parent_of(pid: int) -> int:
+    """The parent process id of ``pid`` (Linux: field 4 of /proc/PID/stat, after the name)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[1])
 
 
 class Job(TinyClassifier):
@@ -69,9 +77,10 @@ class Job(TinyClassifier):
             f.write(f"{trainer.global_step}\n")
         if not FAULTY:
             return
-        if FAULT == "term-agent" and trainer.global_step >= KILL_AT:
+        if FAULT in ("term-agent", "term-launcher") and trainer.global_step >= KILL_AT:
             if trainer.global_rank == 0 and trainer.global_step == KILL_AT:
-                os.kill(os.getppid(), signal.SIGTERM)
+                agent = os.getppid()
+                os.kill(agent if FAULT == "term-agent" else parent_of(agent), signal.SIGTERM)
             time.sleep(ARGS.slow)
         if trainer.global_rank != 1 or trainer.global_step != KILL_AT:
             return
