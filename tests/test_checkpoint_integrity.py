@@ -192,6 +192,29 @@ def test_killed_between_write_and_rename_the_previous_checkpoint_is_used(tmp_pat
     final = torch.load(tmp_path / "final.pt", weights_only=True)
     assert final["steps"] == list(range(8, 2 * BATCHES + 1))
     assert equal(final["state_dict"], straight_job["state_dict"])
+    # The restart's first save removed the dead process's temporary file.
+    assert not left.exists() and not list(directory.glob(".*.tmp"))
+
+
+def test_a_save_removes_the_temporary_files_of_dead_writers_on_this_host_only(tmp_path):
+    import socket
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead, host = int(done.stdout), socket.gethostname()
+    names = {
+        "dead": f".last.ckpt.{host}-{dead}.k2x9_q.tmp",  # killed mid-write
+        "dead_link": f".last.prev.ckpt.{host}-{dead}.tmp",  # killed while keeping the previous
+        "alive": f".last.ckpt.{host}-{os.getppid()}.a8b7c6.tmp",  # a live writer (this test's parent)
+        "other_host": f".last.ckpt.elsewhere-{dead}.p0o9i8.tmp",  # another machine's (shared file system)
+        "other_file": f".epoch=1.ckpt.{host}-{dead}.zz.tmp",  # not this file's
+    }
+    for name in names.values():
+        (tmp_path / name).write_bytes(b"partial")
+    hookloop.checkpoint.atomic_save({"x": torch.ones(2)}, tmp_path / "last.ckpt")
+    left = {key for key, name in names.items() if (tmp_path / name).exists()}
+    assert left == {"alive", "other_host", "other_file"}
+    assert hookloop.safe_load(tmp_path / "last.ckpt")["x"].tolist() == [1.0, 1.0]
 
 
 def test_a_save_past_the_file_size_limit_fails_clearly_and_the_previous_checkpoint_is_used(tmp_path, straight_job):

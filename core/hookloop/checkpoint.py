@@ -12,6 +12,7 @@ import pickle
 import random
 import re
 import shutil
+import socket
 import struct
 import tempfile
 import zipfile
@@ -84,7 +85,8 @@ def _atomic_write(path: str | os.PathLike, write: Callable[[Any], None]) -> Path
     removes the temporary file; an ``OSError`` becomes a :class:`CheckpointError`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    _remove_stale_temporaries(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{_writer()}.", suffix=".tmp")
     try:
         # mkstemp creates 0600 and the rename keeps it: give the file the mode that
         # open(path, "w") would, so other users and groups read it as the umask allows.
@@ -105,6 +107,44 @@ def _atomic_write(path: str | os.PathLike, write: Callable[[Any], None]) -> Path
     return path
 
 
+def _writer() -> str:
+    """``HOST-PID``: temporary files are named after their writer, so that a later save can
+    tell the leftovers of a process killed mid-save (and only those) and remove them."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def _remove_stale_temporaries(path: Path) -> None:
+    """Remove the temporary files a killed process left beside ``path`` (``.last.ckpt.
+    HOST-PID.XXXX.tmp``, ``.last.prev.ckpt.HOST-PID.tmp``): those written on this host by a
+    process that no longer exists. Another host's, or a live process's, are left alone."""
+    host = re.escape(socket.gethostname())
+    names = [path.name] + ([previous_of(path).name] if previous_of(path) else [])
+    patterns = [re.compile(rf"\.{re.escape(name)}\.{host}-(\d+)\.(?:\w+\.)?tmp") for name in names]
+    try:
+        entries = os.listdir(path.parent)
+    except OSError:
+        return
+    for entry in entries:
+        found = next((m for m in (p.fullmatch(entry) for p in patterns) if m), None)
+        if found and not _process_exists(int(found[1])):
+            try:
+                os.unlink(path.parent / entry)
+            except OSError:
+                pass
+
+
+def _process_exists(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists, as another user's
+        return True
+    return True
+
+
 def _write_error(path: Path, exc: OSError) -> CheckpointError:
     kept = "is unchanged" if path.exists() else "was not written"
     return CheckpointError(
@@ -120,7 +160,7 @@ def _install(tmp: str, path: Path) -> None:
     moment; a rename where the file system has no hard links), then fsync the directory."""
     previous = previous_of(path)
     if previous is not None and path.is_file():
-        link = previous.with_name(f".{previous.name}.{os.getpid()}.tmp")
+        link = previous.with_name(f".{previous.name}.{_writer()}.tmp")
         try:
             if os.path.lexists(link):
                 os.unlink(link)
@@ -238,13 +278,11 @@ def _umask() -> int:
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary file and a rename (never torn)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-    return path
+    """Write ``text`` (UTF-8) to ``path`` as :func:`atomic_save` writes a checkpoint: a
+    temporary file of its own, fsync, then a rename, so a reader sees the old text or the
+    new, never a torn one."""
+    data = text.encode("utf-8")
+    return _atomic_write(path, lambda f: f.write(data))
 
 
 def safe_load(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
