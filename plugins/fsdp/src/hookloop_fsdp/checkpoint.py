@@ -25,10 +25,8 @@ loads.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch.distributed as dist
@@ -118,7 +116,7 @@ def save_sharded(strategy, trainer, checkpoint: dict, path: Path) -> Path:
         hookloop.atomic_save(loop, target / LOOP_FILE)
     trainer.barrier("fsdp_sharded_written")
     if trainer.global_rank == 0:
-        _write_atomically(path / LATEST, tag)
+        hookloop.atomic_write_text(path / LATEST, tag + "\n")  # fsync'd, then renamed
         for old in previous:
             if old != tag:
                 shutil.rmtree(path / old, ignore_errors=True)
@@ -189,51 +187,6 @@ def _new_tag(path: Path, global_step: int) -> str:
     while (path / tag).exists():
         tag, n = f"step{global_step}.{n}", n + 1
     return tag
-
-
-def file_mode() -> int:
-    """The mode ``open(path, "w")`` would give a new file (0666 minus the umask): a
-    renamed temporary file keeps ``mkstemp``'s 0600 otherwise."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("Umask:"):
-                    return 0o666 & ~int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0o644
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """``text`` into ``path`` by a temporary file, fsync and rename: a reader sees the old
-    content or the new, never a torn one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, file_mode())
-        with os.fdopen(fd, "w") as f:
-            f.write(text + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with _suppress():
-            os.unlink(tmp)
-        raise
-    with _suppress():
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-
-
-class _suppress:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return exc[0] is not None and issubclass(exc[0], OSError)
 
 
 # ---------------------------------------------------------------------------------------

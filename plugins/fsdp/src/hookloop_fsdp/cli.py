@@ -12,14 +12,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 from hookloop import CheckpointError
 
-from .checkpoint import LATEST, MODEL_DIR, committed_tag, file_mode
+from .checkpoint import LATEST, MODEL_DIR, committed_tag
 
 
 def collate(checkpoint_dir: str | os.PathLike, output: str | os.PathLike, tag: str | None = None) -> dict[str, torch.Tensor]:
@@ -45,19 +44,7 @@ def collate(checkpoint_dir: str | os.PathLike, output: str | os.PathLike, tag: s
     else:
         shards = committed_tag(checkpoint_dir)
     output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        to_torch_save(shards / MODEL_DIR, tmp, source=shards)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.chmod(tmp, file_mode())
-        os.replace(tmp, output)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    to_torch_save(shards / MODEL_DIR, output, source=shards)
     return torch.load(output, map_location="cpu", weights_only=True)
 
 

@@ -100,7 +100,7 @@ def load(state_dict: dict, directory, source) -> None:
 
 
 def to_torch_save(directory, output, source) -> None:
-    """``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``, refusing pickled
+    """``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``, written atomically and refusing pickled
     objects as :func:`load` does: the same private loader and planner it uses (torch
     2.13), with :class:`SafeFileSystemReader` for its ``FileSystemReader``."""
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
@@ -110,7 +110,7 @@ def to_torch_save(directory, output, source) -> None:
     reader = SafeFileSystemReader(str(directory))
     with hookloop.weights_only_loads(source), _raising_refusal(reader):
         _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    torch.save(state, output)
+    hookloop.atomic_save(state, output)  # a temporary file, fsync, rename; with a checksum
 
 
 @contextlib.contextmanager
