@@ -130,7 +130,7 @@ SCENARIOS = [
 SCENARIOS += [
     # Manual optimization through the engine (one optimizer: the engine has one).
     {"name": "manual_stage2", "strategy": "deepspeed_stage_2", "module": "manual",
-     "trainer": {"max_epochs": EPOCHS, "enable_checkpointing": False}},
+     "trainer": {"max_epochs": EPOCHS, "enable_checkpointing": False, "process_group_timeout": 77}},
     {"name": "manual_two_optimizers", "strategy": "deepspeed_stage_2", "module": "manual",
      "module_kwargs": {"two_optimizers": True}, "expect_error": True,
      "trainer": {"max_epochs": EPOCHS, "enable_checkpointing": False}},
@@ -531,3 +531,9 @@ def test_manual_optimization_runs_through_the_engine(ds_runs):
 def test_two_optimizers_are_refused_by_the_engine(ds_runs):
     for run in ds_runs("manual_two_optimizers"):
         assert "2 optimizers, and a DeepSpeed engine trains with one" in run["error"]
+
+
+def test_process_group_timeout_reaches_deepspeeds_group(ds_runs):
+    # Trainer(process_group_timeout=77) in one scenario; gloo's default (300 s) in the others.
+    assert [r["group_timeout_s"] for r in ds_runs("manual_stage2")] == [77.0, 77.0]
+    assert [r["group_timeout_s"] for r in ds_runs("stage2")] == [300.0, 300.0]

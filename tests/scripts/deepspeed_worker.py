@@ -160,6 +160,11 @@ class Recorder:
             {k: g.get(k) for k in ("lr", "betas", "eps", "weight_decay", "amsgrad")} for g in base.param_groups
         ]
         self.result["adamw_mode"] = getattr(base, "adam_w_mode", None)
+        # The timeout gloo really holds for every collective of the group DeepSpeed uses.
+        import torch.distributed as dist
+
+        gloo = dist.group.WORLD._get_backend(torch.device("cpu"))
+        self.result["group_timeout_s"] = gloo.options._timeout.total_seconds()
 
     @hookloop.hookimpl
     def on_train_batch_end(self, loss):

@@ -182,7 +182,8 @@ class DeepSpeedStrategy:
         if self._owns_process_group:
             # env:// from torchrun, with keys of its own per group (a world of one: none).
             hookloop.init_process_group(backend, hookloop.env_int("RANK", default=0),
-                                        hookloop.env_int("WORLD_SIZE", default=1))
+                                        hookloop.env_int("WORLD_SIZE", default=1),
+                                        timeout=trainer.config.process_group_timeout)
         if "LOCAL_RANK" not in os.environ:
             # DeepSpeed reads LOCAL_RANK, which only launchers set; for the length of this
             # run only (hookloop reads it to tell a launched worker from a user's process).
