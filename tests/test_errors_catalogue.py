@@ -378,7 +378,7 @@ def _(tmp):
 
 @row("P11")
 def _(tmp):
-    hookloop.Trainer(plugin_options={"amp": {"init_scale": 1024}}, default_root_dir=tmp)
+    hookloop.Trainer(plugins=["amp"], plugin_options={"ampp": {"init_scale": 1024}}, default_root_dir=tmp)
 
 
 # -- strategies' and observers' options ----------------------------------------------------

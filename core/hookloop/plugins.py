@@ -263,20 +263,26 @@ def apply_options(plugin: Any, options: dict[str, dict]) -> Any:
     return plugin
 
 
-def check_options_used(plugins: Iterable[Any], options: dict[str, dict]) -> None:
-    """Refuse options addressed to a plugin that is not in the run: a misspelt or
-    forgotten plugin would otherwise leave its options silently unused."""
-    enabled = [plugin_name(p) for p in plugins]
-    unused = [name for name in options if name not in enabled]
-    if not unused:
+def check_option_targets(plugins: Iterable[Any], options: dict[str, dict]) -> None:
+    """Refuse options addressed to a plugin name that is neither in the run nor installed:
+    a misspelt name would leave its options silently unused. Options for an installed
+    plugin the run does not use are allowed (a script may set ddp's options for the runs
+    that ``hookloop run --plugins ddp`` makes, and run alone otherwise)."""
+    enabled = {plugin_name(p) for p in plugins}
+    unknown = [name for name in options if name not in enabled]
+    if not unknown:
         return
-    name = unused[0]
-    close = difflib.get_close_matches(name, enabled, n=1)
+    installed = installed_plugins()
+    unknown = [name for name in unknown if name not in installed]
+    if not unknown:
+        return
+    name, known = unknown[0], sorted(enabled | set(installed))
+    close = difflib.get_close_matches(name, known, n=1)
     raise ConfigurationError(
-        f"options are given for plugin {name!r} ({', '.join(sorted(options[name])) or 'none'}), which this run "
-        f"does not use" + (f" (did you mean {close[0]!r}?)" if close else "")
-        + f"; the run's plugins: {', '.join(enabled)}. Enable it (plugins=[{name!r}] or --plugins {name}) "
-        f"or remove its options (plugin_options=, --plugin-option, HOOKLOOP_PLUGIN_OPTIONS)"
+        f"options are given for plugin {name!r} ({', '.join(sorted(options[name])) or 'none'}), but no plugin of "
+        f"that name is installed or in the run" + (f" (did you mean {close[0]!r}?)" if close else "")
+        + f"; plugins: {', '.join(known)}. Fix the name in plugin_options=, --plugin-option or "
+        f"HOOKLOOP_PLUGIN_OPTIONS"
     )
 
 

@@ -138,7 +138,7 @@ class Trainer:
                                          builtin=_builtin_observers(self.config), options=options)
         chosen += plugin_registry.default_precision_plugin(chosen, self.config.precision)
         chosen = [plugin_registry.apply_options(p, options) for p in chosen]
-        plugin_registry.check_options_used(chosen, options)
+        plugin_registry.check_option_targets(chosen, options)
         plugin_registry.check_composition(chosen)
         self.plugins = chosen
         self.plugin_manager = plugin_registry.make_plugin_manager(chosen, Defaults())
