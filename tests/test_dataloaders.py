@@ -286,3 +286,55 @@ def test_custom_batch_sampler_is_still_refused():
     loader = DataLoader(IndexData(4), batch_sampler=Pairs())
     with pytest.raises(TypeError, match="custom batch_sampler"):
         hookloop.rebuild_dataloader(loader, DistributedSampler(IndexData(4), 2, 0))
+
+
+# ---------------------------------------------------------------------------------------
+# Evaluation under a padding sampler: a warning, with the count worked out by hand
+# ---------------------------------------------------------------------------------------
+
+
+class RankZeroOfTwo:
+    """Gives this process rank 0's share of 2, as ddp does on rank 0 (one process here)."""
+
+    hookloop_name = "rank_zero_of_two"
+
+    def __init__(self, wrap_user_sampler: bool = False):
+        self.wrap_user_sampler = wrap_user_sampler
+
+    @hookloop.hookimpl
+    def configure_sampler(self, trainer, dataloader, training):
+        if self.wrap_user_sampler:
+            return hookloop.DistributedSamplerWrapper(dataloader.sampler, 2, 0)
+        return DistributedSampler(dataloader.dataset, num_replicas=2, rank=0, shuffle=training)
+
+
+def padded_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if "DistributedSampler repeats" in str(w.message)]
+
+
+@pytest.mark.parametrize("wrap_user_sampler", [False, True])
+def test_evaluation_that_counts_repeated_samples_says_so(tmp_path, recwarn, wrap_user_sampler):
+    from conftest import TinyModule, tiny_data
+
+    class Evaluated(TinyModule):
+        def test_step(self, batch, batch_idx, dataloader_idx=0):
+            return self.validation_step(batch, batch_idx)
+
+    trainer = hookloop.Trainer(plugins=[RankZeroOfTwo(wrap_user_sampler)], enable_progress_bar=False,
+                               default_root_dir=tmp_path, max_epochs=1)
+    # 9 samples on 2 ranks: 5 each, 1 repeated (10 - 9).
+    trainer.validate(TinyModule(), DataLoader(tiny_data(9), batch_size=4))
+    assert padded_warnings(recwarn) == [
+        "the validation loader has 9 samples for 2 processes: the DistributedSampler repeats 1 of them so that "
+        "every rank gets 5, and validation metrics count those twice (as in Lightning). For exact metrics run "
+        "validation on one process, or give the loader a multiple of 2 samples."]
+    recwarn.clear()
+    # An even split repeats nothing; of two test loaders only the uneven one (loader 1) is named.
+    trainer.test(Evaluated(), [DataLoader(tiny_data(10), batch_size=4), DataLoader(tiny_data(7), batch_size=4)])
+    assert [m.split(":")[0] for m in padded_warnings(recwarn)] == ["the test loader 1 has 7 samples for 2 processes"]
+    recwarn.clear()
+    # fit's validation loader too; the training loader is not evaluated.
+    trainer = hookloop.Trainer(plugins=[RankZeroOfTwo(wrap_user_sampler)], enable_progress_bar=False,
+                               default_root_dir=tmp_path, max_epochs=1, num_sanity_val_steps=0)
+    trainer.fit(TinyModule(), DataLoader(tiny_data(9), batch_size=4), DataLoader(tiny_data(11), batch_size=4))
+    assert [m.split(":")[0] for m in padded_warnings(recwarn)] == ["the validation loader has 11 samples for 2 processes"]

@@ -328,6 +328,41 @@ def prepare_loader(trainer, loader: DataLoader | None, training: bool) -> DataLo
     return loader if sampler is None else rebuild_dataloader(loader, sampler)
 
 
+def repeated_samples(sampler: Any) -> tuple[int, int, int]:
+    """``(samples, processes, repeated)`` for a sampler that shares a dataset between
+    processes by padding (``DistributedSampler`` without ``drop_last``, hookloop's
+    ``DistributedSamplerWrapper``): every rank gets ``ceil(samples / processes)`` indices,
+    ``repeated`` of them drawn a second time. ``(0, 1, 0)`` for any other sampler."""
+    if isinstance(sampler, DistributedSampler) and not sampler.drop_last:
+        total = len(sampler.dataset)
+    elif isinstance(sampler, DistributedSamplerWrapper):
+        total = len(sampler.sampler)
+    else:
+        return 0, 1, 0
+    world = sampler.num_replicas
+    return total, world, -total % world
+
+
+def warn_repeated_samples(trainer, loaders: list, what: str) -> None:
+    """Say (on global rank 0, once per loader) when evaluation metrics will count some
+    samples twice: a padding sampler repeats samples so every rank runs the same number of
+    batches. Lightning does the same and warns; predictions are de-duplicated
+    (``_gather_predictions``), metrics are not."""
+    if trainer.global_rank != 0:
+        return
+    for index, loader in enumerate(loaders):
+        total, world, repeated = repeated_samples(getattr(loader, "sampler", None))
+        if repeated:
+            which = f"the {what} loader" + (f" {index}" if len(loaders) > 1 else "")
+            warnings.warn(
+                f"{which} has {total} samples for {world} processes: the DistributedSampler repeats {repeated} of "
+                f"them so that every rank gets {-(-total // world)}, and {what} metrics count those twice (as in "
+                f"Lightning). For exact metrics run {what} on one process, or give the loader a multiple of {world} "
+                f"samples.",
+                stacklevel=2,
+            )
+
+
 def batch_limit(loader: Any, limit: int | float | None, name: str) -> int | None:
     """How many batches of ``loader`` to run: ``limit`` as a count or a fraction of its
     length; ``None`` for an unsized loader without a count."""
@@ -418,6 +453,7 @@ def fit(trainer) -> None:
             train_loader = _overfit_loader(trainer, train_loader)
         train_loader = prepare_loader(trainer, train_loader, training=True)
         val_loaders = [prepare_loader(trainer, v, training=False) for v in trainer.val_dataloaders or []]
+        warn_repeated_samples(trainer, val_loaders, "validation")
         if val_loaders and not callable(getattr(trainer.module, "validation_step", None)):
             raise ConfigurationError(
                 f"val_dataloaders were given but {type(trainer.module).__name__} has no "
@@ -891,6 +927,7 @@ def run_evaluation(trainer, stage: str) -> list[dict]:
         build_model(trainer, stage)
         attr = "val_dataloaders" if stage == VALIDATE else "test_dataloaders"
         loaders = [prepare_loader(trainer, loader, training=False) for loader in getattr(trainer, attr)]
+        warn_repeated_samples(trainer, loaders, "validation" if stage == VALIDATE else "test")
         if trainer._ckpt_path is not None:
             restore(trainer, trainer._ckpt_path)
         limit = trainer.config.limit_val_batches if stage == VALIDATE else trainer.config.limit_test_batches
