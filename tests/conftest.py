@@ -127,6 +127,29 @@ def run_python(args: list[str], cwd: Path, env: dict | None = None, timeout: int
     return proc
 
 
+def start_hookloop_run(args: list, cwd: Path) -> subprocess.Popen:
+    """``python -m hookloop run ARGS`` in ``cwd`` as a new job, output captured: no launcher
+    or hookloop variable of this process (a test may have set some) reaches it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "HOOKLOOP_"))}
+    env.pop("LOCAL_RANK", None)
+    return subprocess.Popen([sys.executable, "-m", "hookloop", "run", *map(str, args)], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish_job(proc: subprocess.Popen, timeout: float, succeed: bool = True) -> tuple[str, str]:
+    """Wait for a job of :func:`start_hookloop_run`; its (stdout, stderr). A job that hangs
+    past ``timeout`` is killed and fails the test, as does an exit status of the other kind
+    than ``succeed`` asks (0, or any failure)."""
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"the job hung:\n{stdout}\n{stderr}") from None
+    assert (proc.returncode == 0) == succeed, f"exit status {proc.returncode}:\n{stdout}\n{stderr}"
+    return stdout, stderr
+
+
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch, tmp_path):
     for key in ("HOOKLOOP_TRAINER_DEFAULTS", "HOOKLOOP_WORKER", "LOCAL_RANK", "HOOKLOOP_PLUGINS", "HOOKLOOP_AUTOLOAD_PLUGINS"):

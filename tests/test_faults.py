@@ -14,8 +14,6 @@ from __future__ import annotations
 import itertools
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -25,7 +23,7 @@ from torch.utils.data import DataLoader
 
 import hookloop
 from hookloop import helpers, rundir
-from conftest import REPO, TinyModule, state_of, tiny_data
+from conftest import REPO, TinyModule, finish_job, start_hookloop_run, state_of, tiny_data
 
 SCRIPT = REPO / "tests" / "scripts" / "restart_job.py"
 
@@ -149,24 +147,11 @@ def test_explicit_ckpt_path_wins_over_the_restart_resume(tmp_path, capsys, agent
 
 def start_job(out, *args, strategy="ddp"):
     out.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "HOOKLOOP_"))}
-    env.pop("LOCAL_RANK", None)
-    return subprocess.Popen(
-        [sys.executable, "-m", "hookloop", "run", "--plugins", strategy, "--devices", "2", "--max-restarts", "1",
-         str(SCRIPT), str(out), *args],
-        cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
+    return start_hookloop_run(["--plugins", strategy, "--devices", "2", "--max-restarts", "1", SCRIPT, out, *args], out)
 
 
 def finish(proc, timeout=150, stderr_too=False, status=0):
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        stdout, stderr = proc.communicate()
-        raise AssertionError(f"the job hung:\n{stdout}\n{stderr}") from None
-    ok = proc.returncode == 0 if status == 0 else proc.returncode != 0
-    assert ok, f"exit status {proc.returncode}:\n{stdout}\n{stderr}"
+    stdout, stderr = finish_job(proc, timeout, succeed=status == 0)
     return (stdout, stderr) if stderr_too else stdout
 
 
@@ -295,13 +280,7 @@ def test_a_stopped_rank_fails_the_others_within_the_timeout_and_the_restart_resu
 
 def start_job_again(out, *args):
     """The job's command run again in the same folder (a requeued or resubmitted job)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "HOOKLOOP_"))}
-    env.pop("LOCAL_RANK", None)
-    return subprocess.Popen(
-        [sys.executable, "-m", "hookloop", "run", "--plugins", "ddp", "--devices", "2", "--max-restarts", "1",
-         str(SCRIPT), str(out), *args],
-        cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
+    return start_hookloop_run(["--plugins", "ddp", "--devices", "2", "--max-restarts", "1", SCRIPT, out, *args], out)
 
 
 # ---------------------------------------------------------------------------------------

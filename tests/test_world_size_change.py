@@ -12,8 +12,6 @@ resumes as before, silently.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import time
 
@@ -23,7 +21,7 @@ from torch.utils.data import DataLoader
 
 import hookloop
 from hookloop import checkpoint as ckpt
-from conftest import REPO
+from conftest import REPO, finish_job, start_hookloop_run
 
 sys.path.insert(0, str(REPO / "examples"))
 from digits import DigitsClassifier, digits_datasets  # noqa: E402
@@ -36,24 +34,11 @@ MARGIN = 0.03  # accuracy points a resumed run may lose against the uninterrupte
 
 def start(devices: int, out, *args, strategy: str = "ddp"):
     out.mkdir(exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "HOOKLOOP_"))}
-    env.pop("LOCAL_RANK", None)
-    return subprocess.Popen(
-        [sys.executable, "-m", "hookloop", "run", "--plugins", strategy, "--devices", str(devices), str(SCRIPT),
-         str(out), *args],
-        cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
+    return start_hookloop_run(["--plugins", strategy, "--devices", devices, SCRIPT, out, *args], out)
 
 
 def finish(proc, timeout: float = 120) -> str:
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        stdout, stderr = proc.communicate()
-        raise AssertionError(f"the job hung:\n{stdout}\n{stderr}") from None
-    assert proc.returncode == 0, f"exit status {proc.returncode}:\n{stdout}\n{stderr}"
-    return stdout
+    return finish_job(proc, timeout)[0]
 
 
 def last_of(out):
