@@ -328,16 +328,24 @@ def prepare_loader(trainer, loader: DataLoader | None, training: bool) -> DataLo
     return loader if sampler is None else rebuild_dataloader(loader, sampler)
 
 
+def _sharded_samples(sampler: Any) -> int | None:
+    """How many samples a sampler that hookloop knows shares out between the processes
+    (``DistributedSampler``'s dataset; the user's sampler under ``DistributedSamplerWrapper``);
+    ``None`` for any other sampler."""
+    if isinstance(sampler, DistributedSampler):
+        return len(sampler.dataset)
+    if isinstance(sampler, DistributedSamplerWrapper):
+        return len(sampler.sampler)
+    return None
+
+
 def repeated_samples(sampler: Any) -> tuple[int, int, int]:
     """``(samples, processes, repeated)`` for a sampler that shares a dataset between
     processes by padding (``DistributedSampler`` without ``drop_last``, hookloop's
     ``DistributedSamplerWrapper``): every rank gets ``ceil(samples / processes)`` indices,
     ``repeated`` of them drawn a second time. ``(0, 1, 0)`` for any other sampler."""
-    if isinstance(sampler, DistributedSampler) and not sampler.drop_last:
-        total = len(sampler.dataset)
-    elif isinstance(sampler, DistributedSamplerWrapper):
-        total = len(sampler.sampler)
-    else:
+    total = _sharded_samples(sampler)
+    if total is None or getattr(sampler, "drop_last", False):
         return 0, 1, 0
     world = sampler.num_replicas
     return total, world, -total % world
@@ -1100,12 +1108,8 @@ def _gather_predictions(trainer, loader: DataLoader, outputs: list) -> list:
         return [out for _, out in outputs]
     local = [(count, apply_to_tensors(out, lambda t: t.detach().cpu())) for count, out in outputs]
     shares = trainer.all_gather_object(local)
-    sampler = loader.sampler
-    if isinstance(sampler, DistributedSampler):
-        total = len(sampler.dataset)
-    elif isinstance(sampler, DistributedSamplerWrapper):
-        total = len(sampler.sampler)
-    else:
+    total = _sharded_samples(loader.sampler)
+    if total is None:
         # A sampler hookloop does not know the order of (an iterable dataset's):
         # the ranks' outputs in rank order.
         return [out for share in shares for _, out in share]
@@ -1119,7 +1123,7 @@ def _gather_predictions(trainer, loader: DataLoader, outputs: list) -> list:
                     samples.setdefault(global_position, piece)
                 position += 1
     ordered = [samples[p] for p in sorted(samples)]
-    size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None) or 1
+    size = _per_device_batch(loader) or 1
     return [_merge(ordered[i : i + size]) for i in range(0, len(ordered), size)]
 
 
