@@ -73,8 +73,17 @@ def env_int(*names: str, default: int | None = None) -> int | None:
     return default
 
 
+#: where :func:`seed_everything` records its seed, for the processes it starts and for
+#: :func:`distributed_sampler` (Lightning's name: a seed set by Lightning's own
+#: ``seed_everything`` counts too)
+GLOBAL_SEED_ENV = "PL_GLOBAL_SEED"
+
+
 def seed_everything(seed: int) -> int:
-    """Seed Python's, NumPy's (if installed) and torch's generators."""
+    """Seed Python's, NumPy's (if installed) and torch's generators, and record ``seed`` in
+    the environment (``PL_GLOBAL_SEED``, as Lightning does) for the distributed samplers
+    (:func:`distributed_sampler`) of this process and of the processes it starts."""
+    os.environ[GLOBAL_SEED_ENV] = str(seed)
     random.seed(seed)
     try:
         import numpy as np
@@ -238,8 +247,24 @@ class DistributedSamplerWrapper(Sampler):
             return list(sampler)
 
 
+def global_seed() -> int:
+    """The seed :func:`seed_everything` recorded (``PL_GLOBAL_SEED``); 0 when none was."""
+    value = os.environ.get(GLOBAL_SEED_ENV, "").strip()
+    if not value:
+        return 0
+    try:
+        return int(value)
+    except ValueError:
+        from .errors import ConfigurationError
+
+        raise ConfigurationError(
+            f"{GLOBAL_SEED_ENV}={value!r} in the environment is not an integer: it is the seed of the "
+            f"distributed samplers; set it with hookloop.seed_everything(<int>) or unset it"
+        ) from None
+
+
 def distributed_sampler(
-    dataloader: DataLoader, num_replicas: int, rank: int, training: bool, seed: int = 0
+    dataloader: DataLoader, num_replicas: int, rank: int, training: bool, seed: int | None = None
 ) -> Sampler | None:
     """The sampler that gives rank ``rank`` of ``num_replicas`` its share of a loader.
 
@@ -250,13 +275,17 @@ def distributed_sampler(
       and ``training`` is true; validation, test and predict loaders are never shuffled.
     * a user's own sampler: wrapped in :class:`DistributedSamplerWrapper`.
 
-    Strategies return this from ``configure_sampler``.
+    ``seed`` (the same on every rank) defaults to the one :func:`seed_everything` set
+    (:func:`global_seed`, 0 when none was), as Lightning's samplers do; a strategy passes
+    its own only when its user chose one. Strategies return this from ``configure_sampler``.
     """
     if isinstance(dataloader.dataset, IterableDataset):
         return None
     sampler = dataloader.sampler
     if isinstance(sampler, (DistributedSampler, DistributedSamplerWrapper)):
         return None
+    if seed is None:
+        seed = global_seed()
     if isinstance(sampler, (RandomSampler, SequentialSampler)):
         return DistributedSampler(
             dataloader.dataset,

@@ -85,7 +85,8 @@ class DDP:
         processes of a node; ``localsgd_gradient_allreduce=False``: not at all) and the
         parameters of all ranks are averaged every ``model_averaging_period`` steps.
     ``sampler_seed``
-        seed of the distributed samplers (the same on every rank).
+        seed of the distributed samplers (the same on every rank); ``None``: the seed
+        ``hookloop.seed_everything`` set (``PL_GLOBAL_SEED``, else 0), as in Lightning.
     ``timeout``
         seconds a collective may wait before failing (``None``: the Trainer's
         ``process_group_timeout``, whose default is gloo 300 s, nccl 600 s).
@@ -119,7 +120,7 @@ class DDP:
         model_averaging_period: int = 4,
         localsgd_group_size: int | None = None,
         localsgd_gradient_allreduce: bool = True,
-        sampler_seed: int = 0,
+        sampler_seed: int | None = None,
         timeout: float | None = None,
     ):
         options = dict(locals())
@@ -170,7 +171,7 @@ class DDP:
             if value is not None:
                 _check_type(name, value, (int,), "must be None or an integer >= 1", ok=isinstance(value, int) and value >= 1)
         elif name == "sampler_seed":
-            _check_type(name, value, (int,), "must be an integer")
+            _check_type(name, value, (int, type(None)), "must be an integer, or None for the seed of hookloop.seed_everything")
 
     # -- extension points: override in a subclass --------------------------------------
 

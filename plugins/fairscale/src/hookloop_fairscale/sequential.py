@@ -72,7 +72,7 @@ class DDPSequential(DDP):
     _OPTIONS = DDP._OPTIONS + SEQUENTIAL_OPTIONS
 
     def __init__(self, balance: list[int] | None = None, stages: int | None = None, chunks: int = 8,
-                 process_group_backend: str | None = None, sampler_seed: int = 0, timeout: float | None = None):
+                 process_group_backend: str | None = None, sampler_seed: int | None = None, timeout: float | None = None):
         self.balance = balance
         self.stages = stages
         self.chunks = chunks

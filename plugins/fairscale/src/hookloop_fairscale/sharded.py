@@ -76,7 +76,7 @@ class DDPSharded(DDP):
         auto_refresh_trainable: bool = True,
         process_group_backend: str | None = None,
         broadcast_buffers: bool | None = None,
-        sampler_seed: int = 0,
+        sampler_seed: int | None = None,
         timeout: float | None = None,
     ):
         require_fairscale(self.hookloop_name)
@@ -381,7 +381,7 @@ class DDPShardedSpawn(DDPSharded, DDPSpawn):
         auto_refresh_trainable: bool = True,
         process_group_backend: str | None = None,
         broadcast_buffers: bool | None = None,
-        sampler_seed: int = 0,
+        sampler_seed: int | None = None,
         timeout: float | None = None,
     ):
         super().__init__(reduce_buffer_size=reduce_buffer_size, reduce_fp16=reduce_fp16,

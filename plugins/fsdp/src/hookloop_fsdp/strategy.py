@@ -127,7 +127,7 @@ class FSDP(DDP):
         meta_init: bool = True,
         allow_cpu_fp16: bool = False,
         process_group_backend: str | None = None,
-        sampler_seed: int = 0,
+        sampler_seed: int | None = None,
         timeout: float | None = None,
     ):
         super().__init__(process_group_backend=process_group_backend, sampler_seed=sampler_seed, timeout=timeout)
