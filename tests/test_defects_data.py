@@ -107,3 +107,100 @@ def test_seed_everything_records_the_seed_for_the_samplers(monkeypatch):
         assert sampler.seed == 7
     # An explicit seed (ddp's sampler_seed option) still wins.
     assert hookloop.distributed_sampler(loader, 2, 0, training=True, seed=3).seed == 3
+
+
+# ---------------------------------------------------------------------------------------
+# 9. Predictions come back in dataset order whatever DistributedSampler the loader has
+# ---------------------------------------------------------------------------------------
+
+PREDICT_N, PREDICT_BATCH = 11, 3  # 11 samples: a padding sampler repeats one
+SAMPLERS = {  # the loader's own DistributedSampler's arguments
+    "shuffled": dict(shuffle=True, seed=5),
+    "unshuffled": dict(shuffle=False),
+    "shuffled_drop_last": dict(shuffle=True, seed=5, drop_last=True),
+    "unshuffled_drop_last": dict(shuffle=False, drop_last=True),
+}
+
+
+class OwnShare(torch.utils.data.Sampler):
+    """A sampler hookloop knows nothing of, that gives each rank a share of its own."""
+
+    def __init__(self, indices: list):
+        self.indices = indices
+
+    def __iter__(self):
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def _predict_with_user_samplers() -> dict:
+    import warnings
+
+    rank = int(os.environ["RANK"])
+    results = {}
+    for name, kwargs in SAMPLERS.items():
+        sampler = DistributedSampler(Numbers(PREDICT_N), num_replicas=WORLD, rank=rank, **kwargs)
+        loader = DataLoader(Numbers(PREDICT_N), batch_size=PREDICT_BATCH, sampler=sampler)
+        with tempfile.TemporaryDirectory() as root, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            results[name] = (_trainer(root).predict(Records(), loader), [str(w.message) for w in caught])
+    # A sampler of unknown kind, left alone (use_distributed_sampler=False): rank 0
+    # predicts 4, 0, 2 and rank 1 predicts 1, 3.
+    loader = DataLoader(Numbers(5), batch_size=2, sampler=OwnShare([[4, 0, 2], [1, 3]][rank]))
+    with tempfile.TemporaryDirectory() as root, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results["unknown"] = (_trainer(root, use_distributed_sampler=False).predict(Records(), loader),
+                              [str(w.message) for w in caught])
+    return results
+
+
+def _single_process_predictions(indices: list, batch: int) -> list:
+    """predict_step on the samples ``indices``, in batches of ``batch``: one process's loop."""
+    module = Records()
+    data = torch.utils.data.Subset(Numbers(PREDICT_N), indices)
+    with torch.no_grad():
+        return [module.predict_step(b, i) for i, b in enumerate(DataLoader(data, batch_size=batch))]
+
+
+def _flat(predictions: list) -> tuple[list, list]:
+    return ([float(v) for p in predictions for v in p["y"].flatten()],
+            [int(i) for p in predictions for i in p["index"]])
+
+
+@pytest.fixture(scope="module")
+def predicted():
+    return run_processes(_predict_with_user_samplers, nprocs=WORLD, timeout=240)
+
+
+@pytest.mark.parametrize("name", ["shuffled", "unshuffled"])
+def test_predictions_with_a_users_distributed_sampler_come_back_in_dataset_order(predicted, name):
+    expected = _single_process_predictions(list(range(PREDICT_N)), PREDICT_BATCH)
+    for rank, results in enumerate(predicted):
+        predictions, _ = results[name]
+        assert [len(p["index"]) for p in predictions] == [3, 3, 3, 2]  # batched as one process batches
+        assert _flat(predictions) == _flat(expected), (rank, name)
+
+
+@pytest.mark.parametrize("name", ["shuffled_drop_last", "unshuffled_drop_last"])
+def test_drop_last_sampler_predictions_are_its_samples_once_in_dataset_order_with_a_warning(predicted, name):
+    kwargs = SAMPLERS[name]
+    kept = sorted(i for r in range(WORLD) for i in DistributedSampler(Numbers(PREDICT_N), num_replicas=WORLD, rank=r, **kwargs))
+    assert len(kept) == 10  # the sampler drops one of the 11 samples
+    expected = _single_process_predictions(kept, PREDICT_BATCH)
+    for rank, results in enumerate(predicted):
+        predictions, caught = results[name]
+        assert _flat(predictions) == _flat(expected), (rank, name)
+        dropped = [m for m in caught if "drop_last=True" in m]
+        assert len(dropped) == (1 if rank == 0 else 0), caught  # global rank 0 says so, once
+        if rank == 0:
+            assert "1 of its 11 samples" in dropped[0]
+
+
+def test_predictions_of_an_unknown_sampler_come_in_rank_order_with_a_warning(predicted):
+    for rank, results in enumerate(predicted):
+        predictions, caught = results["unknown"]
+        assert [p["index"].tolist() for p in predictions] == [[4, 0], [2], [1, 3]]  # rank 0's batches, then rank 1's
+        unknown = [m for m in caught if "OwnShare" in m]
+        assert len(unknown) == (1 if rank == 0 else 0), caught

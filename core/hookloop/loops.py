@@ -1097,34 +1097,74 @@ def run_predict(trainer) -> Any:
 def _gather_predictions(trainer, loader: DataLoader, outputs: list) -> list:
     """This loader's per-batch outputs as one process would have returned them.
 
-    Under several processes every rank predicted its share (positions ``r, r + W, ...``
-    of the sampler's order, the last ones padded by repetition); the shares are gathered
-    on every rank, each sample placed at its position, the padding dropped, and the
-    samples batched again in the loader's batch size. Predictions gathered this way are
-    on the CPU.
+    Under several processes every rank predicted its share; the shares are gathered on
+    every rank, each sample placed where one process would have predicted it, the
+    padding's repeats dropped, and the samples batched again in the loader's batch size:
+
+    * a ``DistributedSampler`` (hookloop's, or the user's own, shuffled or not,
+      ``drop_last`` or not): each rank says which dataset index each of its predictions
+      is, and the predictions come back in dataset order, each sample once (with
+      ``drop_last`` the samples it drops are predicted by no rank: global rank 0 warns);
+    * hookloop's ``DistributedSamplerWrapper``: the order of the user's sampler (rank
+      ``r`` predicted positions ``r, r + W, ...`` of it);
+    * any other sampler (an ``IterableDataset``'s, or the user's own with
+      ``use_distributed_sampler=False``): which samples a rank predicted cannot be known,
+      so the ranks' batches come back in rank order, and global rank 0 warns.
+
+    Predictions gathered this way are on the CPU.
     """
     world = trainer.world_size
     if world == 1:
         return [out for _, out in outputs]
+    sampler = loader.sampler
     local = [(count, apply_to_tensors(out, lambda t: t.detach().cpu())) for count, out in outputs]
-    shares = trainer.all_gather_object(local)
-    total = _sharded_samples(loader.sampler)
-    if total is None:
-        # A sampler hookloop does not know the order of (an iterable dataset's):
-        # the ranks' outputs in rank order.
-        return [out for share in shares for _, out in share]
+    # The dataset index of each sample this rank predicted, in the order it predicted them
+    # (a DistributedSampler draws the same order again for the same seed and epoch).
+    indices = list(sampler) if isinstance(sampler, DistributedSampler) else None
+    shares = trainer.all_gather_object((local, indices))
+    if isinstance(sampler, DistributedSampler):
+        keys = [share_indices for _, share_indices in shares]
+        _warn_dropped_predictions(trainer, sampler)
+    elif isinstance(sampler, DistributedSamplerWrapper):
+        total = len(sampler.sampler)
+        keys = [range(rank, sampler.total_size, world) for rank in range(world)]
+        keys = [[k if k < total else None for k in rank_keys] for rank_keys in keys]
+    else:
+        if trainer.global_rank == 0:
+            warnings.warn(
+                f"predict under {world} processes with a loader whose sampler is a {type(sampler).__name__}: "
+                f"hookloop cannot tell which samples each rank predicted, so the predictions come back as "
+                f"rank 0's batches, then rank 1's, and so on (samples may be missing or repeated). For "
+                f"predictions in dataset order give the loader a DistributedSampler, or let hookloop shard "
+                f"it (use_distributed_sampler=True, a map-style dataset).",
+                stacklevel=3,
+            )
+        return [out for share, _ in shares for _, out in share]
     samples: dict[int, Any] = {}
-    for rank, share in enumerate(shares):
-        position = 0
-        for count, out in share:
-            for piece in _split(out, count):
-                global_position = position * world + rank
-                if global_position < total:
-                    samples.setdefault(global_position, piece)
-                position += 1
-    ordered = [samples[p] for p in sorted(samples)]
+    for (share, _), rank_keys in zip(shares, keys):
+        pieces = (piece for count, out in share for piece in _split(out, count))
+        for key, piece in zip(rank_keys, pieces):
+            if key is not None:
+                samples.setdefault(key, piece)
+    ordered = [samples[k] for k in sorted(samples)]
     size = _per_device_batch(loader) or 1
     return [_merge(ordered[i : i + size]) for i in range(0, len(ordered), size)]
+
+
+def _warn_dropped_predictions(trainer, sampler: DistributedSampler) -> None:
+    """Global rank 0 says which samples a ``drop_last`` sampler leaves unpredicted."""
+    if trainer.global_rank != 0 or not sampler.drop_last:
+        return
+    total = len(sampler.dataset)
+    dropped = total - sampler.num_samples * sampler.num_replicas
+    if dropped > 0:
+        warnings.warn(
+            f"the predict loader's DistributedSampler has drop_last=True: {dropped} of its {total} samples "
+            f"go to no rank, so predict returns no prediction for them. Build the sampler with "
+            f"drop_last=False (its padding's repeats are dropped from the predictions), or give the "
+            f"loader a multiple of {sampler.num_replicas} samples.",
+            stacklevel=3,
+        )
 
 
 def _split(out: Any, count: int) -> list:
