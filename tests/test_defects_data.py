@@ -204,3 +204,75 @@ def test_predictions_of_an_unknown_sampler_come_in_rank_order_with_a_warning(pre
         assert [p["index"].tolist() for p in predictions] == [[4, 0], [2], [1, 3]]  # rank 0's batches, then rank 1's
         unknown = [m for m in caught if "OwnShare" in m]
         assert len(unknown) == (1 if rank == 0 else 0), caught
+
+
+# ---------------------------------------------------------------------------------------
+# 10. A DataModule by duck type: any object with *_dataloader() methods
+# ---------------------------------------------------------------------------------------
+
+
+class LoadersOnly:
+    """Not a hookloop.DataModule: no prepare_data, setup, teardown or state_dict."""
+
+    def train_dataloader(self):
+        from conftest import tiny_data
+
+        return DataLoader(tiny_data(64), batch_size=16)
+
+
+class SomeHooks:
+    """setup, teardown and state_dict, but no prepare_data or load_state_dict."""
+
+    def __init__(self):
+        self.calls: list = []
+
+    def setup(self, stage):
+        from conftest import tiny_data
+
+        self.calls.append(("setup", stage))
+        self.data = tiny_data(64)
+
+    def teardown(self, stage):
+        self.calls.append(("teardown", stage))
+
+    def state_dict(self):
+        return {"kept": 3}
+
+    def train_dataloader(self):
+        return DataLoader(self.data, batch_size=16)
+
+    def predict_dataloader(self):
+        return DataLoader(self.data.tensors[0], batch_size=16)
+
+
+@pytest.mark.parametrize("positional", [False, True])
+def test_fit_accepts_a_datamodule_by_duck_type(tmp_path, positional):
+    from conftest import TinyModule, max_abs_diff, reference_loop, state_of, tiny_data
+
+    torch.manual_seed(4)
+    module = TinyModule()
+    trainer = hookloop.Trainer(max_epochs=2, default_root_dir=str(tmp_path), enable_checkpointing=False)
+    if positional:
+        trainer.fit(module, LoadersOnly())
+    else:
+        trainer.fit(module, datamodule=LoadersOnly())
+    torch.manual_seed(4)
+    reference = TinyModule()
+    reference_loop(reference, DataLoader(tiny_data(64), batch_size=16), epochs=2)
+    assert max_abs_diff(state_of(module), state_of(reference)) == 0.0
+
+
+def test_a_duck_typed_datamodules_own_hooks_are_called(tmp_path):
+    from conftest import TinyModule
+
+    dm = SomeHooks()
+    module = TinyModule()
+    trainer = hookloop.Trainer(max_epochs=1, default_root_dir=str(tmp_path), enable_checkpointing=False)
+    trainer.fit(module, datamodule=dm)
+    trainer.save_checkpoint(tmp_path / "run.ckpt")
+    assert torch.load(tmp_path / "run.ckpt", weights_only=True)["datamodule"] == {"kept": 3}
+    trainer.fit(TinyModule(), datamodule=dm, ckpt_path=tmp_path / "run.ckpt")  # no load_state_dict: skipped
+    predictions = trainer.predict(module, datamodule=dm)
+    with torch.no_grad():
+        assert torch.allclose(torch.cat(predictions), module(dm.data.tensors[0]), atol=1e-6)
+    assert dm.calls == [("setup", "fit"), ("teardown", "fit")] * 2 + [("setup", "predict"), ("teardown", "predict")]

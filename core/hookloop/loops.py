@@ -94,8 +94,8 @@ def session(trainer, stage: str):
         _resolve_run_dir(trainer)
         _prepare_data(trainer)
         if datamodule is not None:
-            datamodule.trainer = trainer
-            datamodule.setup(setup_stage)
+            _attach_datamodule(datamodule, trainer)
+            _datamodule_hook(datamodule, "setup", setup_stage)
         _resolve_loaders(trainer, stage)
         hook.setup(trainer=trainer, stage=setup_stage)
         set_up = True
@@ -112,12 +112,29 @@ def session(trainer, stage: str):
         try:
             hook.teardown(trainer=trainer, stage=setup_stage)
             if datamodule is not None:
-                datamodule.teardown(setup_stage)
+                _datamodule_hook(datamodule, "teardown", setup_stage)
         finally:
             if module_hooks is not None:
                 trainer.plugin_manager.unregister(module_hooks)
             module.__dict__.pop("_hookloop_trainer", None)
             trainer.state = None
+
+
+def _attach_datamodule(datamodule: Any, trainer) -> None:
+    """``datamodule.trainer = trainer``, for a DataModule of any kind: an object that only
+    looks like one (Lightning's duck type) and takes no new attribute goes without."""
+    try:
+        datamodule.trainer = trainer
+    except AttributeError:
+        pass
+
+
+def _datamodule_hook(datamodule: Any, name: str, *args: Any) -> None:
+    """The DataModule's hook ``name`` if it defines one: a DataModule by duck type (any
+    object with ``*_dataloader()`` methods) need not define ``setup``/``teardown``."""
+    hook = getattr(datamodule, name, None)
+    if callable(hook):
+        hook(*args)
 
 
 def _resolve_run_dir(trainer) -> None:

@@ -519,8 +519,10 @@ def _as_list(value: Any) -> list:
 
 
 def _is_datamodule(obj: Any) -> bool:
-    """A DataModule by Lightning's duck type (not a subclass of hookloop.DataModule)."""
-    return obj is not None and not isinstance(obj, (DataLoader, list, tuple, dict)) and callable(getattr(obj, "train_dataloader", None)) and callable(getattr(obj, "setup", None))
+    """A DataModule by duck type (not a subclass of hookloop.DataModule): an object, not a
+    loader or a collection of loaders, with one of the ``*_dataloader()`` methods."""
+    return obj is not None and not isinstance(obj, (DataLoader, list, tuple, dict)) and any(
+        callable(getattr(obj, m, None)) for m in ("train_dataloader", "val_dataloader", "test_dataloader", "predict_dataloader"))
 
 
 def _check_module(module: Any, needs: tuple[str, ...]) -> None:
