@@ -70,14 +70,14 @@ def _trainer(root: str, **kwargs) -> hookloop.Trainer:
 # ---------------------------------------------------------------------------------------
 
 
-def _train_orders(seeds: list, epochs: int, n: int) -> dict:
+def _train_orders(seeds: list, epochs: int, n: int, plugin: str = "ddp") -> dict:
     """Rank's training order per epoch, for each seed of ``seeds`` (one fit each)."""
     orders = {}
     for seed in seeds:
         hookloop.seed_everything(seed)
         module = Records()
         with tempfile.TemporaryDirectory() as root:
-            _trainer(root, max_epochs=epochs).fit(module, DataLoader(Numbers(n), batch_size=3, shuffle=True))
+            _trainer(root, max_epochs=epochs, plugins=[plugin]).fit(module, DataLoader(Numbers(n), batch_size=3, shuffle=True))
         orders[seed] = module.seen
     return orders
 
@@ -93,6 +93,16 @@ def test_ddp_sampler_uses_the_seed_of_seed_everything():
                 expected.set_epoch(epoch)
                 assert orders[seed][epoch] == list(expected), (rank, seed, epoch)
         assert orders[1] != orders[2]
+
+
+def test_deepspeed_sampler_uses_the_seed_of_seed_everything():
+    """deepspeed (like horovod) gets its sampler from the same core helper as ddp."""
+    n, seed = 14, 3
+    ranks = run_processes(_train_orders, nprocs=WORLD, args=([seed], 1, n, "deepspeed"), timeout=300)
+    for rank, orders in enumerate(ranks):
+        expected = DistributedSampler(Numbers(n), num_replicas=WORLD, rank=rank, shuffle=True, seed=seed)
+        expected.set_epoch(0)
+        assert orders[seed][0] == list(expected), rank
 
 
 def test_seed_everything_records_the_seed_for_the_samplers(monkeypatch):
