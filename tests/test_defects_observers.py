@@ -129,3 +129,100 @@ def test_early_stopping_after_mid_epoch_validations_stops_where_lightning_stops(
                                    tmp_path / "hl", **kw)
     assert ref_module.validations == 6  # stopped after the second validation of epoch 2
     assert (module.validations, trainer.global_step) == (ref_module.validations, reference.global_step)
+
+
+# -- checkpoints ------------------------------------------------------------------------------
+
+
+def outcome(callback, directory: Path) -> tuple:
+    """What a ModelCheckpoint kept, by file name: the best, the top-k scores, the files.
+
+    ``last.prev.ckpt`` is hookloop's documented previous ``last.ckpt`` (docs/decisions.md,
+    "The last two checkpoints are kept"); Lightning has no such file.
+    """
+    files = sorted(p.name for p in directory.iterdir() if p.name != "last.prev.ckpt") if directory.exists() else []
+    scores = {Path(p).name: round(float(s), 6) for p, s in callback.best_k_models.items()}
+    return Path(callback.best_model_path).name, scores, files
+
+
+CHECKPOINTS = [
+    # mid-epoch validations (8 batches, validation after 4 and 8): the best score came from
+    # a mid-epoch validation (0.5 after step 12)
+    (dict(monitor="val_loss"), dict(val_check_interval=0.5, max_epochs=3), [0.9, 0.7, 0.5, 0.8, 0.6, 0.85]),
+    (dict(monitor="val_loss", save_top_k=2), dict(val_check_interval=0.5, max_epochs=3),
+     [0.9, 0.7, 0.5, 0.8, 0.6, 0.85]),
+    (dict(monitor="val_loss", mode="max", save_top_k=-1), dict(val_check_interval=0.5, max_epochs=2),
+     [0.1, 0.4, 0.3, 0.2]),
+    (dict(monitor="val_loss", save_top_k=2, save_last=True), dict(val_check_interval=0.25, max_epochs=2),
+     [0.9, 0.7, 0.5, 0.8, 0.6, 0.85, 0.4, 0.95]),
+    (dict(monitor="val_loss", every_n_epochs=2), dict(val_check_interval=0.5, max_epochs=4),
+     [0.9, 0.7, 0.5, 0.8, 0.6, 0.85, 0.95, 0.9]),
+    (dict(monitor="val_loss", save_top_k=2, every_n_train_steps=3), dict(val_check_interval=0.5, max_epochs=2),
+     [0.9, 0.7, 0.5, 0.8]),
+    (dict(monitor="val_loss", save_top_k=-1, every_n_train_steps=5, save_last=True),
+     dict(val_check_interval=0.5, max_epochs=2), [0.9, 0.7, 0.5, 0.8]),
+    # validation every 2 epochs: nothing to rank at the ends of epochs 0 and 2
+    (dict(monitor="val_loss"), dict(check_val_every_n_epoch=2, max_epochs=4), [0.9, 0.7]),
+    (dict(monitor="val_loss", save_top_k=2, save_last=True), dict(check_val_every_n_epoch=2, max_epochs=6),
+     [0.9, 0.7, 0.8]),
+    (dict(monitor="val_loss", save_top_k=-1), dict(check_val_every_n_epoch=2, val_check_interval=0.5, max_epochs=4),
+     [0.9, 0.7, 0.5, 0.8]),
+    (dict(monitor="val_loss", save_top_k=2, every_n_train_steps=6), dict(check_val_every_n_epoch=2, max_epochs=4),
+     [0.9, 0.7]),
+    # validation at every epoch's end: saved there, as before
+    (dict(monitor="val_loss", save_top_k=2), dict(max_epochs=4), [0.9, 0.7, 0.8, 0.6]),
+    # no monitor: the latest
+    (dict(), dict(val_check_interval=0.5, max_epochs=2), [0.9, 0.7, 0.5, 0.8]),
+    (dict(save_top_k=-1), dict(check_val_every_n_epoch=2, max_epochs=4), [0.9, 0.7]),
+]
+
+
+@pytest.mark.parametrize("options, schedule, values", CHECKPOINTS)
+def test_checkpoints_kept_and_written_match_lightning(tmp_path, options, schedule, values):
+    options = {"save_last": False, **options}  # Lightning's default; hookloop's is True
+    reference = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "pl", **options)
+    _, ref_module = run_lightning(values, reference, tmp_path / "plroot", **schedule)
+    assert ref_module.validations == len(values)  # the script was used up, exactly
+    callback = hookloop.ModelCheckpoint(dirpath=tmp_path / "hl", **options)
+    run_hookloop(values, callback, tmp_path / "hlroot", **schedule)
+    expected = outcome(reference, tmp_path / "pl")
+    got = outcome(callback, tmp_path / "hl")
+    if options["save_last"]:
+        # hookloop also writes last.ckpt at every epoch's end (docs/decisions.md, "Checkpoints
+        # are the checkpoint observer's"): the same file name, more often
+        assert "last.ckpt" in expected[2]
+    assert got == expected
+
+
+def test_a_monitored_metric_no_validation_produced_yet_is_not_an_error(tmp_path):
+    """check_val_every_n_epoch=2: the end of epoch 0 comes before any validation; the
+    checkpoint after epoch 1's validation holds that epoch's weights."""
+    callback = hookloop.ModelCheckpoint(dirpath=tmp_path / "hl", monitor="val_loss")
+    trainer, module = run_hookloop([0.9, 0.7], callback, tmp_path, check_val_every_n_epoch=2, max_epochs=4)
+    assert Path(callback.best_model_path).name == "epoch=3-step=32.ckpt"
+    saved = torch.load(callback.best_model_path, weights_only=True)
+    assert saved["loop"]["global_step"] == 32
+    assert all(torch.equal(saved["state_dict"][k], v) for k, v in module.state_dict().items())
+
+
+def test_a_monitored_metric_missing_after_validation_ran_is_still_an_error(tmp_path):
+    callback = hookloop.ModelCheckpoint(dirpath=tmp_path / "hl", monitor="val_acc")
+    with pytest.raises(hookloop.ConfigurationError, match=r"monitor='val_acc'.*logged: val_loss"):
+        run_hookloop([0.9, 0.7], callback, tmp_path, check_val_every_n_epoch=2, max_epochs=4)
+
+
+def test_a_mid_epoch_best_checkpoint_resumes_after_its_validation(tmp_path):
+    """The checkpoint written after a mid-epoch validation resumes at the next batch
+    without validating again, and trains to the weights of the uninterrupted run."""
+    values = [0.5, 0.9, 0.8, 0.7]
+    callback = hookloop.ModelCheckpoint(dirpath=tmp_path / "a", monitor="val_loss", save_last=False)
+    _, straight = run_hookloop(values, callback, tmp_path, val_check_interval=0.5, max_epochs=2)
+    assert Path(callback.best_model_path).name == "epoch=0-step=4.ckpt"
+    callback = hookloop.ModelCheckpoint(dirpath=tmp_path / "b", monitor="val_loss", save_last=False)
+    module = make_module(hookloop.Module)(values)
+    module.validations = 1  # the validation before the checkpoint
+    trainer = hookloop.Trainer(default_root_dir=str(tmp_path), logger=False, enable_progress_bar=False,
+                               num_sanity_val_steps=0, callbacks=[callback], val_check_interval=0.5, max_epochs=2)
+    trainer.fit(module, *loaders(), ckpt_path=tmp_path / "a" / "epoch=0-step=4.ckpt")
+    assert module.validations == 4 and trainer.global_step == 2 * BATCHES
+    assert all(torch.equal(module.state_dict()[k], v) for k, v in straight.state_dict().items())
