@@ -171,6 +171,11 @@ CHECKPOINTS = [
      [0.9, 0.7]),
     # validation at every epoch's end: saved there, as before
     (dict(monitor="val_loss", save_top_k=2), dict(max_epochs=4), [0.9, 0.7, 0.8, 0.6]),
+    # nan is kept as the worst score while there is room (Lightning saves it as +-inf)
+    (dict(monitor="val_loss", save_top_k=-1), dict(val_check_interval=0.5, max_epochs=2),
+     [math.nan, 0.9, math.inf, 0.5]),
+    (dict(monitor="val_loss", mode="max", save_top_k=4), dict(val_check_interval=0.5, max_epochs=2),
+     [0.2, math.nan, 0.1, 0.3]),
     # no monitor: the latest
     (dict(), dict(val_check_interval=0.5, max_epochs=2), [0.9, 0.7, 0.5, 0.8]),
     (dict(save_top_k=-1), dict(check_val_every_n_epoch=2, max_epochs=4), [0.9, 0.7]),

@@ -244,9 +244,11 @@ class ModelCheckpoint:
                 self._deferred = True
                 return
             value, name = candidate if candidate is not None else (None, "")
-            if candidate is None or (value is not None and not math.isfinite(value)):
-                pass  # nothing to rank yet; nan/inf never ranks among the best
+            if candidate is None:
+                pass  # nothing to rank yet
             elif self.monitor is None or self._qualifies(value):
+                if value is not None and math.isnan(value):
+                    value = math.inf if self.mode == "min" else -math.inf  # as Lightning: kept as the worst
                 path = str(self.dir / name)
                 drop = self._book(path, value)
                 trainer.save_checkpoint(path)
