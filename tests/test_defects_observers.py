@@ -31,11 +31,11 @@ def make_module(base):
     """The same scripted module on either framework (only the base class differs)."""
 
     class Scripted(base):
-        def __init__(self, values):
+        def __init__(self, values, train_values=()):
             super().__init__()
             torch.manual_seed(0)
             self.net = torch.nn.Linear(8, 3)
-            self.values = list(values)
+            self.values, self.train_values = list(values), list(train_values)
             self.validations = 0  # validation runs finished (no sanity check: it is off)
 
         def forward(self, x):
@@ -43,6 +43,9 @@ def make_module(base):
 
         def training_step(self, batch, batch_idx):
             x, y = batch
+            if self.train_values:  # an epoch-level training metric, one value per epoch
+                self.log("train_score", torch.tensor(self.train_values[self.current_epoch]), on_step=False,
+                         on_epoch=True)
             return F.cross_entropy(self(x), y)
 
         def validation_step(self, batch, batch_idx):
@@ -61,8 +64,8 @@ def loaders():
     return DataLoader(tiny_data(64), batch_size=8), DataLoader(tiny_data(16, seed=5), batch_size=8)
 
 
-def run_lightning(values, callback, root: Path, **trainer_kw):
-    module = make_module(pl.LightningModule)(values)
+def run_lightning(values, callback, root: Path, train_values=(), **trainer_kw):
+    module = make_module(pl.LightningModule)(values, train_values)
     trainer = pl.Trainer(default_root_dir=str(root), logger=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, accelerator="cpu", devices=1,
                          callbacks=[callback], **trainer_kw)
@@ -70,8 +73,8 @@ def run_lightning(values, callback, root: Path, **trainer_kw):
     return trainer, module
 
 
-def run_hookloop(values, callback, root: Path, **trainer_kw):
-    module = make_module(hookloop.Module)(values)
+def run_hookloop(values, callback, root: Path, train_values=(), **trainer_kw):
+    module = make_module(hookloop.Module)(values, train_values)
     trainer = hookloop.Trainer(default_root_dir=str(root), logger=False, enable_progress_bar=False,
                                num_sanity_val_steps=0, callbacks=[callback], **trainer_kw)
     trainer.fit(module, *loaders())
@@ -129,6 +132,19 @@ def test_early_stopping_after_mid_epoch_validations_stops_where_lightning_stops(
                                    tmp_path / "hl", **kw)
     assert ref_module.validations == 6  # stopped after the second validation of epoch 2
     assert (module.validations, trainer.global_step) == (ref_module.validations, reference.global_step)
+
+
+def test_early_stopping_on_a_training_epoch_metric_with_validation_stops_where_lightning_stops(tmp_path):
+    """Validation at every epoch's end: Lightning checks at the training epoch's end, where
+    that epoch's training metric exists (after validation it is the previous epoch's)."""
+    values, train_values = [1.0] * 6, [0.5, 0.4, 0.45, 0.3, 0.2, 0.1]
+    kw = dict(max_epochs=6, enable_checkpointing=False, train_values=train_values)
+    reference, ref_module = run_lightning(values, pl.callbacks.EarlyStopping(monitor="train_score", patience=1),
+                                          tmp_path / "pl", **kw)
+    trainer, module = run_hookloop(values, hookloop.EarlyStopping(monitor="train_score", patience=1),
+                                   tmp_path / "hl", **kw)
+    assert reference.global_step == 3 * BATCHES  # 0.45 at epoch 2: no improvement
+    assert trainer.global_step == reference.global_step
 
 
 # -- checkpoints ------------------------------------------------------------------------------

@@ -4,8 +4,9 @@ Stops training when ``monitor`` stops improving for ``patience`` checks (by more
 ``min_delta``), reaches ``stopping_threshold``, goes past ``divergence_threshold``, or
 is not finite (``check_finite``). Values are compared as Lightning 2 compares them: in
 the metric's float32, and the ``patience``-th check without improvement stops.
-Checked after each validation when the run validates (mid-epoch too, with
-``val_check_interval``), else at each training epoch's end. Global rank 0 decides and
+Checked at each training epoch's end when validation runs once at every epoch's end or
+not at all, else after each validation (mid-epoch too, with ``val_check_interval``), as
+in Lightning. Global rank 0 decides and
 broadcasts, so every rank stops at the same optimizer step; the loop honours
 ``trainer.should_stop`` after every step as well as between epochs.
 """
@@ -30,7 +31,8 @@ class EarlyStopping:
     stopping_threshold: stop as soon as the metric is better than this (None)
     divergence_threshold: stop as soon as the metric is worse than this (None)
     check_on_train_epoch_end: check at the training epoch's end rather than after each
-        validation (None: after validation when the run validates)
+        validation (None: at epoch ends when validation runs once at every epoch's end
+        or never, after each validation otherwise)
     """
 
     hookloop_name = "early_stopping"
@@ -59,9 +61,15 @@ class EarlyStopping:
         self.reason: str | None = None
 
     def _on_epoch_end(self, trainer) -> bool:
+        """Lightning's choice: at the training epoch's end when validation runs once at
+        every epoch's end (so that epoch's training metrics exist), after each validation
+        when it runs mid-epoch or every few epochs; at epoch ends without validation."""
         if self.check_on_train_epoch_end is not None:
             return self.check_on_train_epoch_end
-        return not trainer.val_dataloaders
+        config = trainer.config
+        if not trainer.val_dataloaders or config.limit_val_batches == 0:
+            return True  # (Lightning: never, when check_val_every_n_epoch != 1)
+        return config.check_val_every_n_epoch == 1 and config.val_check_interval == 1.0
 
     @hookloop.hookimpl
     def on_validation_end(self, trainer):
