@@ -435,11 +435,13 @@ VALS_ES = [5.0, 3.0, 4.0, 4.5, 1.0, 2.0, 2.5, 3.0]
 
 
 @pytest.mark.parametrize("options, stop_epoch", [
-    (dict(patience=1), 3),  # best 3.0 at epoch 1; 4.0, 4.5: the second check without improvement
-    (dict(patience=0), 2),
-    (dict(patience=2), 7),  # 4.0, 4.5, then 1.0 improves; 2.0, 2.5, 3.0: stops at the last epoch
+    # Lightning 2: the patience-th check without improvement stops (wait_count >= patience)
+    (dict(patience=1), 2),  # best 3.0 at epoch 1; 4.0: the first check without improvement
+    (dict(patience=0), 2),  # an improvement never stops, even with patience 0
+    (dict(patience=3), 7),  # 4.0, 4.5, then 1.0 improves; 2.0, 2.5, 3.0: stops at the last epoch
     (dict(stopping_threshold=3.5), 1),  # 3.0 is below the threshold
-    (dict(patience=1, min_delta=2.5), 2),  # 3.0 is not 2.5 better than 5.0; nor is 4.0
+    (dict(patience=1, min_delta=2.5), 1),  # 3.0 is not 2.5 better than 5.0
+    (dict(divergence_threshold=4.9), 0),  # 5.0 is worse than the threshold
 ])
 def test_early_stopping_stops_at_the_expected_epoch(options, stop_epoch):
     module = Scripted(val_values=VALS_ES)
@@ -463,7 +465,7 @@ def test_early_stopping_without_validation_checks_at_epoch_end():
 
     module = Logs()
     fit(module, epochs=6, val=False, callbacks=[hookloop.EarlyStopping(monitor="score", mode="max", patience=1)])
-    assert len(module.epoch_weights) == 5  # 3.0 at epochs 2, 3 (1st bad), 4 (2nd bad: stop)
+    assert len(module.epoch_weights) == 4  # 3.0 at epochs 2, 3 (1st without improvement: stop)
 
 
 def test_should_stop_set_inside_an_epoch_stops_at_the_next_step():
@@ -488,12 +490,12 @@ def test_early_stopping_monitor_never_logged():
 def test_early_stopping_state_resumes():
     vals = [5.0, 3.0, 4.0, 4.5, 4.6]
     straight = Scripted(val_values=vals)
-    fit(straight, epochs=5, callbacks=[hookloop.EarlyStopping(monitor="val_loss", patience=1)])
+    fit(straight, epochs=5, callbacks=[hookloop.EarlyStopping(monitor="val_loss", patience=2)])
     assert len(straight.epoch_weights) == 4
-    first = fit(Scripted(val_values=vals), epochs=3, callbacks=[hookloop.EarlyStopping(monitor="val_loss", patience=1)])
+    first = fit(Scripted(val_values=vals), epochs=3, callbacks=[hookloop.EarlyStopping(monitor="val_loss", patience=2)])
     resumed = Scripted(val_values=vals)
     trainer = hookloop.Trainer(max_epochs=5, default_root_dir=os.getcwd(),
-                               callbacks=[hookloop.EarlyStopping(monitor="val_loss", patience=1)])
+                               callbacks=[hookloop.EarlyStopping(monitor="val_loss", patience=2)])
     trainer.fit(resumed, train_loader(), val_loader(), ckpt_path=first.checkpoint_callback.last_model_path)
     assert sorted(resumed.epoch_weights) == [3]  # the wait count of epoch 2 came back
 

@@ -633,6 +633,8 @@ class _ValidationSchedule:
         trainer._epoch_val_metrics = {k: v for r in results for k, v in r.items()}
         log_row(trainer, trainer._epoch_val_metrics)
         trainer._loop_stage = "validated"
+        for after in trainer._after_validation:
+            after(trainer)
 
 
 def _lookahead(iterator, start: int):

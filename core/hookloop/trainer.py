@@ -171,6 +171,9 @@ class Trainer:
         self._epoch_row: dict | None = None  # the epoch row for the loggers, until logged
         self._module_epoch_end = None
         self._epoch_val_metrics: dict[str, float] = {}
+        # Called after each validation run of fit, once its position is "validated" (the
+        # checkpoint observer saves there, so a resume goes on with the next batch).
+        self._after_validation: list = []
         self._ckpt_path: Any = None
         self._verbose = True
         self._return_predictions = True

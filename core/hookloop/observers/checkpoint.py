@@ -2,11 +2,14 @@
 
 Saves through ``trainer.save_checkpoint`` (so every strategy writes its own format) into
 ``<run dir>/checkpoints/``: the ``save_top_k`` best checkpoints by ``monitor`` (or the
-latest ones without a monitor) named by ``filename``, and ``last.ckpt``. When: at the
-end of every ``every_n_epochs`` training epochs (after the epoch's validation), every
-``every_n_train_steps`` optimizer steps, and at the end of training when it stopped
-inside an epoch (``max_steps``, ``trainer.should_stop``); ``last.ckpt`` also at every
-epoch's end, as in Lightning; the ``last.ckpt`` it replaces is kept as ``last.prev.ckpt``
+latest ones without a monitor) named by ``filename``, and ``last.ckpt``. When, as
+Lightning 2 decides: after each validation run of every ``every_n_epochs``-th epoch
+(mid-epoch ones too, with ``val_check_interval < 1``) when validation runs more or less
+often than once per epoch, else at the end of every ``every_n_epochs``-th epoch (after
+its validation); every ``every_n_train_steps`` optimizer steps (a save whose monitored
+metric no validation has produced yet waits for the next validation); at the end of
+training when it stopped inside an epoch (``max_steps``, ``trainer.should_stop``).
+``last.ckpt`` also at every epoch's end; the ``last.ckpt`` it replaces is kept as ``last.prev.ckpt``
 (every file ends with a SHA-256 checksum, see :mod:`hookloop.checkpoint`). Under several
 processes global rank 0's metric values decide what is saved and how it is named. Its
 bookkeeping (the best paths and scores) travels in the checkpoints, so a resumed run
@@ -19,6 +22,7 @@ import math
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -41,24 +45,35 @@ class ModelCheckpoint:
     mode: "min" or "max": which values of monitor are better
     save_top_k: how many to keep (-1: all, 0: none but last.ckpt)
     save_last: also write last.ckpt at every save (default True)
-    every_n_epochs: save at the end of every n-th epoch (0: never at epoch ends)
+    every_n_epochs: save in every n-th epoch (0: never by epochs; None: 1, or 0 when
+        every_n_train_steps is given, as in Lightning)
     every_n_train_steps: also save every n optimizer steps (None: not within epochs)
     auto_insert_metric_name: write ``name=`` before each value in filename
+    save_on_train_epoch_end: rank at training epochs' ends rather than after each
+        validation (None: at epoch ends when validation runs once at every epoch's end or
+        never, after each validation otherwise)
     """
 
     hookloop_name = "checkpoint"
     hookloop_role = "observer"
 
     def __init__(self, dirpath: str | os.PathLike | None = None, filename: str | None = None, monitor: str | None = None,
-                 mode: str = "min", save_top_k: int = 1, save_last: bool = True, every_n_epochs: int = 1,
-                 every_n_train_steps: int | None = None, auto_insert_metric_name: bool = True):
+                 mode: str = "min", save_top_k: int = 1, save_last: bool = True, every_n_epochs: int | None = None,
+                 every_n_train_steps: int | None = None, auto_insert_metric_name: bool = True,
+                 save_on_train_epoch_end: bool | None = None):
         if mode not in ("min", "max"):
             raise hookloop.ConfigurationError(
                 f"checkpoint mode={mode!r} must be 'min' (lower {monitor or 'monitored value'} is better) or 'max'")
         if not isinstance(save_top_k, int) or save_top_k < -1:
             raise hookloop.ConfigurationError(f"checkpoint save_top_k={save_top_k!r} must be -1 (all), 0 or a count")
+        if every_n_epochs is None:  # Lightning's default: by epochs unless by steps
+            every_n_epochs = 1 if every_n_train_steps is None else 0
         if not isinstance(every_n_epochs, int) or every_n_epochs < 0:
-            raise hookloop.ConfigurationError(f"checkpoint every_n_epochs={every_n_epochs!r} must be an integer >= 0")
+            raise hookloop.ConfigurationError(
+                f"checkpoint every_n_epochs={every_n_epochs!r} must be an integer >= 0 (or None)")
+        if save_on_train_epoch_end not in (None, True, False):
+            raise hookloop.ConfigurationError(
+                f"checkpoint save_on_train_epoch_end={save_on_train_epoch_end!r} must be True, False or None")
         if every_n_train_steps is not None and (not isinstance(every_n_train_steps, int) or every_n_train_steps < 1):
             raise hookloop.ConfigurationError(
                 f"checkpoint every_n_train_steps={every_n_train_steps!r} must be None or an integer >= 1")
@@ -66,6 +81,7 @@ class ModelCheckpoint:
         self.save_top_k, self.save_last = save_top_k, save_last
         self.every_n_epochs, self.every_n_train_steps = every_n_epochs, every_n_train_steps
         self.auto_insert_metric_name = auto_insert_metric_name
+        self.save_on_train_epoch_end = save_on_train_epoch_end
         self.best_k_models: dict[str, float] = {}
         self.best_model_path = ""
         self.best_model_score: float | None = None
@@ -74,6 +90,9 @@ class ModelCheckpoint:
         self.dir: Path | None = None
         self._last_saved: tuple | None = None
         self._steps: Any = None
+        self._validated = False  # a validation of this fit has run: the monitor must be there
+        self._deferred = False  # a step's save waits for the next validation's metric
+        self._warned_missing = False
 
     # -- the run --------------------------------------------------------------------------
 
@@ -81,6 +100,8 @@ class ModelCheckpoint:
     def setup(self, trainer, stage):
         if stage != "fit":
             return
+        self._validated = self._deferred = False
+        trainer._after_validation.append(self._after_validation)
         self.dir = Path(self.dirpath) if self.dirpath else Path(trainer.log_dir) / "checkpoints"
         sharded = getattr(trainer.strategy, "hookloop_checkpoint_format", "file") == "directory"
         last = self.dir / "last.ckpt"
@@ -98,6 +119,8 @@ class ModelCheckpoint:
 
     @hookloop.hookimpl
     def teardown(self, trainer):
+        if self._after_validation in trainer._after_validation:
+            trainer._after_validation.remove(self._after_validation)
         steps, self._steps = self._steps, None
         if steps is not None:
             trainer.plugin_manager.unregister(steps)
@@ -106,10 +129,39 @@ class ModelCheckpoint:
     # changed at this event (an early-stopping count) is in the checkpoint.
     @hookloop.hookimpl(trylast=True)
     def on_train_epoch_end(self, trainer, epoch):
-        if self.every_n_epochs and (epoch + 1) % self.every_n_epochs == 0:
+        if self._saves_at_epoch_end(trainer) and self.every_n_epochs and (epoch + 1) % self.every_n_epochs == 0:
             self.save(trainer)
         elif self.save_last:
-            self.save(trainer, top_k=False)  # as Lightning: last.ckpt at every epoch's end
+            self.save(trainer, top_k=False)  # last.ckpt at every epoch's end (docs/decisions.md)
+
+    @hookloop.hookimpl
+    def on_validation_end(self, trainer):
+        if trainer.state == "fit" and not trainer.sanity_checking:
+            self._validated = True
+
+    def _after_validation(self, trainer) -> None:
+        """Called by the loop after each validation run of ``fit`` (its position is then
+        "validated", so a resume from this checkpoint goes on with the next batch)."""
+        if self._saves_at_epoch_end(trainer):
+            return
+        if self._deferred:  # a step's save that waited for this validation's metric
+            self._deferred = False
+            self.save(trainer)
+        elif self.every_n_epochs and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
+            self.save(trainer)
+
+    def _validation_enabled(self, trainer) -> bool:
+        return bool(trainer.val_dataloaders) and trainer.config.limit_val_batches != 0
+
+    def _saves_at_epoch_end(self, trainer) -> bool:
+        """Lightning's choice between ranking at the training epoch's end and after each
+        validation: at the end when validation runs at every epoch's end, or never."""
+        if self.save_on_train_epoch_end is not None:
+            return self.save_on_train_epoch_end
+        if not self._validation_enabled(trainer):
+            return True  # (Lightning: never at all when check_val_every_n_epoch != 1)
+        config = trainer.config
+        return config.check_val_every_n_epoch == 1 and config.val_check_interval == 1.0
 
     @hookloop.hookimpl(trylast=True)
     def on_train_end(self, trainer):
@@ -123,33 +175,42 @@ class ModelCheckpoint:
     def _position(self, trainer) -> tuple:
         return trainer.current_epoch, trainer.global_step, trainer.batch_idx, trainer._loop_stage
 
-    def _monitored(self, trainer) -> float | None:
-        if self.monitor is None:
-            return None
-        metrics = trainer.callback_metrics
-        if self.monitor not in metrics:
-            raise hookloop.ConfigurationError(
-                f"ModelCheckpoint(monitor={self.monitor!r}) but no metric of that name was logged (logged: "
-                f"{', '.join(sorted(metrics)) or 'none'}): log it with self.log({self.monitor!r}, ...) or monitor "
-                f"one of those"
-            )
-        return float(metrics[self.monitor])
-
-    def _candidate(self, trainer) -> tuple[float | None, str]:
+    def _candidate(self, trainer, quiet: bool = False) -> tuple[float | None, str] | None:
         """The monitored value and the file name as global rank 0 sees them, on every rank:
         ranks that logged different values (no ``sync_dist``) still agree on what to
-        save, as they must (saving is collective)."""
+        save, as they must (saving is collective). None: the monitored metric was not
+        logged (yet)."""
         found: Any = None
         if trainer.is_global_zero:
-            try:
-                found = (self._monitored(trainer), self.format_name(trainer))
-            except hookloop.ConfigurationError as exc:
-                found = str(exc)
+            metrics = trainer.callback_metrics
+            if self.monitor is not None and self.monitor not in metrics:
+                found = ("missing", f"ModelCheckpoint(monitor={self.monitor!r}) but no metric of that name was "
+                                    f"logged (logged: {', '.join(sorted(metrics)) or 'none'}): log it with "
+                                    f"self.log({self.monitor!r}, ...) or monitor one of those")
+            else:
+                try:
+                    value = None if self.monitor is None else float(metrics[self.monitor])
+                    found = ("found", (value, self.format_name(trainer)))
+                except hookloop.ConfigurationError as exc:
+                    found = ("error", str(exc))
         if trainer.world_size > 1:
             found = trainer.broadcast(found, 0)
-        if isinstance(found, str):
-            raise hookloop.ConfigurationError(found)
-        return found
+        kind, detail = found
+        if kind == "error":
+            raise hookloop.ConfigurationError(detail)
+        if kind == "missing":
+            if self._validated:  # a validation ran and did not log it
+                raise hookloop.ConfigurationError(detail)
+            # Nothing has produced it yet (check_val_every_n_epoch > 1): nothing to rank
+            # now, as in Lightning, which warns once.
+            if quiet:
+                return None
+            if trainer.is_global_zero and not self._warned_missing:
+                warnings.warn(f"{detail}; no validation has run yet, so no top-k checkpoint is saved now",
+                              stacklevel=2)
+            self._warned_missing = True
+            return None
+        return detail
 
     def format_name(self, trainer) -> str:
         """The filename template with this moment's epoch, step and metric values."""
@@ -169,23 +230,31 @@ class ModelCheckpoint:
     def _better(self, value: float, than: float) -> bool:
         return value < than if self.mode == "min" else value > than
 
-    def save(self, trainer, top_k: bool = True) -> None:
-        """Save now (every rank calls it: saving is collective): top-k, then last.ckpt."""
+    def save(self, trainer, top_k: bool = True, defer: bool = False) -> None:
+        """Save now (every rank calls it: saving is collective): top-k, then last.ckpt.
+        ``defer``: when no validation has produced the monitored metric yet, save nothing
+        now and save after the next validation instead (Lightning's every_n_train_steps)."""
         position = self._position(trainer)
         if position == self._last_saved:
             return
-        self._last_saved = position
         written = None
         if top_k and self.save_top_k != 0:
-            value, name = self._candidate(trainer)
-            if value is not None and not math.isfinite(value):
-                pass  # nan/inf never ranks among the best
+            candidate = self._candidate(trainer, quiet=defer)
+            if candidate is None and defer:
+                self._deferred = True
+                return
+            value, name = candidate if candidate is not None else (None, "")
+            if candidate is None:
+                pass  # nothing to rank yet
             elif self.monitor is None or self._qualifies(value):
+                if value is not None and math.isnan(value):
+                    value = math.inf if self.mode == "min" else -math.inf  # as Lightning: kept as the worst
                 path = str(self.dir / name)
                 drop = self._book(path, value)
                 trainer.save_checkpoint(path)
                 written = path
                 self._remove(trainer, drop)
+        self._last_saved = position
         if self.save_last:
             last = str(self.dir / "last.ckpt")
             self.last_model_path = last
@@ -281,10 +350,21 @@ class _SaveEverySteps:
         self.owner = owner
 
     @hookloop.hookimpl(trylast=True)
-    def on_train_batch_end(self, trainer):
+    def on_train_batch_end(self, trainer, batch_idx):
         n = self.owner.every_n_train_steps
         # Once per optimizer step: at the micro-batch that took it (the position moves).
         if trainer.global_step and trainer.global_step % n == 0 and (
                 trainer.global_step != getattr(self, "_step", None)):
             self._step = trainer.global_step
-            self.owner.save(trainer)
+            owner = self.owner
+            if (owner.monitor is not None and not owner._saves_at_epoch_end(trainer)
+                    and batch_idx + 1 == trainer.num_training_batches and self._validates_this_epoch(trainer)):
+                # The epoch's last batch, with a validation due after it: rank by its fresh
+                # metric (Lightning defers to on_validation_end here too).
+                owner._deferred = True
+                return
+            owner.save(trainer, defer=True)
+
+    def _validates_this_epoch(self, trainer) -> bool:
+        every = trainer.config.check_val_every_n_epoch
+        return self.owner._validation_enabled(trainer) and (every is None or (trainer.current_epoch + 1) % every == 0)

@@ -1,9 +1,12 @@
 """``early_stopping`` (opt-in): Lightning's EarlyStopping.
 
 Stops training when ``monitor`` stops improving for ``patience`` checks (by more than
-``min_delta``), reaches ``stopping_threshold``, or is not finite (``check_finite``).
-Checked after each validation when the run validates (mid-epoch too, with
-``val_check_interval``), else at each training epoch's end. Global rank 0 decides and
+``min_delta``), reaches ``stopping_threshold``, goes past ``divergence_threshold``, or
+is not finite (``check_finite``). Values are compared as Lightning 2 compares them: in
+the metric's float32, and the ``patience``-th check without improvement stops.
+Checked at each training epoch's end when validation runs once at every epoch's end or
+not at all, else after each validation (mid-epoch too, with ``val_check_interval``), as
+in Lightning. Global rank 0 decides and
 broadcasts, so every rank stops at the same optimizer step; the loop honours
 ``trainer.should_stop`` after every step as well as between epochs.
 """
@@ -11,6 +14,8 @@ broadcasts, so every rank stops at the same optimizer step; the loop honours
 from __future__ import annotations
 
 import math
+
+import torch
 
 import hookloop
 
@@ -24,8 +29,10 @@ class EarlyStopping:
     min_delta: the least change that counts as an improvement (0.0)
     check_finite: stop when the metric is nan or infinite (True)
     stopping_threshold: stop as soon as the metric is better than this (None)
+    divergence_threshold: stop as soon as the metric is worse than this (None)
     check_on_train_epoch_end: check at the training epoch's end rather than after each
-        validation (None: after validation when the run validates)
+        validation (None: at epoch ends when validation runs once at every epoch's end
+        or never, after each validation otherwise)
     """
 
     hookloop_name = "early_stopping"
@@ -35,14 +42,18 @@ class EarlyStopping:
 
     def __init__(self, monitor: str = "val_loss", mode: str = "min", patience: int = 3, min_delta: float = 0.0,
                  check_finite: bool = True, stopping_threshold: float | None = None,
-                 check_on_train_epoch_end: bool | None = None):
+                 check_on_train_epoch_end: bool | None = None, divergence_threshold: float | None = None):
         if mode not in ("min", "max"):
             raise hookloop.ConfigurationError(
                 f"early_stopping mode={mode!r} must be 'min' (lower {monitor} is better) or 'max'")
         if not isinstance(patience, int) or patience < 0:
             raise hookloop.ConfigurationError(f"early_stopping patience={patience!r} must be an integer >= 0")
         self.monitor, self.mode, self.patience, self.min_delta = monitor, mode, patience, abs(min_delta)
+        for name, threshold in (("stopping_threshold", stopping_threshold), ("divergence_threshold", divergence_threshold)):
+            if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))):
+                raise hookloop.ConfigurationError(f"early_stopping {name}={threshold!r} must be a number or None")
         self.check_finite, self.stopping_threshold = check_finite, stopping_threshold
+        self.divergence_threshold = divergence_threshold
         self.check_on_train_epoch_end = check_on_train_epoch_end
         self.wait_count = 0
         self.best_score: float | None = None
@@ -50,9 +61,15 @@ class EarlyStopping:
         self.reason: str | None = None
 
     def _on_epoch_end(self, trainer) -> bool:
+        """Lightning's choice: at the training epoch's end when validation runs once at
+        every epoch's end (so that epoch's training metrics exist), after each validation
+        when it runs mid-epoch or every few epochs; at epoch ends without validation."""
         if self.check_on_train_epoch_end is not None:
             return self.check_on_train_epoch_end
-        return not trainer.val_dataloaders
+        config = trainer.config
+        if not trainer.val_dataloaders or config.limit_val_batches == 0:
+            return True  # (Lightning: never, when check_val_every_n_epoch != 1)
+        return config.check_val_every_n_epoch == 1 and config.val_check_interval == 1.0
 
     @hookloop.hookimpl
     def on_validation_end(self, trainer):
@@ -64,27 +81,34 @@ class EarlyStopping:
         if self._on_epoch_end(trainer):
             self.check(trainer)
 
-    def _improved(self, value: float) -> bool:
-        if self.best_score is None:
-            return True
-        if self.mode == "min":
-            return value < self.best_score - self.min_delta
-        return value > self.best_score + self.min_delta
-
     def _decide(self, value: float) -> str | None:
-        """Why to stop now, or None; updates the patience count."""
-        if self.check_finite and not math.isfinite(value):
+        """Why to stop now, or None; updates the patience count.
+
+        Lightning 2.6's rules and arithmetic: the metric as a float32 tensor (how it logs
+        a value), a best score that starts at +-inf (a first nan or inf is a check
+        without improvement, not a best score), improvement by more than ``min_delta``,
+        and ``wait_count >= patience`` stops."""
+        current = torch.tensor(value, dtype=torch.float32)
+        lower = self.mode == "min"
+        better = torch.lt if lower else torch.gt
+        if self.check_finite and not torch.isfinite(current):
             return f"{self.monitor} = {value} is not finite"
         threshold = self.stopping_threshold
-        if threshold is not None and (value < threshold if self.mode == "min" else value > threshold):
+        if threshold is not None and better(current, threshold):
             return f"{self.monitor} = {value:.6g} reached the stopping threshold {threshold}"
-        if self._improved(value):
-            self.best_score, self.wait_count = value, 0
+        threshold = self.divergence_threshold
+        if threshold is not None and better(-current, -threshold):
+            return f"{self.monitor} = {value:.6g} went past the divergence threshold {threshold}"
+        best = self.best_score
+        best = torch.tensor(best if best is not None else (math.inf if lower else -math.inf), dtype=torch.float32)
+        if better(current + self.min_delta if lower else current - self.min_delta, best):
+            self.best_score, self.wait_count = float(current), 0
             return None
         self.wait_count += 1
-        if self.wait_count > self.patience:
+        if self.wait_count >= self.patience:
+            best_text = "none" if self.best_score is None else f"{self.best_score:.6g}"
             return (f"{self.monitor} did not improve by more than {self.min_delta} for {self.wait_count} checks "
-                    f"(best {self.best_score:.6g})")
+                    f"(best {best_text})")
         return None
 
     def check(self, trainer) -> None:
