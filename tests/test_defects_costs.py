@@ -102,3 +102,67 @@ def test_manual_backward_outside_the_steps_still_reaches_the_events():
                                enable_progress_bar=False)
     trainer.fit(BackwardAtTrainStart(), DataLoader(tiny_data(16), batch_size=8))
     assert observer.before == observer.after == 3
+
+
+# -- 13b: the SIGTERM agreement ---------------------------------------------------------------
+
+STEPS = 6
+
+
+class WaitsForPeer(TinyModule):
+    """Global rank 1 ends each step k (on_train_batch_end, before the loop's agreement at
+    boundary k) only once global rank 0 has *started* step k + 1, i.e. once rank 0 has
+    passed boundary k's agreement. A blocking agreement cannot let rank 0 pass before rank
+    1 has contributed to it: the two wait for each other until rank 1 gives up."""
+
+    def __init__(self, store_path: str, fit_index: int):
+        super().__init__(seed=0)
+        self.store_path, self.fit_index = store_path, fit_index
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.trainer.global_rank == 0:
+            self.store().set(f"fit{self.fit_index}/started/{batch_idx}", "1")
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        from datetime import timedelta
+
+        if self.trainer.global_rank == 1 and batch_idx + 1 < STEPS:
+            key = f"fit{self.fit_index}/started/{batch_idx + 1}"
+            try:
+                self.store().wait([key], timedelta(seconds=30))
+            except Exception as exc:
+                raise AssertionError(f"global rank 0 did not start step {batch_idx + 2} while rank 1 had not "
+                                     f"reached the boundary after step {batch_idx + 1}: the agreement blocked "
+                                     f"({exc})") from None
+
+    def store(self):
+        import torch.distributed as dist
+
+        if not hasattr(self, "_store"):
+            self._store = dist.FileStore(f"{self.store_path}.{self.fit_index}", 2)
+        return self._store
+
+
+def agreement_does_not_block(store_path: str) -> dict:
+    import torch.distributed as dist
+
+    from hookloop import helpers
+
+    seen = []
+    for fit_index in range(2):  # a second fit in the process: a new default group, a new side group
+        trainer = hookloop.Trainer(plugins=["ddp"], max_steps=STEPS, enable_checkpointing=False, logger=False,
+                                   enable_progress_bar=False, process_group_timeout=60)
+        module = WaitsForPeer(store_path, fit_index)
+        trainer.fit(module, DataLoader(tiny_data(8 * STEPS * 2), batch_size=8))
+        seen.append(trainer.global_step)
+    return {"steps": seen, "group_left": dist.is_initialized(), "side_group_kept": helpers._CPU_GROUP[1] is not None,
+            "weights": {k: v.clone() for k, v in module.state_dict().items()}}
+
+
+def test_the_sigterm_agreement_lets_a_rank_pass_a_boundary_its_peer_has_not_reached(hookloop_processes, tmp_path):
+    results = hookloop_processes(agreement_does_not_block, nprocs=2, args=(str(tmp_path / "store"),), timeout=240)
+    for r in results:
+        assert r["steps"] == [STEPS, STEPS]
+        assert not r["group_left"] and not r["side_group_kept"]  # the side group went with the run's group
+    a, b = (r["weights"] for r in results)
+    assert all(torch.equal(a[k], b[k]) for k in a)  # still one model: DDP synchronised every step

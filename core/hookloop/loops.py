@@ -486,7 +486,9 @@ def fit(trainer) -> None:
         # SIGTERM: stop at the next optimizer-step boundary with a checkpoint (hookloop.faults).
         preemption = trainer._preemption = faults.Preemption().install()
         try:
+            preemption.prepare(trainer)
             _fit_epochs(trainer, train_loader, step, validation, max_epochs)
+            preemption.finish()
             hook.on_train_end(trainer=trainer)
             hook.on_fit_end(trainer=trainer)
         except BaseException:
