@@ -13,6 +13,16 @@ ratio sees the same machine. The median steps/s of each variant and the median o
 per-round ratios are reported; the last line is ``hookloop/raw <ratio>``.
 
     python benchmarks/ddp_throughput.py [--rounds 9] [--epochs 3] [--samples 16384]
+
+``--agreement`` measures instead what the SIGTERM agreement (``hookloop.faults``, once
+per optimizer step) costs per step, at a small step (batch 64 per rank, ~2 ms) and a
+medium one (batch 512): hookloop's ddp with the agreement ``off``, ``blocking`` (what
+it was: the strategy's all-reduce of the flag, waited on at every boundary) and
+``async`` (what it is: started at a boundary, read at the next, on a gloo side group).
+The three run back to back in a rotating order each round; reported are the median
+ms/step and the medians of the per-round step-time ratios to ``off``.
+
+    python benchmarks/ddp_throughput.py --agreement [--rounds 7] [--epochs 2] [--steps 64]
 """
 
 from __future__ import annotations
@@ -66,7 +76,7 @@ def raw_round(data: TensorDataset, epochs: int) -> float:
     return steps / (time.perf_counter() - start)
 
 
-def hookloop_round(data: TensorDataset, epochs: int, strategy: str = "ddp") -> float:
+def hookloop_round(data: TensorDataset, epochs: int, strategy: str = "ddp", batch: int = BATCH) -> float:
     """Steps/s of epochs 2.. of ``hookloop.Trainer(plugins=[strategy])`` (also used by
     sharded_throughput.py)."""
     import hookloop
@@ -104,14 +114,66 @@ def hookloop_round(data: TensorDataset, epochs: int, strategy: str = "ddp") -> f
 
     clock = Clock()
     trainer = hookloop.Trainer(plugins=[strategy, clock], max_epochs=epochs, enable_checkpointing=False)
-    trainer.fit(Net(), DataLoader(data, batch_size=BATCH, shuffle=True))
+    trainer.fit(Net(), DataLoader(data, batch_size=batch, shuffle=True))
     return clock.steps / (clock.end - clock.start)
+
+
+AGREEMENTS = ("off", "blocking", "async")
+
+
+def _blocking_agreed(self, trainer) -> bool:
+    """The agreement as it was: the strategy's all-reduce of the flag, waited on (and
+    read with ``.item()``) at every optimizer-step boundary."""
+    self._flag.fill_(1.0 if self.requested else 0.0)
+    return bool(trainer.reduce(self._flag, "max").item())
+
+
+def use_agreement(kind: str) -> None:
+    """Make ``hookloop.faults.Preemption.agreed`` the ``kind`` of :data:`AGREEMENTS`."""
+    from hookloop import faults
+
+    cls = faults.Preemption
+    if "_bench_async" not in cls.__dict__:
+        cls._bench_async = cls.agreed
+    cls.agreed = {"off": lambda self, trainer: False, "blocking": _blocking_agreed, "async": cls._bench_async}[kind]
+
+
+def agreement_worker(args) -> dict:
+    results: dict[str, list[float]] = {}
+    for batch in (BATCH, 512):
+        data = make_data(2 * batch * args.steps)  # --steps steps per epoch and rank
+        for r in range(args.rounds):
+            order = AGREEMENTS[r % 3:] + AGREEMENTS[:r % 3]
+            for kind in order:
+                use_agreement(kind)
+                results.setdefault(f"{batch}/{kind}", []).append(hookloop_round(data, args.epochs, batch=batch))
+    use_agreement("async")
+    return results
+
+
+def report_agreement(results: dict, args) -> None:
+    print(f"2 processes (gloo, CPU), MLP 256-512-512-10, hookloop ddp, {args.steps} steps/epoch/rank, "
+          f"{args.epochs - 1} timed epoch(s) x {args.rounds} rounds; SIGTERM agreement per optimizer step")
+    for batch in (BATCH, 512):
+        ms = {kind: [1000 / v for v in results[f"{batch}/{kind}"]] for kind in AGREEMENTS}
+        line = ", ".join(f"{kind} {statistics.median(ms[kind]):.3f}" for kind in AGREEMENTS)
+        print(f"batch {batch}/rank: ms/step (median) {line}")
+        for kind in ("blocking", "async"):
+            ratios = [k / o for k, o in zip(ms[kind], ms["off"])]
+            print(f"  {kind}/off step time {statistics.median(ratios):.3f} "
+                  f"(rounds: {', '.join(f'{q:.3f}' for q in ratios)})")
 
 
 def worker(args) -> None:
     # One process group for the whole run, made the way a hand-written script makes it;
     # the ddp plugin uses a group that exists (and leaves it to its owner).
     dist.init_process_group("gloo")
+    if args.agreement:
+        results = agreement_worker(args)
+        if dist.get_rank() == 0:
+            Path(args.result).write_text(json.dumps(results))
+        dist.destroy_process_group()
+        return
     data = make_data(args.samples)
     results: dict[str, list[float]] = {"raw": [], "hookloop": []}
     for r in range(args.rounds):
@@ -126,21 +188,29 @@ def worker(args) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=None, help="default 9 (--agreement: 7)")
+    parser.add_argument("--epochs", type=int, default=None, help="default 3 (--agreement: 2)")
     parser.add_argument("--samples", type=int, default=16384)
+    parser.add_argument("--agreement", action="store_true", help="the SIGTERM agreement's cost per step")
+    parser.add_argument("--steps", type=int, default=64, help="with --agreement: steps per epoch and rank")
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.rounds = args.rounds or (7 if args.agreement else 9)
+    args.epochs = args.epochs or (2 if args.agreement else 3)
     if args.result is not None:  # inside a worker
         worker(args)
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-               f"--rounds={args.rounds}", f"--epochs={args.epochs}", f"--samples={args.samples}", f"--result={result}"]
+               f"--rounds={args.rounds}", f"--epochs={args.epochs}", f"--samples={args.samples}", f"--result={result}",
+               f"--steps={args.steps}", *(["--agreement"] if args.agreement else [])]
         env = {k: v for k, v in os.environ.items() if not k.startswith("HOOKLOOP_")}
         subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
         results = json.loads(result.read_text())
+    if args.agreement:
+        report_agreement(results, args)
+        return 0
     steps = args.samples // 2 // BATCH * (args.epochs - 1)
     print(f"2 processes (gloo, CPU), MLP 256-512-512-10, batch {BATCH}/rank, {steps} timed steps x {args.rounds} rounds")
     for name, values in results.items():

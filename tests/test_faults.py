@@ -219,14 +219,15 @@ def test_sigterm_to_a_worker_checkpoints_at_the_next_step_boundary_and_the_resta
     stdout, stderr = finish(start_job(out, "3", "--fault", "term"), stderr_too=True)
     print(f"SIGTERM to a worker, whole job: {time.monotonic() - started:.1f}s")
     last = out / "root" / "logs" / "version_0" / "checkpoints" / "last.ckpt"
-    # Both ranks agreed to stop at the boundary after step 3: neither took step 4...
-    assert steps(out, 0, 0) == steps(out, 1, 0) == [1, 2, 3]
+    # Both ranks agreed to stop at the boundary after step 4 (the flag rank 1 had before
+    # boundary 3 is read at boundary 4: the agreement does not wait): neither took step 5...
+    assert steps(out, 0, 0) == steps(out, 1, 0) == [1, 2, 3, 4]
     assert "hookloop: global rank 1 received SIGTERM" in stderr
-    assert ("hookloop: preempted (SIGTERM): stopped at the optimizer-step boundary after epoch 0, global step 3 "
-            f"(batch 3 of the epoch); checkpoint written to {last}; exiting with status 143") in stdout
+    assert ("hookloop: preempted (SIGTERM): stopped at the optimizer-step boundary after epoch 0, global step 4 "
+            f"(batch 4 of the epoch); checkpoint written to {last}; exiting with status 143") in stdout
     # ...and the restarted workers continued from that checkpoint, not from step 2's.
-    assert f"resumed from {last} at epoch 0, global step 3" in stdout
-    assert steps(out, 0, 1) == steps(out, 1, 1) == [4, 5, 6, 7, 8]
+    assert f"resumed from {last} at epoch 0, global step 4" in stdout
+    assert steps(out, 0, 1) == steps(out, 1, 1) == [5, 6, 7, 8]
     assert_same_weights(out, reference)
 
 

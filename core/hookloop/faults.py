@@ -3,9 +3,12 @@ a rank stops making progress.
 
 Preemption
     SIGTERM (what SLURM, Kubernetes and torch's elastic agent send before killing) sets a
-    flag; at every optimizer-step boundary the ranks agree on it (an all-reduce MAX of
-    one number when there are several processes, the flag itself for one), and the first
-    boundary where any rank has it ends the run on every rank: ``last.ckpt`` of this run
+    flag; at every optimizer-step boundary the ranks agree on it (the flag itself for one
+    process; for several, an all-reduce MAX of one number, started at a boundary without
+    waiting and read at the next, so a rank that had it before boundary k stops every rank
+    at boundary k + 1: one optimizer step later than a blocking agreement, which cost a
+    wait for the slowest rank at every step), and the first boundary where the ranks
+    agree on it ends the run on every rank: ``last.ckpt`` of this run
     is written through ``trainer.save_checkpoint``, global rank 0 asks SLURM to requeue
     the job when ``requeue_on_preemption`` is set, and every rank exits with
     :data:`PREEMPTED_EXIT_CODE`, a failure that the elastic agent restarts (while
@@ -72,6 +75,8 @@ class Preemption:
         self.installed = False
         self._previous: Any = None
         self._flag: Any = None  # the tensor the ranks all-reduce, made once
+        self._group: Any = None  # its process group (gloo); None: the strategy's reduce
+        self._pending: Any = None  # the all-reduce started at the last boundary
 
     def _handler(self, signum, frame) -> None:
         self.requested = True  # nothing else here: the loop acts at the next step boundary
@@ -92,17 +97,51 @@ class Preemption:
         if pass_on and self.requested and not self.acted:
             signal.raise_signal(signal.SIGTERM)
 
+    def prepare(self, trainer) -> None:
+        """Before the first step, on every rank: the flag, and its process group (made
+        here, where the ranks are together, not at a boundary, where they need not be)."""
+        import torch
+        import torch.distributed as dist
+
+        self._flag = torch.zeros(1)
+        if (trainer.world_size > 1 and dist.is_available() and dist.is_initialized()
+                and dist.get_world_size() == trainer.world_size):
+            from .helpers import cpu_process_group
+
+            self._group = cpu_process_group()
+
     def agreed(self, trainer) -> bool:
-        """Whether any rank received SIGTERM; called by every rank at every optimizer-step
-        boundary (one all-reduce of one number when there are several processes)."""
+        """Whether the ranks agree to stop; called by every rank at every optimizer-step
+        boundary. With ``torch.distributed``, the all-reduce (MAX) of this rank's flag is
+        started here without waiting, on a gloo side group (no device sync under NCCL),
+        and the one started at the previous boundary, long finished, is read: every rank
+        reads the same value at the same boundary, so all stop together, one boundary
+        after the one where the first rank had the flag. Without it (horovod), the
+        strategy's ``reduce`` of the flag, at every boundary (a wait per step)."""
         if trainer.world_size == 1:
             return self.requested
-        import torch
+        import torch.distributed as dist
 
         if self._flag is None:
-            self._flag = torch.zeros(1)
+            self.prepare(trainer)
+        if self._group is None:
+            self._flag.fill_(1.0 if self.requested else 0.0)
+            return bool(trainer.reduce(self._flag, "max").item())
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.wait()  # started one boundary ago: finished unless a rank lags behind
+            if self._flag.item():
+                return True  # nothing new is started: stop() leaves no collective behind
         self._flag.fill_(1.0 if self.requested else 0.0)
-        return bool(trainer.reduce(self._flag, "max").item())
+        self._pending = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        return False
+
+    def finish(self) -> None:
+        """At the end of a ``fit`` that ran to completion, on every rank: wait for the last
+        boundary's all-reduce (every rank started it), so no collective outlives the run."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.wait()
 
     def stop(self, trainer) -> None:
         """Write this run's ``last.ckpt`` (every rank: saving is collective), requeue the
@@ -205,6 +244,8 @@ def _frame_kind(frame) -> str | None:
         return name
     if name in ("backward", "run_backward", "_engine_run_backward") and "/torch/" in path:
         return "backward"
+    if name == "agreed" and path.endswith("hookloop/faults.py"):
+        return "agreement"  # the wait for the preemption check's asynchronous all_reduce
     return None
 
 
@@ -215,6 +256,8 @@ def describe_collective(exc: BaseException) -> str:
     kinds = [(frame, kind) for frame in frames if (kind := _frame_kind(frame)) is not None]
     if not kinds:
         return "a collective"
+    if any(kind == "agreement" for _, kind in kinds):
+        return "all_reduce of the preemption check (the SIGTERM flag, at an optimizer-step boundary)"
     frame, kind = kinds[-1]
     if kind == "backward":
         return ("the all_reduce of the gradients in backward (DistributedDataParallel's reducer, or the "

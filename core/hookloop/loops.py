@@ -117,6 +117,7 @@ def session(trainer, stage: str):
             if module_hooks is not None:
                 trainer.plugin_manager.unregister(module_hooks)
             module.__dict__.pop("_hookloop_trainer", None)
+            trainer._backward_events = None
             trainer.state = None
 
 
@@ -502,7 +503,9 @@ def fit(trainer) -> None:
         # SIGTERM: stop at the next optimizer-step boundary with a checkpoint (hookloop.faults).
         preemption = trainer._preemption = faults.Preemption().install()
         try:
+            preemption.prepare(trainer)
             _fit_epochs(trainer, train_loader, step, validation, max_epochs)
+            preemption.finish()
             hook.on_train_end(trainer=trainer)
             hook.on_fit_end(trainer=trainer)
         except BaseException:
@@ -788,6 +791,8 @@ def make_training_step(trainer):
     log_rows = trainer._on_log_metrics is not None
     every = trainer.config.log_every_n_steps
     if manual:
+        trainer._backward_events = (before_backward, after_backward)  # for manual_backward
+
         def step(batch, batch_idx: int, boundary: bool) -> bool:
             if move:
                 batch = move_to_device(batch, device)
@@ -929,13 +934,16 @@ def manual_backward(trainer, loss: torch.Tensor) -> None:
             "self.manual_backward(loss) is for manual optimization: set "
             "self.automatic_optimization = False (the loop calls backward on the returned loss otherwise)"
         )
-    event = _event(trainer, "on_before_backward")
-    if event is not None:
-        event(trainer=trainer, loss=loss)
+    # Resolved once per fit by make_training_step (as the automatic path's); resolved
+    # here only when called outside fit's steps.
+    events = trainer._backward_events
+    before, after = events if events is not None else (_event(trainer, "on_before_backward"),
+                                                       _event(trainer, "on_after_backward"))
+    if before is not None:
+        before(trainer=trainer, loss=loss)
     trainer.hook.backward(trainer=trainer, loss=loss, model=trainer.model, optimizer=None)
-    event = _event(trainer, "on_after_backward")
-    if event is not None:
-        event(trainer=trainer)
+    if after is not None:
+        after(trainer=trainer)
 
 
 def manual_optimizer_step(trainer, optimizer) -> None:

@@ -182,6 +182,7 @@ class Trainer:
         self._on_before_optimizer_step = None
         self._on_before_zero_grad = None
         self._on_log_metrics = None
+        self._backward_events: tuple | None = None  # manual_backward's, resolved per fit
         self._logged_step = 0
         # This Trainer's run directory (rundir.py): decided in its first run, kept after.
         self._log_dir: Path | None = None
@@ -315,7 +316,7 @@ class Trainer:
         # plugin manager is rebuilt from the (pickled) plugins on arrival.
         state = self.__dict__.copy()
         for key in ("plugin_manager", "hook", "_on_before_optimizer_step", "_on_before_zero_grad", "_on_log_metrics",
-                    "_loop_optimizer_cache"):
+                    "_loop_optimizer_cache", "_backward_events"):
             state.pop(key, None)
         return state
 
@@ -324,7 +325,7 @@ class Trainer:
         self.plugin_manager = plugin_registry.make_plugin_manager(self.plugins, Defaults())
         self.hook = self.plugin_manager.hook
         self._on_before_optimizer_step = self._on_before_zero_grad = self._loop_optimizer_cache = None
-        self._on_log_metrics = None
+        self._on_log_metrics = self._backward_events = None
 
     # -- entry points -------------------------------------------------------------------
 
