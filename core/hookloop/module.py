@@ -500,15 +500,17 @@ class Metrics:
         if not for_logger:
             self.not_for_logger.update(names)
         if on_step:
-            if sync_dist:
-                value = self.trainer.reduce(value, op)
+            # The step value is reduced now; the epoch sums below take the LOCAL value and
+            # are reduced once at the epoch's end (as Lightning): summing values already
+            # reduced and reducing again would count every rank world_size times.
+            step_value = self.trainer.reduce(value, op) if sync_dist else value
             key = f"{name}_step" if forked else name
             slot = self.step_values.get(key)
             thread = threading.get_ident()
             if slot is None or slot[0] != self.step_token:
-                self.step_values[key] = [self.step_token, {thread: value}]
+                self.step_values[key] = [self.step_token, {thread: step_value}]
             else:
-                slot[1][thread] = value  # another replica of the same step
+                slot[1][thread] = step_value  # another replica of the same step
         if on_epoch:
             if batch_size is None:
                 batch = getattr(_STEP_BATCH, "batch", None)
