@@ -145,3 +145,104 @@ def test_sync_dist_epoch_value_is_reduced_once_from_local_values(tmp_path):
         for name, value in expected.items():
             assert record["lightning"][name] == pytest.approx(value, rel=1e-6), ("lightning", name)
             assert record["hookloop"][name] == pytest.approx(value, rel=1e-6), ("hookloop", name, record["hookloop"])
+
+
+# ---------------------------------------------------------------------------------------
+# Epoch-level modules shared by the tests below
+# ---------------------------------------------------------------------------------------
+
+
+def recording_class(base):
+    class Recording(base):
+        """Linear 8 -> 2 with SGD; records the epoch-level hooks and logs per step, per
+        epoch, in on_train_epoch_start and in on_train_epoch_end."""
+
+        def __init__(self, stop_at_batch: int | None = None, cut_at_batch: int | None = None, lr: float = 0.1):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Linear(8, 2)
+            self.calls: list = []
+            self.stop_at_batch, self.cut_at_batch, self.lr = stop_at_batch, cut_at_batch, lr
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = F.cross_entropy(self.net(x), y)
+            self.log("loss", loss, on_step=True, on_epoch=True)
+            self.log("batches", float(batch_idx), on_step=False, on_epoch=True, reduce_fx="sum")
+            return loss
+
+        def validation_step(self, batch, batch_idx):
+            self.calls.append(("validation_step", batch_idx))
+            self.log("val_loss", F.cross_entropy(self.net(batch[0]), batch[1]))
+
+        def on_train_epoch_start(self):
+            self.calls.append(("on_train_epoch_start", self.current_epoch))
+            self.log("start", float(self.current_epoch + 1))
+            self.log("start_sum", 10.0 * (self.current_epoch + 1), reduce_fx="sum")
+
+        def on_train_batch_start(self, batch, batch_idx):
+            if self.cut_at_batch is not None and self.current_epoch == 0 and batch_idx == self.cut_at_batch:
+                self.calls.append(("cut", batch_idx))
+                return -1
+            return None
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            if self.stop_at_batch is not None and batch_idx == self.stop_at_batch:
+                self.trainer.should_stop = True
+
+        def on_validation_epoch_start(self):
+            self.calls.append(("on_validation_epoch_start", self.current_epoch))
+
+        def on_train_epoch_end(self):
+            metrics = self.trainer.callback_metrics
+            self.calls.append(("on_train_epoch_end", self.current_epoch, self.global_step,
+                               round(float(metrics["loss_epoch"]), 6), float(metrics["batches"])))
+            self.log("at_end", 7.0)
+
+        def on_train_end(self):
+            self.calls.append(("on_train_end", self.global_step))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    return Recording
+
+
+HookloopRecording, LightningRecording = recording_class(hookloop.Module), recording_class(pl.LightningModule)
+EPOCH_KEYS = ("loss_epoch", "loss", "batches", "start", "start_sum", "at_end")
+
+
+def fit_both(tmp_path: Path, module_kw: dict, val: bool = True, **trainer_kw):
+    """The same module, data and settings under hookloop and Lightning; both trainers
+    and modules."""
+    loaders = lambda: (DataLoader(data(40), batch_size=4), DataLoader(data(16, seed=2), batch_size=4) if val else None)  # noqa: E731
+    hl_module, pl_module = HookloopRecording(**module_kw), LightningRecording(**module_kw)
+    hl = hl_trainer(tmp_path / "hl", limit_val_batches=2, **trainer_kw)
+    hl.fit(hl_module, *loaders())
+    lightning = pl_trainer(tmp_path / "pl", limit_val_batches=2, **trainer_kw)
+    lightning.fit(pl_module, *loaders())
+    return (hl, hl_module), (lightning, pl_module)
+
+
+def epoch_rows(path: Path) -> list[dict]:
+    """The rows of a metrics.csv that carry epoch metrics, with those metrics only."""
+    return [{k: round(v, 6) for k, v in row.items() if k in EPOCH_KEYS or k == "epoch"}
+            for row in csv_rows(path) if "loss_epoch" in row or "start" in row]
+
+
+# ---------------------------------------------------------------------------------------
+# 5. self.log in on_train_epoch_start is an epoch metric
+# ---------------------------------------------------------------------------------------
+
+
+def test_log_in_on_train_epoch_start_is_an_epoch_metric_in_metrics_csv(tmp_path):
+    (hl, _), (lightning, _) = fit_both(tmp_path, {}, val=False, max_epochs=2)
+    hl_rows, pl_rows = (epoch_rows(Path(d) / "metrics.csv") for d in (hl.log_dir, lightning.logger.log_dir))
+    # one row per epoch, with every epoch metric: batches 0 + 1 + ... + 9 = 45
+    expected = [{"epoch": e, "batches": 45.0, "start": e + 1.0, "start_sum": 10.0 * (e + 1), "at_end": 7.0}
+                for e in (0, 1)]
+    for rows in (pl_rows, hl_rows):
+        assert [{k: v for k, v in row.items() if k != "loss_epoch"} for row in rows] == expected, rows
+    assert hl_rows == pl_rows  # loss_epoch too
+    for name in ("start", "start_sum", "loss_epoch", "batches"):
+        assert hl.callback_metrics[name] == pytest.approx(float(lightning.callback_metrics[name]), abs=1e-6), name

@@ -510,9 +510,14 @@ def _fit_epochs(trainer, train_loader, step, validation, max_epochs: int) -> Non
             if not trainer.batch_idx:
                 trainer._metrics.start("train")  # a mid-epoch resume keeps the restored sums
                 trainer._epoch_val_metrics = {}
-            trainer._metrics.stage = "train"
+            metrics = trainer._metrics
+            metrics.stage = "train"
             trainer.model.train()
-            hook.on_train_epoch_start(trainer=trainer, epoch=epoch)
+            metrics.epoch_level = True  # self.log here is per epoch (Lightning's defaults)
+            try:
+                hook.on_train_epoch_start(trainer=trainer, epoch=epoch)
+            finally:
+                metrics.epoch_level = False
             if not _train_epoch(trainer, train_loader, step, validation):
                 # Stopped inside the epoch (max_steps, should_stop): the position stays,
                 # so a checkpoint (the checkpoint plugin's, at on_train_end) resumes at
