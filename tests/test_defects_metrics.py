@@ -216,7 +216,8 @@ def fit_both(tmp_path: Path, module_kw: dict, val: bool = True, **trainer_kw):
     """The same module, data and settings under hookloop and Lightning; both trainers
     and modules."""
     loaders = lambda: (DataLoader(data(40), batch_size=4), DataLoader(data(16, seed=2), batch_size=4) if val else None)  # noqa: E731
-    hl_module, pl_module = HookloopRecording(**module_kw), LightningRecording(**module_kw)
+    hl_class, pl_class = module_kw.pop("classes", (HookloopRecording, LightningRecording))
+    hl_module, pl_module = hl_class(**module_kw), pl_class(**module_kw)
     hl = hl_trainer(tmp_path / "hl", limit_val_batches=2, **trainer_kw)
     hl.fit(hl_module, *loaders())
     lightning = pl_trainer(tmp_path / "pl", limit_val_batches=2, **trainer_kw)
@@ -246,3 +247,81 @@ def test_log_in_on_train_epoch_start_is_an_epoch_metric_in_metrics_csv(tmp_path)
     assert hl_rows == pl_rows  # loss_epoch too
     for name in ("start", "start_sum", "loss_epoch", "batches"):
         assert hl.callback_metrics[name] == pytest.approx(float(lightning.callback_metrics[name]), abs=1e-6), name
+
+
+# ---------------------------------------------------------------------------------------
+# 6. Training stopped inside an epoch ends the epoch
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["max_steps", "should_stop", "should_stop_in_validation"])
+def test_stopping_inside_an_epoch_ends_it_as_lightning_does(tmp_path, how):
+    """10 batches per epoch, stopped after 3 of them: by max_steps (no validation), by
+    should_stop set at a batch's end (Lightning validates first), or by should_stop set
+    in a validation every 3 batches (the epoch ends right after it)."""
+    module_kw, trainer_kw = {}, {"max_epochs": 2}
+    if how == "max_steps":
+        trainer_kw = {"max_steps": 3}
+    elif how == "should_stop":
+        module_kw = {"stop_at_batch": 2}
+    else:
+        trainer_kw["val_check_interval"] = 3
+    cls = {"should_stop_in_validation": StopsInValidation}.get(how)
+    if cls is not None:
+        module_kw = {"classes": (cls, LightningStopsInValidation)}
+    (hl, hl_module), (lightning, pl_module) = fit_both(tmp_path, module_kw, **trainer_kw)
+    validated = how != "max_steps"
+    assert pl_module.calls == [
+        ("on_train_epoch_start", 0),
+        *([("on_validation_epoch_start", 0), ("validation_step", 0), ("validation_step", 1)] if validated else []),
+        ("on_train_epoch_end", 0, 3, pl_module.calls[-2][3], 3.0),
+        ("on_train_end", 3),
+    ]
+    assert hl_module.calls == pl_module.calls
+    assert (hl.global_step, hl.current_epoch, hl.batch_idx) == (3, 0, 3)  # the position stays (Lightning: epoch 1)
+    # the epoch's metrics over the 3 batches trained, reported and logged
+    for name in ("loss_epoch", "loss", "batches", "start", "start_sum", "at_end") + (("val_loss",) if validated else ()):
+        assert hl.callback_metrics[name] == pytest.approx(float(lightning.callback_metrics[name]), abs=1e-6), name
+    hl_rows, pl_rows = (epoch_rows(Path(d) / "metrics.csv") for d in (hl.log_dir, lightning.logger.log_dir))
+    assert hl_rows == pl_rows and len(pl_rows) == 1 and pl_rows[0]["batches"] == 0 + 1 + 2
+
+
+def _stops_in_validation(base):
+    class StopsInValidation(recording_class(base)):
+        def on_validation_epoch_end(self):
+            self.trainer.should_stop = True  # as an early-stopping callback does
+
+    return StopsInValidation
+
+
+StopsInValidation, LightningStopsInValidation = _stops_in_validation(hookloop.Module), _stops_in_validation(pl.LightningModule)
+
+
+def test_a_resume_after_a_mid_epoch_stop_reports_the_whole_epochs_metrics(tmp_path):
+    """The checkpoint written as the stopped epoch ends keeps the position and the
+    epoch's partial sums: resumed, the epoch's mean loss is over all 10 batches."""
+    loader = lambda: DataLoader(data(40), batch_size=4)  # noqa: E731
+    first = hl_trainer(tmp_path, max_steps=3, enable_checkpointing=True)
+    first.fit(HookloopRecording(), loader())
+    last = Path(first.log_dir) / "checkpoints" / "last.ckpt"
+    saved = hookloop.safe_load(last)
+    assert {k: saved["loop"][k] for k in ("epoch", "global_step", "batch_idx", "stage")} == {
+        "epoch": 0, "global_step": 3, "batch_idx": 3, "stage": "train"}
+    resumed_module = HookloopRecording()
+    resumed = hl_trainer(tmp_path, max_epochs=1, enable_checkpointing=True)
+    resumed.fit(resumed_module, loader(), ckpt_path=last)
+    # the reference: a hand-written loop over the same epoch (full batches: a plain mean)
+    torch.manual_seed(0)
+    net = nn.Linear(8, 2)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    losses = []
+    for x, y in loader():
+        loss = F.cross_entropy(net(x), y)
+        losses.append(loss.item())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert resumed.global_step == 10
+    assert resumed.callback_metrics["loss_epoch"] == pytest.approx(sum(losses) / len(losses), abs=1e-6)
+    assert resumed.callback_metrics["batches"] == sum(range(10))
+    assert resumed_module.calls[-2][1:] == (0, 10, round(sum(losses) / len(losses), 6), 45.0)

@@ -519,9 +519,9 @@ def _fit_epochs(trainer, train_loader, step, validation, max_epochs: int) -> Non
             finally:
                 metrics.epoch_level = False
             if not _train_epoch(trainer, train_loader, step, validation):
-                # Stopped inside the epoch (max_steps, should_stop): the position stays,
-                # so a checkpoint (the checkpoint plugin's, at on_train_end) resumes at
-                # the next batch of this epoch.
+                # Stopped inside the epoch (max_steps, should_stop): it ends, but the
+                # position stays, so a checkpoint resumes at the next batch of this epoch.
+                _end_epoch(trainer, epoch, resumed_stage, stopped=True)
                 break
         _end_epoch(trainer, epoch, resumed_stage)
 
@@ -682,33 +682,51 @@ def _train_epoch(trainer, loader: DataLoader, step, validation: _ValidationSched
         stop = step(batch, batch_idx, boundary)  # it counts the batch as done (_batch_done)
         if boundary and preemption is not None and (preemption.requested if single else preemption.agreed(trainer)):
             preemption.stop(trainer)  # checkpoint and SystemExit, on every rank
-        if validate is not None and validate(batch_idx, is_last):
+        # As Lightning: validation when due, and when should_stop ends the epoch early;
+        # should_stop set by that validation (early stopping) ends the epoch here.
+        if validate is not None and (validate(batch_idx, is_last) or (stop and trainer.should_stop)):
             validation.run()
+            stop = stop or trainer.should_stop
         if stop:
             return is_last
     return True
 
 
-def _end_epoch(trainer, epoch: int, resumed_stage: str) -> None:
+def _end_epoch(trainer, epoch: int, resumed_stage: str, stopped: bool = False) -> None:
     """Epoch metrics, schedulers, ``on_train_epoch_end``, then the next epoch.
 
     A run resumed from a checkpoint written inside ``on_train_epoch_end``
     (``resumed_stage == "epoch_end"``) does only what came after that event.
+
+    ``stopped``: training stopped inside the epoch (``max_steps``, ``should_stop``). The
+    epoch ends as in Lightning (its metrics over the batches trained, logged;
+    ``on_train_epoch_end``; no epoch-interval scheduler steps), but the loop's position
+    inside the epoch stays, and so do the epoch's partial metric sums, in memory and in
+    any checkpoint written meanwhile: a resume continues at the next batch and reports
+    the whole epoch's metrics.
     """
     metrics = trainer._metrics
     if resumed_stage != "epoch_end":
         metrics.stage = "train"
-        train_metrics = metrics.finish_epoch("train")
-        trainer._epoch_row = train_metrics
-        epoch_metrics = {**train_metrics, **trainer._epoch_val_metrics}
-        if trainer.automatic_optimization:
-            step_schedulers(trainer, "epoch", plateau=False, count=epoch + 1)
-        trainer._loop_stage = "epoch_end"
-        if trainer._module_epoch_end is None:
-            log_epoch_row(trainer)
-        # else the module's on_train_epoch_end (first of all implementations) logs the row
-        # with what the module logs there, before any plugin (a checkpoint) sees the event
-        trainer.hook.on_train_epoch_end(trainer=trainer, epoch=epoch, metrics=epoch_metrics)
+        partial = metrics.kept_train_sums = metrics.epoch_sums.get("train", {}) if stopped else None
+        try:
+            train_metrics = metrics.finish_epoch("train")
+            trainer._epoch_row = train_metrics
+            epoch_metrics = {**train_metrics, **trainer._epoch_val_metrics}
+            if not stopped:
+                if trainer.automatic_optimization:
+                    step_schedulers(trainer, "epoch", plateau=False, count=epoch + 1)
+                trainer._loop_stage = "epoch_end"
+            if trainer._module_epoch_end is None:
+                log_epoch_row(trainer)
+            # else the module's on_train_epoch_end (first of all implementations) logs the row
+            # with what the module logs there, before any plugin (a checkpoint) sees the event
+            trainer.hook.on_train_epoch_end(trainer=trainer, epoch=epoch, metrics=epoch_metrics)
+        finally:
+            if stopped:
+                metrics.epoch_sums["train"], metrics.kept_train_sums = partial, None
+    if stopped:
+        return
     if trainer.automatic_optimization:
         step_schedulers(trainer, "epoch", plateau=True, count=epoch + 1)
     trainer.current_epoch = epoch + 1

@@ -449,6 +449,9 @@ class Metrics:
         #: names logged with both on_step and on_epoch: reported as name_step, name_epoch
         #: and name (the step value during the epoch, the epoch value after it)
         self.forked: set[str] = set()
+        #: the training epoch's partial sums while an epoch stopped early ends (its
+        #: metrics computed, its sums kept for a resume): what checkpoints save meanwhile
+        self.kept_train_sums: dict[str, list] | None = None
         self._lock = threading.Lock()
 
     # -- recording ----------------------------------------------------------------------
@@ -607,10 +610,8 @@ class Metrics:
     def state_dict(self) -> dict:
         """The training epoch's partial sums and the reported metrics, for a resume
         mid-epoch that reports the same epoch means as an uninterrupted run."""
-        sums = {
-            name: [t.detach().cpu() if isinstance(t, torch.Tensor) else t for t in entry]
-            for name, entry in self.epoch_sums.get("train", {}).items()
-        }
+        train = self.kept_train_sums if self.kept_train_sums is not None else self.epoch_sums.get("train", {})
+        sums = {name: [t.detach().cpu() if isinstance(t, torch.Tensor) else t for t in entry] for name, entry in train.items()}
         return {"train_sums": sums, "callback_metrics": dict(self.read())}
 
     def load_state_dict(self, state: dict) -> None:
