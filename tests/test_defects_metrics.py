@@ -325,3 +325,33 @@ def test_a_resume_after_a_mid_epoch_stop_reports_the_whole_epochs_metrics(tmp_pa
     assert resumed.callback_metrics["loss_epoch"] == pytest.approx(sum(losses) / len(losses), abs=1e-6)
     assert resumed.callback_metrics["batches"] == sum(range(10))
     assert resumed_module.calls[-2][1:] == (0, 10, round(sum(losses) / len(losses), 6), 45.0)
+
+
+# ---------------------------------------------------------------------------------------
+# 7. An epoch cut inside an accumulation window leaks nothing into the next epoch
+# ---------------------------------------------------------------------------------------
+
+
+def test_an_epoch_cut_inside_an_accumulation_window_leaks_no_gradient_into_the_next(tmp_path):
+    """accumulate_grad_batches=3; epoch 0 is cut (on_train_batch_start returns -1) at
+    batch 4, inside the window [3, 4, 5]: batch 3's gradient is never stepped, and the
+    next epoch starts from zero gradients (Lightning zeroes at every window's start)."""
+    (hl, hl_module), (lightning, pl_module) = fit_both(
+        tmp_path, {"cut_at_batch": 4}, val=False, max_epochs=2, accumulate_grad_batches=3)
+    assert ("cut", 4) in hl_module.calls and ("cut", 4) in pl_module.calls
+    assert hl.global_step == lightning.global_step == 1 + 4  # epoch 0: [0, 1, 2]; epoch 1: 3 windows + [9]
+    # the hand-written reference: SGD, the loss divided by 3, windows of 3 per epoch
+    torch.manual_seed(0)
+    net = nn.Linear(8, 2)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    for epoch in (0, 1):
+        optimizer.zero_grad()
+        for i, (x, y) in enumerate(DataLoader(data(40), batch_size=4)):
+            if epoch == 0 and i == 4:
+                break
+            (F.cross_entropy(net(x), y) / 3).backward()
+            if (i + 1) % 3 == 0 or i == 9:
+                optimizer.step()
+                optimizer.zero_grad()
+    assert_same_weights(pl_module.net, net)
+    assert_same_weights(hl_module.net, net)

@@ -661,6 +661,12 @@ def _train_epoch(trainer, loader: DataLoader, step, validation: _ValidationSched
         ckpt.set_rng_state(resume_rng)
         if resumed_stage == "train" and validation.due(skip - 1, False):
             validation.run()  # it came after the checkpoint in the interrupted run
+    if getattr(trainer, "_window_cut", False):
+        # The last epoch ended inside an accumulation window (on_train_batch_start
+        # returned -1): its gradients were never stepped. Lightning zeroes them at the
+        # next window's start, before this epoch's first backward.
+        trainer._window_cut = False
+        step.zero_grad()
     batch_start = _event(trainer, "on_train_batch_start")
     preemption = getattr(trainer, "_preemption", None)
     single = trainer.world_size == 1  # one process: the SIGTERM flag is read, no call per step
@@ -677,7 +683,10 @@ def _train_epoch(trainer, loader: DataLoader, step, validation: _ValidationSched
             batch_idx, batch, is_last = item
         trainer.batch_idx = batch_idx
         if batch_start is not None and -1 in batch_start(trainer=trainer, batch=batch, batch_idx=batch_idx):
-            return True  # Lightning: on_train_batch_start returning -1 ends the epoch
+            # Lightning: on_train_batch_start returning -1 ends the epoch (inside a window:
+            # its gradients are dropped before the next epoch's first step, see above)
+            trainer._window_cut = batch_idx % accumulate != 0 and hasattr(step, "zero_grad")
+            return True
         boundary = is_last or (batch_idx + 1) % accumulate == 0
         stop = step(batch, batch_idx, boundary)  # it counts the batch as done (_batch_done)
         if boundary and preemption is not None and (preemption.requested if single else preemption.agreed(trainer)):
@@ -878,6 +887,7 @@ def make_training_step(trainer):
         # should_stop set by a plugin at this batch's end stops here (as in Lightning).
         return stop or trainer.should_stop
 
+    step.zero_grad = zero_grad  # for an accumulation window cut by the epoch's end
     return step
 
 
