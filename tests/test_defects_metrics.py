@@ -254,6 +254,32 @@ def test_log_in_on_train_epoch_start_is_an_epoch_metric_in_metrics_csv(tmp_path)
 # ---------------------------------------------------------------------------------------
 
 
+def hand_losses(batches: int) -> list[float]:
+    """The losses of Recording's first ``batches`` steps, in a hand-written loop."""
+    torch.manual_seed(0)
+    net = nn.Linear(8, 2)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    losses = []
+    for x, y in list(DataLoader(data(40), batch_size=4))[:batches]:
+        loss = F.cross_entropy(net(x), y)
+        losses.append(loss.item())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return losses
+
+
+def _stops_in_validation(base):
+    class StopsInValidation(recording_class(base)):
+        def on_validation_epoch_end(self):
+            self.trainer.should_stop = True  # as an early-stopping callback does
+
+    return StopsInValidation
+
+
+StopsInValidation, LightningStopsInValidation = _stops_in_validation(hookloop.Module), _stops_in_validation(pl.LightningModule)
+
+
 @pytest.mark.parametrize("how", ["max_steps", "should_stop", "should_stop_in_validation"])
 def test_stopping_inside_an_epoch_ends_it_as_lightning_does(tmp_path, how):
     """10 batches per epoch, stopped after 3 of them: by max_steps (no validation), by
@@ -266,9 +292,7 @@ def test_stopping_inside_an_epoch_ends_it_as_lightning_does(tmp_path, how):
         module_kw = {"stop_at_batch": 2}
     else:
         trainer_kw["val_check_interval"] = 3
-    cls = {"should_stop_in_validation": StopsInValidation}.get(how)
-    if cls is not None:
-        module_kw = {"classes": (cls, LightningStopsInValidation)}
+        module_kw = {"classes": (StopsInValidation, LightningStopsInValidation)}
     (hl, hl_module), (lightning, pl_module) = fit_both(tmp_path, module_kw, **trainer_kw)
     validated = how != "max_steps"
     assert pl_module.calls == [
@@ -284,17 +308,7 @@ def test_stopping_inside_an_epoch_ends_it_as_lightning_does(tmp_path, how):
         assert hl.callback_metrics[name] == pytest.approx(float(lightning.callback_metrics[name]), abs=1e-6), name
     hl_rows, pl_rows = (epoch_rows(Path(d) / "metrics.csv") for d in (hl.log_dir, lightning.logger.log_dir))
     assert hl_rows == pl_rows and len(pl_rows) == 1 and pl_rows[0]["batches"] == 0 + 1 + 2
-
-
-def _stops_in_validation(base):
-    class StopsInValidation(recording_class(base)):
-        def on_validation_epoch_end(self):
-            self.trainer.should_stop = True  # as an early-stopping callback does
-
-    return StopsInValidation
-
-
-StopsInValidation, LightningStopsInValidation = _stops_in_validation(hookloop.Module), _stops_in_validation(pl.LightningModule)
+    assert pl_rows[0]["loss_epoch"] == pytest.approx(sum(hand_losses(3)) / 3, abs=1e-6)
 
 
 def test_a_resume_after_a_mid_epoch_stop_reports_the_whole_epochs_metrics(tmp_path):
@@ -310,17 +324,7 @@ def test_a_resume_after_a_mid_epoch_stop_reports_the_whole_epochs_metrics(tmp_pa
     resumed_module = HookloopRecording()
     resumed = hl_trainer(tmp_path, max_epochs=1, enable_checkpointing=True)
     resumed.fit(resumed_module, loader(), ckpt_path=last)
-    # the reference: a hand-written loop over the same epoch (full batches: a plain mean)
-    torch.manual_seed(0)
-    net = nn.Linear(8, 2)
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
-    losses = []
-    for x, y in loader():
-        loss = F.cross_entropy(net(x), y)
-        losses.append(loss.item())
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    losses = hand_losses(10)  # the reference (full batches: a plain mean)
     assert resumed.global_step == 10
     assert resumed.callback_metrics["loss_epoch"] == pytest.approx(sum(losses) / len(losses), abs=1e-6)
     assert resumed.callback_metrics["batches"] == sum(range(10))
