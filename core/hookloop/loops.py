@@ -530,13 +530,18 @@ def _fit_epochs(trainer, train_loader, step, validation, max_epochs: int) -> Non
             if not trainer.batch_idx:
                 trainer._metrics.start("train")  # a mid-epoch resume keeps the restored sums
                 trainer._epoch_val_metrics = {}
-            trainer._metrics.stage = "train"
+            metrics = trainer._metrics
+            metrics.stage = "train"
             trainer.model.train()
-            hook.on_train_epoch_start(trainer=trainer, epoch=epoch)
+            metrics.epoch_level = True  # self.log here is per epoch (Lightning's defaults)
+            try:
+                hook.on_train_epoch_start(trainer=trainer, epoch=epoch)
+            finally:
+                metrics.epoch_level = False
             if not _train_epoch(trainer, train_loader, step, validation):
-                # Stopped inside the epoch (max_steps, should_stop): the position stays,
-                # so a checkpoint (the checkpoint plugin's, at on_train_end) resumes at
-                # the next batch of this epoch.
+                # Stopped inside the epoch (max_steps, should_stop): it ends, but the
+                # position stays, so a checkpoint resumes at the next batch of this epoch.
+                _end_epoch(trainer, epoch, resumed_stage, stopped=True)
                 break
         _end_epoch(trainer, epoch, resumed_stage)
 
@@ -678,6 +683,12 @@ def _train_epoch(trainer, loader: DataLoader, step, validation: _ValidationSched
         ckpt.set_rng_state(resume_rng)
         if resumed_stage == "train" and validation.due(skip - 1, False):
             validation.run()  # it came after the checkpoint in the interrupted run
+    if getattr(trainer, "_window_cut", False):
+        # The last epoch ended inside an accumulation window (on_train_batch_start
+        # returned -1): its gradients were never stepped. Lightning zeroes them at the
+        # next window's start, before this epoch's first backward.
+        trainer._window_cut = False
+        step.zero_grad()
     batch_start = _event(trainer, "on_train_batch_start")
     preemption = getattr(trainer, "_preemption", None)
     single = trainer.world_size == 1  # one process: the SIGTERM flag is read, no call per step
@@ -694,38 +705,59 @@ def _train_epoch(trainer, loader: DataLoader, step, validation: _ValidationSched
             batch_idx, batch, is_last = item
         trainer.batch_idx = batch_idx
         if batch_start is not None and -1 in batch_start(trainer=trainer, batch=batch, batch_idx=batch_idx):
-            return True  # Lightning: on_train_batch_start returning -1 ends the epoch
+            # Lightning: on_train_batch_start returning -1 ends the epoch (inside a window:
+            # its gradients are dropped before the next epoch's first step, see above)
+            trainer._window_cut = batch_idx % accumulate != 0 and hasattr(step, "zero_grad")
+            return True
         boundary = is_last or (batch_idx + 1) % accumulate == 0
         stop = step(batch, batch_idx, boundary)  # it counts the batch as done (_batch_done)
         if boundary and preemption is not None and (preemption.requested if single else preemption.agreed(trainer)):
             preemption.stop(trainer)  # checkpoint and SystemExit, on every rank
-        if validate is not None and validate(batch_idx, is_last):
+        # As Lightning: validation when due, and when should_stop ends the epoch early;
+        # should_stop set by that validation (early stopping) ends the epoch here.
+        if validate is not None and (validate(batch_idx, is_last) or (stop and trainer.should_stop)):
             validation.run()
+            stop = stop or trainer.should_stop
         if stop:
             return is_last
     return True
 
 
-def _end_epoch(trainer, epoch: int, resumed_stage: str) -> None:
+def _end_epoch(trainer, epoch: int, resumed_stage: str, stopped: bool = False) -> None:
     """Epoch metrics, schedulers, ``on_train_epoch_end``, then the next epoch.
 
     A run resumed from a checkpoint written inside ``on_train_epoch_end``
     (``resumed_stage == "epoch_end"``) does only what came after that event.
+
+    ``stopped``: training stopped inside the epoch (``max_steps``, ``should_stop``). The
+    epoch ends as in Lightning (its metrics over the batches trained, logged;
+    ``on_train_epoch_end``; no epoch-interval scheduler steps), but the loop's position
+    inside the epoch stays, and so do the epoch's partial metric sums, in memory and in
+    any checkpoint written meanwhile: a resume continues at the next batch and reports
+    the whole epoch's metrics.
     """
     metrics = trainer._metrics
     if resumed_stage != "epoch_end":
         metrics.stage = "train"
-        train_metrics = metrics.finish_epoch("train")
-        trainer._epoch_row = train_metrics
-        epoch_metrics = {**train_metrics, **trainer._epoch_val_metrics}
-        if trainer.automatic_optimization:
-            step_schedulers(trainer, "epoch", plateau=False, count=epoch + 1)
-        trainer._loop_stage = "epoch_end"
-        if trainer._module_epoch_end is None:
-            log_epoch_row(trainer)
-        # else the module's on_train_epoch_end (first of all implementations) logs the row
-        # with what the module logs there, before any plugin (a checkpoint) sees the event
-        trainer.hook.on_train_epoch_end(trainer=trainer, epoch=epoch, metrics=epoch_metrics)
+        partial = metrics.kept_train_sums = metrics.epoch_sums.get("train", {}) if stopped else None
+        try:
+            train_metrics = metrics.finish_epoch("train")
+            trainer._epoch_row = train_metrics
+            epoch_metrics = {**train_metrics, **trainer._epoch_val_metrics}
+            if not stopped:
+                if trainer.automatic_optimization:
+                    step_schedulers(trainer, "epoch", plateau=False, count=epoch + 1)
+                trainer._loop_stage = "epoch_end"
+            if trainer._module_epoch_end is None:
+                log_epoch_row(trainer)
+            # else the module's on_train_epoch_end (first of all implementations) logs the row
+            # with what the module logs there, before any plugin (a checkpoint) sees the event
+            trainer.hook.on_train_epoch_end(trainer=trainer, epoch=epoch, metrics=epoch_metrics)
+        finally:
+            if stopped:
+                metrics.epoch_sums["train"], metrics.kept_train_sums = partial, None
+    if stopped:
+        return
     if trainer.automatic_optimization:
         step_schedulers(trainer, "epoch", plateau=True, count=epoch + 1)
     trainer.current_epoch = epoch + 1
@@ -879,6 +911,7 @@ def make_training_step(trainer):
         # should_stop set by a plugin at this batch's end stops here (as in Lightning).
         return stop or trainer.should_stop
 
+    step.zero_grad = zero_grad  # for an accumulation window cut by the epoch's end
     return step
 
 

@@ -449,6 +449,9 @@ class Metrics:
         #: names logged with both on_step and on_epoch: reported as name_step, name_epoch
         #: and name (the step value during the epoch, the epoch value after it)
         self.forked: set[str] = set()
+        #: the training epoch's partial sums while an epoch stopped early ends (its
+        #: metrics computed, its sums kept for a resume): what checkpoints save meanwhile
+        self.kept_train_sums: dict[str, list] | None = None
         self._lock = threading.Lock()
 
     # -- recording ----------------------------------------------------------------------
@@ -500,15 +503,17 @@ class Metrics:
         if not for_logger:
             self.not_for_logger.update(names)
         if on_step:
-            if sync_dist:
-                value = self.trainer.reduce(value, op)
+            # The step value is reduced now; the epoch sums below take the LOCAL value and
+            # are reduced once at the epoch's end (as Lightning): summing values already
+            # reduced and reducing again would count every rank world_size times.
+            step_value = self.trainer.reduce(value, op) if sync_dist else value
             key = f"{name}_step" if forked else name
             slot = self.step_values.get(key)
             thread = threading.get_ident()
             if slot is None or slot[0] != self.step_token:
-                self.step_values[key] = [self.step_token, {thread: value}]
+                self.step_values[key] = [self.step_token, {thread: step_value}]
             else:
-                slot[1][thread] = value  # another replica of the same step
+                slot[1][thread] = step_value  # another replica of the same step
         if on_epoch:
             if batch_size is None:
                 batch = getattr(_STEP_BATCH, "batch", None)
@@ -605,10 +610,8 @@ class Metrics:
     def state_dict(self) -> dict:
         """The training epoch's partial sums and the reported metrics, for a resume
         mid-epoch that reports the same epoch means as an uninterrupted run."""
-        sums = {
-            name: [t.detach().cpu() if isinstance(t, torch.Tensor) else t for t in entry]
-            for name, entry in self.epoch_sums.get("train", {}).items()
-        }
+        train = self.kept_train_sums if self.kept_train_sums is not None else self.epoch_sums.get("train", {})
+        sums = {name: [t.detach().cpu() if isinstance(t, torch.Tensor) else t for t in entry] for name, entry in train.items()}
         return {"train_sums": sums, "callback_metrics": dict(self.read())}
 
     def load_state_dict(self, state: dict) -> None:
