@@ -315,7 +315,10 @@ def optimizer_step(trainer, optimizer, model):
 
 @hookspec(firstresult=True)
 def zero_grad(trainer, optimizer, model):
-    """Reset gradients after a step. Default: ``optimizer.zero_grad(set_to_none=True)``.
+    """Reset gradients at the start of an accumulation window: after the forward of the
+    window's first micro-batch (``batch_idx % accumulate_grad_batches == 0``), before its
+    backward, as Lightning does (gradients stay readable in ``on_train_batch_end``).
+    Preceded by ``on_before_zero_grad``. Default: ``optimizer.zero_grad(set_to_none=True)``.
 
     :returns: ``True`` when handled. Stops at first non-None result.
     """

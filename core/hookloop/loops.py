@@ -233,10 +233,13 @@ def log_epoch_row(trainer, extra: dict | None = None) -> None:
 
 
 def _log_step_metrics(trainer) -> None:
-    """The step metrics, every ``log_every_n_steps`` optimizer steps (reads the device)."""
-    metrics = trainer._metrics.latest_step_values()
-    trainer._metrics.callback_metrics.update(metrics)
-    log_row(trainer, metrics)
+    """The step metrics, every ``log_every_n_steps`` optimizer steps (reads the device).
+    A name logged with both ``on_step`` and ``on_epoch`` goes to the loggers as
+    ``name_step`` only (its plain name is in ``callback_metrics``), as in Lightning."""
+    m = trainer._metrics
+    values = m.latest_step_values()
+    m.callback_metrics.update(values)
+    log_row(trainer, {k: v for k, v in values.items() if k not in m.forked} if m.forked else values)
 
 
 def _prepare_data(trainer) -> None:
@@ -495,7 +498,17 @@ def fit(trainer) -> None:
         hook.on_fit_start(trainer=trainer)
         if val_loaders and config.num_sanity_val_steps and validation.enabled:
             _sanity_check(trainer, val_loaders)
-        hook.on_train_start(trainer=trainer)
+        metrics = trainer._metrics
+        fresh_epoch = not trainer.batch_idx and trainer._loop_stage != "epoch_end"
+        if fresh_epoch:
+            # what on_train_start logs belongs to the first epoch's values (Lightning)
+            metrics.start("train")
+            trainer._epoch_val_metrics = {}
+        metrics.stage, metrics.epoch_level = "train", True
+        try:
+            hook.on_train_start(trainer=trainer)
+        finally:
+            metrics.epoch_level = False
         max_epochs = config.max_epochs
         if max_epochs is None:
             max_epochs = 1000 if config.max_steps is None else sys.maxsize
@@ -504,7 +517,7 @@ def fit(trainer) -> None:
         preemption = trainer._preemption = faults.Preemption().install()
         try:
             preemption.prepare(trainer)
-            _fit_epochs(trainer, train_loader, step, validation, max_epochs)
+            _fit_epochs(trainer, train_loader, step, validation, max_epochs, started=fresh_epoch)
             preemption.finish()
             hook.on_train_end(trainer=trainer)
             hook.on_fit_end(trainer=trainer)
@@ -517,8 +530,9 @@ def fit(trainer) -> None:
         preemption.uninstall()
 
 
-def _fit_epochs(trainer, train_loader, step, validation, max_epochs: int) -> None:
-    """The epochs of ``fit``, from where a restored checkpoint left off."""
+def _fit_epochs(trainer, train_loader, step, validation, max_epochs: int, started: bool = False) -> None:
+    """The epochs of ``fit``, from where a restored checkpoint left off (``started``: the
+    first epoch's metrics were already started, before ``on_train_start``)."""
     hook = trainer.hook
     while trainer.current_epoch < max_epochs and not _done(trainer):
         epoch = trainer.current_epoch
@@ -527,9 +541,10 @@ def _fit_epochs(trainer, train_loader, step, validation, max_epochs: int) -> Non
             sampler = getattr(train_loader, "sampler", None)
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(epoch)
-            if not trainer.batch_idx:
+            if not trainer.batch_idx and not started:
                 trainer._metrics.start("train")  # a mid-epoch resume keeps the restored sums
                 trainer._epoch_val_metrics = {}
+            started = False
             metrics = trainer._metrics
             metrics.stage = "train"
             trainer.model.train()
@@ -538,12 +553,15 @@ def _fit_epochs(trainer, train_loader, step, validation, max_epochs: int) -> Non
                 hook.on_train_epoch_start(trainer=trainer, epoch=epoch)
             finally:
                 metrics.epoch_level = False
-            if not _train_epoch(trainer, train_loader, step, validation):
+            ended = _train_epoch(trainer, train_loader, step, validation)
+            if ended == EPOCH_STOPPED:
                 # Stopped inside the epoch (max_steps, should_stop): it ends, but the
                 # position stays, so a checkpoint resumes at the next batch of this epoch.
                 _end_epoch(trainer, epoch, resumed_stage, stopped=True)
                 break
-        _end_epoch(trainer, epoch, resumed_stage)
+        else:
+            ended = EPOCH_DONE  # resumed inside on_train_epoch_end: the epoch had all its batches
+        _end_epoch(trainer, epoch, resumed_stage, complete=ended == EPOCH_DONE)
 
 
 def _done(trainer) -> bool:
@@ -659,8 +677,13 @@ def _lookahead(iterator, start: int):
     yield batch_idx, batch, True
 
 
-def _train_epoch(trainer, loader: DataLoader, step, validation: _ValidationSchedule) -> bool:
-    """Train one epoch (validating when due); False when training stopped inside it."""
+# How an epoch of training ended: all its batches, cut by on_train_batch_start returning -1,
+# or stopped inside it (max_steps, should_stop).
+EPOCH_DONE, EPOCH_CUT, EPOCH_STOPPED = "done", "cut", "stopped"
+
+
+def _train_epoch(trainer, loader: DataLoader, step, validation: _ValidationSchedule) -> str:
+    """Train one epoch (validating when due); how it ended (``EPOCH_*``)."""
     n = batch_limit(loader, trainer.config.limit_train_batches, "limit_train_batches")
     trainer.num_training_batches = n  # for observers (progress bars); None: unsized
     accumulate = trainer.accumulate_grad_batches
@@ -669,7 +692,7 @@ def _train_epoch(trainer, loader: DataLoader, step, validation: _ValidationSched
         # The checkpoint was written after the epoch's last batch: nothing left to train.
         if resumed_stage == "train" and validation.due(skip - 1, True):
             validation.run()  # it came after the checkpoint in the interrupted run
-        return True
+        return EPOCH_DONE
     if skip:
         # Resuming mid-epoch: replay this epoch's shuffle, skip what was trained.
         resume_rng = ckpt.rng_state()
@@ -683,18 +706,14 @@ def _train_epoch(trainer, loader: DataLoader, step, validation: _ValidationSched
         ckpt.set_rng_state(resume_rng)
         if resumed_stage == "train" and validation.due(skip - 1, False):
             validation.run()  # it came after the checkpoint in the interrupted run
-    if getattr(trainer, "_window_cut", False):
-        # The last epoch ended inside an accumulation window (on_train_batch_start
-        # returned -1): its gradients were never stepped. Lightning zeroes them at the
-        # next window's start, before this epoch's first backward.
-        trainer._window_cut = False
-        step.zero_grad()
     batch_start = _event(trainer, "on_train_batch_start")
     preemption = getattr(trainer, "_preemption", None)
     single = trainer.world_size == 1  # one process: the SIGTERM flag is read, no call per step
     # Sized loaders (the common case) need no look-ahead; is_last is a comparison.
     batches = enumerate(iterator, skip) if n is not None else _lookahead(iterator, skip)
     validate = validation.due if validation.due_this_epoch() else None
+    step_plateau = trainer.automatic_optimization and any(
+        c.interval == "step" and c.reduce_on_plateau for c in trainer.lr_scheduler_configs)
     for item in batches:
         if n is not None:
             batch_idx, batch = item
@@ -706,11 +725,10 @@ def _train_epoch(trainer, loader: DataLoader, step, validation: _ValidationSched
         trainer.batch_idx = batch_idx
         if batch_start is not None and -1 in batch_start(trainer=trainer, batch=batch, batch_idx=batch_idx):
             # Lightning: on_train_batch_start returning -1 ends the epoch (inside a window:
-            # its gradients are dropped before the next epoch's first step, see above)
-            trainer._window_cut = batch_idx % accumulate != 0 and hasattr(step, "zero_grad")
-            return True
+            # its gradients are zeroed at the next window's start); no epoch scheduler steps
+            return EPOCH_CUT
         boundary = is_last or (batch_idx + 1) % accumulate == 0
-        stop = step(batch, batch_idx, boundary)  # it counts the batch as done (_batch_done)
+        stop = step(batch, batch_idx, boundary, is_last)  # it counts the batch as done (_batch_done)
         if boundary and preemption is not None and (preemption.requested if single else preemption.agreed(trainer)):
             preemption.stop(trainer)  # checkpoint and SystemExit, on every rank
         # As Lightning: validation when due, and when should_stop ends the epoch early;
@@ -718,20 +736,22 @@ def _train_epoch(trainer, loader: DataLoader, step, validation: _ValidationSched
         if validate is not None and (validate(batch_idx, is_last) or (stop and trainer.should_stop)):
             validation.run()
             stop = stop or trainer.should_stop
+        if boundary and step_plateau:  # after validation, so it can monitor a validation metric
+            step_schedulers(trainer, "step", plateau=True, count=batch_idx + 1)
         if stop:
-            return is_last
-    return True
+            return EPOCH_DONE if is_last else EPOCH_STOPPED
+    return EPOCH_DONE
 
 
-def _end_epoch(trainer, epoch: int, resumed_stage: str, stopped: bool = False) -> None:
-    """Epoch metrics, schedulers, ``on_train_epoch_end``, then the next epoch.
+def _end_epoch(trainer, epoch: int, resumed_stage: str, stopped: bool = False, complete: bool = False) -> None:
+    """Epoch metrics, ``on_train_epoch_end``, plateau schedulers, then the next epoch.
 
     A run resumed from a checkpoint written inside ``on_train_epoch_end``
     (``resumed_stage == "epoch_end"``) does only what came after that event.
 
     ``stopped``: training stopped inside the epoch (``max_steps``, ``should_stop``). The
     epoch ends as in Lightning (its metrics over the batches trained, logged;
-    ``on_train_epoch_end``; no epoch-interval scheduler steps), but the loop's position
+    ``on_train_epoch_end``; no scheduler steps), but the loop's position
     inside the epoch stays, and so do the epoch's partial metric sums, in memory and in
     any checkpoint written meanwhile: a resume continues at the next batch and reports
     the whole epoch's metrics.
@@ -745,8 +765,6 @@ def _end_epoch(trainer, epoch: int, resumed_stage: str, stopped: bool = False) -
             trainer._epoch_row = train_metrics
             epoch_metrics = {**train_metrics, **trainer._epoch_val_metrics}
             if not stopped:
-                if trainer.automatic_optimization:
-                    step_schedulers(trainer, "epoch", plateau=False, count=epoch + 1)
                 trainer._loop_stage = "epoch_end"
             if trainer._module_epoch_end is None:
                 log_epoch_row(trainer)
@@ -758,7 +776,9 @@ def _end_epoch(trainer, epoch: int, resumed_stage: str, stopped: bool = False) -
                 metrics.epoch_sums["train"], metrics.kept_train_sums = partial, None
     if stopped:
         return
-    if trainer.automatic_optimization:
+    # ReduceLROnPlateau (epoch interval) after on_train_epoch_end, so it can monitor what the
+    # module logs there; only after an epoch that ran all its batches (as Lightning).
+    if complete and trainer.automatic_optimization:
         step_schedulers(trainer, "epoch", plateau=True, count=epoch + 1)
     trainer.current_epoch = epoch + 1
     trainer.batch_idx = 0
@@ -825,7 +845,7 @@ def make_training_step(trainer):
     if manual:
         trainer._backward_events = (before_backward, after_backward)  # for manual_backward
 
-        def step(batch, batch_idx: int, boundary: bool) -> bool:
+        def step(batch, batch_idx: int, boundary: bool, is_last: bool = False) -> bool:
             if move:
                 batch = move_to_device(batch, device)
             trainer._current_batch = batch
@@ -837,13 +857,13 @@ def make_training_step(trainer):
             if step_end_plugins is not None:
                 out = _step_end(step_end_plugins, trainer, out)
             loss = _manual_loss(out)
-            if log_rows and trainer.global_step // every > trainer._logged_step // every:
-                trainer._logged_step = trainer.global_step
-                _log_step_metrics(trainer)
             _batch_done(trainer, batch_idx)
             if batch_end is not None:
                 outputs = apply_to_tensors(out, torch.Tensor.detach)
                 batch_end(trainer=trainer, outputs=outputs, loss=loss, batch=batch, batch_idx=batch_idx)
+            if log_rows and trainer.global_step // every > trainer._logged_step // every:
+                trainer._logged_step = trainer.global_step
+                _log_step_metrics(trainer)
             return trainer.should_stop or (max_steps is not None and trainer.global_step >= max_steps)
 
         return step
@@ -852,10 +872,19 @@ def make_training_step(trainer):
     backward, optimizer_step, zero_grad = _step_functions(trainer, model, optimizer)
     accumulate = trainer.accumulate_grad_batches
     accumulation_context = hook.accumulation_context
-    step_schedules = any(c.interval == "step" for c in trainer.lr_scheduler_configs)
+    configs = trainer.lr_scheduler_configs
+    step_schedules = any(c.interval == "step" and not c.reduce_on_plateau for c in configs)
+    epoch_schedules = any(c.interval == "epoch" and not c.reduce_on_plateau for c in configs)
 
-    def step(batch, batch_idx: int, boundary: bool) -> bool:
-        """One micro-batch: forward, backward, and at a window's end the optimizer step."""
+    def step(batch, batch_idx: int, boundary: bool, is_last: bool = False) -> bool:
+        """One micro-batch: forward, (at a window's first micro-batch) zero_grad, backward,
+        and at a window's end the optimizer step and the schedulers due then.
+
+        As in Lightning: gradients are zeroed before the backward of each window's first
+        micro-batch (``batch_idx % accumulate_grad_batches == 0``), so they stay readable
+        in ``on_train_batch_end`` and a window cut short by the epoch's end is dropped;
+        step-interval schedulers count the epoch's batches (``batch_idx + 1``); epoch-interval
+        ones step after the epoch's last batch, before ``on_train_batch_end`` and validation."""
         if move:
             batch = move_to_device(batch, device)
         trainer._current_batch = batch  # for self.log's batch size, computed only if asked
@@ -880,6 +909,8 @@ def make_training_step(trainer):
                     f"entry), got a tensor of shape {tuple(loss.shape)}: reduce it, e.g. with .mean()"
                 )
             scaled = loss / accumulate if accumulate > 1 else loss
+            if batch_idx % accumulate == 0:
+                zero_grad()
             if before_backward is not None:
                 before_backward(trainer=trainer, loss=scaled)
             backward(scaled)
@@ -889,15 +920,15 @@ def make_training_step(trainer):
             if sync_ctx is not None:
                 sync_ctx.__exit__(None, None, None)
         stop = False
+        logged = False
         if boundary:
             optimizer_step()
-            zero_grad()
             trainer.global_step += 1
             if step_schedules:
-                step_schedulers(trainer, "step", plateau=False, count=trainer.global_step)
-                step_schedulers(trainer, "step", plateau=True, count=trainer.global_step)
-            if log_rows and trainer.global_step % every == 0:
-                _log_step_metrics(trainer)
+                step_schedulers(trainer, "step", plateau=False, count=batch_idx + 1)
+            if is_last and epoch_schedules:
+                step_schedulers(trainer, "epoch", plateau=False, count=trainer.current_epoch + 1)
+            logged = log_rows and trainer.global_step % every == 0
             stop = max_steps is not None and trainer.global_step >= max_steps
         # The loop's position after the batch, set before on_train_batch_end: a checkpoint
         # written there resumes at the next batch (inline: this is the per-step path).
@@ -908,10 +939,11 @@ def make_training_step(trainer):
             detached = loss.detach()
             outputs = detached if out is loss else apply_to_tensors(out, torch.Tensor.detach)
             batch_end(trainer=trainer, outputs=outputs, loss=detached, batch=batch, batch_idx=batch_idx)
+        if logged:  # after on_train_batch_end, so what is logged there is in the row (Lightning)
+            _log_step_metrics(trainer)
         # should_stop set by a plugin at this batch's end stops here (as in Lightning).
         return stop or trainer.should_stop
 
-    step.zero_grad = zero_grad  # for an accumulation window cut by the epoch's end
     return step
 
 
