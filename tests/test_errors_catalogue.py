@@ -469,12 +469,6 @@ def _(tmp):
 # -- launch -------------------------------------------------------------------------------
 
 
-@row("L01")
-def _(tmp):
-    (tmp / "train.py").write_text("print('must not run')\n")
-    return hookloop_command(tmp, "run", "--devices", "2", "train.py")
-
-
 @row("L02")
 def _(tmp):
     (tmp / "train.py").write_text("print('must not run')\n")

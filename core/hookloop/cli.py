@@ -198,12 +198,14 @@ def cmd_run(args) -> int:
     pm.hook.select_devices(config=config)
     world = config.num_processes() * config.nodes
     if world > 1 and not any(registry.plugin_role(p) == "strategy" for p in chosen):
-        raise HookloopError(
-            f"--devices {config.devices} x --nodes {config.nodes} asks for {world} processes "
-            f"but no strategy plugin is named: add --plugins ddp (pip install hookloop-ddp). "
-            f"Installed: {', '.join(sorted(registry.installed_plugins())) or 'none'}"
-        )
-    cmd = pm.hook.launch_command(config=config, script=args.script, script_args=list(args.script_args))
+        # The script may name its strategy in code (Trainer(plugins=["ddp"])): plugins from
+        # code and the command line combine, and only the script's Trainer knows them all.
+        # So start it as `python train.py` starts: one plain interpreter, not a launched
+        # worker, whose fit re-launches through that strategy's launcher with these options
+        # as its defaults. A script that names no strategy either is refused by its Trainer.
+        cmd = [sys.executable, args.script, *args.script_args]
+    else:
+        cmd = pm.hook.launch_command(config=config, script=args.script, script_args=list(args.script_args))
     return run_command(cmd, settings, workers=not is_plain_interpreter(cmd, args.script))
 
 

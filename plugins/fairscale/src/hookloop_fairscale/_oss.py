@@ -6,6 +6,7 @@ Imported only when a run builds its optimizer (it imports fairscale); a module o
 
 from __future__ import annotations
 
+import inspect
 from collections import defaultdict
 from typing import Any
 
@@ -99,12 +100,69 @@ def shard(optimizer: torch.optim.Optimizer, broadcast_fp16: bool = False) -> Sha
             "(e.g. torch.optim.Adam(self.parameters(), lr=...)); ddp_sharded shards it"
         )
     groups = [{**group, "params": list(group["params"])} for group in optimizer.param_groups]
+    # Every group keeps all its hyperparameters (each key of the user's groups is copied);
+    # the constructor gets the defaults it takes as arguments only: torch's AdamW keeps
+    # decoupled_weight_decay in its defaults, which AdamW.__init__ does not accept.
+    kwargs = constructor_defaults(cls, optimizer.defaults)
     try:
-        return ShardedOptimizer(groups, optim=cls, broadcast_fp16=broadcast_fp16, **optimizer.defaults)
+        sharded = ShardedOptimizer(groups, optim=cls, broadcast_fp16=broadcast_fp16, **kwargs)
     except TypeError as exc:
         raise hookloop.ConfigurationError(
-            f"ddp_sharded re-creates the optimizer as fairscale.optim.OSS(params, "
-            f"optim={cls.__name__}, **optimizer.defaults), and {cls.__name__} does not accept "
-            f"its own defaults as keyword arguments ({exc}): make every key of "
-            f"{cls.__name__}.defaults an argument of {cls.__name__}.__init__, or use ddp"
+            f"ddp_sharded re-creates the optimizer as fairscale.optim.OSS(params, optim={cls.__name__}, "
+            f"**defaults) with the defaults {cls.__name__}'s constructor takes ({', '.join(kwargs) or 'none'}), "
+            f"and {cls.__name__} refused them ({exc}): ddp_sharded needs an optimizer class that can be "
+            f"built again from its parameter groups and its defaults; use ddp for this one"
         ) from None
+    check_same_hyperparameters(optimizer, sharded)
+    return sharded
+
+
+def constructor_defaults(cls: type, defaults: dict[str, Any]) -> dict[str, Any]:
+    """The entries of ``defaults`` that ``cls(params, **kwargs)`` takes as keyword arguments
+    (all of them when its ``__init__`` takes ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(cls).parameters
+    except (TypeError, ValueError):  # no signature to read: pass them all, as before
+        return dict(defaults)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return dict(defaults)
+    accepted = {name for name, p in parameters.items()
+                if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    return {key: value for key, value in defaults.items() if key in accepted}
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape \
+            and bool(torch.equal(a.detach().cpu(), b.detach().cpu()))
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a is b or (type(a) is type(b) and bool(a == b))
+
+
+def check_same_hyperparameters(original: torch.optim.Optimizer, sharded: ShardedOptimizer) -> None:
+    """Raise, naming the key, unless every parameter group of ``sharded`` (OSS's, and the
+    groups of the optimizer that steps this rank's shard: one per group, possibly empty)
+    holds the hyperparameters of the same group of the user's optimizer."""
+    cls = type(original).__name__
+    copies = [("fairscale.optim.OSS", sharded.param_groups), (f"this rank's {cls}", sharded.optim.param_groups)]
+    for where, groups in copies:
+        if len(groups) != len(original.param_groups):
+            raise hookloop.ConfigurationError(
+                f"ddp_sharded re-created {cls} with {len(groups)} parameter groups in {where}, but "
+                f"configure_optimizers returned {len(original.param_groups)}: use ddp for this optimizer")
+    for index, group in enumerate(original.param_groups):
+        for key, value in group.items():
+            if key == "params":
+                continue
+            for where, groups in copies:
+                copy = groups[index]
+                if key not in copy or not _same(copy[key], value):
+                    found = repr(copy[key]) if key in copy else "missing"
+                    raise hookloop.ConfigurationError(
+                        f"ddp_sharded re-created {cls} as fairscale.optim.OSS(params, optim={cls}, ...) "
+                        f"and parameter group {index}'s {key!r} changed: {value!r} in the optimizer "
+                        f"configure_optimizers returned, {found} in {where}, so the sharded run would "
+                        f"not compute what ddp computes. {cls}'s constructor must keep a group's "
+                        f"{key!r} as given; otherwise use ddp"
+                    )
