@@ -22,6 +22,9 @@ COMPILE  = $(PYTHON) -m compileall -q -j 0 "$$($(PYTHON) -c 'import sysconfig; p
 # again whenever they change, which COMPILE in the stamps above would miss.
 COMPILE_SRC = $(PYTHON) -m compileall -q -j 0 core plugins tests examples benchmarks >/dev/null 2>&1 || true
 TORCH   ?= torch==2.13.0
+# The reference for Lightning semantics (tests/oracle): a test dependency only, installed
+# with torch pinned beside it so that it cannot pull another torch. hookloop never imports it.
+ORACLE  ?= pytorch-lightning==2.6.6
 PLUGINS := $(sort $(dir $(wildcard plugins/*/pyproject.toml)))
 DEMO_PLUGINS := $(sort $(dir $(wildcard plugins/ddp/pyproject.toml plugins/amp/pyproject.toml)))
 PYTEST_ARGS ?=
@@ -61,7 +64,7 @@ $(BACKENDS_STAMP): $(DEMO_STAMP) $(wildcard plugins/*/build_*.sh plugins/deepspe
 # Every other in-tree plugin (the demo's and the backends' are already in).
 install: $(STAMP)
 $(STAMP): $(BACKENDS_STAMP) $(wildcard plugins/*/pyproject.toml) Makefile
-	$(PIP) $(foreach p,$(filter-out $(DEMO_PLUGINS),$(PLUGINS)),-e $(p)) pytest scikit-learn
+	$(PIP) $(foreach p,$(filter-out $(DEMO_PLUGINS),$(PLUGINS)),-e $(p)) pytest scikit-learn $(ORACLE) $(TORCH)
 	$(COMPILE)
 	touch $@
 
@@ -78,7 +81,7 @@ test: $(STAMP)
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	$(PIP) pytorch-lightning==2.6.6 accelerate==1.15.0
+	$(PIP) $(ORACLE) accelerate==1.15.0 $(TORCH)
 	$(PYTHON) benchmarks/loop_overhead.py
 
 clean:

@@ -687,7 +687,10 @@ def on_log_metrics(trainer, metrics, step, epoch):
 
     :param metrics: names to floats, already reduced across ranks where the module asked
         (metrics logged with ``logger=False`` are left out).
-    :param step: ``trainer.global_step`` the row belongs to; ``epoch``: the epoch.
+    :param step: ``trainer.global_step`` the row belongs to; ``epoch``: the epoch. A row
+        of an evaluation batch's step values (``self.log(on_step=True)`` in
+        ``validation_step``/``test_step``) has, as in Lightning, ``step`` = that stage's
+        batches logged so far in the run and ``epoch=None``.
 
     Emitted every ``log_every_n_steps`` optimizer steps (the step metrics), at the end of
     every training epoch (its epoch metrics), of every validation run (not the sanity

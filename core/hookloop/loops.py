@@ -85,6 +85,7 @@ def session(trainer, stage: str):
     if module_hooks is not None:
         trainer.plugin_manager.register(module_hooks, name=module_hooks.hookloop_name)
     _resolve_events(trainer)
+    trainer._metrics.eval_logged_steps = {}
     datamodule = trainer.datamodule
     setup_stage = SETUP_STAGE[stage]
     set_up = False
@@ -208,7 +209,10 @@ def _resolve_events(trainer) -> None:
                                       if impl.plugin_name.startswith("module:")), None)
 
 
-def log_row(trainer, metrics: dict, step: int | None = None) -> None:
+_CURRENT_EPOCH = object()
+
+
+def log_row(trainer, metrics: dict, step: int | None = None, epoch: Any = _CURRENT_EPOCH) -> None:
     """Hand a row of metrics to the loggers (``on_log_metrics``), without the ones logged
     with ``logger=False``. Nothing happens when no logger is enabled."""
     event = trainer._on_log_metrics
@@ -217,7 +221,8 @@ def log_row(trainer, metrics: dict, step: int | None = None) -> None:
     hidden = trainer._metrics.not_for_logger
     row = {k: float(v) for k, v in metrics.items() if k not in hidden}
     if row:
-        event(trainer=trainer, metrics=row, step=trainer.global_step if step is None else step, epoch=trainer.current_epoch)
+        event(trainer=trainer, metrics=row, step=trainer.global_step if step is None else step,
+              epoch=trainer.current_epoch if epoch is _CURRENT_EPOCH else epoch)
 
 
 def log_epoch_row(trainer, extra: dict | None = None) -> None:
@@ -858,10 +863,13 @@ def make_training_step(trainer):
                 out = _step_end(step_end_plugins, trainer, out)
             loss = _manual_loss(out)
             _batch_done(trainer, batch_idx)
+            logged = trainer.step_row_pending = (
+                log_rows and trainer.global_step // every > trainer._logged_step // every)
             if batch_end is not None:
                 outputs = apply_to_tensors(out, torch.Tensor.detach)
                 batch_end(trainer=trainer, outputs=outputs, loss=loss, batch=batch, batch_idx=batch_idx)
-            if log_rows and trainer.global_step // every > trainer._logged_step // every:
+            if logged:
+                trainer.step_row_pending = False
                 trainer._logged_step = trainer.global_step
                 _log_step_metrics(trainer)
             return trainer.should_stop or (max_steps is not None and trainer.global_step >= max_steps)
@@ -928,7 +936,7 @@ def make_training_step(trainer):
                 step_schedulers(trainer, "step", plateau=False, count=batch_idx + 1)
             if is_last and epoch_schedules:
                 step_schedulers(trainer, "epoch", plateau=False, count=trainer.current_epoch + 1)
-            logged = log_rows and trainer.global_step % every == 0
+            logged = trainer.step_row_pending = log_rows and trainer.global_step % every == 0
             stop = max_steps is not None and trainer.global_step >= max_steps
         # The loop's position after the batch, set before on_train_batch_end: a checkpoint
         # written there resumes at the next batch (inline: this is the per-step path).
@@ -940,6 +948,7 @@ def make_training_step(trainer):
             outputs = detached if out is loss else apply_to_tensors(out, torch.Tensor.detach)
             batch_end(trainer=trainer, outputs=outputs, loss=detached, batch=batch, batch_idx=batch_idx)
         if logged:  # after on_train_batch_end, so what is logged there is in the row (Lightning)
+            trainer.step_row_pending = False
             _log_step_metrics(trainer)
         # should_stop set by a plugin at this batch's end stops here (as in Lightning).
         return stop or trainer.should_stop
@@ -1080,17 +1089,33 @@ def evaluate(trainer, stage: str, loaders: list, limit: Any, publish: bool = Tru
                         out = step_end_user(out)
                     if batch_end is not None:
                         batch_end(trainer=trainer, outputs=out, batch=batch, batch_idx=batch_idx, dataloader_idx=dataloader_idx)
+                    if metrics.eval_step_row:
+                        _log_eval_step(trainer, stage, publish)
                     if n is not None and batch_idx + 1 >= n:
                         break
         metrics.suffix = ""
         _epoch_level_event(trainer, f"on_{prefix}_epoch_end")
         computed = metrics.finish_epoch(stage, publish=publish)
+        # a name logged with on_step and on_epoch is a result as name_epoch only (Lightning)
+        computed = {k: v for k, v in computed.items() if not (k in metrics.forked and f"{k}_epoch" in computed)}
         getattr(hook, f"on_{prefix}_end")(trainer=trainer, metrics=dict(computed))
     finally:
         metrics.stage, metrics.suffix, metrics.epoch_level = saved
         model.train(was_training)
         ckpt.set_rng_state(rng)
     return _per_loader(computed, len(loaders))
+
+
+def _log_eval_step(trainer, stage: str, publish: bool) -> None:
+    """An evaluation batch's step values as a row of their own, with Lightning's ``step``:
+    the number of ``stage`` batches logged so far in this run, and no epoch. Nothing in the
+    sanity check."""
+    metrics = trainer._metrics
+    row, metrics.eval_step_row = metrics.eval_step_row, {}
+    if publish:
+        count = metrics.eval_logged_steps.get(stage, 0)
+        metrics.eval_logged_steps[stage] = count + 1
+        log_row(trainer, row, step=count, epoch=None)
 
 
 def _epoch_level_event(trainer, name: str) -> None:

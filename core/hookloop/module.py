@@ -452,6 +452,11 @@ class Metrics:
         #: the training epoch's partial sums while an epoch stopped early ends (its
         #: metrics computed, its sums kept for a resume): what checkpoints save meanwhile
         self.kept_train_sums: dict[str, list] | None = None
+        #: an evaluation batch's step values (self.log(on_step=True) in validation/test),
+        #: handed to the loggers after the batch in a row of their own, as Lightning does
+        self.eval_step_row: dict[str, torch.Tensor] = {}
+        #: stage -> evaluation batches logged so far this run (those rows' ``step``)
+        self.eval_logged_steps: dict[str, int] = {}
         self._lock = threading.Lock()
 
     # -- recording ----------------------------------------------------------------------
@@ -491,10 +496,18 @@ class Metrics:
             on_step = training
         if on_epoch is None:
             on_epoch = not training
-        if self.stage != "train" and on_step:
-            on_step = False  # evaluation metrics are per epoch, as in Lightning
-            on_epoch = True
         forked = on_step and on_epoch
+        if self.stage != "train" and on_step:
+            # Lightning: an evaluation metric logged per step goes to the loggers once per
+            # batch (as name_step when it is also per epoch), and only its epoch value is a
+            # result and a callback metric
+            key = f"{name}_step" if on_epoch else name
+            self.eval_step_row[key] = self.trainer.reduce(value, op) if sync_dist else value
+            if not for_logger:
+                self.not_for_logger.add(key)
+            if not on_epoch:
+                return
+            on_step = False
         names = (name, f"{name}_step", f"{name}_epoch") if forked else (name,)
         if forked:
             self.forked.add(name)

@@ -159,6 +159,10 @@ class Trainer:
         self.state: str | None = None
         self.sanity_checking = False
         self.should_stop = False
+        #: True during ``on_train_batch_end`` of a step whose row the loggers get right
+        #: after that event (Lightning's order): a logger that checkpoints its row count
+        #: (csv) counts that row in a checkpoint written at that event
+        self.step_row_pending = False
         self.train_dataloader: DataLoader | None = None
         self.val_dataloaders: list[DataLoader] | None = None
         self.test_dataloaders: list[DataLoader] | None = None

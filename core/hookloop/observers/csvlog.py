@@ -96,9 +96,13 @@ class CSVLogger:
 
     @hookloop.hookimpl
     def on_save_checkpoint(self, trainer, checkpoint):
-        """How many rows the file had at this checkpoint, and which file."""
+        """How many rows the file had at this checkpoint, and which file. A checkpoint
+        written in ``on_train_batch_end`` counts the step's row the loop writes right after
+        that event (``trainer.step_row_pending``): the resumed run starts after that step
+        and would not write it again."""
         if self.path is not None:
-            checkpoint["plugins"]["csv"] = {"path": str(self.path), "rows": len(self.rows)}
+            rows = len(self.rows) + (1 if trainer.step_row_pending else 0)
+            checkpoint["plugins"]["csv"] = {"path": str(self.path), "rows": rows}
 
     @hookloop.hookimpl
     def on_load_checkpoint(self, trainer, checkpoint):
