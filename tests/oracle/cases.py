@@ -357,10 +357,12 @@ def case_evaluation(fw, root, ddp):
 
     fw.seed_everything(13)
     model = Evaluated()
-    trainer = fw.trainer(root, ddp, max_epochs=2, num_sanity_val_steps=0)
+    trainer = fw.trainer(root, ddp, max_epochs=2, num_sanity_val_steps=0, limit_test_batches=3,
+                         limit_predict_batches=2)
     trainer.fit(model, datamodule=Data())
-    out = {"metrics": fw.metrics(trainer), "weights": weights(model)}
+    out = {"metrics": fw.metrics(trainer), "weights": weights(model), "optimizers_after_fit": len(trainer.optimizers)}
     out["validate"] = trainer.validate(model, datamodule=Data(), verbose=False)
+    out["optimizers_after_validate"] = len(trainer.optimizers)
     out["test"] = trainer.test(model, datamodule=Data(), verbose=False)
     preds = trainer.predict(model, DataLoader(data(10, seed=4), batch_size=4))
     out["predict"] = [round(v, 6) for v in torch.cat(preds).flatten().tolist()]
@@ -439,6 +441,7 @@ CHECKPOINTS = {
     "every_3_steps": (dict(every_n_train_steps=3, save_top_k=-1), dict(max_epochs=2)),
     "mid_epoch_val": (dict(monitor="score", save_top_k=1), dict(max_epochs=2, val_check_interval=0.5)),
     "val_every_2": (dict(monitor="score", save_top_k=2), dict(max_epochs=5, check_val_every_n_epoch=2)),
+    "max_steps_mid_epoch": (dict(monitor="score", save_top_k=-1), dict(max_steps=6)),
 }
 SCORES = [0.5, 0.3, 0.4, 0.2, 0.6, 0.1, 0.35, 0.45, 0.25, 0.15]
 
@@ -461,6 +464,44 @@ def case_checkpoints(fw, root, ddp):
     return out
 
 
+def case_observer_choices(fw, root, ddp):
+    """Where hookloop's observers deliberately differ: a run without validation but with
+    ``check_val_every_n_epoch=2`` (ModelCheckpoint ranks, EarlyStopping checks at epoch
+    ends), and ``every_n_train_steps`` given with ``every_n_epochs``."""
+    Base = base_module(fw)
+
+    class EpochScore(Base):
+        def on_train_epoch_end(self):
+            self.log("score", torch.tensor(SCORES[self.current_epoch]))
+
+    out = {}
+    fw.seed_everything(1)
+    dirpath = os.path.join(root, "no_val", "ckpts")
+    ckpt = fw.ModelCheckpoint(dirpath=dirpath, monitor="score", save_top_k=1)
+    trainer = fw.trainer(os.path.join(root, "no_val"), ddp, callbacks=[ckpt], max_epochs=4,
+                         check_val_every_n_epoch=2, limit_train_batches=2)
+    trainer.fit(EpochScore(), loader(ddp, 16))
+    out["ckpt_no_val"] = {"best": os.path.basename(ckpt.best_model_path or "")}
+    fw.seed_everything(1)
+    es = fw.EarlyStopping(monitor="score", patience=0)
+    trainer = fw.trainer(os.path.join(root, "es_no_val"), ddp, callbacks=[es], max_epochs=6,
+                         check_val_every_n_epoch=2, limit_train_batches=2)
+    trainer.fit(EpochScore(), loader(ddp, 16))
+    out["es_no_val"] = {"epoch": trainer.current_epoch}
+    try:
+        both = fw.ModelCheckpoint(dirpath=os.path.join(root, "both", "ckpts"), every_n_train_steps=3,
+                                  every_n_epochs=1, save_top_k=-1)
+    except Exception as exc:  # Lightning refuses the pair
+        out["both_intervals"] = {"refused": type(exc).__name__}
+    else:
+        fw.seed_everything(1)
+        trainer = fw.trainer(os.path.join(root, "both"), ddp, callbacks=[both], max_epochs=2,
+                             limit_train_batches=4, num_sanity_val_steps=0)
+        trainer.fit(Base(), loader(ddp, 32))
+        out["both_intervals"] = {"files": sorted(p.name for p in Path(root, "both", "ckpts").glob("epoch=*"))}
+    return out
+
+
 CASES = {
     "log_matrix": (case_log_matrix, ("one", "ddp")),
     "hook_order": (case_hook_order, ("one", "ddp")),
@@ -472,4 +513,5 @@ CASES = {
     "validation_rng": (case_validation_rng, ("one",)),
     "early_stopping": (case_early_stopping, ("one", "ddp")),
     "checkpoints": (case_checkpoints, ("one", "ddp")),
+    "observer_choices": (case_observer_choices, ("one",)),
 }

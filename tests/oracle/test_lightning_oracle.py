@@ -219,7 +219,50 @@ def _stopped_epoch_stays(case, mode, light, hook) -> bool:
     return seen
 
 
+def _ranks_without_validation(case, mode, light, hook) -> bool:
+    """No validation and ``check_val_every_n_epoch=2``: hookloop's ModelCheckpoint ranks
+    at epoch ends (here the lowest score, epoch 3's); Lightning's never ranks."""
+    seen = light["ckpt_no_val"]["best"] == "" and hook["ckpt_no_val"]["best"] == "epoch=3-step=8.ckpt"
+    del light["ckpt_no_val"], hook["ckpt_no_val"]
+    return seen
+
+
+def _checks_without_validation(case, mode, light, hook) -> bool:
+    """The same for EarlyStopping: hookloop's checks at epoch ends and stops (patience 0,
+    scores 0.5, 0.3, 0.4: at the third epoch); Lightning's never checks and runs all 6."""
+    seen = light["es_no_val"]["epoch"] == 6 and hook["es_no_val"]["epoch"] == 3
+    del light["es_no_val"], hook["es_no_val"]
+    return seen
+
+
+def _both_intervals(case, mode, light, hook) -> bool:
+    """``every_n_train_steps`` with ``every_n_epochs``: Lightning refuses the pair; hookloop
+    saves on both schedules (steps 3 and 6, and the epoch ends 4 and 8)."""
+    seen = light["both_intervals"] == {"refused": "MisconfigurationException"} and hook["both_intervals"] == {
+        "files": ["epoch=0-step=3.ckpt", "epoch=0-step=4.ckpt", "epoch=1-step=6.ckpt", "epoch=1-step=8.ckpt"]}
+    del light["both_intervals"], hook["both_intervals"]
+    return seen
+
+
+def _optimizers_per_run(case, mode, light, hook) -> bool:
+    """``trainer.optimizers`` after ``validate``: hookloop's are the run's (none, validate
+    builds none); Lightning keeps fit's."""
+    seen = light["optimizers_after_validate"] == 1 and hook["optimizers_after_validate"] == 0
+    hook["optimizers_after_validate"] = light["optimizers_after_validate"]
+    return seen
+
+
 DOCUMENTED = [
+    Documented("optimizers belong to a run", "`trainer.optimizers` is filled by `fit` and emptied by `validate`/`test`/`predict`",
+               ("evaluation",), _optimizers_per_run),
+    Documented("checkpoint ranks without validation",
+               "a run without validation ranks at epoch ends even with `check_val_every_n_epoch > 1`",
+               ("observer_choices",), _ranks_without_validation),
+    Documented("early stopping checks without validation",
+               "a run without validation checks at epoch ends even with `check_val_every_n_epoch > 1`",
+               ("observer_choices",), _checks_without_validation),
+    Documented("both checkpoint intervals", "Lightning's `every_n_train_steps` and `every_n_epochs` exclude each other",
+               ("observer_choices",), _both_intervals),
     Documented("a stopped epoch stays current", "Unlike Lightning, `current_epoch` and the position inside the epoch stay",
                ("loop_control",), _stopped_epoch_stays),
     Documented("predictions gathered", "Predictions are gathered", ("evaluation",), _predictions_gathered),
