@@ -8,7 +8,6 @@ Plugins here are what a third party writes: installed as distributions with entr
 
 from __future__ import annotations
 
-import gc
 import inspect
 import re
 import sys
@@ -20,7 +19,8 @@ from torch.utils.data import DataLoader, SequentialSampler
 
 import hookloop
 import hookloop.testing
-from conftest import REPO, TinyModule, install_fake_distribution, max_abs_diff, run_python, state_of, tiny_data
+from conftest import (REPO, TinyModule, fit_profiled, install_fake_distribution, max_abs_diff, run_python, state_of,
+                      tiny_data)
 from hookloop.defaults import Defaults
 
 HOOKLOOP = [sys.executable, "-m", "hookloop"]
@@ -158,17 +158,7 @@ def calls_per_step(plugins) -> float:
         # the loop alone: no built-in observers
         trainer = hookloop.Trainer(plugins=plugins, max_steps=steps, enable_checkpointing=False, num_sanity_val_steps=0,
                                    enable_progress_bar=False, logger=False)
-        module, loader = TinyModule(), DataLoader(tiny_data(8 * 40), batch_size=8)
-        # A garbage collection inside one count runs finalizers of earlier objects (seen:
-        # +9 calls/step on a fresh CI clone): collect first, none while counting.
-        gc.collect()
-        gc.disable()
-        sys.setprofile(profile)
-        try:
-            trainer.fit(module, loader)
-        finally:
-            sys.setprofile(None)
-            gc.enable()
+        fit_profiled(trainer, TinyModule(), DataLoader(tiny_data(8 * 40), batch_size=8), profile)
         return calls
 
     count(2)  # first calls: imports, caches

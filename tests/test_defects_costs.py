@@ -12,14 +12,12 @@ Counted, never timed (the timings are in benchmarks/ddp_throughput.py).
 
 from __future__ import annotations
 
-import gc
-import sys
 
 import torch
 from torch.utils.data import DataLoader
 
 import hookloop
-from conftest import TinyModule, tiny_data
+from conftest import TinyModule, fit_profiled, tiny_data
 from hookloop import loops
 
 
@@ -70,16 +68,8 @@ def test_manual_backward_resolves_the_backward_events_once_per_fit_not_per_call(
         observer = AroundBackward()
         trainer = hookloop.Trainer(plugins=[observer], max_steps=steps, enable_checkpointing=False, logger=False,
                                    enable_progress_bar=False, num_sanity_val_steps=0)
-        module, loader = ManualTiny(), DataLoader(tiny_data(8 * 40), batch_size=8)
         compiled = 0
-        gc.collect()
-        gc.disable()
-        sys.setprofile(profile)
-        try:
-            trainer.fit(module, loader)
-        finally:
-            sys.setprofile(None)
-            gc.enable()
+        fit_profiled(trainer, ManualTiny(), DataLoader(tiny_data(8 * 40), batch_size=8), profile)
         assert observer.before == observer.after == steps  # the events still reach the plugin
         assert getattr(trainer, "_backward_events", None) is None  # dropped with the run
         return compiled

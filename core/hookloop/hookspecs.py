@@ -315,9 +315,11 @@ def optimizer_step(trainer, optimizer, model):
 
 @hookspec(firstresult=True)
 def zero_grad(trainer, optimizer, model):
-    """Reset gradients at the start of an accumulation window: after the forward of the
-    window's first micro-batch (``batch_idx % accumulate_grad_batches == 0``), before its
-    backward, as Lightning does (gradients stay readable in ``on_train_batch_end``).
+    """Reset gradients at the start of an accumulation window: before the forward and
+    backward of the window's first micro-batch (``batch_idx % accumulate_grad_batches ==
+    0``), as Lightning zeroes before that backward (gradients stay readable in
+    ``on_train_batch_end``; the forward comes first only for strategies that run the
+    backward inside it, pipelines).
     Preceded by ``on_before_zero_grad``. Default: ``optimizer.zero_grad(set_to_none=True)``.
 
     :returns: ``True`` when handled. Stops at first non-None result.

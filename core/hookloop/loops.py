@@ -885,11 +885,12 @@ def make_training_step(trainer):
     epoch_schedules = any(c.interval == "epoch" and not c.reduce_on_plateau for c in configs)
 
     def step(batch, batch_idx: int, boundary: bool, is_last: bool = False) -> bool:
-        """One micro-batch: forward, (at a window's first micro-batch) zero_grad, backward,
+        """One micro-batch: (at a window's first micro-batch) zero_grad, forward, backward,
         and at a window's end the optimizer step and the schedulers due then.
 
-        As in Lightning: gradients are zeroed before the backward of each window's first
-        micro-batch (``batch_idx % accumulate_grad_batches == 0``), so they stay readable
+        As in Lightning: gradients are zeroed at each window's first micro-batch
+        (``batch_idx % accumulate_grad_batches == 0``), before its backward (here before
+        its forward too: a pipeline strategy runs the backward inside it), so they stay readable
         in ``on_train_batch_end`` and a window cut short by the epoch's end is dropped;
         step-interval schedulers count the epoch's batches (``batch_idx + 1``); epoch-interval
         ones step after the epoch's last batch, before ``on_train_batch_end`` and validation."""
@@ -897,6 +898,9 @@ def make_training_step(trainer):
             batch = move_to_device(batch, device)
         trainer._current_batch = batch  # for self.log's batch size, computed only if asked
         metrics.step_token += 1
+        if batch_idx % accumulate == 0:
+            # before the forward: a strategy may run the backward inside it (a pipeline)
+            zero_grad()
         sync_ctx = None if boundary or accumulate == 1 else accumulation_context(trainer=trainer, model=model)
         if sync_ctx is not None:
             sync_ctx.__enter__()
@@ -917,8 +921,6 @@ def make_training_step(trainer):
                     f"entry), got a tensor of shape {tuple(loss.shape)}: reduce it, e.g. with .mean()"
                 )
             scaled = loss / accumulate if accumulate > 1 else loss
-            if batch_idx % accumulate == 0:
-                zero_grad()
             if before_backward is not None:
                 before_backward(trainer=trainer, loss=scaled)
             backward(scaled)
