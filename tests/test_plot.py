@@ -22,8 +22,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 EXPECTED_FAMILIES = {
     "train_loss": "loss",
     "train_acc_step": "acc",
-    "train_acc_epoch": "acc",
-    "train_acc": "acc",
+    "train_acc_epoch": "acc",  # (not "train_acc": a name logged per step and epoch reaches the
+    # loggers as name_step and name_epoch only, as in Lightning)
     "val_loss/dataloader_idx_0": "loss",
     "val_loss/dataloader_idx_1": "loss",
     "val_acc/dataloader_idx_0": "acc",
