@@ -776,6 +776,7 @@ def _end_epoch(trainer, epoch: int, resumed_stage: str, stopped: bool = False, c
             # else the module's on_train_epoch_end (first of all implementations) logs the row
             # with what the module logs there, before any plugin (a checkpoint) sees the event
             trainer.hook.on_train_epoch_end(trainer=trainer, epoch=epoch, metrics=epoch_metrics)
+            metrics.reset_metric_objects("train")  # torchmetrics Metrics, after the hook (Lightning)
         finally:
             if stopped:
                 metrics.epoch_sums["train"], metrics.kept_train_sums = partial, None
@@ -1101,6 +1102,7 @@ def evaluate(trainer, stage: str, loaders: list, limit: Any, publish: bool = Tru
         # a name logged with on_step and on_epoch is a result as name_epoch only (Lightning)
         computed = {k: v for k, v in computed.items() if not (k in metrics.forked and f"{k}_epoch" in computed)}
         getattr(hook, f"on_{prefix}_end")(trainer=trainer, metrics=dict(computed))
+        metrics.reset_metric_objects(stage)  # torchmetrics Metrics, after on_*_end (Lightning)
     finally:
         metrics.stage, metrics.suffix, metrics.epoch_level = saved
         model.train(was_training)

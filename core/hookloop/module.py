@@ -15,6 +15,7 @@ Any ``nn.Module`` with those methods works; subclass ``hookloop.Module`` to get
 from __future__ import annotations
 
 import inspect
+import sys
 import threading
 from typing import Any
 
@@ -215,7 +216,10 @@ class Module(HyperparametersMixin, nn.Module):
         is reported as ``name_step`` and ``name_epoch`` (and ``name``). ``sync_dist=True``
         reduces across ranks with ``reduce_fx`` (``"mean"``, ``"sum"``, ``"max"``,
         ``"min"`` or ``torch.mean``...), so every rank reports the same number; with
-        several evaluation loaders the name gets ``/dataloader_idx_N``. Read metrics
+        several evaluation loaders the name gets ``/dataloader_idx_N``. A torchmetrics
+        ``Metric`` (updated in the step) is logged as in Lightning: its ``forward`` result
+        per step, its ``compute()`` per epoch (it syncs itself; ``sync_dist`` and
+        ``reduce_fx`` do not apply), then ``reset()``. Read metrics
         back from ``trainer.callback_metrics``. ``logger=False`` keeps the metric from
         loggers; ``enable_graph``, ``sync_dist_group``, ``metric_attribute`` and
         ``rank_zero_only`` are accepted for compatibility and do nothing.
@@ -226,9 +230,15 @@ class Module(HyperparametersMixin, nn.Module):
             return  # called outside a run (e.g. a unit test of training_step)
         trainer._metrics.log(name, value, prog_bar, logger is not False, on_step, on_epoch, op, sync_dist, add_dataloader_idx, batch_size)
 
-    def log_dict(self, dictionary: dict, **kwargs: Any) -> None:
-        """``self.log(name, value, **kwargs)`` for every entry of ``dictionary``."""
-        for name, value in dictionary.items():
+    def log_dict(self, dictionary: Any, **kwargs: Any) -> None:
+        """``self.log(name, value, **kwargs)`` for every entry of ``dictionary`` (a dict, or
+        a torchmetrics ``MetricCollection``: each metric under its prefixed name)."""
+        if _is_torchmetrics(dictionary, "MetricCollection"):
+            # as Lightning: the prefixed names; metrics of one compute group share their states
+            items = dictionary.items(keep_base=False, copy_state=not getattr(dictionary, "_enable_compute_groups", False))
+        else:
+            items = dictionary.items()
+        for name, value in items:
             self.log(name, value, **kwargs)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
@@ -350,6 +360,43 @@ def _reduce_op(fx: Any) -> str:
     return name
 
 
+def _is_torchmetrics(value: Any, kind: str) -> bool:
+    """Whether ``value`` is a ``torchmetrics.<kind>``; torchmetrics is optional, and a value
+    can only be one once the user has imported it (hookloop never does)."""
+    torchmetrics = sys.modules.get("torchmetrics")
+    return torchmetrics is not None and isinstance(value, getattr(torchmetrics, kind))
+
+
+def _torchmetrics_metric(name: str, value: Any) -> Any:
+    """``value`` when it is a torchmetrics ``Metric``; else a TypeError saying what self.log takes."""
+    if _is_torchmetrics(value, "Metric"):
+        return value
+    if _is_torchmetrics(value, "MetricCollection"):
+        raise TypeError(
+            f"self.log({name!r}, ...) got a torchmetrics MetricCollection: log it with "
+            f"self.log_dict(collection), which logs each of its metrics under its own name"
+        )
+    raise TypeError(
+        f"self.log({name!r}, ...) needs a number, a scalar tensor or a torchmetrics Metric, "
+        f"got {type(value).__name__}"
+    )
+
+
+def _scalar(name: str, value: Any, what: str, device: torch.device) -> torch.Tensor | None:
+    """A torchmetrics Metric's ``value`` (its forward() or compute() result) as a detached
+    0-d tensor on ``device``; ``None`` stays ``None`` (nothing to log)."""
+    if value is None:
+        return None
+    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+        shape = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ConfigurationError(
+            f"self.log({name!r}, metric): the metric's {what} must be a scalar tensor, got {shape}; "
+            f"log a metric that returns one number (or log its values yourself, one name each)"
+        )
+    value = value.detach().reshape(())
+    return value if value.device == device else value.to(device)
+
+
 # ---------------------------------------------------------------------------------------
 # The module's hooks as a plugin
 # ---------------------------------------------------------------------------------------
@@ -457,6 +504,10 @@ class Metrics:
         self.eval_step_row: dict[str, torch.Tensor] = {}
         #: stage -> evaluation batches logged so far this run (those rows' ``step``)
         self.eval_logged_steps: dict[str, int] = {}
+        #: stage -> name -> torchmetrics Metric logged per epoch: its compute() is the value
+        self.epoch_metrics: dict[str, dict[str, Any]] = {}
+        #: stage -> every torchmetrics Metric logged in it: reset() when the stage ends
+        self.metric_objects: dict[str, dict[int, Any]] = {}
         self._lock = threading.Lock()
 
     # -- recording ----------------------------------------------------------------------
@@ -473,6 +524,7 @@ class Metrics:
                 f"return the values from predict_step, or compute metrics in test_step"
             )
         device = self.trainer.root_device
+        metric = None
         if isinstance(value, torch.Tensor):
             value = value.detach()
             if value.numel() != 1:
@@ -486,9 +538,12 @@ class Metrics:
         elif isinstance(value, (int, float, bool)) or hasattr(value, "__float__"):
             value = torch.tensor(float(value), device=device)
         else:
-            raise TypeError(
-                f"self.log({name!r}, ...) needs a number or a scalar tensor, got {type(value).__name__}"
-            )
+            # A torchmetrics Metric (Lightning's rules): its step value is its forward()
+            # result for this batch (none after update() alone), its epoch value its
+            # compute() at the epoch's end, then reset(); it syncs itself, so sync_dist and
+            # reduce_fx do not apply
+            metric = _torchmetrics_metric(name, value)
+            value, sync_dist = _scalar(name, metric._forward_cache, "forward() result", device), False
         if self.suffix and add_dataloader_idx:
             name = name + self.suffix
         training = self.stage == "train" and not self.epoch_level
@@ -497,6 +552,12 @@ class Metrics:
         if on_epoch is None:
             on_epoch = not training
         forked = on_step and on_epoch
+        if metric is not None:
+            self.metric_objects.setdefault(self.stage, {})[id(metric)] = metric  # reset at the stage's end
+            if value is None:
+                on_step = False  # nothing for this step (Lightning logs no step value)
+                if not on_epoch:
+                    return
         if self.stage != "train" and on_step:
             # Lightning: an evaluation metric logged per step goes to the loggers once per
             # batch (as name_step when it is also per epoch), and only its epoch value is a
@@ -527,7 +588,9 @@ class Metrics:
                 self.step_values[key] = [self.step_token, {thread: step_value}]
             else:
                 slot[1][thread] = step_value  # another replica of the same step
-        if on_epoch:
+        if on_epoch and metric is not None:
+            self.epoch_metrics.setdefault(self.stage, {})[f"{name}_epoch" if forked else name] = metric
+        elif on_epoch:
             if batch_size is None:
                 batch = getattr(_STEP_BATCH, "batch", None)
                 batch_size = batch_size_of(self.trainer._current_batch if batch is None else batch)
@@ -551,6 +614,7 @@ class Metrics:
         values of the previous epoch)."""
         self.stage = stage
         self.epoch_sums[stage] = {}
+        self.epoch_metrics[stage] = {}
         if stage == "train":
             self.step_values = {}
 
@@ -572,6 +636,11 @@ class Metrics:
                 out[name] = reduce(vmax, "max") if sync else vmax
             else:
                 out[name] = reduce(vmin, "min") if sync else vmin
+        device = self.trainer.root_device
+        for name, metric in self.epoch_metrics.get(stage, {}).items():
+            value = _scalar(name, metric.compute(), "compute() result", device)  # syncs across ranks itself
+            if value is not None:
+                out[name] = value
         return out
 
     def finish_epoch(self, stage: str, publish: bool = True) -> dict[str, float]:
@@ -580,7 +649,7 @@ class Metrics:
         ``publish`` is False (the sanity check), and forget the sums. Returns what was
         computed."""
         tensors = self.epoch_tensors(stage)
-        self.epoch_sums[stage] = {}
+        self.epoch_sums[stage], self.epoch_metrics[stage] = {}, {}
         out: dict[str, float] = {}
         if tensors:
             values = torch.stack([t.to(torch.float64) for t in tensors.values()]).tolist()
@@ -594,6 +663,12 @@ class Metrics:
         if publish:
             self.callback_metrics.update(out)
         return out
+
+    def reset_metric_objects(self, stage: str) -> None:
+        """``reset()`` every torchmetrics Metric logged in ``stage``: after its epoch's end
+        hooks (``on_train_epoch_end``, ``on_validation_end``...), as Lightning."""
+        for metric in self.metric_objects.pop(stage, {}).values():
+            metric.reset()
 
     def latest_step_values(self) -> dict[str, float]:
         """The last value of every per-step metric (the mean over DataParallel replicas)."""

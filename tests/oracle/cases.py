@@ -128,6 +128,79 @@ def case_log_matrix(fw, root, ddp):
     return out
 
 
+def case_torchmetrics(fw, root, ddp):
+    """torchmetrics Metric objects logged with self.log/log_dict (Lightning's pattern): the
+    step value is the metric's forward result, the epoch value its compute() (the metric
+    syncs itself across ranks), then reset(); a MetricCollection in log_dict; a metric
+    updated in the steps and logged in on_train_epoch_end; the sanity check's updates
+    forgotten. Observed: the metrics, the CSV, validate/test results, the update counts
+    left after each run (0: reset)."""
+    import torchmetrics
+
+    Base = base_module(fw)
+
+    class Scored(Base):
+        def __init__(self):
+            super().__init__()
+            self.train_acc = torchmetrics.Accuracy(task="multiclass", num_classes=3)
+            self.train_mean = torchmetrics.MeanMetric()
+            self.train_max = torchmetrics.MaxMetric()
+            self.val_acc = torchmetrics.Accuracy(task="multiclass", num_classes=3)
+            self.val_mean = torchmetrics.MeanMetric()
+            self.val_scores = torchmetrics.MetricCollection({
+                "prec": torchmetrics.Precision(task="multiclass", num_classes=3, average="macro"),
+                "rec": torchmetrics.Recall(task="multiclass", num_classes=3, average="macro"),
+            }, prefix="val_")
+            self.test_acc = torchmetrics.Accuracy(task="multiclass", num_classes=3)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            logits = self(x)
+            loss = F.cross_entropy(logits, y)
+            self.train_acc(logits, y)  # forward: the batch's accuracy is the step value
+            self.log("train_acc", self.train_acc, on_step=True, on_epoch=True, prog_bar=True)
+            self.train_mean.update(loss)  # update only: no step value
+            self.log("train_mean", self.train_mean, on_epoch=True)
+            self.train_max.update(logits.max())
+            self.log("train_loss", loss)
+            return loss
+
+        def on_train_epoch_end(self):
+            self.log("train_max", self.train_max)
+
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            logits = self(x)
+            self.val_acc.update(logits, y)
+            self.log("val_acc", self.val_acc)
+            self.val_mean(F.cross_entropy(logits, y, reduction="none"))
+            self.log("val_mean", self.val_mean, on_step=True)
+            self.val_scores(logits, y)
+            self.log_dict(self.val_scores)
+
+        def test_step(self, batch, batch_idx):
+            x, y = batch
+            self.test_acc(self(x), y)
+            self.log("test_acc", self.test_acc)
+
+    def counts(model):
+        return {name: int(m.update_count) for name, m in model.named_modules()
+                if isinstance(m, torchmetrics.Metric)}
+
+    fw.seed_everything(7)
+    model = Scored()
+    trainer = fw.trainer(root, ddp, max_epochs=2, log_every_n_steps=2, val_check_interval=0.5)
+    trainer.fit(model, loader(ddp), loader(ddp, 24, seed=2, train=False))
+    out = {"metrics": fw.metrics(trainer), "csv": fw.csv_entries(trainer), "counts_after_fit": counts(model)}
+    out["validate"] = trainer.validate(model, loader(ddp, 24, seed=2, train=False), verbose=False)
+    out["counts_after_validate"] = counts(model)
+    # (what validate computed: Lightning also forgets fit's callback_metrics here, hookloop keeps them)
+    out["metrics_after_validate"] = {k: v for k, v in fw.metrics(trainer).items() if k.startswith("val_")}
+    out["test"] = trainer.test(model, loader(ddp, 16, seed=4, train=False), verbose=False)
+    out["counts_after_test"] = counts(model)
+    return out
+
+
 def case_hook_order(fw, root, ddp):
     """The events a callback and the module receive during fit (with the sanity check,
     a mid-epoch validation and two epochs), validate, test and predict."""
@@ -504,6 +577,7 @@ def case_observer_choices(fw, root, ddp):
 
 CASES = {
     "log_matrix": (case_log_matrix, ("one", "ddp")),
+    "torchmetrics": (case_torchmetrics, ("one", "ddp")),
     "hook_order": (case_hook_order, ("one", "ddp")),
     "log_hooks": (case_log_hooks, ("one", "ddp")),
     "optimization": (case_optimization, ("one", "ddp")),

@@ -274,8 +274,8 @@ DOCUMENTED = [
                _previous_kept),
     Documented("module hooks before callbacks", "Module hooks run before the plugins'", ("hook_order",),
                _module_first),
-    Documented("csv step column is global_step", "The CSV log's `step` column", ("log_matrix", "log_hooks"),
-               _csv_step),
+    Documented("csv step column is global_step", "The CSV log's `step` column", ("log_matrix", "log_hooks",
+               "torchmetrics"), _csv_step),
 ]
 
 
