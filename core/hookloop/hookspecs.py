@@ -290,7 +290,9 @@ def backward(trainer, loss, model, optimizer):
     ``accumulate_grad_batches``, and for every ``self.manual_backward(loss)`` under
     manual optimization (``optimizer`` is then ``None`` and ``trainer.automatic_optimization``
     is ``False``: DDP prepares its reducer here, since that backward runs inside the
-    wrapped forward). The default is ``loss.backward()``; AMP scales the loss first,
+    wrapped forward). ``trainer.backward_kwargs`` holds the keyword arguments of
+    ``Tensor.backward`` to pass on (``manual_backward(loss, retain_graph=True)``'s; else
+    empty). The default is ``loss.backward(**trainer.backward_kwargs)``; AMP scales the loss first,
     DeepSpeed calls ``engine.backward``. Per step: implementing it costs one pluggy call
     per micro-batch.
 
