@@ -407,3 +407,43 @@ def test_manual_backward_passes_retain_graph_on():
     hl, pl = runs["hookloop"][0], runs["lightning"][0]
     assert hl.record == pl.record == [True] * 5
     assert torch.allclose(hl.layer.weight, pl.layer.weight, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------
+# 3. docs/lightning.md and the code cannot drift apart
+# ---------------------------------------------------------------------------------------
+
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "lightning.md"
+
+
+def _page_rows() -> list[tuple[str, str, str]]:
+    rows = []
+    for line in PAGE.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and len(cells) == 4 and cells[2] in ("supported", "difference", "not supported"):
+            rows.append((cells[0], cells[1].strip("`"), cells[2]))
+    return rows
+
+
+def test_every_name_the_lightning_page_supports_is_importable():
+    import importlib
+
+    rows = _page_rows()
+    assert len(rows) >= 15, "the table of docs/lightning.md was not found"
+    for lightning, target, status in rows:
+        if status == "not supported":
+            assert not target, f"{lightning}: a name for an unsupported row"
+            continue
+        module_name, _, attr = target.rpartition(".")
+        assert module_name, f"{lightning}: {target!r} is not a dotted name"
+        module = importlib.import_module(module_name)
+        assert hasattr(module, attr), f"docs/lightning.md: {lightning} -> {target}, which does not exist"
+
+
+def test_the_trainer_attributes_the_lightning_page_lists_exist():
+    text = PAGE.read_text().split("Trainer attributes Lightning code reads and that hookloop has:")[1]
+    names = [n.strip("` .\n") for n in text.replace("\n", " ").split(",")]
+    names = [n.split("`")[0] for n in names if n]
+    trainer = hookloop.Trainer(enable_checkpointing=False, logger=False)
+    missing = [n for n in names if not hasattr(trainer, n)]
+    assert len(names) >= 20 and not missing, missing

@@ -158,7 +158,7 @@ def setup(trainer, stage):
 
     Called once per ``fit``/``validate``/``test``/``predict`` in every worker, after
     ``setup_environment`` (so ranks and ``root_device`` are known), after the
-    DataModule's ``prepare_data``/``setup`` (so ``trainer.train_dataloader`` and
+    DataModule's ``prepare_data``/``setup`` and the module's ``setup`` (so ``trainer.train_dataloader`` and
     ``trainer.val_dataloaders`` are known) and before the model is built. Create
     scalers, open log files, check composition with the other plugins here (raise a
     :class:`hookloop.ConfigurationError` for impossible combinations).
