@@ -51,6 +51,7 @@ from .optim import SchedulerConfig, before_optimizer_step, schedulers_of
 from .plugins import installed_plugins, resolve as plugin
 from .trainer import Trainer, default
 from .unpickling import refused_object, unsafe_checkpoint_error, weights_only_loads
+from .utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
 __version__ = "0.1.0"
 
@@ -94,6 +95,9 @@ __all__ = [
     "move_to_device",
     "optimizer_and_scheduler_states",
     "plugin",
+    "rank_zero_info",
+    "rank_zero_only",
+    "rank_zero_warn",
     "rebuild_dataloader",
     "refused_object",
     "release_process_group",

@@ -56,8 +56,8 @@ class Defaults:
         return contextlib.nullcontext()
 
     @hookimpl(trylast=True)
-    def backward(self, loss):
-        loss.backward()
+    def backward(self, trainer, loss):
+        loss.backward(**trainer.backward_kwargs)
         return True
 
     @hookimpl(trylast=True)

@@ -158,7 +158,7 @@ def setup(trainer, stage):
 
     Called once per ``fit``/``validate``/``test``/``predict`` in every worker, after
     ``setup_environment`` (so ranks and ``root_device`` are known), after the
-    DataModule's ``prepare_data``/``setup`` (so ``trainer.train_dataloader`` and
+    DataModule's ``prepare_data``/``setup`` and the module's ``setup`` (so ``trainer.train_dataloader`` and
     ``trainer.val_dataloaders`` are known) and before the model is built. Create
     scalers, open log files, check composition with the other plugins here (raise a
     :class:`hookloop.ConfigurationError` for impossible combinations).
@@ -290,7 +290,9 @@ def backward(trainer, loss, model, optimizer):
     ``accumulate_grad_batches``, and for every ``self.manual_backward(loss)`` under
     manual optimization (``optimizer`` is then ``None`` and ``trainer.automatic_optimization``
     is ``False``: DDP prepares its reducer here, since that backward runs inside the
-    wrapped forward). The default is ``loss.backward()``; AMP scales the loss first,
+    wrapped forward). ``trainer.backward_kwargs`` holds the keyword arguments of
+    ``Tensor.backward`` to pass on (``manual_backward(loss, retain_graph=True)``'s; else
+    empty). The default is ``loss.backward(**trainer.backward_kwargs)``; AMP scales the loss first,
     DeepSpeed calls ``engine.backward``. Per step: implementing it costs one pluggy call
     per micro-batch.
 

@@ -30,8 +30,9 @@ from . import faults
 from .datamodule import provides
 from .errors import CheckpointError, ConfigurationError
 from .helpers import DistributedSamplerWrapper, apply_to_tensors, batch_size_of, move_to_device, rebuild_dataloader
-from .module import _STEP_BATCH, module_hooks_plugin
+from .module import _STEP_BATCH, _defines_hook, module_hooks_plugin
 from .optim import LoopOptimizer, parse_optimizers, step_schedulers
+from .utilities import rank_zero_only
 
 TRAIN, VALIDATE, TEST, PREDICT = "train", "validate", "test", "predict"
 #: the user's step for each ``kind`` the step module is called with
@@ -53,11 +54,16 @@ class _StepModule(nn.Module):
     def __init__(self, module: nn.Module):
         super().__init__()
         self.module = module
+        #: the kinds whose step takes only the batch (Lightning passes what the signature takes)
+        self.batch_only = frozenset(kind for kind, name in STEP_METHODS.items()
+                                    if callable(getattr(module, name, None)) and not takes_batch_idx(getattr(module, name)))
 
     def forward(self, kind: str, batch: Any, batch_idx: int, dataloader_idx: int | None = None):
         # Per thread: a DataParallel replica logs with its own share of the batch.
         _STEP_BATCH.batch = batch
         try:
+            if kind in self.batch_only:
+                return getattr(self.module, STEP_METHODS[kind])(batch)
             if kind == TRAIN:
                 return self.module.training_step(batch, batch_idx)
             step = getattr(self.module, STEP_METHODS[kind], None)
@@ -89,20 +95,28 @@ def session(trainer, stage: str):
     datamodule = trainer.datamodule
     setup_stage = SETUP_STAGE[stage]
     set_up = False
-    trainer.state = stage
+    state = trainer.state
+    state.fn, state.status = SETUP_STAGE[stage], "running"
+    trainer._logged_metrics = {}
     try:
         hook.setup_environment(trainer=trainer)
+        rank_zero_only.rank = trainer.global_rank
         _resolve_run_dir(trainer)
         _prepare_data(trainer)
         if datamodule is not None:
             _attach_datamodule(datamodule, trainer)
             _datamodule_hook(datamodule, "setup", setup_stage)
+        if _defines_hook(module, "setup"):
+            # Lightning: the module's setup comes before its *_dataloader() methods (it may
+            # build the datasets there); the plugins' setup (after) sees the loaders
+            module.setup(setup_stage)
         _resolve_loaders(trainer, stage)
         hook.setup(trainer=trainer, stage=setup_stage)
         set_up = True
         yield
     except BaseException as exc:
         # A collective that timed out or lost a peer: say which one, and which rank.
+        state.status = "interrupted"
         explained = faults.collective_failure_error(trainer, exc) if trainer.world_size > 1 else None
         if set_up and not isinstance(exc, (SystemExit, KeyboardInterrupt)):
             hook.on_exception(trainer=trainer, exception=explained or exc)
@@ -119,7 +133,8 @@ def session(trainer, stage: str):
                 trainer.plugin_manager.unregister(module_hooks)
             module.__dict__.pop("_hookloop_trainer", None)
             trainer._backward_events = None
-            trainer.state = None
+            if state.status == "running":
+                state.status = "finished"
 
 
 def _attach_datamodule(datamodule: Any, trainer) -> None:
@@ -221,6 +236,7 @@ def log_row(trainer, metrics: dict, step: int | None = None, epoch: Any = _CURRE
     hidden = trainer._metrics.not_for_logger
     row = {k: float(v) for k, v in metrics.items() if k not in hidden}
     if row:
+        trainer._logged_metrics.update(row)
         event(trainer=trainer, metrics=row, step=trainer.global_step if step is None else step,
               epoch=trainer.current_epoch if epoch is _CURRENT_EPOCH else epoch)
 
@@ -231,10 +247,14 @@ def log_epoch_row(trainer, extra: dict | None = None) -> None:
     row = trainer._epoch_row
     trainer._epoch_row = None
     if row is not None:
-        metrics = trainer._metrics
-        # the epoch's values: a step metric was logged at its steps, a forked one as name_epoch
-        log_row(trainer, {k: v for k, v in {**row, **(extra or {})}.items()
-                          if k not in metrics.step_values and k not in metrics.forked})
+        log_row(trainer, epoch_row_values(trainer, {**row, **(extra or {})}))
+
+
+def epoch_row_values(trainer, row: dict) -> dict:
+    """What of the training epoch's ``row`` goes to the loggers: a step metric was logged
+    at its steps, a forked one goes as name_epoch."""
+    metrics = trainer._metrics
+    return {k: v for k, v in row.items() if k not in metrics.step_values and k not in metrics.forked}
 
 
 def _log_step_metrics(trainer) -> None:
@@ -271,8 +291,8 @@ def _resolve_loaders(trainer, stage: str) -> None:
         if not wanted or getattr(trainer, attr) is not None:
             continue
         source = next((s for s in (trainer.datamodule, trainer.module) if s is not None and provides(s, method)), None)
-        if source is None:
-            continue
+        if source is None or getattr(source, method, None) is None:
+            continue  # none, or set to None (how Lightning's tests turn a loader off)
         if attr == "val_dataloaders" and stage == "fit" and not callable(getattr(trainer.module, "validation_step", None)):
             trainer.print(f"hookloop: {type(source).__name__}.val_dataloader() is not used: {type(trainer.module).__name__} has no validation_step")
             continue
@@ -430,6 +450,18 @@ def _overfit_loader(trainer, loader: DataLoader) -> DataLoader:
     return loader
 
 
+def takes_batch_idx(method: Any) -> bool:
+    """Whether a step method takes ``batch_idx`` (Lightning's rule: a parameter of that
+    name, ``*args``, or at least two parameters); ``step(self, batch)`` gets the batch only."""
+    try:
+        params = list(inspect.signature(method).parameters.values())
+    except (TypeError, ValueError):
+        return True
+    positional = [p for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    return (any(p.name == "batch_idx" for p in params) or len(positional) >= 2
+            or any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params))
+
+
 def _accepts_dataloader_idx(method: Any) -> bool:
     try:
         params = inspect.signature(method).parameters
@@ -451,12 +483,17 @@ def _forward(trainer, kind: str, n_loaders: int = 1):
             f"batch_idx) does not take dataloader_idx: define {name}(self, batch, batch_idx, "
             f"dataloader_idx=0)"
         )
+    batch_only = callable(method) and not takes_batch_idx(method)
     if kind == TRAIN:
         # The per-step call: training_step itself when no strategy wrapped the module.
-        return method if isinstance(model, _StepModule) else (lambda batch, batch_idx: model(TRAIN, batch, batch_idx))
+        if isinstance(model, _StepModule):
+            return (lambda batch, batch_idx: method(batch)) if batch_only else method
+        return lambda batch, batch_idx: model(TRAIN, batch, batch_idx)
     if isinstance(model, _StepModule):
         if kind == PREDICT and not callable(method):
             return lambda batch, batch_idx, dataloader_idx: module(batch)
+        if batch_only:
+            return lambda batch, batch_idx, dataloader_idx: method(batch)
         if with_idx:
             return method
         return lambda batch, batch_idx, dataloader_idx: method(batch, batch_idx)
@@ -728,6 +765,7 @@ def _train_epoch(trainer, loader: DataLoader, step, validation: _ValidationSched
         else:
             batch_idx, batch, is_last = item
         trainer.batch_idx = batch_idx
+        trainer.is_last_batch = is_last
         if batch_start is not None and -1 in batch_start(trainer=trainer, batch=batch, batch_idx=batch_idx):
             # Lightning: on_train_batch_start returning -1 ends the epoch (inside a window:
             # its gradients are zeroed at the next window's start); no epoch scheduler steps
@@ -1005,7 +1043,10 @@ def loop_optimizers(trainer) -> list[LoopOptimizer]:
     return trainer._loop_optimizer_cache
 
 
-def manual_backward(trainer, loss: torch.Tensor) -> None:
+_BACKWARD_ARGS = ("gradient", "retain_graph", "create_graph", "inputs")
+
+
+def manual_backward(trainer, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
     if trainer.automatic_optimization:
         raise ConfigurationError(
             "self.manual_backward(loss) is for manual optimization: set "
@@ -1018,7 +1059,17 @@ def manual_backward(trainer, loss: torch.Tensor) -> None:
                                                        _event(trainer, "on_after_backward"))
     if before is not None:
         before(trainer=trainer, loss=loss)
-    trainer.hook.backward(trainer=trainer, loss=loss, model=trainer.model, optimizer=None)
+    if args or kwargs:
+        # Tensor.backward's arguments (Lightning passes them on to loss.backward)
+        if len(args) > len(_BACKWARD_ARGS) or any(k not in _BACKWARD_ARGS for k in kwargs):
+            raise TypeError(f"manual_backward(loss, *args, **kwargs) takes Tensor.backward's arguments "
+                            f"({', '.join(_BACKWARD_ARGS)}); got {len(args)} positional and {sorted(kwargs)}")
+        trainer.backward_kwargs = {**dict(zip(_BACKWARD_ARGS, args)), **kwargs}
+    try:
+        trainer.hook.backward(trainer=trainer, loss=loss, model=trainer.model, optimizer=None)
+    finally:
+        if args or kwargs:
+            trainer.backward_kwargs = {}
     if after is not None:
         after(trainer=trainer)
 

@@ -187,6 +187,47 @@ class Module(HyperparametersMixin, nn.Module):
         trainer = self.__dict__.get("_hookloop_trainer")
         return trainer.global_step if trainer is not None else 0
 
+    @property
+    def global_rank(self) -> int:
+        """This process's rank among all processes (0 outside a run)."""
+        trainer = self.__dict__.get("_hookloop_trainer")
+        return trainer.global_rank if trainer is not None else 0
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node (0 outside a run)."""
+        trainer = self.__dict__.get("_hookloop_trainer")
+        return trainer.local_rank if trainer is not None else 0
+
+    @property
+    def loggers(self) -> list:
+        """The run's logger plugins (``[]`` outside a run or without a logger)."""
+        trainer = self.__dict__.get("_hookloop_trainer")
+        return trainer.loggers if trainer is not None else []
+
+    @property
+    def logger(self) -> Any:
+        """The run's first logger plugin, or ``None``."""
+        trainer = self.__dict__.get("_hookloop_trainer")
+        return trainer.logger if trainer is not None else None
+
+    def all_gather(self, data: Any, group: Any = None, sync_grads: bool = False) -> Any:
+        """Every rank's ``data`` (a tensor, a number, or a list/tuple/dict of them): each
+        tensor stacked along a new first dimension in rank order (shape ``(world_size,
+        *shape)``), as Lightning's; in one process the tensors as they are. Numbers become
+        tensors on ``self.device``. ``sync_grads=True`` keeps the gather differentiable.
+        ``group`` (a process subgroup) is not supported: pass ``None``."""
+        if group is not None:
+            raise ConfigurationError("self.all_gather(..., group=...): hookloop gathers over all ranks only; leave group out")
+        device = self.device
+        data = _numbers_to_tensors(data, device)
+        trainer = self.__dict__.get("_hookloop_trainer")
+        if trainer is None or trainer.world_size == 1:
+            return data
+        from .helpers import apply_to_tensors
+
+        return apply_to_tensors(data, lambda t: trainer.all_gather(t.to(device), sync_grads=sync_grads))
+
     # -- logging ------------------------------------------------------------------------
 
     def log(
@@ -270,9 +311,10 @@ class Module(HyperparametersMixin, nn.Module):
         return schedulers[0] if len(schedulers) == 1 else schedulers
 
     def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        """``loss.backward()`` through the strategy and precision plugins (AMP scales the
-        loss, DeepSpeed's engine runs the backward, DDP synchronises gradients)."""
-        self.trainer._manual_backward(loss)
+        """``loss.backward(*args, **kwargs)`` through the strategy and precision plugins
+        (AMP scales the loss, DeepSpeed's engine runs the backward, DDP synchronises
+        gradients); ``retain_graph=True`` and the other arguments of ``backward`` pass on."""
+        self.trainer._manual_backward(loss, *args, **kwargs)
 
     def clip_gradients(self, optimizer: Any, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None) -> None:
         """Clip ``optimizer``'s gradients at its next ``step()``.
@@ -350,6 +392,22 @@ for _name, _args in MODULE_HOOKS.items():
 Module.predict_step = None  # not a hook: absent means "call forward"
 
 
+def _numbers_to_tensors(data: Any, device: torch.device) -> Any:
+    """``data`` with every int/float a tensor and every tensor on ``device`` (Lightning's
+    ``convert_to_tensors``)."""
+    if isinstance(data, torch.Tensor):
+        return data.to(device)
+    if isinstance(data, (int, float)) and not isinstance(data, bool):
+        return torch.tensor(data, device=device)
+    if isinstance(data, tuple) and hasattr(data, "_fields"):
+        return type(data)(*(_numbers_to_tensors(d, device) for d in data))
+    if isinstance(data, (list, tuple)):
+        return type(data)(_numbers_to_tensors(d, device) for d in data)
+    if isinstance(data, dict):
+        return type(data)((k, _numbers_to_tensors(v, device)) for k, v in data.items())
+    return data
+
+
 def _reduce_op(fx: Any) -> str:
     if isinstance(fx, str):
         name = {"avg": "mean", "average": "mean"}.get(fx, fx)
@@ -414,7 +472,8 @@ def module_hooks_plugin(module: nn.Module) -> Any:
     (a metric it logs in ``on_train_epoch_end`` is in their ``metrics``). Only defined
     hooks become implementations, so undefined ones cost nothing per step.
     """
-    defined = [name for name in MODULE_HOOKS if _defines_hook(module, name)]
+    # setup is not among them: the session calls it before the module's *_dataloader()
+    defined = [name for name in MODULE_HOOKS if name != "setup" and _defines_hook(module, name)]
     if not defined:
         return None
     namespace: dict[str, Any] = {"hookloop_name": f"module:{type(module).__name__}", "hookloop_role": "observer"}

@@ -41,6 +41,61 @@ class default:
         return f"hookloop.default({self.value!r})"
 
 
+class TrainerState:
+    """``trainer.state``, as Lightning's: ``fn`` (``"fit"``, ``"validate"``, ``"test"``,
+    ``"predict"``; kept after the run), ``stage`` (``"train"``, ``"sanity_check"``,
+    ``"validate"``, ``"test"``, ``"predict"``; ``None`` outside a run), ``status``
+    (``"initializing"``, ``"running"``, ``"finished"``, ``"interrupted"``) and
+    ``finished``. It compares equal to what ``trainer.state`` was before it was an object:
+    the running entry point's name during a run, ``None`` outside one
+    (``trainer.state == "fit"``)."""
+
+    __slots__ = ("_trainer", "fn", "status")
+
+    def __init__(self, trainer: Any):
+        self._trainer, self.fn, self.status = trainer, None, "initializing"
+
+    @property
+    def stage(self) -> str | None:
+        if self.status != "running":
+            return None
+        if self.fn != "fit":
+            return self.fn
+        trainer = self._trainer
+        if trainer.sanity_checking:
+            return "sanity_check"
+        return "validate" if trainer._metrics.stage == "validate" else "train"
+
+    @property
+    def finished(self) -> bool:
+        return self.status == "finished"
+
+    @property
+    def stopped(self) -> bool:
+        return self.status == "interrupted"
+
+    def _running(self) -> str | None:
+        return self.fn if self.status == "running" else None
+
+    def __eq__(self, other: Any) -> bool:
+        if isinstance(other, TrainerState):
+            return other is self
+        return self._running() == other
+
+    def __hash__(self) -> int:
+        return hash(self._running())
+
+    def __repr__(self) -> str:
+        return f"TrainerState(fn={self.fn!r}, stage={self.stage!r}, status={self.status!r})"
+
+    def __getstate__(self) -> dict:
+        return {"_trainer": self._trainer, "fn": self.fn, "status": self.status}
+
+    def __setstate__(self, state: dict) -> None:
+        for key, value in state.items():
+            object.__setattr__(self, key, value)
+
+
 class Trainer:
     """Runs a training module's steps; plugins supply every technique.
 
@@ -58,7 +113,8 @@ class Trainer:
     ``optimizer``, the first), ``lr_scheduler_configs``, ``world_size``, ``global_rank``,
     ``local_rank``, ``node_rank``, ``root_device``, ``precision``, ``current_epoch``,
     ``global_step``, ``callback_metrics``, ``datamodule``, ``train_dataloader``,
-    ``val_dataloaders``, ``state`` (``"fit"``, ``"validate"``, ``"test"``, ``"predict"``),
+    ``val_dataloaders``, ``state`` (:class:`TrainerState`: equal to ``"fit"``, ``"validate"``,
+    ``"test"`` or ``"predict"`` during a run, with Lightning's ``fn``/``stage``/``finished``),
     ``sanity_checking``, ``should_stop``, ``plugin_manager``, ``strategy``.
     """
 
@@ -156,7 +212,9 @@ class Trainer:
         self.current_epoch = 0
         self.global_step = 0
         self.batch_idx = 0
-        self.state: str | None = None
+        self.state = TrainerState(self)
+        #: whether the training batch being run is the epoch's last (Lightning's)
+        self.is_last_batch = False
         self.sanity_checking = False
         self.should_stop = False
         #: True during ``on_train_batch_end`` of a step whose row the loggers get right
@@ -188,6 +246,9 @@ class Trainer:
         self._on_log_metrics = None
         self._backward_events: tuple | None = None  # manual_backward's, resolved per fit
         self._logged_step = 0
+        #: keyword arguments of ``Tensor.backward`` for the backward hook (manual_backward's)
+        self.backward_kwargs: dict = {}
+        self._logged_metrics: dict[str, float] = {}  # what went to the loggers, for logged_metrics
         # This Trainer's run directory (rundir.py): decided in its first run, kept after.
         self._log_dir: Path | None = None
         self._run_index = rundir.next_index()
@@ -250,6 +311,30 @@ class Trainer:
         return {k: v for k, v in metrics.items() if k in self._metrics.prog_bar}
 
     @property
+    def logged_metrics(self) -> dict[str, float]:
+        """The last value of every metric handed to the loggers in this run (what
+        Lightning's ``trainer.logged_metrics`` holds; empty without a logger). In
+        ``on_train_epoch_end`` it has the epoch's values already, as Lightning's."""
+        row = self._epoch_row
+        if row is None or self._on_log_metrics is None:
+            return self._logged_metrics
+        hidden = self._metrics.not_for_logger
+        pending = {k: float(v) for k, v in loops.epoch_row_values(self, row).items() if k not in hidden}
+        return {**self._logged_metrics, **pending}
+
+    @property
+    def loggers(self) -> list:
+        """The enabled logger plugins (those implementing ``on_log_metrics``: ``csv``,
+        ``tensorboard``, ``mlflow``...), in plugin order."""
+        return [p for p in self.plugins if callable(getattr(p, "on_log_metrics", None))]
+
+    @property
+    def logger(self) -> Any:
+        """The first logger plugin, or ``None`` without one."""
+        loggers = self.loggers
+        return loggers[0] if loggers else None
+
+    @property
     def is_global_zero(self) -> bool:
         return self.global_rank == 0
 
@@ -307,6 +392,34 @@ class Trainer:
         if self.world_size == 1:
             return [obj]
         return [self.broadcast(obj if self.global_rank == rank else None, src=rank) for rank in range(self.world_size)]
+
+    def all_gather(self, tensor: torch.Tensor, sync_grads: bool = False) -> torch.Tensor:
+        """Every rank's ``tensor`` (same shape on every rank) stacked along a new first
+        dimension, in rank order, as Lightning's strategies do; in a world of 1 the tensor
+        itself. ``sync_grads=True`` lets gradients flow back through the gather (needs a
+        ``torch.distributed`` strategy)."""
+        if self.world_size == 1:
+            return tensor
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            tensor = tensor.contiguous()
+            if sync_grads:
+                from torch.distributed.nn.functional import all_gather as differentiable_all_gather
+
+                return torch.stack(differentiable_all_gather(tensor))
+            with torch.no_grad():
+                parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+                dist.all_gather(parts, tensor)
+            return torch.stack(parts)
+        if sync_grads:
+            raise ConfigurationError(
+                f"all_gather(..., sync_grads=True) needs a torch.distributed strategy (ddp, fsdp, "
+                f"deepspeed); the strategy {plugin_registry.plugin_name(self.strategy)!r} gathers "
+                f"without gradients: pass sync_grads=False"
+            )
+        parts = self.all_gather_object(tensor.detach().cpu())
+        return torch.stack(parts).to(tensor.device)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on global rank 0 only."""
@@ -438,8 +551,8 @@ class Trainer:
     def _loop_optimizers(self) -> list:
         return loops.loop_optimizers(self)
 
-    def _manual_backward(self, loss: torch.Tensor) -> None:
-        loops.manual_backward(self, loss)
+    def _manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        loops.manual_backward(self, loss, *args, **kwargs)
 
     def _manual_optimizer_step(self, optimizer: Any) -> None:
         loops.manual_optimizer_step(self, optimizer)

@@ -56,6 +56,7 @@ class AMP:
     def setup(self, trainer, stage):
         """Choose the autocast dtype for ``trainer.precision`` and build the scaler."""
         self.scaler, self.dtype, self.device_type, self.skipped_steps = None, None, None, 0
+        self._trainer = trainer  # for backward's trainer.backward_kwargs
         precision = trainer.precision
         if precision == "32":
             return
@@ -114,10 +115,12 @@ class AMP:
 
     @hookloop.hookimpl
     def backward(self, loss):
-        """fp16: backward of the scaled loss. bf16/32: defer to the strategy/default."""
+        """fp16: backward of the scaled loss (with ``trainer.backward_kwargs``, e.g.
+        ``manual_backward``'s ``retain_graph``). bf16/32: defer to the strategy/default."""
         if self.scaler is None:
             return None
-        self.scaler.scale(loss).backward()
+        trainer = self.__dict__.get("_trainer")
+        self.scaler.scale(loss).backward(**(trainer.backward_kwargs if trainer is not None else {}))
         return True
 
     @hookloop.hookimpl

@@ -438,7 +438,8 @@ class DeepSpeedStrategy:
         The loop already divided the loss by ``accumulate_grad_batches``; scaling again
         (DeepSpeed's default) would shrink accumulated gradients twice.
         """
-        self.engine.backward(loss, scale_wrt_gas=False)
+        retain = trainer.backward_kwargs.get("retain_graph")
+        self.engine.backward(loss, scale_wrt_gas=False, **({} if retain is None else {"retain_graph": retain}))
         return True
 
     @hookloop.hookimpl

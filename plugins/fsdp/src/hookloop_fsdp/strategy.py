@@ -421,9 +421,9 @@ class _GradScaling:
         self.skipped_steps = 0
 
     @hookloop.hookimpl
-    def backward(self, loss):
+    def backward(self, trainer, loss):
         """Backpropagate the scaled loss."""
-        self.scaler.scale(loss).backward()
+        self.scaler.scale(loss).backward(**trainer.backward_kwargs)
         return True
 
     @hookloop.hookimpl

@@ -1,0 +1,63 @@
+"""Lightning's rank-zero helpers: ``rank_zero_only``, ``rank_zero_info``, ``rank_zero_warn``.
+
+``from lightning.pytorch.utilities import rank_zero_only`` becomes
+``from hookloop.utilities import rank_zero_only`` (also ``from hookloop import ...``).
+``rank_zero_only.rank`` is the process's global rank: read from the launcher's
+environment (``RANK``, else ``SLURM_PROCID``, else ``LOCAL_RANK``, else 0) at import, and
+set by every run once its ranks are known, as Lightning does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from functools import wraps
+from typing import Any, Callable
+
+log = logging.getLogger("hookloop")
+
+
+def _rank_from_environment() -> int:
+    for key in ("RANK", "SLURM_PROCID", "LOCAL_RANK"):
+        value = os.environ.get(key)
+        if value is not None and value.strip().isdigit():
+            return int(value)
+    return 0
+
+
+def rank_zero_only(fn: Callable, default: Any = None) -> Callable:
+    """Decorate ``fn`` to run on global rank 0 only; other ranks get ``default``."""
+
+    @wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if rank_zero_only.rank == 0:
+            return fn(*args, **kwargs)
+        return default
+
+    return wrapped
+
+
+rank_zero_only.rank = _rank_from_environment()
+
+
+@rank_zero_only
+def rank_zero_info(*args: Any, stacklevel: int = 4, **kwargs: Any) -> None:
+    """``logging.getLogger("hookloop").info(...)`` on global rank 0 only (Lightning logs
+    these at info level too)."""
+    log.info(*args, stacklevel=stacklevel, **kwargs)
+
+
+@rank_zero_only
+def rank_zero_debug(*args: Any, stacklevel: int = 4, **kwargs: Any) -> None:
+    """``logging.getLogger("hookloop").debug(...)`` on global rank 0 only."""
+    log.debug(*args, stacklevel=stacklevel, **kwargs)
+
+
+@rank_zero_only
+def rank_zero_warn(message: Any, stacklevel: int = 4, **kwargs: Any) -> None:
+    """``warnings.warn(message, ...)`` on global rank 0 only."""
+    warnings.warn(message, stacklevel=stacklevel, **kwargs)
+
+
+__all__ = ["rank_zero_debug", "rank_zero_info", "rank_zero_only", "rank_zero_warn"]
