@@ -160,7 +160,7 @@ def _csv_step(case, mode, light, hook) -> bool:
     shifted = [[s - 1 if e is not None else s, e, k, v] for s, e, k, v in hook["csv"]]
     hook["csv"] = sorted(shifted, key=lambda r: (r[0], -1 if r[1] is None else r[1], r[2], r[3]))
     train_steps = {s for s, e, k, v in light["csv"] if e is not None}
-    return bool(train_steps) and train_steps == {s for s, e, k, v in hook["csv"]}
+    return bool(train_steps) and train_steps == {s for s, e, k, v in hook["csv"] if e is not None}
 
 
 def _predictions_gathered(case, mode, light, hook) -> bool:
