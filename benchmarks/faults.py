@@ -8,7 +8,9 @@ trained twice (steps lost: trained by the faulted attempt after its last checkpo
 whether the final weights equal the uninterrupted run's bit for bit.
 
 * ``kill``: rank 1 SIGKILLs itself after step 3 (last checkpoint: step 2);
-* ``term``: rank 1 receives SIGTERM after step 3 (preemption: checkpoint at the boundary);
+* ``term``: rank 1 receives SIGTERM after step 3 (preemption: checkpoint at the next
+  boundary the ranks agree on, one step after the signal since the agreement is
+  asynchronous: no steps are lost, one more is trained before the stop);
 * ``term-agent``: the agent receives SIGTERM after step 3; the job ends with a checkpoint
   and is run again with ``ckpt_path="last"``;
 * ``stop``: rank 1 is SIGSTOPped after step 3; ``process_group_timeout=5`` s.
