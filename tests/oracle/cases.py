@@ -581,7 +581,7 @@ CASES = {
     "hook_order": (case_hook_order, ("one", "ddp")),
     "log_hooks": (case_log_hooks, ("one", "ddp")),
     "optimization": (case_optimization, ("one", "ddp")),
-    "loop_control": (case_loop_control, ("one",)),
+    "loop_control": (case_loop_control, ("one", "ddp")),
     "manual": (case_manual, ("one",)),  # two models, one unused per backward: ddp needs find_unused_parameters
     "evaluation": (case_evaluation, ("one", "ddp")),
     "validation_rng": (case_validation_rng, ("one",)),
