@@ -139,6 +139,12 @@ def _init_arguments(frame: Any) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------
 
 
+def _trainer_value(module: Any, name: str, default: Any = 0) -> Any:
+    """``module.trainer.<name>`` during a run, ``default`` outside one (no error)."""
+    trainer = module.__dict__.get("_hookloop_trainer")
+    return getattr(trainer, name) if trainer is not None else default
+
+
 class Module(HyperparametersMixin, nn.Module):
     """Base class for training modules: ``nn.Module`` plus Lightning's module API.
 
@@ -178,26 +184,22 @@ class Module(HyperparametersMixin, nn.Module):
 
     @property
     def current_epoch(self) -> int:
-        trainer = self.__dict__.get("_hookloop_trainer")
-        return trainer.current_epoch if trainer is not None else 0
+        return _trainer_value(self, "current_epoch")
 
     @property
     def global_step(self) -> int:
         """Optimizer steps taken so far (every optimizer's, under manual optimization)."""
-        trainer = self.__dict__.get("_hookloop_trainer")
-        return trainer.global_step if trainer is not None else 0
+        return _trainer_value(self, "global_step")
 
     @property
     def global_rank(self) -> int:
         """This process's rank among all processes (0 outside a run)."""
-        trainer = self.__dict__.get("_hookloop_trainer")
-        return trainer.global_rank if trainer is not None else 0
+        return _trainer_value(self, "global_rank")
 
     @property
     def local_rank(self) -> int:
         """This process's rank on its node (0 outside a run)."""
-        trainer = self.__dict__.get("_hookloop_trainer")
-        return trainer.local_rank if trainer is not None else 0
+        return _trainer_value(self, "local_rank")
 
     @property
     def loggers(self) -> list:
