@@ -39,6 +39,8 @@ TRAIN, VALIDATE, TEST, PREDICT = "train", "validate", "test", "predict"
 STEP_METHODS = {TRAIN: "training_step", VALIDATE: "validation_step", TEST: "test_step", PREDICT: "predict_step"}
 #: the prefix of each evaluation stage's events (``on_validation_start`` ...)
 EVENT_PREFIX = {VALIDATE: "validation", TEST: "test", PREDICT: "predict"}
+#: the trainer attribute with each stage's per-loader batch counts: num_<this>_batches
+EVAL_COUNT = {VALIDATE: "val", TEST: "test"}
 #: the ``stage`` argument of ``setup``/``teardown`` for each entry point
 SETUP_STAGE = {"fit": "fit", VALIDATE: "validate", TEST: "test", PREDICT: "predict"}
 
@@ -531,6 +533,8 @@ def fit(trainer) -> None:
                 f"validation_step(batch, batch_idx)"
             )
         trainer._train_batch_size = _per_device_batch(train_loader)  # saved in checkpoints' loop state
+        # Lightning's: known from setup on (progress bars read it at on_train_start)
+        trainer.num_training_batches = batch_limit(train_loader, config.limit_train_batches, "limit_train_batches")
         if trainer._ckpt_path is not None:
             restore(trainer, trainer._ckpt_path, train_loader=train_loader)
         else:
@@ -540,6 +544,11 @@ def fit(trainer) -> None:
         hook.on_fit_start(trainer=trainer)
         if val_loaders and config.num_sanity_val_steps and validation.enabled:
             _sanity_check(trainer, val_loaders)
+        if trainer.should_stop:
+            # Lightning's skip: stopped before training (a Timer whose time is up at fit
+            # start): no training events, no epoch.
+            hook.on_fit_end(trainer=trainer)
+            return
         metrics = trainer._metrics
         fresh_epoch = not trainer.batch_idx and trainer._loop_stage != "epoch_end"
         if fresh_epoch:
@@ -1123,6 +1132,10 @@ def evaluate(trainer, stage: str, loaders: list, limit: Any, publish: bool = Tru
     forward = _forward(trainer, stage, len(loaders))
     model.eval()
     metrics.start(stage)
+    # Lightning's per-loader batch counts, for progress bars (num_val_batches, ...)
+    limit_name = f"limit_{'val' if stage == VALIDATE else stage}_batches"
+    counts = [batch_limit(loader, limit, limit_name) for loader in loaders]
+    setattr(trainer, "num_sanity_val_batches" if trainer.sanity_checking else f"num_{EVAL_COUNT[stage]}_batches", counts)
     try:
         getattr(hook, f"on_{prefix}_start")(trainer=trainer)
         _epoch_level_event(trainer, f"on_{prefix}_epoch_start")
@@ -1234,6 +1247,8 @@ def run_predict(trainer) -> Any:
         model.eval()
         metrics.stage = PREDICT
         per_loader: list[list] = []
+        trainer.num_predict_batches = [batch_limit(loader, trainer.config.limit_predict_batches, "limit_predict_batches")
+                                       for loader in loaders]
         try:
             hook.on_predict_start(trainer=trainer)
             _epoch_level_event(trainer, "on_predict_epoch_start")
