@@ -46,7 +46,10 @@ from .observers.checkpoint import ModelCheckpoint
 from .observers.csvlog import CSVLogger
 from .observers.early_stopping import EarlyStopping
 from .observers.lr_monitor import LearningRateMonitor
+from .observers.bars import RichProgressBar, RichProgressBarTheme, TQDMProgressBar
+from .observers.model_summary import ModelSummary
 from .observers.progress import ProgressBar
+from .observers.timer import Timer
 from .optim import SchedulerConfig, before_optimizer_step, schedulers_of
 from .plugins import installed_plugins, resolve as plugin
 from .trainer import Trainer, default
@@ -66,13 +69,18 @@ __all__ = [
     "HookloopError",
     "LearningRateMonitor",
     "ModelCheckpoint",
+    "ModelSummary",
     "MissingDependencyError",
     "Module",
     "PluginConflictError",
     "PluginNotFoundError",
     "PluginValidationError",
     "ProgressBar",
+    "RichProgressBar",
+    "RichProgressBarTheme",
     "SchedulerConfig",
+    "TQDMProgressBar",
+    "Timer",
     "Trainer",
     "TrainerConfig",
     "apply_to_tensors",

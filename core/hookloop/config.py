@@ -54,6 +54,8 @@ class TrainerConfig:
     overfit_batches: int | float = 0
     log_every_n_steps: int = 50
     enable_progress_bar: bool = True
+    #: print the model summary table at fit start (the ``model_summary`` observer)
+    enable_model_summary: bool = True
     logger: bool = True
     use_distributed_sampler: bool = True
     autoload_plugins: bool = False
@@ -62,6 +64,11 @@ class TrainerConfig:
     process_group_timeout: float | None = None
     #: after a SIGTERM checkpoint, global rank 0 runs `scontrol requeue $SLURM_JOB_ID`
     requeue_on_preemption: bool = False
+    #: Lightning's: torch.backends.cudnn.benchmark for the process (None: left as it is;
+    #: False when ``deterministic``)
+    benchmark: bool | None = None
+    #: Lightning's: torch.use_deterministic_algorithms (True, False, "warn"; None: left as it is)
+    deterministic: bool | str | None = None
 
     def validate(self) -> None:
         """Check every value and normalise aliases; raise ``ConfigurationError``."""
@@ -151,11 +158,40 @@ class TrainerConfig:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ConfigurationError(f"{name}={value!r} must be True or False")
+        if self.benchmark is not None and not isinstance(self.benchmark, bool):
+            raise ConfigurationError(f"benchmark={self.benchmark!r} must be True, False or None (leave cudnn's setting)")
+        if self.deterministic is not None and not isinstance(self.deterministic, bool) and self.deterministic != "warn":
+            raise ConfigurationError(
+                f"deterministic={self.deterministic!r} must be True, False, 'warn' (warn on nondeterministic "
+                f"operations instead of failing) or None (leave torch's setting)")
         if not _is_int(self.max_restarts) or self.max_restarts < 0:
             raise ConfigurationError(f"max_restarts={self.max_restarts!r} must be an integer >= 0")
         if not isinstance(self.default_root_dir, (str, os.PathLike)):
             raise ConfigurationError(f"default_root_dir={self.default_root_dir!r} must be a path (a str or os.PathLike)")
         self.num_processes()  # validates devices
+
+    def apply_torch_flags(self) -> None:
+        """Lightning's ``benchmark`` and ``deterministic``: set torch's process-wide flags."""
+        import warnings
+
+        import torch
+
+        benchmark, deterministic = self.benchmark, self.deterministic
+        if deterministic:
+            if benchmark is None:
+                benchmark = False  # cudnn's autotuner picks algorithms by timing
+            elif benchmark:
+                warnings.warn("You passed `deterministic=True` and `benchmark=True`. Note that PyTorch ignores "
+                              "torch.backends.cudnn.deterministic=True when torch.backends.cudnn.benchmark=True.",
+                              stacklevel=3)
+        if benchmark is not None:
+            torch.backends.cudnn.benchmark = benchmark
+        if deterministic == "warn":
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        elif isinstance(deterministic, bool):
+            torch.use_deterministic_algorithms(deterministic)
+        if deterministic:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # cuBLAS's reproducibility setting
 
     def num_processes(self) -> int:
         """Processes per node that ``devices`` asks for."""
@@ -164,7 +200,7 @@ class TrainerConfig:
 
 
 #: the on/off settings, checked to be real booleans
-_SWITCHES = ("enable_checkpointing", "enable_progress_bar", "logger", "use_distributed_sampler",
+_SWITCHES = ("enable_checkpointing", "enable_progress_bar", "enable_model_summary", "logger", "use_distributed_sampler",
              "autoload_plugins", "requeue_on_preemption")
 
 

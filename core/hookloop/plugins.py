@@ -442,7 +442,13 @@ def _checkpoint():
 #: The core's own observers a run gets by default (imported, not looked up as entry
 #: points: they are part of the core). Also registered as entry points of the core
 #: distribution, so `hookloop plugins` lists them and they can be named.
-BUILTIN_OBSERVERS = {"progress": _progress, "csv": _csv, "checkpoint": _checkpoint}
+def _model_summary():
+    from .observers.model_summary import ModelSummary
+
+    return ModelSummary
+
+
+BUILTIN_OBSERVERS = {"progress": _progress, "csv": _csv, "checkpoint": _checkpoint, "model_summary": _model_summary}
 
 
 def default_precision_plugin(chosen: list[Any], precision: str) -> list[Any]:

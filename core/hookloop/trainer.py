@@ -149,12 +149,15 @@ class Trainer:
         overfit_batches: int | float = _UNSET,
         log_every_n_steps: int = _UNSET,
         enable_progress_bar: bool = _UNSET,
+        enable_model_summary: bool = _UNSET,
         logger: bool = _UNSET,
         use_distributed_sampler: bool = _UNSET,
         autoload_plugins: bool = _UNSET,
         plugin_options: dict = _UNSET,
         process_group_timeout: float | None = _UNSET,
         requeue_on_preemption: bool = _UNSET,
+        benchmark: bool | None = _UNSET,
+        deterministic: bool | str | None = _UNSET,
     ):
         given = {k: v for k, v in locals().items() if k in _CONFIG_FIELDS and v is not _UNSET}
         # hookloop.default(x): the script's own fallback, which `hookloop run` options override.
@@ -178,6 +181,8 @@ class Trainer:
             settings["autoload_plugins"] = os.environ.get("HOOKLOOP_AUTOLOAD_PLUGINS", "") in ("1", "true", "yes")
         self.config = TrainerConfig(**settings)
         self.config.validate()
+        _check_progress_bars(in_code, self.config)
+        self.config.apply_torch_flags()
         if self.config.fast_dev_run:
             print(
                 f"hookloop: fast_dev_run: {self.config.max_steps} batch(es) of every loop, one "
@@ -608,15 +613,31 @@ class Trainer:
 
 def _builtin_observers(config: TrainerConfig) -> list[str]:
     """The observers every run gets unless blocked (``no:NAME``) or turned off, as pytest
-    ships its terminal reporter: the progress bar, the CSV logger, the checkpoints."""
+    ships its terminal reporter: the progress bar, the model summary, the CSV logger, the
+    checkpoints."""
     names = []
     if config.enable_progress_bar:
         names.append("progress")
+    if config.enable_model_summary:
+        names.append("model_summary")
     if config.logger:
         names.append("csv")
     if config.enable_checkpointing:
         names.append("checkpoint")
     return names
+
+
+def _check_progress_bars(in_code: list, config: TrainerConfig) -> None:
+    """Lightning's rule: one progress bar, and none with ``enable_progress_bar=False``."""
+    bars = [p for p in in_code if not isinstance(p, str) and plugin_registry.plugin_name(p) == "progress"]
+    if len(bars) > 1:
+        raise ConfigurationError(
+            f"callbacks hold {len(bars)} progress bars ({', '.join(type(b).__name__ for b in bars)}), and a run "
+            f"draws one: keep one of them")
+    if bars and not config.enable_progress_bar:
+        raise ConfigurationError(
+            f"Trainer was configured with `enable_progress_bar=False` but found `{type(bars[0]).__name__}` in "
+            f"callbacks list: remove the bar, or leave enable_progress_bar at True")
 
 
 # Module-level (not lambdas): a spawn-based strategy pickles the function it runs.

@@ -1,0 +1,199 @@
+"""``timer`` (opt-in): Lightning's Timer callback.
+
+Tracks the time spent in training, validation and testing, and stops ``fit`` once the
+training time reaches ``duration``: checked at fit start (a resumed run whose time is
+already up trains nothing), then after every training batch (``interval="step"``) or at
+every epoch's end (``interval="epoch"``), as Lightning 2.6 does. Rank 0's clock decides
+for every rank. The elapsed training time is saved in checkpoints and resumed.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from datetime import timedelta
+from typing import Any
+
+import hookloop
+
+#: Lightning's RunningStage values: the stages whose times are kept
+STAGES = ("train", "sanity_check", "validate", "test", "predict")
+
+
+def parse_duration(duration: Any) -> float | None:
+    """``"DD:HH:MM:SS"``, a ``timedelta`` or a dict of ``timedelta`` arguments, in seconds."""
+    if duration is None:
+        return None
+    if isinstance(duration, str):
+        match = re.fullmatch(r"(\d+):(\d\d):(\d\d):(\d\d)", duration.strip())
+        if not match:
+            raise hookloop.ConfigurationError(
+                f"Timer(duration={duration!r}) is not a valid duration: give a string DD:HH:MM:SS "
+                f"(e.g. '00:12:00:00' for 12 hours), a datetime.timedelta or a dict such as {{'hours': 12}}")
+        days, hours, minutes, seconds = (int(g) for g in match.groups())
+        duration = timedelta(days=days, hours=hours, minutes=minutes, seconds=seconds)
+    elif isinstance(duration, dict):
+        try:
+            duration = timedelta(**duration)
+        except TypeError as exc:
+            raise hookloop.ConfigurationError(
+                f"Timer(duration={duration!r}): {exc}; the keys are datetime.timedelta's (weeks, days, hours, "
+                f"minutes, seconds, milliseconds, microseconds)") from None
+    if not isinstance(duration, timedelta):
+        raise hookloop.ConfigurationError(
+            f"Timer(duration={duration!r}) must be a string DD:HH:MM:SS, a datetime.timedelta, a dict of "
+            f"timedelta arguments, or None")
+    return duration.total_seconds()
+
+
+class Timer:
+    """Stop training after ``duration``; report the time spent per stage.
+
+    duration: "DD:HH:MM:SS", a ``datetime.timedelta`` or a dict (``{"hours": 12}``); None:
+        only measure
+    interval: "step" (check after every training batch) or "epoch" (at every epoch's end)
+    verbose: say on rank 0 when the time is up
+    """
+
+    hookloop_name = "timer"
+    hookloop_role = "observer"
+
+    def __init__(self, duration: Any = None, interval: str = "step", verbose: bool = True):
+        if interval not in ("step", "epoch"):
+            raise hookloop.ConfigurationError(
+                f"Timer(interval={interval!r}) is not supported: the choices are 'step' and 'epoch'")
+        self._duration = parse_duration(duration)
+        self._interval = interval
+        self._verbose = verbose
+        self._start_time: dict[str, float | None] = dict.fromkeys(STAGES)
+        self._end_time: dict[str, float | None] = dict.fromkeys(STAGES)
+        self._offset = 0.0
+        self._per_step: Any = None
+
+    # -- Lightning's queries ----------------------------------------------------------------
+
+    def start_time(self, stage: str = "train") -> float | None:
+        """When ``stage`` last started (``time.monotonic()`` seconds), or None."""
+        return self._start_time[_stage(stage)]
+
+    def end_time(self, stage: str = "train") -> float | None:
+        """When ``stage`` last ended (``time.monotonic()`` seconds), or None."""
+        return self._end_time[_stage(stage)]
+
+    def time_elapsed(self, stage: str = "train") -> float:
+        """Seconds spent in ``stage`` (training: with the time resumed from a checkpoint)."""
+        stage = _stage(stage)
+        start, end = self._start_time[stage], self._end_time[stage]
+        offset = self._offset if stage == "train" else 0
+        if start is None:
+            return offset
+        return (time.monotonic() if end is None else end) - start + offset
+
+    def time_remaining(self, stage: str = "train") -> float | None:
+        """Seconds left of ``duration`` (None without one)."""
+        if self._duration is None:
+            return None
+        return self._duration - self.time_elapsed(stage)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"time_elapsed": {stage: self.time_elapsed(stage) for stage in STAGES}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._offset = state_dict.get("time_elapsed", {}).get("train", 0)
+
+    # -- the run ----------------------------------------------------------------------------
+
+    @hookloop.hookimpl
+    def setup(self, trainer):
+        # Only a step-interval timer with a duration pays a call per batch.
+        if self._duration is not None and self._interval == "step" and self._per_step is None:
+            self._per_step = _StepCheck(self)
+            trainer.plugin_manager.register(self._per_step, name="timer.step_check")
+
+    @hookloop.hookimpl
+    def teardown(self, trainer):
+        per_step, self._per_step = self._per_step, None
+        if per_step is not None:
+            trainer.plugin_manager.unregister(per_step)
+
+    @hookloop.hookimpl
+    def on_fit_start(self, trainer):
+        # After a checkpoint's state is restored: a run whose time is up trains nothing.
+        if self._duration is not None:
+            self._check(trainer)
+
+    @hookloop.hookimpl
+    def on_train_start(self):
+        self._start_time["train"] = time.monotonic()
+
+    @hookloop.hookimpl
+    def on_train_end(self):
+        self._end_time["train"] = time.monotonic()
+
+    @hookloop.hookimpl
+    def on_train_epoch_end(self, trainer):
+        if self._interval == "epoch" and self._duration is not None:
+            self._check(trainer)
+
+    @hookloop.hookimpl
+    def on_validation_start(self, trainer):
+        self._start_time["sanity_check" if trainer.sanity_checking else "validate"] = time.monotonic()
+
+    @hookloop.hookimpl
+    def on_validation_end(self, trainer):
+        self._end_time["sanity_check" if trainer.sanity_checking else "validate"] = time.monotonic()
+
+    @hookloop.hookimpl
+    def on_test_start(self):
+        self._start_time["test"] = time.monotonic()
+
+    @hookloop.hookimpl
+    def on_test_end(self):
+        self._end_time["test"] = time.monotonic()
+
+    @hookloop.hookimpl
+    def on_predict_start(self):
+        self._start_time["predict"] = time.monotonic()
+
+    @hookloop.hookimpl
+    def on_predict_end(self):
+        self._end_time["predict"] = time.monotonic()
+
+    @hookloop.hookimpl
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["plugins"]["timer"] = self.state_dict()
+
+    @hookloop.hookimpl
+    def on_load_checkpoint(self, checkpoint):
+        state = checkpoint.get("plugins", {}).get("timer")
+        if state:
+            self.load_state_dict(state)
+
+    def _check(self, trainer) -> None:
+        stop = self.time_elapsed() >= self._duration
+        stop = trainer.broadcast(stop, 0)  # rank 0's clock decides for every rank
+        trainer.should_stop = trainer.should_stop or stop
+        if stop and self._verbose:
+            elapsed = timedelta(seconds=int(self.time_elapsed("train")))
+            trainer.print(f"Time limit reached. Elapsed time is {elapsed}. Signaling Trainer to stop.", flush=True)
+
+
+class _StepCheck:
+    """The per-batch half of :class:`Timer`: registered only for ``interval="step"`` with
+    a duration."""
+
+    hookloop_role = "observer"
+
+    def __init__(self, timer: Timer):
+        self.timer = timer
+
+    @hookloop.hookimpl
+    def on_train_batch_end(self, trainer):
+        self.timer._check(trainer)
+
+
+def _stage(stage: Any) -> str:
+    stage = getattr(stage, "value", stage)
+    if stage not in STAGES:
+        raise hookloop.ConfigurationError(f"Timer: unknown stage {stage!r}; the stages are {', '.join(STAGES)}")
+    return stage
