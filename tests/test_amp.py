@@ -291,7 +291,7 @@ def test_strategy_that_owns_precision_gets_it_and_amp_steps_aside(capsys):
 
 def test_precision_owner_means_amp_is_not_auto_enabled():
     trainer = hookloop.Trainer(plugins=[OwnsPrecision()], precision="16-mixed")
-    assert [p.hookloop_name for p in trainer.plugins] == ["owner", "progress", "csv", "checkpoint"]
+    assert [p.hookloop_name for p in trainer.plugins] == ["owner", "progress", "model_summary", "csv", "checkpoint"]
 
 
 def test_true_half_precision_is_refused_without_an_owning_strategy():

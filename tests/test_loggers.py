@@ -109,7 +109,7 @@ def test_tensorboard_hparams_flattened_with_the_metrics(tensorboard_run):
     assert values["trainer/log_every_n_steps"] == 1
     assert values["module/lr"] == pytest.approx(0.05)
     assert values["module/fail_at_epoch"] == "None"
-    assert values["trainer/plugins"] == str(["tensorboard", "csv", "checkpoint"])
+    assert values["trainer/plugins"] == str(["tensorboard", "model_summary", "csv", "checkpoint"])
     metrics = {m.name.tag for m in hparams["experiment"].experiment.metric_infos}
     assert metrics == {"train_loss", "batch_idx", "procs", "epoch_number", "val_const"}
     assert {info.name for info in hparams["experiment"].experiment.hparam_infos} == set(values)
