@@ -134,7 +134,7 @@ def test_bf16_matches_hand_written_autocast_loop():
 
 def test_precision_alone_enables_amp():
     trainer = hookloop.Trainer(precision="bf16")
-    assert [type(p).__name__ for p in trainer.plugins] == ["ProgressBar", "CSVLogger", "ModelCheckpoint", "AMP"]
+    assert [type(p).__name__ for p in trainer.plugins] == ["ProgressBar", "ModelSummary", "CSVLogger", "ModelCheckpoint", "AMP"]
     assert trainer.precision == "bf16-mixed"
     assert not hookloop.Trainer().has_plugin("precision")  # fp32 enables no precision plugin
 

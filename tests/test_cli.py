@@ -33,7 +33,7 @@ def test_run_options_become_trainer_defaults(tmp_path):
     # code wins (max_epochs=7), the CLI wins over hookloop.default (root), default fills the rest.
     # One plain interpreter is not a launched worker: a Trainer in it may still launch some.
     assert cfg == {"max_epochs": 7, "limit": 5, "accumulate": 4, "root": "out", "worker": None,
-                   "plugins": ["ProgressBar", "CSVLogger", "ModelCheckpoint"]}
+                   "plugins": ["ProgressBar", "ModelSummary", "CSVLogger", "ModelCheckpoint"]}
 
 
 def test_run_passes_script_arguments(tmp_path):

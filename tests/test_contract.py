@@ -99,7 +99,7 @@ def test_code_plugins_and_run_plugins_combine(tmp_path, third_party):
     script: all three are used (the command-line ones were dropped)."""
     out = run_script(tmp_path, third_party, "[InCode()]", ["--plugins", "localsgd,csvlog", "--devices", "2"])
     lines = sorted(re.findall(r"RANK\d strategy=\w+ plugins=\[[^\]]*\]", out.stdout))
-    assert lines == [f"RANK{r} strategy=LocalSGD plugins=['csv', 'csvlog', 'in_code', 'localsgd', 'progress']" for r in (0, 1)]
+    assert lines == [f"RANK{r} strategy=LocalSGD plugins=['csv', 'csvlog', 'in_code', 'localsgd', 'model_summary', 'progress']" for r in (0, 1)]
     for r in (0, 1):
         assert len((tmp_path / f"csvlog.rank{r}.csv").read_text().splitlines()) == 2
 
@@ -107,7 +107,7 @@ def test_code_plugins_and_run_plugins_combine(tmp_path, third_party):
 def test_a_strategy_in_code_replaces_the_command_lines_and_says_so_once(tmp_path, third_party):
     out = run_script(tmp_path, third_party, "[InCode(), 'ddp']", ["--plugins", "localsgd,csvlog", "--devices", "2"])
     lines = sorted(re.findall(r"RANK\d strategy=\w+ plugins=\[[^\]]*\]", out.stdout))
-    assert lines == [f"RANK{r} strategy=DDP plugins=['csv', 'csvlog', 'ddp', 'in_code', 'progress']" for r in (0, 1)]
+    assert lines == [f"RANK{r} strategy=DDP plugins=['csv', 'csvlog', 'ddp', 'in_code', 'model_summary', 'progress']" for r in (0, 1)]
     note = "the strategy 'ddp' named in code replaces 'localsgd' from --plugins / HOOKLOOP_PLUGINS"
     assert out.stdout.count(note) == 2  # once per process (each rank builds its Trainer)
 

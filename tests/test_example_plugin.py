@@ -43,7 +43,7 @@ SCRIPT = textwrap.dedent(
     # And by plain name, as `--plugins ema` / HOOKLOOP_PLUGINS would do.
     named = hookloop.Trainer(plugins=["ema"], max_epochs=1, enable_checkpointing=False,
                              enable_progress_bar=False, logger=False)
-    assert [type(p).__name__ for p in named.plugins] == ["EMA"]
+    assert [type(p).__name__ for p in named.plugins] == ["EMA", "ModelSummary"]
     print("EMA-OK")
     """
 )
