@@ -37,17 +37,20 @@ def _load(framework: str, monkeypatch):
     return module
 
 
-def _build(framework: str, monkeypatch, args, **kwargs):
-    """``CLI(Net, Data, run=False, args=args)`` under ``framework``; its config sections."""
+def _build(framework: str, monkeypatch, args, run: bool = False, extend=None, **kwargs):
+    """``CLI(Net, Data, run=run, args=args)`` under ``framework`` (``extend(CLI)``: a
+    subclass of the script's CLI to use); the CLI and its config sections."""
     mod = _load(framework, monkeypatch)
     monkeypatch.setattr(sys, "argv", [str(SCRIPT)])
     if framework == "lightning":
         import warnings
 
         warnings.filterwarnings("ignore")
-    cli = mod.CLI(mod.Net, mod.Data, run=False, args=args,
-                  trainer_defaults={"accelerator": "cpu", "enable_progress_bar": False, "logger": False}, **kwargs)
-    return cli, {k: _plain(cli.config.get(k)) for k in SECTIONS}
+    cls = extend(mod.CLI) if extend else mod.CLI
+    cli = cls(mod.Net, mod.Data, run=run, args=args,
+              trainer_defaults={"accelerator": "cpu", "enable_progress_bar": False, "logger": False}, **kwargs)
+    config = cli.config.get(str(cli.subcommand), cli.config)
+    return cli, {k: _plain(config.get(k)) for k in SECTIONS}
 
 
 def _plain(value):
@@ -116,6 +119,61 @@ def test_args_dict_and_run_false_build_the_objects(monkeypatch):
     light = got["lightning"][0].model
     for a, b in zip(light.parameters(), cli.model.parameters()):
         assert (a.detach() - b.detach()).abs().max() < 1e-7
+
+
+def test_validate_test_predict_subcommands_call_hooks_and_give_lightnings_numbers(monkeypatch):
+    def extend(base):
+        class Recording(base):
+            calls: list = []
+
+            def before_instantiate_classes(self):
+                self.calls.append("before_instantiate_classes")
+
+            def after_instantiate_classes(self):
+                self.calls.append("after_instantiate_classes")
+
+            def before_validate(self):
+                self.calls.append("before_validate")
+
+            def after_validate(self):
+                self.calls.append("after_validate")
+
+            def before_test(self):
+                self.calls.append("before_test")
+
+            def after_test(self):
+                self.calls.append("after_test")
+
+            def predict(self, **kwargs):  # a CLI method of the sub-command's name replaces the Trainer's
+                self.calls.append("predict")
+                self.predictions = self.trainer.predict(**kwargs)
+
+        Recording.calls = []
+        return Recording
+
+    got: dict = {}
+    for sub in ("validate", "test", "predict"):
+        for fw in ("lightning", "hookloop"):
+            cli, sections = _build(fw, monkeypatch, [sub, "--seed_everything", "2", "--model.hidden", "5"], run=True,
+                                   extend=extend, save_config_kwargs={"overwrite": True})
+            if sub == "predict":
+                value = torch_cat(cli.predictions)
+            else:
+                value = {k: float(v) for k, v in cli.trainer.callback_metrics.items()}
+            got[sub, fw] = (value, cli.calls, sections)
+        (light, light_calls, light_cfg), (hook, hook_calls, hook_cfg) = got[sub, "lightning"], got[sub, "hookloop"]
+        assert hook_calls == light_calls and hook_cfg == light_cfg
+        if sub == "predict":
+            assert light_calls[-1] == "predict" and (light - hook).abs().max() < 1e-6
+        else:
+            assert light_calls[-2:] == [f"before_{sub}", f"after_{sub}"]
+            _close(light, hook)
+
+
+def torch_cat(batches):
+    import torch
+
+    return torch.cat([b.detach() for b in batches])
 
 
 def test_unknown_model_argument_is_jsonargparses_error(monkeypatch, capsys):

@@ -51,6 +51,9 @@ class Net(LightningModule):
         self.log("test_loss", F.cross_entropy(logits, y))
         self.log("test_acc", (logits.argmax(-1) == y).float().mean())
 
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum)
 
@@ -83,6 +86,9 @@ class Data(LightningDataModule):
         return DataLoader(self.val_set, batch_size=self.batch_size)
 
     def test_dataloader(self):
+        return DataLoader(self.val_set, batch_size=self.batch_size)
+
+    def predict_dataloader(self):
         return DataLoader(self.val_set, batch_size=self.batch_size)
 
 
