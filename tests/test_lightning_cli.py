@@ -286,3 +286,29 @@ def test_without_jsonargparse_the_error_names_the_extra(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "pip install 'hookloop[cli]'" in proc.stdout
+
+
+def test_trainer_plugins_from_names_class_paths_and_trainer_defaults(monkeypatch, tmp_path):
+    import hookloop
+
+    config = tmp_path / "callbacks.yaml"
+    config.write_text(yaml.safe_dump({"trainer": {"callbacks": [
+        {"class_path": "hookloop.EarlyStopping", "init_args": {"monitor": "val_loss", "patience": 1}}]}}))
+    mod = _load("hookloop", monkeypatch)
+    monkeypatch.setattr(sys, "argv", [str(SCRIPT)])
+
+    class Marker:
+        hookloop_name, hookloop_role = "marker", "observer"
+
+    marker = Marker()
+    cli = mod.CLI(mod.Net, mod.Data, run=False, trainer_defaults={"callbacks": marker, "max_epochs": 4},
+                  args=["--config", str(config), "--trainer.plugins", "csv,lr_monitor"])
+    plugins = cli.trainer.plugins
+    kinds = [type(p).__name__ for p in plugins]
+    assert {"CSVLogger", "LearningRateMonitor", "EarlyStopping", "SaveConfigCallback"} <= set(kinds)
+    assert marker in plugins and cli.trainer.config.max_epochs == 4
+    (stopper,) = [p for p in plugins if isinstance(p, hookloop.EarlyStopping)]
+    assert stopper.patience == 1
+    # as Lightning: no config saved by a fast_dev_run
+    cli = mod.CLI(mod.Net, mod.Data, run=False, args=["--trainer.fast_dev_run", "true"])
+    assert "SaveConfigCallback" not in [type(p).__name__ for p in cli.trainer.plugins]

@@ -428,7 +428,19 @@ class LightningCLI:
 
     def instantiate_classes(self) -> None:
         """Instantiate the module, the data module and the Trainer from ``self.config``."""
-        self.config_init = self.parser.instantiate_classes(self.config)
+        # jsonargparse >= 4.49 names it instantiate (instantiate_classes is deprecated there)
+        instantiate = getattr(self.parser, "instantiate", None) or self.parser.instantiate_classes
+        # The Trainer's plugins/callbacks/strategy are typed Any: their {class_path, ...}
+        # entries are made here (_plugin_specs), not by jsonargparse, which deprecates
+        # instantiating specs given for Any.
+        prefix = f"{self.subcommand}.trainer." if self.subcommand else "trainer."
+        config, held = self.config.clone(), {}
+        for key in ("plugins", "callbacks", "strategy"):
+            if config.get(prefix + key) is not None:
+                held[key], config[prefix + key] = config[prefix + key], None
+        self.config_init = instantiate(config)
+        for key, value in held.items():
+            self.config_init[prefix + key] = value
         self.datamodule = self._get(self.config_init, "data")
         self.model = self._get(self.config_init, "model")
         self._add_configure_optimizers_method_to_model(self.subcommand)
