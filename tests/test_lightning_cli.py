@@ -222,7 +222,7 @@ def test_subclass_mode_model_takes_a_class_path(tmp_path):
 # -- running ------------------------------------------------------------------------------
 
 def test_fit_then_test_give_lightnings_numbers_and_save_the_config(tmp_path):
-    args = ["fit", "--trainer.max_epochs", "3", "--seed_everything", "3", "--data.batch_size", "16",
+    args = ["fit", "--trainer.max_epochs", "3", "--seed_everything", "3", "--data.batch_size", "16", "--model.hidden", "5",
             "--optimizer", "Adam", "--optimizer.lr", "0.01", "--lr_scheduler", "StepLR",
             "--lr_scheduler.step_size", "2", "--lr_scheduler.gamma", "0.5"]
     out = {}
@@ -241,6 +241,16 @@ def test_fit_then_test_give_lightnings_numbers_and_save_the_config(tmp_path):
     for key in SECTIONS:
         assert saved["hookloop"][key] == saved["lightning"][key], key
     assert saved["hookloop"]["trainer"]["max_epochs"] == 3
+
+    # test --ckpt_path: the module is built from the checkpoint's hyperparameters (hidden=5,
+    # not the default 8), as Lightning does, and tests the trained weights.
+    tested = {}
+    for fw in ("lightning", "hookloop"):
+        (ckpt,) = (tmp_path / fw).glob("**/checkpoints/epoch=*.ckpt")
+        tested[fw] = _line(_script(fw, ["test", "--ckpt_path", ckpt], tmp_path / fw).stdout, "TESTED")
+        assert tested[fw]["hidden"] == 5
+    _close(tested["lightning"]["metrics"], {k: v for k, v in tested["hookloop"]["metrics"].items() if k.startswith("test_")})
+    _close(tested["lightning"]["metrics"], light["test"])
 
 
 def test_runs_under_hookloop_run_with_ddp_and_with_trainer_plugins(tmp_path):

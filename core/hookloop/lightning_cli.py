@@ -279,6 +279,7 @@ class LightningCLI:
         main_kwargs, subparser_kwargs = self._setup_parser_kwargs(self.parser_kwargs)
         self.setup_parser(run, main_kwargs, subparser_kwargs)
         self.parse_arguments(self.parser, args)
+        self._parse_ckpt_path()
 
         self.subcommand = self.config["subcommand"] if run else None
         self._set_seed()
@@ -420,6 +421,29 @@ class LightningCLI:
             self.config = parser.parse_object(args)
         else:
             self.config = parser.parse_args(args)
+
+    def _parse_ckpt_path(self) -> None:
+        """With ``--ckpt_path FILE``, the module's hyperparameters saved in that checkpoint
+        (``save_hyperparameters``) go into the ``model`` section, as Lightning does, so the
+        module is built to fit the weights; arguments given explicitly are overridden."""
+        if not self.config.get("subcommand"):
+            return
+        ckpt_path = self.config[self.config.subcommand].get("ckpt_path")
+        if not ckpt_path or not os.path.isfile(ckpt_path):
+            return
+        from .checkpoint import safe_load
+
+        hparams = dict(safe_load(ckpt_path).get("hyper_parameters") or {})
+        hparams.pop("_instantiator", None)
+        if not hparams:
+            return
+        if "_class_path" in hparams:
+            hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
+        try:
+            self.config = self.parser.parse_object({self.config.subcommand: {"model": hparams}}, self.config)
+        except SystemExit:
+            sys.stderr.write("Parsing of ckpt_path hyperparameters failed!\n")
+            raise
 
     # -- building the objects -----------------------------------------------------------
 

@@ -114,6 +114,11 @@ class CLI(LightningCLI):
                                           "world_size": self.trainer.world_size,
                                           "log_dir": str(self.trainer.log_dir)}), flush=True)
 
+    def after_test(self):
+        if self.trainer.global_rank == 0:
+            metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items()}
+            print("TESTED=" + json.dumps({"metrics": metrics, "hidden": self.model.hparams.hidden}), flush=True)
+
 
 def main():
     run = os.environ.get("CLI_RUN", "1") == "1"
