@@ -58,6 +58,16 @@ from .utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    # jsonargparse is optional (pip install 'hookloop[cli]'): imported on first use only.
+    if name == "LightningCLI":
+        from .lightning_cli import LightningCLI
+
+        return LightningCLI
+    raise AttributeError(f"module 'hookloop' has no attribute {name!r}")
+
+
 __all__ = [
     "CSVLogger",
     "CheckpointError",

@@ -1,5 +1,8 @@
 """The ``hookloop`` command: ``plugins``, ``run``, and sub-commands that plugins add.
 
+``hookloop.cli.LightningCLI`` (Lightning's ``LightningCLI``, for scripts) lives in
+:mod:`hookloop.lightning_cli` and is imported from here on first use.
+
 Plugin distributions add sub-commands through the entry-point group
 ``hookloop.commands``: the entry point is a callable ``main(argv: list[str]) -> int``,
 imported only when its sub-command runs (``hookloop deepspeed collate ...``).
@@ -238,6 +241,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     parser.print_help()
     return 0 if args.command is None and argv else 1
+
+
+def __getattr__(name: str):
+    # Lightning's import path (lightning.pytorch.cli.LightningCLI); jsonargparse is optional.
+    if name == "LightningCLI":
+        from .lightning_cli import LightningCLI
+
+        return LightningCLI
+    raise AttributeError(f"module 'hookloop.cli' has no attribute {name!r}")
 
 
 if __name__ == "__main__":
