@@ -63,8 +63,8 @@ $(BACKENDS_STAMP): $(DEMO_STAMP) $(wildcard plugins/*/build_*.sh plugins/deepspe
 
 # Every other in-tree plugin (the demo's and the backends' are already in).
 install: $(STAMP)
-$(STAMP): $(BACKENDS_STAMP) $(wildcard plugins/*/pyproject.toml) Makefile
-	$(PIP) $(foreach p,$(filter-out $(DEMO_PLUGINS),$(PLUGINS)),-e $(p)) pytest scikit-learn $(ORACLE) $(TORCH)
+$(STAMP): $(BACKENDS_STAMP) pyproject.toml $(wildcard plugins/*/pyproject.toml) Makefile
+	$(PIP) -e '.[plot,cli,rich]' $(foreach p,$(filter-out $(DEMO_PLUGINS),$(PLUGINS)),-e $(p)) pytest scikit-learn $(ORACLE) $(TORCH)
 	$(COMPILE)
 	touch $@
 
