@@ -9,6 +9,7 @@ Plugin authors: implement hooks from :mod:`hookloop.hookspecs` with ``@hookloop.
 and register the plugin under the entry-point group ``hookloop.plugins``.
 """
 
+from .callbacks import BaseFinetuning, BasePredictionWriter, Callback, GradientAccumulationScheduler
 from .checkpoint import atomic_save, atomic_write_text, check_state_dict, optimizer_and_scheduler_states, safe_load
 from .config import TrainerConfig
 from .datamodule import DataModule
@@ -56,12 +57,16 @@ from .utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 __version__ = "0.1.0"
 
 __all__ = [
+    "BaseFinetuning",
+    "BasePredictionWriter",
     "CSVLogger",
+    "Callback",
     "CheckpointError",
     "CollectiveTimeoutError",
     "ConfigurationError",
     "DataModule",
     "EarlyStopping",
+    "GradientAccumulationScheduler",
     "DistributedSamplerWrapper",
     "HookloopError",
     "LearningRateMonitor",

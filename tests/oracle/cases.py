@@ -231,6 +231,99 @@ def case_hook_order(fw, root, ddp):
     return {"events": log}
 
 
+# Every hook of Lightning's Callback that a run without checkpoints calls.
+CALLBACK_HOOKS = (
+    "setup", "teardown", "on_fit_start", "on_fit_end", "on_sanity_check_start", "on_sanity_check_end",
+    "on_train_start", "on_train_end", "on_train_epoch_start", "on_train_epoch_end",
+    "on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
+    "on_before_optimizer_step", "on_before_zero_grad",
+    "on_validation_start", "on_validation_end", "on_validation_epoch_start", "on_validation_epoch_end",
+    "on_validation_batch_start", "on_validation_batch_end",
+    "on_test_start", "on_test_end", "on_test_epoch_start", "on_test_epoch_end",
+    "on_test_batch_start", "on_test_batch_end",
+    "on_predict_start", "on_predict_end", "on_predict_epoch_start", "on_predict_epoch_end",
+    "on_predict_batch_start", "on_predict_batch_end",
+)
+
+
+def describe(value, trainer, module):
+    """An event argument as JSON: which object it is, or its value."""
+    if value is trainer:
+        return "trainer"
+    if value is module:
+        return "module"
+    if isinstance(value, torch.Tensor):
+        return ["tensor", list(value.shape), round(float(value.detach().double().sum()), 5)]
+    if hasattr(value, "param_groups"):
+        return "optimizer"
+    if isinstance(value, dict):
+        return {str(k): describe(v, trainer, module) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [describe(v, trainer, module) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return type(value).__name__
+
+
+def case_callback_events(fw, root, ddp):
+    """A Lightning ``Callback`` subclass (two of them, in list order) and the module's hooks:
+    every event, in order, with its arguments (which objects, the values), during fit (with
+    the sanity check, a mid-epoch validation, two epochs, accumulation of 2), validate with
+    two loaders, test and predict; the training step returns a dict."""
+    Base = base_module(fw)
+    log: list = []
+
+    def mod_hook(name):
+        return lambda self, *a, **k: log.append("mod:" + name)
+
+    Recorded = type("Recorded", (Base,), {name: mod_hook(name) for name in MODULE_HOOKS})
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        return {"loss": loss, "seen": x.sum().detach()}
+
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("val_loss", loss)
+        return loss
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    Recorded.training_step = training_step
+    Recorded.validation_step = validation_step
+    Recorded.test_step = test_step
+    Recorded.predict_step = lambda self, batch, batch_idx: self(batch[0])
+
+    def cb_hook(tag, name):
+        def hook(self, trainer, pl_module, *args, **kwargs):
+            values = list(args) + [kwargs[k] for k in sorted(kwargs)]
+            log.append([f"{tag}:{name}", describe(values, trainer, pl_module),
+                        describe(pl_module, trainer, pl_module)])
+        return hook
+
+    def recorder(tag):
+        return type(f"Recorder{tag}", (fw.Callback,), {name: cb_hook(tag, name) for name in CALLBACK_HOOKS})()
+
+    fw.seed_everything(7)
+    model = Recorded()
+    trainer = fw.trainer(root, ddp, callbacks=[recorder("a"), recorder("b")], max_epochs=2,
+                         limit_train_batches=4, limit_val_batches=2, val_check_interval=2,
+                         num_sanity_val_steps=1, accumulate_grad_batches=2)
+    trainer.fit(model, loader(ddp), loader(ddp, 24, seed=2, train=False))
+    log.append("---validate")
+    trainer.validate(model, [loader(ddp, 8, seed=2, train=False), loader(ddp, 8, seed=3, train=False)],
+                     verbose=False)
+    log.append("---test")
+    trainer.test(model, loader(ddp, 8, seed=2, train=False), verbose=False)
+    log.append("---predict")
+    trainer.predict(model, loader(ddp, 8, seed=2, train=False))
+    return {"events": log}
+
+
 LOG_HOOKS = (
     "on_train_start", "on_train_epoch_start", "on_train_batch_start", "on_before_backward", "on_after_backward",
     "on_before_optimizer_step", "on_before_zero_grad", "on_train_batch_end", "on_train_epoch_end",
@@ -579,6 +672,7 @@ CASES = {
     "log_matrix": (case_log_matrix, ("one", "ddp")),
     "torchmetrics": (case_torchmetrics, ("one", "ddp")),
     "hook_order": (case_hook_order, ("one", "ddp")),
+    "callback_events": (case_callback_events, ("one", "ddp")),
     "log_hooks": (case_log_hooks, ("one", "ddp")),
     "optimization": (case_optimization, ("one", "ddp")),
     "loop_control": (case_loop_control, ("one", "ddp")),
