@@ -327,7 +327,10 @@ class CallbackHooks:
 
             self.teardown = hookimpl(tryfirst=True)(teardown)
         if any(overridden(cb, "on_save_checkpoint") or overridden(cb, "state_dict") for cb in self.callbacks):
-            self.on_save_checkpoint = hookimpl(tryfirst=True)(self._save)
+            def on_save_checkpoint(trainer, checkpoint):
+                self._save(trainer, checkpoint)
+
+            self.on_save_checkpoint = hookimpl(tryfirst=True)(on_save_checkpoint)
 
     def __reduce__(self):
         # The implementations are closures: a spawn-based strategy pickles the callbacks
