@@ -279,13 +279,21 @@ def not_honoured_error(obj: Any) -> ConfigurationError:
     """The error for an object in ``callbacks=`` that hookloop cannot call."""
     cls = type(obj)
     where = f"{cls.__module__}.{cls.__qualname__}"
-    lightning = any(c.__module__.split(".")[0] in ("lightning", "pytorch_lightning") for c in cls.__mro__)
-    if lightning:
-        hint = (
-            f"it is a Lightning callback (the import was not changed): change `from lightning.pytorch.callbacks "
-            f"import {cls.__name__}` (or pytorch_lightning's) to `from hookloop import {cls.__name__}` where "
-            f"hookloop has it, or make the class subclass hookloop.Callback"
-        )
+    lightning = next((c for c in cls.__mro__ if c.__module__.split(".")[0] in ("lightning", "pytorch_lightning")), None)
+    if lightning is not None:
+        import hookloop
+
+        base = lightning.__name__
+        if isinstance(getattr(hookloop, base, None), type):
+            hint = (
+                f"it is a Lightning callback (the import was not changed): change `from lightning.pytorch.callbacks "
+                f"import {base}` (or pytorch_lightning's) to `from hookloop import {base}`"
+            )
+        else:
+            hint = (
+                f"it is a Lightning callback ({base}), which hookloop does not have: make the class subclass "
+                f"hookloop.Callback (the same hooks), or use a hookloop plugin that does the same"
+            )
     else:
         hint = (
             "make its class subclass hookloop.Callback (Lightning's hooks, `(trainer, pl_module, ...)`), or "
