@@ -102,8 +102,10 @@ class Trainer:
 
     Arguments not given in code fall back to the options of ``hookloop run`` (passed
     through the environment), then to the defaults of :class:`TrainerConfig`.
-    ``strategy`` (a strategy plugin's name or object) and ``callbacks`` (plugin objects)
-    are Lightning's names for entries of ``plugins``.
+    ``strategy`` (a strategy plugin's name or object) and ``callbacks`` (plugin objects,
+    and Lightning-style :class:`hookloop.Callback` objects, run in list order by one
+    adapter plugin; any other object there is an error) are Lightning's names for
+    entries of ``plugins``.
 
     Faults (:mod:`hookloop.faults`): ``process_group_timeout`` (seconds a collective may
     wait; default gloo 300, nccl 600) and ``requeue_on_preemption`` (under SLURM, global
