@@ -105,6 +105,12 @@ def test_a_plain_object_with_hook_methods_is_refused():
         hookloop.Trainer(callbacks=[Printer()])
 
 
+def test_a_callback_class_instead_of_an_instance_is_refused():
+    with pytest.raises(hookloop.ConfigurationError, match=r"the class BatchCounter, not an instance of it: pass "
+                       r"callbacks=\[BatchCounter\(...\)\]"):
+        hookloop.Trainer(callbacks=[BatchCounter])
+
+
 def test_an_on_method_that_is_no_lightning_hook_is_refused_naming_it():
     class Old(hookloop.Callback):
         def on_epoch_start(self, trainer, pl_module):  # Lightning 1.x's, removed

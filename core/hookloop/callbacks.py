@@ -466,6 +466,10 @@ def check_callbacks_argument(objects: Iterable[Any]) -> None:
     from . import contract
 
     for obj in objects:
+        if isinstance(obj, type) and issubclass(obj, Callback):
+            raise ConfigurationError(
+                f"callbacks=[...] holds the class {obj.__name__}, not an instance of it: pass "
+                f"callbacks=[{obj.__name__}(...)]")
         if isinstance(obj, (str, type, types.ModuleType, Callback)) or obj is None:
             continue
         if not any(True for _ in contract.implementations(obj)):
