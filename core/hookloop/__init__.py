@@ -9,6 +9,7 @@ Plugin authors: implement hooks from :mod:`hookloop.hookspecs` with ``@hookloop.
 and register the plugin under the entry-point group ``hookloop.plugins``.
 """
 
+from .callbacks import BaseFinetuning, BasePredictionWriter, Callback, GradientAccumulationScheduler
 from .checkpoint import atomic_save, atomic_write_text, check_state_dict, optimizer_and_scheduler_states, safe_load
 from .config import TrainerConfig
 from .datamodule import DataModule
@@ -69,12 +70,16 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "BaseFinetuning",
+    "BasePredictionWriter",
     "CSVLogger",
+    "Callback",
     "CheckpointError",
     "CollectiveTimeoutError",
     "ConfigurationError",
     "DataModule",
     "EarlyStopping",
+    "GradientAccumulationScheduler",
     "DistributedSamplerWrapper",
     "HookloopError",
     "LearningRateMonitor",

@@ -474,6 +474,11 @@ def on_load_rank_checkpoint(trainer, rank_state, rank_states):
 # a metric the module logs there is in ``metrics`` for the plugins after it). A module
 # that defines none of them costs nothing.
 #
+# Lightning-style ``hookloop.Callback`` objects (``Trainer(callbacks=[...])``) are called
+# through these events too, by one adapter (``hookloop.callbacks.CallbackHooks``), in list
+# order and before the module's hook, with Lightning's ``(trainer, pl_module, ...)``
+# arguments.
+#
 # Order of one ``fit`` (docs/hooks.md has the traced sequence, checked by a test):
 #   setup -> on_fit_start -> [on_sanity_check_start -> validation events ->
 #   on_sanity_check_end] -> on_train_start -> per epoch: on_train_epoch_start -> per

@@ -90,8 +90,14 @@ def session(trainer, stage: str):
     hook, module = trainer.hook, trainer.module
     module.__dict__["_hookloop_trainer"] = trainer
     module_hooks = module_hooks_plugin(module)
+    callbacks = trainer._callback_hooks
     if module_hooks is not None:
         trainer.plugin_manager.register(module_hooks, name=module_hooks.hookloop_name)
+        if callbacks is not None:
+            # Registered again after the module's hooks: both are tryfirst, the later runs
+            # first, and Lightning calls the callbacks before the module's hook.
+            trainer.plugin_manager.unregister(callbacks)
+            trainer.plugin_manager.register(callbacks, name=callbacks.hookloop_name)
     _resolve_events(trainer)
     trainer._metrics.eval_logged_steps = {}
     datamodule = trainer.datamodule
@@ -108,6 +114,8 @@ def session(trainer, stage: str):
         if datamodule is not None:
             _attach_datamodule(datamodule, trainer)
             _datamodule_hook(datamodule, "setup", setup_stage)
+        if callbacks is not None:
+            callbacks.setup(trainer, setup_stage)  # Lightning: the callbacks', then the module's
         if _defines_hook(module, "setup"):
             # Lightning: the module's setup comes before its *_dataloader() methods (it may
             # build the datasets there); the plugins' setup (after) sees the loaders
@@ -738,6 +746,9 @@ def _train_epoch(trainer, loader: DataLoader, step, validation: _ValidationSched
     n = batch_limit(loader, trainer.config.limit_train_batches, "limit_train_batches")
     trainer.num_training_batches = n  # for observers (progress bars); None: unsized
     accumulate = trainer.accumulate_grad_batches
+    set_accumulate = getattr(step, "set_accumulate", None)
+    if set_accumulate is not None:
+        set_accumulate(accumulate)  # a callback may change it at the epoch's start
     skip, resumed_stage = trainer.batch_idx, trainer._loop_stage
     if skip and n is not None and skip >= n:
         # The checkpoint was written after the epoch's last batch: nothing left to train.
@@ -1003,6 +1014,11 @@ def make_training_step(trainer):
         # should_stop set by a plugin at this batch's end stops here (as in Lightning).
         return stop or trainer.should_stop
 
+    def set_accumulate(value: int) -> None:
+        nonlocal accumulate
+        accumulate = value
+
+    step.set_accumulate = set_accumulate
     return step
 
 
@@ -1249,6 +1265,9 @@ def run_predict(trainer) -> Any:
         per_loader: list[list] = []
         trainer.num_predict_batches = [batch_limit(loader, trainer.config.limit_predict_batches, "limit_predict_batches")
                                        for loader in loaders]
+        # Lightning's BasePredictionWriter callbacks: each batch's sample indices, and this
+        # rank's predictions for write_on_epoch_end
+        writing = trainer._prediction_writing = _prediction_writing(trainer, len(loaders))
         try:
             hook.on_predict_start(trainer=trainer)
             _epoch_level_event(trainer, "on_predict_epoch_start")
@@ -1256,9 +1275,11 @@ def run_predict(trainer) -> Any:
                 for dataloader_idx, loader in enumerate(loaders):
                     outputs: list = []
                     n = batch_limit(loader, trainer.config.limit_predict_batches, "limit_predict_batches")
-                    for batch_idx, batch in enumerate(loader):
+                    for batch_idx, batch in enumerate(loader if writing is None else writing.loader(loader)):
                         if n is not None and batch_idx >= n:
                             break
+                        if writing is not None:
+                            writing.batch_seen(dataloader_idx, batch_idx)
                         if move:
                             batch = move_to_device(batch, device)
                         trainer._current_batch = batch
@@ -1269,6 +1290,8 @@ def run_predict(trainer) -> Any:
                             batch_end(trainer=trainer, outputs=out, batch=batch, batch_idx=batch_idx, dataloader_idx=dataloader_idx)
                         if keep:
                             outputs.append((batch_size_of(batch), out))
+                        if writing is not None:
+                            writing.prediction(dataloader_idx, out)
                     per_loader.append(outputs)
             _epoch_level_event(trainer, "on_predict_epoch_end")
             results = [_gather_predictions(trainer, loader, outputs) for loader, outputs in zip(loaders, per_loader)] if keep else None
@@ -1279,6 +1302,15 @@ def run_predict(trainer) -> Any:
         if results is None:
             return None
         return results[0] if len(results) == 1 else results
+
+
+def _prediction_writing(trainer, n_loaders: int):
+    """The state the run's prediction writers read, or ``None`` when it has none."""
+    from .callbacks import BasePredictionWriter, PredictionWriting
+
+    callbacks = trainer._callback_hooks
+    writers = callbacks.of_type(BasePredictionWriter) if callbacks is not None else []
+    return PredictionWriting(writers, n_loaders) if writers else None
 
 
 def _gather_predictions(trainer, loader: DataLoader, outputs: list) -> list:
@@ -1519,6 +1551,11 @@ def restore(trainer, ckpt_path: Any, fall_back: bool = False, train_loader: Any 
             return None
         path, fall_back = found, True
     checkpoint, path = _read_checkpoint(trainer, path, fall_back)
+    callbacks = trainer._callback_hooks
+    if callbacks is not None and trainer.state.fn == "fit":
+        # Lightning restores the callbacks before the optimizer states (BaseFinetuning
+        # rebuilds its param groups first)
+        callbacks.restore(trainer, checkpoint)
     trainer.hook.load_model_state(trainer=trainer, checkpoint=checkpoint)
     loop = checkpoint["loop"]
     trainer.current_epoch = int(loop["epoch"])

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from . import callbacks as callbacks_module
 from . import loops
 from . import plugins as plugin_registry
 from . import rundir
@@ -101,8 +102,10 @@ class Trainer:
 
     Arguments not given in code fall back to the options of ``hookloop run`` (passed
     through the environment), then to the defaults of :class:`TrainerConfig`.
-    ``strategy`` (a strategy plugin's name or object) and ``callbacks`` (plugin objects)
-    are Lightning's names for entries of ``plugins``.
+    ``strategy`` (a strategy plugin's name or object) and ``callbacks`` (plugin objects,
+    and Lightning-style :class:`hookloop.Callback` objects, run in list order by one
+    adapter plugin; any other object there is an error) are Lightning's names for
+    entries of ``plugins``.
 
     Faults (:mod:`hookloop.faults`): ``process_group_timeout`` (seconds a collective may
     wait; default gloo 300, nccl 600) and ``requeue_on_preemption`` (under SLURM, global
@@ -165,7 +168,11 @@ class Trainer:
         given = {k: v for k, v in given.items() if k not in fallbacks}
         # strategy="auto" is Lightning's default: the built-in single process, or hookloop run's.
         in_code = _as_list(given.get("plugins", [])) + _as_list(None if strategy in (_UNSET, "auto") else strategy)
-        in_code += _as_list(callbacks if callbacks is not _UNSET else None)
+        given_callbacks = _as_list(callbacks if callbacks is not _UNSET else None)
+        callbacks_module.check_callbacks_argument(given_callbacks)
+        in_code += given_callbacks
+        # Lightning-style Callback objects become one observer that calls them in list order.
+        in_code, self._callback_hooks = callbacks_module.callback_hooks(in_code)
         if in_code or "plugins" in given:
             given["plugins"] = in_code
         from_env = env_defaults()
@@ -234,6 +241,7 @@ class Trainer:
         self._current_batch: Any = None
         self._epoch_rng: dict | None = None
         self._loop_stage = "train"
+        self._prediction_writing = None  # what BasePredictionWriter callbacks read (loops.run_predict)
         self._total_batch_idx = 0
         self._epoch_row: dict | None = None  # the epoch row for the loggers, until logged
         self._module_epoch_end = None
@@ -267,6 +275,23 @@ class Trainer:
     @property
     def accumulate_grad_batches(self) -> int:
         return self.config.accumulate_grad_batches
+
+    @accumulate_grad_batches.setter
+    def accumulate_grad_batches(self, value: int) -> None:
+        # Lightning's GradientAccumulationScheduler sets it at an epoch's start; the loop
+        # reads it at every epoch's start.
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigurationError(f"accumulate_grad_batches={value!r} must be an int >= 1")
+        self.config.accumulate_grad_batches = value
+
+    @property
+    def callbacks(self) -> list:
+        """The run's plugins and :class:`hookloop.Callback` objects, in order (Lightning's
+        ``trainer.callbacks``; the Callbacks where their adapter stands)."""
+        out = []
+        for p in self.plugins:
+            out += p.callbacks if p is self._callback_hooks else [p]
+        return out
 
     @property
     def gradient_clip_val(self) -> float | None:

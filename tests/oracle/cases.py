@@ -231,6 +231,226 @@ def case_hook_order(fw, root, ddp):
     return {"events": log}
 
 
+# Every hook of Lightning's Callback that a run without checkpoints calls.
+CALLBACK_HOOKS = (
+    "setup", "teardown", "on_fit_start", "on_fit_end", "on_sanity_check_start", "on_sanity_check_end",
+    "on_train_start", "on_train_end", "on_train_epoch_start", "on_train_epoch_end",
+    "on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
+    "on_before_optimizer_step", "on_before_zero_grad",
+    "on_validation_start", "on_validation_end", "on_validation_epoch_start", "on_validation_epoch_end",
+    "on_validation_batch_start", "on_validation_batch_end",
+    "on_test_start", "on_test_end", "on_test_epoch_start", "on_test_epoch_end",
+    "on_test_batch_start", "on_test_batch_end",
+    "on_predict_start", "on_predict_end", "on_predict_epoch_start", "on_predict_epoch_end",
+    "on_predict_batch_start", "on_predict_batch_end",
+)
+
+
+def describe(value, trainer, module):
+    """An event argument as JSON: which object it is, or its value."""
+    if value is trainer:
+        return "trainer"
+    if value is module:
+        return "module"
+    if isinstance(value, torch.Tensor):
+        return ["tensor", list(value.shape), round(float(value.detach().double().sum()), 5)]
+    if hasattr(value, "param_groups"):
+        return "optimizer"
+    if isinstance(value, dict):
+        return {str(k): describe(v, trainer, module) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [describe(v, trainer, module) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return type(value).__name__
+
+
+def case_callback_events(fw, root, ddp):
+    """A Lightning ``Callback`` subclass (two of them, in list order) and the module's hooks:
+    every event, in order, with its arguments (which objects, the values), during fit (with
+    the sanity check, a mid-epoch validation, two epochs, accumulation of 2), validate with
+    two loaders, test and predict; the training step returns a dict."""
+    Base = base_module(fw)
+    log: list = []
+
+    def mod_hook(name):
+        return lambda self, *a, **k: log.append("mod:" + name)
+
+    Recorded = type("Recorded", (Base,), {name: mod_hook(name) for name in MODULE_HOOKS})
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        return {"loss": loss, "seen": x.sum().detach()}
+
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("val_loss", loss)
+        return loss
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    Recorded.training_step = training_step
+    Recorded.validation_step = validation_step
+    Recorded.test_step = test_step
+    Recorded.predict_step = lambda self, batch, batch_idx: self(batch[0])
+
+    def cb_hook(tag, name):
+        def hook(self, trainer, pl_module, *args, **kwargs):
+            values = list(args) + [kwargs[k] for k in sorted(kwargs)]
+            log.append([f"{tag}:{name}", describe(values, trainer, pl_module),
+                        describe(pl_module, trainer, pl_module)])
+        return hook
+
+    def recorder(tag):
+        return type(f"Recorder{tag}", (fw.Callback,), {name: cb_hook(tag, name) for name in CALLBACK_HOOKS})()
+
+    fw.seed_everything(7)
+    model = Recorded()
+    trainer = fw.trainer(root, ddp, callbacks=[recorder("a"), recorder("b")], max_epochs=2,
+                         limit_train_batches=4, limit_val_batches=2, val_check_interval=2,
+                         num_sanity_val_steps=1, accumulate_grad_batches=2)
+    trainer.fit(model, loader(ddp), loader(ddp, 24, seed=2, train=False))
+    log.append("---validate")
+    trainer.validate(model, [loader(ddp, 8, seed=2, train=False), loader(ddp, 8, seed=3, train=False)],
+                     verbose=False)
+    log.append("---test")
+    trainer.test(model, loader(ddp, 8, seed=2, train=False), verbose=False)
+    log.append("---predict")
+    trainer.predict(model, loader(ddp, 8, seed=2, train=False))
+    return {"events": log}
+
+
+def case_finetuning(fw, root, ddp):
+    """A BaseFinetuning subclass (Lightning's fine-tuning example on an MLP backbone): the
+    backbone frozen (its BatchNorm trained), its top layer unfrozen at epoch 1 (lr from the
+    first group / 10), the rest at epoch 2 (lr given); Adam and MultiStepLR. Per epoch: the
+    param groups and their learning rates, what trains; the final weights and val_loss; the
+    callback's state; then a resume from a checkpoint of epoch 2 to epoch 4."""
+
+    class Finetuned(fw.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.backbone = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 16),
+                                          nn.ReLU())
+            self.head = nn.Linear(16, 3)
+            self.epochs = []
+
+        def forward(self, x):
+            return self.head(self.backbone(x))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = F.cross_entropy(self(x), y)
+            self.log("train_loss", loss)
+            return loss
+
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("val_loss", F.cross_entropy(self(x), y))
+
+        def configure_optimizers(self):
+            opt = torch.optim.Adam(filter(lambda p: p.requires_grad, self.parameters()), lr=0.01)
+            return [opt], [torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[2], gamma=0.5)]
+
+        def on_train_epoch_end(self):
+            opt = self.trainer.optimizers[0]
+            self.epochs.append({
+                "groups": len(opt.param_groups),
+                "lrs": [g["lr"] for g in opt.param_groups],
+                "sizes": [sum(p.numel() for p in g["params"]) for g in opt.param_groups],
+                "trainable": sum(p.numel() for p in self.parameters() if p.requires_grad),
+            })
+
+    class Unfreeze(fw.BaseFinetuning):
+        def freeze_before_training(self, pl_module):
+            self.freeze(pl_module.backbone)
+
+        def finetune_function(self, pl_module, epoch, optimizer):
+            if epoch == 1:
+                self.unfreeze_and_add_param_group(pl_module.backbone[3], optimizer)
+            if epoch == 2:
+                self.unfreeze_and_add_param_group(pl_module.backbone[:2], optimizer, lr=0.004)
+
+    def state(callback):
+        meta = callback.state_dict()["internal_optimizer_metadata"]
+        return {str(k): [{"lr": g["lr"], "params": list(g["params"])} for g in groups] for k, groups in meta.items()}
+
+    out = {}
+    fw.seed_everything(7)
+    model, callback = Finetuned(), Unfreeze()
+    trainer = fw.trainer(root, ddp, callbacks=[callback], max_epochs=2, num_sanity_val_steps=0)
+    trainer.fit(model, loader(ddp), loader(ddp, 24, seed=2, train=False))
+    ckpt = os.path.join(root, "epoch2.ckpt")
+    trainer.save_checkpoint(ckpt)
+    out["two_epochs"] = {"epochs": model.epochs, "state": state(callback)}
+    trainer = fw.trainer(root, ddp, callbacks=[callback], max_epochs=4, num_sanity_val_steps=0)
+    trainer.fit(model, loader(ddp), loader(ddp, 24, seed=2, train=False))
+    out["four_epochs"] = {"epochs": model.epochs, "weights": weights(model), "state": state(callback),
+                          "val_loss": fw.metrics(trainer)["val_loss"]}
+    fw.seed_everything(7)
+    resumed, callback = Finetuned(), Unfreeze()
+    trainer = fw.trainer(root, ddp, callbacks=[callback], max_epochs=4, num_sanity_val_steps=0)
+    trainer.fit(resumed, loader(ddp), loader(ddp, 24, seed=2, train=False), ckpt_path=ckpt)
+    out["resumed"] = {"epochs": resumed.epochs, "weights": weights(resumed), "state": state(callback),
+                      "val_loss": fw.metrics(trainer)["val_loss"]}
+    return out
+
+
+def case_accumulation_schedule(fw, root, ddp):
+    """GradientAccumulationScheduler({1: 2, 2: 3}) over 3 epochs of 7 batches (cut windows
+    at the epochs' ends): accumulate_grad_batches and global_step per epoch, the final
+    weights."""
+    Base = base_module(fw)
+
+    class Recorded(Base):
+        def on_train_epoch_end(self):
+            self.seen.append([self.trainer.accumulate_grad_batches, self.trainer.global_step])
+
+    fw.seed_everything(7)
+    model = Recorded(momentum=0.5)
+    model.seen = []
+    trainer = fw.trainer(root, ddp, callbacks=[fw.GradientAccumulationScheduler(scheduling={1: 2, 2: 3})],
+                         max_epochs=3, limit_train_batches=7, num_sanity_val_steps=0)
+    trainer.fit(model, loader(ddp))
+    return {"per_epoch": model.seen, "weights": weights(model)}
+
+
+def case_prediction_writer(fw, root, ddp):
+    """BasePredictionWriter with each write_interval, one and two loaders, with and without
+    return_predictions: every write call's arguments (predictions, batch_indices, batch,
+    batch_idx, dataloader_idx) and predict's return value."""
+    Base = base_module(fw)
+    Base.predict_step = lambda self, batch, batch_idx, dataloader_idx=0: self(batch[0])
+    log: list = []
+
+    class Writer(fw.BasePredictionWriter):
+        def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
+            log.append(["batch", describe([prediction, batch_indices, batch, batch_idx, dataloader_idx],
+                                          trainer, pl_module)])
+
+        def write_on_epoch_end(self, trainer, pl_module, predictions, batch_indices):
+            log.append(["epoch", describe([predictions, batch_indices], trainer, pl_module)])
+
+    fw.seed_everything(7)
+    model = Base()
+    out = {}
+    for interval in ("batch", "epoch", "batch_and_epoch"):
+        for keep in (True, False):
+            trainer = fw.trainer(root, ddp, callbacks=[Writer(interval)])
+            result = trainer.predict(model, loader(ddp, 10, seed=2, train=False), return_predictions=keep)
+            out[f"{interval}-{keep}"] = {"log": log[:], "returned": result is not None}
+            log.clear()
+    trainer = fw.trainer(root, ddp, callbacks=[Writer("batch_and_epoch")])
+    trainer.predict(model, [loader(ddp, 10, seed=2, train=False), loader(ddp, 6, seed=3, train=False)])
+    out["two_loaders"] = log[:]
+    return out
+
+
 LOG_HOOKS = (
     "on_train_start", "on_train_epoch_start", "on_train_batch_start", "on_before_backward", "on_after_backward",
     "on_before_optimizer_step", "on_before_zero_grad", "on_train_batch_end", "on_train_epoch_end",
@@ -579,6 +799,10 @@ CASES = {
     "log_matrix": (case_log_matrix, ("one", "ddp")),
     "torchmetrics": (case_torchmetrics, ("one", "ddp")),
     "hook_order": (case_hook_order, ("one", "ddp")),
+    "callback_events": (case_callback_events, ("one", "ddp")),
+    "finetuning": (case_finetuning, ("one",)),  # frozen parameters at DDP's construction: ddp needs find_unused_parameters
+    "accumulation_schedule": (case_accumulation_schedule, ("one", "ddp")),
+    "prediction_writer": (case_prediction_writer, ("one", "ddp")),
     "log_hooks": (case_log_hooks, ("one", "ddp")),
     "optimization": (case_optimization, ("one", "ddp")),
     "loop_control": (case_loop_control, ("one", "ddp")),

@@ -72,6 +72,10 @@ class Lightning(Framework):
         self.seed_everything = lambda s: pl.seed_everything(s, verbose=False)
         self.EarlyStopping = pl.callbacks.EarlyStopping
         self.ModelCheckpoint = pl.callbacks.ModelCheckpoint
+        self.Callback = pl.Callback
+        self.BaseFinetuning = pl.callbacks.BaseFinetuning
+        self.BasePredictionWriter = pl.callbacks.BasePredictionWriter
+        self.GradientAccumulationScheduler = pl.callbacks.GradientAccumulationScheduler
 
     def trainer(self, root: str, ddp: bool, callbacks=(), checkpointing: bool = False, **kw):
         from pytorch_lightning.loggers import CSVLogger
@@ -105,6 +109,10 @@ class Hookloop(Framework):
         self.seed_everything = hookloop.seed_everything
         self.EarlyStopping = hookloop.EarlyStopping
         self.ModelCheckpoint = hookloop.ModelCheckpoint
+        self.Callback = hookloop.Callback
+        self.BaseFinetuning = hookloop.BaseFinetuning
+        self.BasePredictionWriter = hookloop.BasePredictionWriter
+        self.GradientAccumulationScheduler = hookloop.GradientAccumulationScheduler
 
     def trainer(self, root: str, ddp: bool, callbacks=(), checkpointing: bool = False, **kw):
         cbs = list(callbacks)

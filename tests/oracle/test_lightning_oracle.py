@@ -33,9 +33,9 @@ from cases import CASES  # noqa: E402
 MODES = ("one", "ddp")
 
 
-def _run(framework: str, mode: str, out: Path, root: Path) -> subprocess.Popen:
+def _run(framework: str, mode: str, out: Path, root: Path, cases: str = "") -> subprocess.Popen:
     script = [str(HERE / "run_cases.py"), "--framework", framework, "--mode", mode, "--out", str(out),
-              "--root", str(root)]
+              "--root", str(root)] + (["--cases", cases] if cases else [])
     if mode == "ddp":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *script]
     else:
