@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from . import loggers as loggers_module
 from . import loops
 from . import plugins as plugin_registry
 from . import rundir
@@ -149,7 +150,7 @@ class Trainer:
         overfit_batches: int | float = _UNSET,
         log_every_n_steps: int = _UNSET,
         enable_progress_bar: bool = _UNSET,
-        logger: bool = _UNSET,
+        logger: Any = _UNSET,
         use_distributed_sampler: bool = _UNSET,
         autoload_plugins: bool = _UNSET,
         plugin_options: dict = _UNSET,
@@ -157,11 +158,19 @@ class Trainer:
         requeue_on_preemption: bool = _UNSET,
     ):
         given = {k: v for k, v in locals().items() if k in _CONFIG_FIELDS and v is not _UNSET}
+        # logger: True/False, None (Lightning's default: True), or logger objects, which
+        # become plugins (first in the run, so trainer.logger is the first of them).
+        logger_objects = loggers_module.logger_objects(given.get("logger"))
+        if logger is None:
+            given.pop("logger")
+        elif logger_objects is not None:
+            given["logger"] = bool(logger_objects)
         # hookloop.default(x): the script's own fallback, which `hookloop run` options override.
         fallbacks = {k: v.value for k, v in given.items() if isinstance(v, default)}
         given = {k: v for k, v in given.items() if k not in fallbacks}
         # strategy="auto" is Lightning's default: the built-in single process, or hookloop run's.
-        in_code = _as_list(given.get("plugins", [])) + _as_list(None if strategy in (_UNSET, "auto") else strategy)
+        in_code = list(logger_objects or [])
+        in_code += _as_list(given.get("plugins", [])) + _as_list(None if strategy in (_UNSET, "auto") else strategy)
         in_code += _as_list(callbacks if callbacks is not _UNSET else None)
         if in_code or "plugins" in given:
             given["plugins"] = in_code
@@ -190,8 +199,10 @@ class Trainer:
         requested = in_code
         defaults = list(from_env.get("plugins", [])) + plugin_registry.environment_plugins()
         options = self.config.plugin_options
+        _name_loggers_apart(logger_objects or [])
+        builtin = _builtin_observers(self.config, logger_objects is None)
         chosen = plugin_registry.collect(requested, defaults, autoload=self.config.autoload_plugins,
-                                         builtin=_builtin_observers(self.config), options=options)
+                                         builtin=builtin, options=options)
         chosen += plugin_registry.default_precision_plugin(chosen, self.config.precision)
         chosen = [plugin_registry.apply_options(p, options) for p in chosen]
         plugin_registry.check_option_targets(chosen, options)
@@ -325,7 +336,8 @@ class Trainer:
     @property
     def loggers(self) -> list:
         """The enabled logger plugins (those implementing ``on_log_metrics``: ``csv``,
-        ``tensorboard``, ``mlflow``...), in plugin order."""
+        ``tensorboard``, ``mlflow``...), in plugin order: the objects given as
+        ``Trainer(logger=...)`` first, in their order."""
         return [p for p in self.plugins if callable(getattr(p, "on_log_metrics", None))]
 
     @property
@@ -340,10 +352,12 @@ class Trainer:
 
     @property
     def log_dir(self) -> Path:
-        """This run's directory, ``<default_root_dir>/logs/version_N``: its logs and
-        checkpoints. The same on every rank and after every elastic restart."""
+        """This run's directory, ``<default_root_dir>/logs/version_N``, or the first
+        logger's version directory when it has one (``CSVLogger(save_dir, name)``:
+        ``save_dir/name/version_N``, as Lightning): its logs and checkpoints. The same on
+        every rank and after every elastic restart."""
         if self._log_dir is None:  # outside a run (one process): as rank 0 decides in one
-            self._log_dir = rundir.claim(self.default_root_dir, rundir.run_token(), self._run_index)
+            loops.adopt_run_dirs(self, loops.claim_run_dirs(self))
         return self._log_dir
 
     @property
@@ -606,17 +620,29 @@ class Trainer:
             )
 
 
-def _builtin_observers(config: TrainerConfig) -> list[str]:
+def _builtin_observers(config: TrainerConfig, default_logger: bool = True) -> list[str]:
     """The observers every run gets unless blocked (``no:NAME``) or turned off, as pytest
-    ships its terminal reporter: the progress bar, the CSV logger, the checkpoints."""
+    ships its terminal reporter: the progress bar, the CSV logger (not when
+    ``Trainer(logger=...)`` named the loggers), the checkpoints."""
     names = []
     if config.enable_progress_bar:
         names.append("progress")
-    if config.logger:
+    if config.logger and default_logger:
         names.append("csv")
     if config.enable_checkpointing:
         names.append("checkpoint")
     return names
+
+
+def _name_loggers_apart(objects: list) -> None:
+    """Two loggers of one kind in ``logger=[...]`` (two CSVLoggers) are two plugins: the
+    second and later get ``<name>-2``, ``<name>-3`` as their plugin names."""
+    seen: dict[str, int] = {}
+    for obj in objects:
+        name = plugin_registry.plugin_name(obj)
+        seen[name] = seen.get(name, 0) + 1
+        if seen[name] > 1:
+            obj.hookloop_name = f"{name}-{seen[name]}"
 
 
 # Module-level (not lambdas): a spawn-based strategy pickles the function it runs.
