@@ -154,3 +154,174 @@ def test_csv_logger_files_as_lightning(tmp_path, version):
                 assert float(got[key]) == pytest.approx(float(want[key]), rel=1e-6)
     assert (hl_dir / "hparams.yaml").read_text() == (pl_dir / "hparams.yaml").read_text()
     assert (hl_dir / "hparams.yaml").read_text() == "lr: 0.05\nnote: port\nwidth: 3\n"
+
+
+# ---------------------------------------------------------------------------------------
+# TensorBoardLogger
+# ---------------------------------------------------------------------------------------
+
+
+def read_events(log_dir: Path) -> tuple[dict, list[str]]:
+    """Every scalar as {tag: {step: value}}, and the histogram tags, read by TensorBoard."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "histograms": 0})
+    events.Reload()
+    scalars = {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+    return scalars, sorted(events.Tags()["histograms"])
+
+
+@pytest.mark.parametrize("sub_dir", [None, "tb"])
+def test_tensorboard_logger_events_as_lightning(tmp_path, sub_dir):
+    """Scalars (tags, steps, values), the module's own add_histogram through
+    self.logger.experiment, hparams.yaml: as Lightning's, in the same directories."""
+    runs = both(tmp_path, lambda loggers, root: loggers.TensorBoardLogger(root, name="tb_exp", sub_dir=sub_dir),
+                histogram=True)
+    (pl_trainer, _), (hl_trainer, hl_module) = runs["lightning"], runs["hookloop"]
+    pl_dir, hl_dir = Path(pl_trainer.logger.log_dir), Path(hl_trainer.logger.log_dir)
+    assert relative(hl_dir, tmp_path / "hl") == relative(pl_dir, tmp_path / "pl") == os.path.join(
+        "tb_exp", "version_0", *([sub_dir] if sub_dir else []))
+    assert len(list(hl_dir.glob("events.out.tfevents.*"))) == len(list(pl_dir.glob("events.out.tfevents.*"))) == 1
+    pl_scalars, pl_histograms = read_events(pl_dir)
+    hl_scalars, hl_histograms = read_events(hl_dir)
+    assert hl_histograms == pl_histograms == ["weights"]
+    assert sorted(hl_scalars) == sorted(pl_scalars) == ["epoch", "hp_metric", "train_loss", "val_loss"]
+    assert hl_scalars["hp_metric"] == pl_scalars["hp_metric"] == {0: -1.0}
+    for tag in ("epoch", "train_loss", "val_loss"):
+        shifted = {step - 1: value for step, value in hl_scalars[tag].items()}  # decisions.md: the step column
+        assert shifted == pytest.approx(pl_scalars[tag], rel=1e-6), tag
+    version_dir = Path(pl_trainer.logger.root_dir) / "version_0"
+    hl_version_dir = Path(hl_trainer.logger.root_dir) / "version_0"
+    assert (hl_dir / "hparams.yaml").read_text() == (pl_dir / "hparams.yaml").read_text() == "lr: 0.05\nnote: port\nwidth: 3\n"
+    assert relative(hl_module.seen["log_dir"], tmp_path / "hl") == relative(pl_dir, tmp_path / "pl")
+    assert hl_trainer.log_dir == hl_version_dir and version_dir.is_dir()
+
+
+# ---------------------------------------------------------------------------------------
+# MLFlowLogger
+# ---------------------------------------------------------------------------------------
+
+
+def test_mlflow_logger_metrics_as_lightning(tmp_path, monkeypatch):
+    """MLFlowLogger(experiment_name=..., tracking_uri=file store under tmp_path, tags,
+    run_name, prefix): every metric's history as Lightning's; the run, its name and tags."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 refuses new file stores otherwise
+    made = {}
+
+    def make(loggers, root):
+        made[root.name] = loggers.MLFlowLogger(experiment_name="port", run_name="r1", tracking_uri=f"file:{root / 'mlruns'}",
+                                               tags={"team": "a"}, prefix="m")
+        return made[root.name]
+
+    runs = both(tmp_path, make)
+    histories = {}
+    for sub in ("pl", "hl"):
+        client = MlflowClient(f"file:{tmp_path / sub / 'mlruns'}")
+        (experiment,) = [e for e in client.search_experiments() if e.name == "port"]
+        (run,) = client.search_runs([experiment.experiment_id])
+        assert run.info.run_id == made[sub].run_id == made[sub].version and run.info.status == "FINISHED"
+        assert made[sub].name == experiment.experiment_id and run.info.run_name == "r1" and run.data.tags["team"] == "a"
+        histories[sub] = {key: {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
+                          for key in run.data.metrics}
+    assert sorted(histories["hl"]) == sorted(histories["pl"]) == ["m-epoch", "m-train_loss", "m-val_loss"]
+    for key, values in histories["pl"].items():
+        shifted = {step - 1: value for step, value in histories["hl"][key].items()}  # decisions.md: the step column
+        assert shifted == pytest.approx(values, rel=1e-6), key
+    assert runs["hookloop"][0].logger is made["hl"]
+
+
+# ---------------------------------------------------------------------------------------
+# Several loggers, the wrong kind, ddp
+# ---------------------------------------------------------------------------------------
+
+
+def test_a_list_of_loggers_writes_every_one(tmp_path):
+    """logger=[CSVLogger, TensorBoardLogger, CSVLogger]: each writes its own files, where
+    Lightning's write theirs; trainer.logger is the first, the run directory is its."""
+    def make(loggers, root):
+        return [loggers.CSVLogger(root, name="a"), loggers.TensorBoardLogger(root, name="b"),
+                loggers.CSVLogger(root / "other", name="c", version="v")]
+
+    runs = both(tmp_path, make)
+    (pl_trainer, pl_module), (hl_trainer, hl_module) = runs["lightning"], runs["hookloop"]
+    assert len(hl_trainer.loggers) == len(pl_trainer.loggers) == 3 and hl_module.seen["loggers"] == 3
+    assert [type(x).__name__ for x in hl_trainer.loggers] == [type(x).__name__ for x in pl_trainer.loggers]
+    assert hl_trainer.logger is hl_trainer.loggers[0]
+    assert relative(hl_trainer.log_dir, tmp_path / "hl") == relative(pl_trainer.log_dir, tmp_path / "pl") == "a/version_0"
+
+    def files(root: Path) -> list[str]:
+        return sorted(str(p.relative_to(root)) if "tfevents" not in p.name else str(p.parent.relative_to(root)) + "/events"
+                      for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
+
+    assert files(tmp_path / "hl") == files(tmp_path / "pl") == [
+        "a/version_0/hparams.yaml", "a/version_0/metrics.csv", "b/version_0/events", "b/version_0/hparams.yaml",
+        "other/c/v/hparams.yaml", "other/c/v/metrics.csv"]
+    for path in ("a/version_0/metrics.csv", "other/c/v/metrics.csv"):
+        pl_columns, pl_rows = csv_rows(tmp_path / "pl" / path)
+        hl_columns, hl_rows = csv_rows(tmp_path / "hl" / path)
+        assert hl_columns == pl_columns and [r["step"] for r in lightning_steps(hl_rows)] == [r["step"] for r in pl_rows]
+    pl_scalars, _ = read_events(tmp_path / "pl" / "b" / "version_0")
+    hl_scalars, _ = read_events(tmp_path / "hl" / "b" / "version_0")
+    assert sorted(hl_scalars) == sorted(pl_scalars)
+
+
+def test_logger_true_false_none_and_empty(tmp_path):
+    """True and None: the default CSV logger (decisions.md); False and []: none."""
+    for value, expected in ((True, ["csv"]), (None, ["csv"]), (False, []), ([], [])):
+        trainer = hookloop.Trainer(logger=value, default_root_dir=str(tmp_path), enable_progress_bar=False)
+        assert [hookloop.plugin_name(p) if hasattr(hookloop, "plugin_name") else p.hookloop_name
+                for p in trainer.loggers] == expected, value
+        assert (trainer.logger is None) == (not expected)
+
+
+def test_lightning_logger_objects_are_a_clear_error(tmp_path):
+    """Lightning's own logger (the import was not changed) names the hookloop import."""
+    import pytorch_lightning as pl
+
+    cases = [(pl.loggers.CSVLogger(tmp_path), "from hookloop import CSVLogger"),
+             (pl.loggers.TensorBoardLogger(tmp_path), "from hookloop_tensorboard import TensorBoardLogger"),
+             ([hookloop.CSVLogger(tmp_path), pl.loggers.CSVLogger(tmp_path)], "pytorch_lightning.loggers.csv_logs.CSVLogger"),
+             ("csv", "str, which is not a hookloop logger"),
+             (hookloop.CSVLogger, "pass an instance")]
+    for value, message in cases:
+        with pytest.raises(hookloop.ConfigurationError, match=message):
+            hookloop.Trainer(logger=value)
+    with pytest.raises(hookloop.ConfigurationError, match="version=1.5"):
+        hookloop.CSVLogger(tmp_path, version=1.5)
+
+
+def _ddp_fit(root: str) -> dict:
+    """One rank of a 2-process ddp fit (gloo) with a CSV and a TensorBoard logger."""
+    import hookloop_tensorboard
+
+    module = make_module(hookloop.Module, histogram=True)
+    loggers = [hookloop_tensorboard.TensorBoardLogger(root, name="ddp_tb"), hookloop.CSVLogger(root, name="ddp")]
+    trainer = hookloop.Trainer(plugins=["ddp"], devices=2, accelerator="cpu", max_epochs=1, log_every_n_steps=1,
+                               logger=loggers, enable_progress_bar=False, enable_checkpointing=False,
+                               default_root_dir=root, num_sanity_val_steps=0)
+    trainer.fit(module, *loaders())
+    return {"rank": trainer.global_rank, "log_dir": str(trainer.log_dir), "versions": [lg.version for lg in loggers],
+            "experiment": type(loggers[0].experiment).__name__, "global_step": trainer.global_step}
+
+
+def test_ddp_only_rank_zero_writes(tmp_path):
+    from hookloop.testing import run_processes
+
+    ranks = run_processes(_ddp_fit, nprocs=2, args=(str(tmp_path),), timeout=240)
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert ranks[0]["log_dir"] == ranks[1]["log_dir"] == str(tmp_path / "ddp_tb" / "version_0")  # rank 0's, broadcast
+    assert ranks[0]["versions"] == ranks[1]["versions"] == [0, 0]
+    assert [r["experiment"] for r in ranks] == ["SummaryWriter", "DummyExperiment"]
+    # one directory per logger, and one file of each kind: rank 1 wrote nothing anywhere
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ddp", "ddp_tb"]
+    assert [p.name for p in (tmp_path / "ddp").iterdir()] == ["version_0"]
+    assert len(list(tmp_path.rglob("events.out.tfevents.*"))) == 1
+    assert len(list(tmp_path.rglob("metrics.csv"))) == 1
+    columns, rows = csv_rows(tmp_path / "ddp" / "version_0" / "metrics.csv")
+    steps = ranks[0]["global_step"]
+    assert steps == -(-SAMPLES // 2 // BATCH)  # each rank: half the samples, the last batch short
+    assert [r["step"] for r in rows if r["train_loss"]] == [str(s) for s in range(1, steps + 1)]
+    scalars, histograms = read_events(tmp_path / "ddp_tb" / "version_0")
+    assert sorted(scalars["train_loss"]) == list(range(1, steps + 1)) and histograms == ["weights"]
