@@ -44,7 +44,7 @@ def framework(name: str):
     return hookloop.Module, hookloop.Trainer, loggers
 
 
-def make_module(base, histogram: bool = False):
+def make_module(base, histogram: bool = False, extra_hparams: dict | None = None):
     class Regression(base):
         def __init__(self, lr: float = 0.05, width: int = 3, note: str = "port"):
             super().__init__()
@@ -58,6 +58,8 @@ def make_module(base, histogram: bool = False):
             loss = F.mse_loss(self.net(x), y)
             self.log("train_loss", loss)
             if batch_idx == 0:
+                if extra_hparams:
+                    self.logger.log_hyperparams(extra_hparams)
                 if histogram:
                     self.logger.experiment.add_histogram("weights", self.net.weight, self.global_step)
                 self.seen.update(log_dir=self.logger.log_dir, loggers=len(self.loggers),
@@ -81,12 +83,13 @@ def loaders():
     return DataLoader(TensorDataset(x, y), batch_size=BATCH), DataLoader(TensorDataset(x[:8], y[:8]), batch_size=BATCH)
 
 
-def fit(name: str, root: Path, make_loggers, histogram: bool = False, **trainer_kw):
+def fit(name: str, root: Path, make_loggers, histogram: bool = False, extra_hparams: dict | None = None,
+        checkpointing: bool = False, **trainer_kw):
     """Train under framework ``name`` with the loggers ``make_loggers(loggers namespace)``."""
     base, trainer_cls, loggers = framework(name)
-    module = make_module(base, histogram)
+    module = make_module(base, histogram, extra_hparams)
     kw = dict(max_epochs=EPOCHS, log_every_n_steps=1, logger=make_loggers(loggers), enable_progress_bar=False,
-              enable_checkpointing=False, default_root_dir=str(root), num_sanity_val_steps=0, **trainer_kw)
+              enable_checkpointing=checkpointing, default_root_dir=str(root), num_sanity_val_steps=0, **trainer_kw)
     if name == "lightning":
         kw.update(accelerator="cpu", devices=1, enable_model_summary=False)
     trainer = trainer_cls(**kw)
@@ -154,6 +157,22 @@ def test_csv_logger_files_as_lightning(tmp_path, version):
                 assert float(got[key]) == pytest.approx(float(want[key]), rel=1e-6)
     assert (hl_dir / "hparams.yaml").read_text() == (pl_dir / "hparams.yaml").read_text()
     assert (hl_dir / "hparams.yaml").read_text() == "lr: 0.05\nnote: port\nwidth: 3\n"
+
+
+def test_checkpoints_and_log_hyperparams_from_the_module_as_lightning(tmp_path):
+    """The first logger's version directory holds the checkpoints (Lightning's
+    save_dir/name/version_N/checkpoints); self.logger.log_hyperparams in a step adds to
+    hparams.yaml as Lightning's does."""
+    runs = both(tmp_path, lambda loggers, root: loggers.CSVLogger(root, name="ck"), checkpointing=True,
+                extra_hparams={"extra": 2, "nested": {"a": 1}})
+    (pl_trainer, _), (hl_trainer, _) = runs["lightning"], runs["hookloop"]
+    pl_ckpt = Path(pl_trainer.checkpoint_callback.best_model_path)
+    hl_ckpt = Path(hl_trainer.checkpoint_callback.best_model_path)
+    assert hl_ckpt.is_file() and pl_ckpt.is_file()
+    assert relative(hl_ckpt.parent, tmp_path / "hl") == relative(pl_ckpt.parent, tmp_path / "pl") == "ck/version_0/checkpoints"
+    pl_text = (Path(pl_trainer.logger.log_dir) / "hparams.yaml").read_text()
+    assert (Path(hl_trainer.logger.log_dir) / "hparams.yaml").read_text() == pl_text
+    assert "extra: 2" in pl_text and "nested:" in pl_text
 
 
 # ---------------------------------------------------------------------------------------
