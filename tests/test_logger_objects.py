@@ -290,8 +290,7 @@ def test_logger_true_false_none_and_empty(tmp_path):
     """True and None: the default CSV logger (decisions.md); False and []: none."""
     for value, expected in ((True, ["csv"]), (None, ["csv"]), (False, []), ([], [])):
         trainer = hookloop.Trainer(logger=value, default_root_dir=str(tmp_path), enable_progress_bar=False)
-        assert [hookloop.plugin_name(p) if hasattr(hookloop, "plugin_name") else p.hookloop_name
-                for p in trainer.loggers] == expected, value
+        assert [p.hookloop_name for p in trainer.loggers] == expected, value
         assert (trainer.logger is None) == (not expected)
 
 
@@ -344,3 +343,16 @@ def test_ddp_only_rank_zero_writes(tmp_path):
     assert [r["step"] for r in rows if r["train_loss"]] == [str(s) for s in range(1, steps + 1)]
     scalars, histograms = read_events(tmp_path / "ddp_tb" / "version_0")
     assert sorted(scalars["train_loss"]) == list(range(1, steps + 1)) and histograms == ["weights"]
+
+
+def test_plugin_options_construct_the_loggers_with_lightnings_arguments(tmp_path):
+    """--plugin-option csv.save_dir=... (a read-only property in Lightning's API) and
+    tensorboard.log_graph (a method there) construct the logger with them."""
+    trainer = hookloop.Trainer(plugins=["tensorboard"], enable_progress_bar=False, default_root_dir=str(tmp_path),
+                               plugin_options={"csv": {"save_dir": str(tmp_path / "s"), "name": "n", "version": 2},
+                                               "tensorboard": {"log_graph": True, "sub_dir": "tb"}})
+    csv_logger, tb_logger = (next(p for p in trainer.loggers if p.hookloop_name == n) for n in ("csv", "tensorboard"))
+    assert csv_logger.log_dir == str(tmp_path / "s" / "n" / "version_2")
+    assert tb_logger.log_graph_enabled is True and callable(tb_logger.log_graph) and tb_logger._sub_dir == "tb"
+    with pytest.raises(hookloop.ConfigurationError, match="has no option 'bogus'.*save_dir, name, version"):
+        hookloop.Trainer(plugin_options={"csv": {"bogus": 1}})

@@ -43,7 +43,29 @@ def check_version(version: Any, owner: str) -> None:
         )
 
 
-class VersionedDirectory:
+class ConstructorOptions:
+    """Plugin options (``plugin_options=``, ``--plugin-option``) given to a logger object
+    construct it again with them (``hookloop_set_option``): a logger's options are
+    constructor arguments, some read-only properties (``save_dir``) or methods
+    (``log_graph``) in Lightning's API. ``__init__`` keeps its arguments in
+    ``self._init_args``."""
+
+    _init_args: dict
+
+    def hookloop_set_option(self, key: str, value: Any) -> None:
+        keep = {k: v for k, v in self.__dict__.items() if k in ("hookloop_name",)}
+        args = {**self._init_args, key: value}
+        type(self).__init__(self, **args)
+        self.__dict__.update(keep)
+
+
+def init_args(values: dict) -> dict:
+    """An ``__init__``'s ``locals()`` as its arguments (``**kwargs`` spread)."""
+    args = {k: v for k, v in values.items() if k not in ("self", "kwargs", "__class__")}
+    return {**args, **values.get("kwargs", {})}
+
+
+class VersionedDirectory(ConstructorOptions):
     """Lightning's ``save_dir``/``name``/``version``/``root_dir``/``log_dir`` for a logger
     that writes files: ``log_dir`` is ``save_dir/name/version_N`` (``version`` an int, or
     the given string as the directory's name; ``None``: the next free ``version_N``,

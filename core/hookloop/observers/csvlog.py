@@ -23,6 +23,7 @@ from hookloop.loggers import (
     DummyExperiment,
     VersionedDirectory,
     add_prefix,
+    init_args,
     is_rank_zero,
     lightning_hparams,
     save_hparams_yaml,
@@ -54,6 +55,7 @@ class CSVLogger(VersionedDirectory):
     def __init__(self, save_dir: str | os.PathLike | None = None, name: str | None = "lightning_logs",
                  version: int | str | None = None, prefix: str = "", flush_logs_every_n_steps: int = 100,
                  *, filename: str = "metrics.csv"):
+        self._init_args = init_args(locals())
         self._init_directory(save_dir, name, version)
         if not isinstance(flush_logs_every_n_steps, int) or isinstance(flush_logs_every_n_steps, bool) or flush_logs_every_n_steps < 1:
             raise hookloop.ConfigurationError(

@@ -41,7 +41,7 @@ def _require(module: str, package: str) -> None:
         )
 
 
-class MLFlowLogger:
+class MLFlowLogger(hookloop.loggers.ConstructorOptions):
     """Log the run to MLflow: parameters, metrics by step, best and last checkpoints.
 
     Lightning's arguments, in Lightning's order (``Trainer(logger=MLFlowLogger(...))``, or
@@ -77,6 +77,7 @@ class MLFlowLogger:
                  tracking_uri: str | None = None, tags: dict | None = None, save_dir: str | os.PathLike | None = None,
                  log_model: bool | str = False, prefix: str = "", artifact_location: str | None = None,
                  run_id: str | None = None, synchronous: bool | None = None, log_checkpoints: bool = True):
+        self._init_args = hookloop.loggers.init_args(locals())
         _require("mlflow", "mlflow")
         if save_dir is not None and not tracking_uri:
             tracking_uri = f"file:{os.fspath(save_dir)}"

@@ -68,6 +68,7 @@ class TensorBoardLogger(VersionedDirectory):
     def __init__(self, save_dir: Any = None, name: str | None = "lightning_logs", version: int | str | None = None,
                  log_graph: bool = False, default_hp_metric: bool = True, prefix: str = "",
                  sub_dir: Any = None, **kwargs: Any):
+        self._init_args = hookloop.loggers.init_args(locals())
         _require_tensorboard()
         self._init_directory(save_dir, name, version, sub_dir)
         for option, value in (("log_graph", log_graph), ("default_hp_metric", default_hp_metric)):
