@@ -103,7 +103,10 @@ class Trainer:
     Arguments not given in code fall back to the options of ``hookloop run`` (passed
     through the environment), then to the defaults of :class:`TrainerConfig`.
     ``strategy`` (a strategy plugin's name or object) and ``callbacks`` (plugin objects)
-    are Lightning's names for entries of ``plugins``.
+    are Lightning's names for entries of ``plugins``. ``logger`` is ``True`` (or ``None``:
+    the built-in CSV logger), ``False``, or logger objects (``hookloop.CSVLogger(save_dir,
+    name)``, ``hookloop_tensorboard.TensorBoardLogger``, ``hookloop_mlflow.MLFlowLogger``, or
+    a list), which are plugins first in the run (``trainer.logger``, ``trainer.loggers``).
 
     Faults (:mod:`hookloop.faults`): ``process_group_timeout`` (seconds a collective may
     wait; default gloo 300, nccl 600) and ``requeue_on_preemption`` (under SLURM, global
