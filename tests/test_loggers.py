@@ -161,7 +161,7 @@ def test_mlflow_run_params_metrics_checkpoints(mlflow_root):
     client = mlflow_client(mlflow_root)  # the default store: <default_root_dir>/mlflow.db
     run = client.get_run(logger.run_id)
     assert run.info.status == "FINISHED"
-    assert client.get_experiment(run.info.experiment_id).name == "hookloop"
+    assert client.get_experiment(run.info.experiment_id).name == "lightning_logs"  # Lightning's default
     params = run.data.params
     assert params["module/lr"] == "0.05" and params["trainer/max_epochs"] == str(EPOCHS)
     assert params["trainer/log_every_n_steps"] == "1" and params["module/fail_at_epoch"] == "None"

@@ -41,6 +41,8 @@ def hookimpl_options(plugin: Any, name: str) -> dict | None:
     ``configure_sampler`` override that vanished would let every rank train on all the
     data).
     """
+    if isinstance(inspect.getattr_static(plugin, name, None), property):
+        return None  # never evaluated here: a logger's ``experiment`` opens its files on first use
     try:
         method = getattr(plugin, name)
     except Exception:

@@ -164,15 +164,40 @@ def _datamodule_hook(datamodule: Any, name: str, *args: Any) -> None:
         hook(*args)
 
 
-def _resolve_run_dir(trainer) -> None:
-    """``trainer.log_dir``: decided by global rank 0 (once per Trainer) and broadcast."""
+def claim_run_dirs(trainer) -> list[str]:
+    """Global rank 0's directories for the run: ``[run directory, one per logger]`` (a
+    logger's entry ``None`` when it writes into the run directory). A logger that places
+    its own version directories (``hookloop_run_root()``, Lightning's ``save_dir/name``)
+    gets one claimed there; the first logger's is the run directory, else it is
+    ``<default_root_dir>/logs/version_N``."""
     from . import rundir
 
+    token = rundir.run_token()
+    dirs: list = []
+    for logger in trainer.loggers:
+        root = getattr(logger, "hookloop_run_root", None)
+        root = root() if callable(root) else None
+        dirs.append(None if root is None else str(rundir.claim_in(root[0], token, trainer._run_index, root[1])))
+    run_dir = dirs[0] if dirs and dirs[0] is not None else str(rundir.claim(trainer.default_root_dir, token, trainer._run_index))
+    return [run_dir, *dirs]
+
+
+def adopt_run_dirs(trainer, dirs: list[str]) -> None:
+    """Every rank: the run directory, and each logger's (``hookloop_use_run_dir``)."""
+    trainer._log_dir = Path(dirs[0])
+    for logger, path in zip(trainer.loggers, dirs[1:]):
+        if path is not None:
+            logger.hookloop_use_run_dir(path)
+
+
+def _resolve_run_dir(trainer) -> None:
+    """``trainer.log_dir`` and the loggers' directories: decided by global rank 0 (once
+    per Trainer) and broadcast."""
     if trainer._log_dir is None:
         chosen = None
         if trainer.global_rank == 0:
             try:
-                chosen = str(rundir.claim(trainer.default_root_dir, rundir.run_token(), trainer._run_index))
+                chosen = claim_run_dirs(trainer)
             except OSError as exc:
                 # Told to every rank, so none waits for a directory that never comes.
                 chosen = OSError(f"{exc.strerror or exc}: {exc.filename or trainer.default_root_dir}")
@@ -180,10 +205,10 @@ def _resolve_run_dir(trainer) -> None:
         if isinstance(chosen, OSError):
             raise ConfigurationError(
                 f"cannot create the run directory under default_root_dir={str(trainer.default_root_dir)!r} "
-                f"({chosen}): make it writable or choose another (Trainer(default_root_dir=...) or "
-                f"--default-root-dir)"
+                f"or a logger's save_dir ({chosen}): make it writable or choose another (Trainer(default_root_dir=...) "
+                f"or --default-root-dir, the logger's save_dir)"
             )
-        trainer._log_dir = Path(chosen)
+        adopt_run_dirs(trainer, chosen)
 
 
 try:

@@ -256,7 +256,13 @@ def apply_options(plugin: Any, options: dict[str, dict]) -> Any:
     naming the plugin's options."""
     name = plugin_name(plugin)
     if name in options and not isinstance(plugin, type):
+        set_option = getattr(plugin, "hookloop_set_option", None)
         for key, value in options[name].items():
+            if callable(set_option):  # options that are not plain attributes (a logger's save_dir)
+                if key not in plugin_options(plugin) and not _takes_any_keyword(type(plugin)):
+                    raise _unknown_option_error(name, key, plugin_options(plugin))
+                set_option(key, value)
+                continue
             if not hasattr(plugin, key):
                 raise _unknown_option_error(name, key, plugin_options(plugin))
             setattr(plugin, key, value)

@@ -48,14 +48,33 @@ def versions(logs: Path) -> list[tuple[int, Path]]:
 def claim(root: Path, token: str, index: int) -> Path:
     """The run directory for ``(token, index)`` under ``root``: the one a previous attempt
     of the same run marked, else a new ``version_N`` (claimed with an exclusive mkdir)."""
-    logs = root / "logs"
+    return claim_in(root / "logs", token, index)
+
+
+def next_version(versions_root: Path) -> int:
+    """The next free ``version_N`` number under ``versions_root`` (0 when none), as
+    Lightning's loggers count: one more than the largest."""
+    found = versions(Path(versions_root))
+    return found[-1][0] + 1 if found else 0
+
+
+def claim_in(versions_root: Path, token: str, index: int, version: int | str | None = None) -> Path:
+    """A run directory in ``versions_root``: ``version`` given, ``version_<int>`` or the
+    string itself (created if missing, shared with whoever else uses it, as Lightning's
+    loggers do); else the ``version_N`` a previous attempt of the run ``(token, index)``
+    marked, else the next free ``version_N`` (claimed with an exclusive mkdir)."""
+    logs = Path(versions_root)
+    if version is not None:
+        path = logs / (version if isinstance(version, str) else f"version_{version}")
+        path.mkdir(parents=True, exist_ok=True)
+        return path
     key = f"{token}:{index}"
     for _, path in versions(logs):
         marker = path / MARKER
         if marker.is_file() and marker.read_text().strip() == key:
             return path
     logs.mkdir(parents=True, exist_ok=True)
-    number = versions(logs)[-1][0] + 1 if versions(logs) else 0
+    number = next_version(logs)
     while True:
         path = logs / f"version_{number}"
         try:

@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from . import callbacks as callbacks_module
+from . import loggers as loggers_module
 from . import loops
 from . import plugins as plugin_registry
 from . import rundir
@@ -105,7 +106,10 @@ class Trainer:
     ``strategy`` (a strategy plugin's name or object) and ``callbacks`` (plugin objects,
     and Lightning-style :class:`hookloop.Callback` objects, run in list order by one
     adapter plugin; any other object there is an error) are Lightning's names for
-    entries of ``plugins``.
+    entries of ``plugins``. ``logger`` is ``True`` (or ``None``: the built-in CSV logger),
+    ``False``, or logger objects (``hookloop.CSVLogger(save_dir, name)``,
+    ``hookloop_tensorboard.TensorBoardLogger``, ``hookloop_mlflow.MLFlowLogger``, or a
+    list), which are plugins first in the run (``trainer.logger``, ``trainer.loggers``).
 
     Faults (:mod:`hookloop.faults`): ``process_group_timeout`` (seconds a collective may
     wait; default gloo 300, nccl 600) and ``requeue_on_preemption`` (under SLURM, global
@@ -153,7 +157,7 @@ class Trainer:
         log_every_n_steps: int = _UNSET,
         enable_progress_bar: bool = _UNSET,
         enable_model_summary: bool = _UNSET,
-        logger: bool = _UNSET,
+        logger: Any = _UNSET,
         use_distributed_sampler: bool = _UNSET,
         autoload_plugins: bool = _UNSET,
         plugin_options: dict = _UNSET,
@@ -163,11 +167,19 @@ class Trainer:
         deterministic: bool | str | None = _UNSET,
     ):
         given = {k: v for k, v in locals().items() if k in _CONFIG_FIELDS and v is not _UNSET}
+        # logger: True/False, None (Lightning's default: True), or logger objects, which
+        # become plugins (first in the run, so trainer.logger is the first of them).
+        logger_objects = loggers_module.logger_objects(given.get("logger"))
+        if logger is None:
+            given.pop("logger")
+        elif logger_objects is not None:
+            given["logger"] = bool(logger_objects)
         # hookloop.default(x): the script's own fallback, which `hookloop run` options override.
         fallbacks = {k: v.value for k, v in given.items() if isinstance(v, default)}
         given = {k: v for k, v in given.items() if k not in fallbacks}
         # strategy="auto" is Lightning's default: the built-in single process, or hookloop run's.
-        in_code = _as_list(given.get("plugins", [])) + _as_list(None if strategy in (_UNSET, "auto") else strategy)
+        in_code = list(logger_objects or [])
+        in_code += _as_list(given.get("plugins", [])) + _as_list(None if strategy in (_UNSET, "auto") else strategy)
         given_callbacks = _as_list(callbacks if callbacks is not _UNSET else None)
         callbacks_module.check_callbacks_argument(given_callbacks)
         in_code += given_callbacks
@@ -202,8 +214,10 @@ class Trainer:
         requested = in_code
         defaults = list(from_env.get("plugins", [])) + plugin_registry.environment_plugins()
         options = self.config.plugin_options
+        _name_loggers_apart(logger_objects or [])
+        builtin = _builtin_observers(self.config, logger_objects is None)
         chosen = plugin_registry.collect(requested, defaults, autoload=self.config.autoload_plugins,
-                                         builtin=_builtin_observers(self.config), options=options)
+                                         builtin=builtin, options=options)
         chosen += plugin_registry.default_precision_plugin(chosen, self.config.precision)
         chosen = [plugin_registry.apply_options(p, options) for p in chosen]
         plugin_registry.check_option_targets(chosen, options)
@@ -355,7 +369,8 @@ class Trainer:
     @property
     def loggers(self) -> list:
         """The enabled logger plugins (those implementing ``on_log_metrics``: ``csv``,
-        ``tensorboard``, ``mlflow``...), in plugin order."""
+        ``tensorboard``, ``mlflow``...), in plugin order: the objects given as
+        ``Trainer(logger=...)`` first, in their order."""
         return [p for p in self.plugins if callable(getattr(p, "on_log_metrics", None))]
 
     @property
@@ -370,10 +385,12 @@ class Trainer:
 
     @property
     def log_dir(self) -> Path:
-        """This run's directory, ``<default_root_dir>/logs/version_N``: its logs and
-        checkpoints. The same on every rank and after every elastic restart."""
+        """This run's directory, ``<default_root_dir>/logs/version_N``, or the first
+        logger's version directory when it has one (``CSVLogger(save_dir, name)``:
+        ``save_dir/name/version_N``, as Lightning): its logs and checkpoints. The same on
+        every rank and after every elastic restart."""
         if self._log_dir is None:  # outside a run (one process): as rank 0 decides in one
-            self._log_dir = rundir.claim(self.default_root_dir, rundir.run_token(), self._run_index)
+            loops.adopt_run_dirs(self, loops.claim_run_dirs(self))
         return self._log_dir
 
     @property
@@ -636,16 +653,16 @@ class Trainer:
             )
 
 
-def _builtin_observers(config: TrainerConfig) -> list[str]:
+def _builtin_observers(config: TrainerConfig, default_logger: bool = True) -> list[str]:
     """The observers every run gets unless blocked (``no:NAME``) or turned off, as pytest
-    ships its terminal reporter: the progress bar, the model summary, the CSV logger, the
-    checkpoints."""
+    ships its terminal reporter: the progress bar, the model summary, the CSV logger (not
+    when ``Trainer(logger=...)`` named the loggers), the checkpoints."""
     names = []
     if config.enable_progress_bar:
         names.append("progress")
     if config.enable_model_summary:
         names.append("model_summary")
-    if config.logger:
+    if config.logger and default_logger:
         names.append("csv")
     if config.enable_checkpointing:
         names.append("checkpoint")
@@ -663,6 +680,17 @@ def _check_progress_bars(in_code: list, config: TrainerConfig) -> None:
         raise ConfigurationError(
             f"Trainer was configured with `enable_progress_bar=False` but found `{type(bars[0]).__name__}` in "
             f"callbacks list: remove the bar, or leave enable_progress_bar at True")
+
+
+def _name_loggers_apart(objects: list) -> None:
+    """Two loggers of one kind in ``logger=[...]`` (two CSVLoggers) are two plugins: the
+    second and later get ``<name>-2``, ``<name>-3`` as their plugin names."""
+    seen: dict[str, int] = {}
+    for obj in objects:
+        name = plugin_registry.plugin_name(obj)
+        seen[name] = seen.get(name, 0) + 1
+        if seen[name] > 1:
+            obj.hookloop_name = f"{name}-{seen[name]}"
 
 
 # Module-level (not lambdas): a spawn-based strategy pickles the function it runs.
