@@ -226,7 +226,15 @@ def test_mlflow_logger_metrics_as_lightning(tmp_path, monkeypatch):
     run_name, prefix): every metric's history as Lightning's; the run, its name and tags."""
     from mlflow.tracking import MlflowClient
 
+    import mlflow.tracking._tracking_service.utils as tracking_utils
+
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 refuses new file stores otherwise
+    # Lightning's MLFlowLogger calls mlflow.set_tracking_uri, which sets the process's
+    # MLFLOW_TRACKING_URI too: both undone after this test, so that later tests' default
+    # stores are theirs
+    monkeypatch.setattr(tracking_utils, "_tracking_uri", tracking_utils._tracking_uri)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "")  # records its state before this test, for the undo
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
     made = {}
 
     def make(loggers, root):
