@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from . import loops
 from . import plugins as plugin_registry
-from . import rundir
+from . import rundir, strategies
 from .config import TrainerConfig, env_defaults
 from .datamodule import DataModule
 from .defaults import Defaults
@@ -161,7 +161,10 @@ class Trainer:
         fallbacks = {k: v.value for k, v in given.items() if isinstance(v, default)}
         given = {k: v for k, v in given.items() if k not in fallbacks}
         # strategy="auto" is Lightning's default: the built-in single process, or hookloop run's.
-        in_code = _as_list(given.get("plugins", [])) + _as_list(None if strategy in (_UNSET, "auto") else strategy)
+        # Lightning's other strategy strings are plugins with options (strategies.py).
+        if isinstance(strategy, str):
+            strategy = strategies.resolve_string(strategy)
+        in_code = _as_list(given.get("plugins", [])) + _as_list(None if strategy is _UNSET else strategy)
         in_code += _as_list(callbacks if callbacks is not _UNSET else None)
         if in_code or "plugins" in given:
             given["plugins"] = in_code

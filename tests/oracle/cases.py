@@ -41,9 +41,9 @@ def data(n: int = 48, seed: int = 1) -> TensorDataset:
 
 
 def loader(ddp: bool, n: int = 48, seed: int = 1, batch_size: int = 4, train: bool = True) -> DataLoader:
-    # Lightning's training DistributedSampler always shuffles; a shuffled loader is the
-    # case both frameworks treat alike under ddp (docs/decisions.md). Evaluation: in order.
-    return DataLoader(data(n, seed), batch_size=batch_size, shuffle=ddp and train)
+    # Unshuffled: under ddp both frameworks' training DistributedSampler shuffles it anyway
+    # (seeded, set_epoch each epoch); evaluation loaders stay in order.
+    return DataLoader(data(n, seed), batch_size=batch_size)
 
 
 def base_module(fw):
