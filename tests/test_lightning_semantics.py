@@ -1,0 +1,96 @@
+"""Issue 18, item 9: silent differences from pytorch-lightning 2.6.6, each compared with
+Lightning running the same module code (written once against ``fw.LightningModule``, as
+tests/oracle does).
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import hookloop
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "oracle"))
+import frameworks  # noqa: E402
+
+
+def _data(n: int = 20, seed: int = 1) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, generator=g)
+    return TensorDataset(x, (x[:, 0] > 0).long())
+
+
+def _trainer(fw, root: str, **kw):
+    if fw.name == "lightning":
+        return fw.pl.Trainer(accelerator="cpu", devices=1, default_root_dir=root, logger=False,
+                             enable_progress_bar=False, enable_model_summary=False, **kw)
+    return hookloop.Trainer(accelerator="cpu", default_root_dir=root, logger=False, enable_progress_bar=False, **kw)
+
+
+def _exact(metrics) -> dict:
+    return {k: float(v.item() if hasattr(v, "item") else v) for k, v in metrics.items()}
+
+
+# -- b. epoch means in Lightning's dtype --------------------------------------------------
+
+
+def _logging_module(fw):
+    class Logs(fw.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(4, 2)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = F.cross_entropy(self.layer(x), y)
+            g = torch.Generator().manual_seed(batch_idx)
+            self.log("train_mean", torch.rand((), generator=g), on_step=False, on_epoch=True)
+            self.log("train_forked", torch.rand((), generator=g) / 3, on_step=True, on_epoch=True)
+            return loss
+
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            g = torch.Generator().manual_seed(100 + batch_idx)
+            # 0.7 of 10 samples, in batches of 3, 3, 3, 1: a float32 mean and a float64
+            # mean of these differ in the last bits
+            self.log("val_acc", (self(x).argmax(-1) == y).float().mean())
+            self.log("val_rand", torch.rand((), generator=g))
+            self.log("val_tenth", torch.tensor(0.1) * (batch_idx + 1))
+            self.log("val_int", torch.tensor(batch_idx + 1))  # an integer tensor
+            self.log("val_double", torch.rand((), generator=g, dtype=torch.float64))
+            self.log("val_sum", torch.rand((), generator=g), reduce_fx="sum")
+            self.log("val_max", torch.rand((), generator=g), reduce_fx="max")
+            self.log("val_py", 0.1 * (batch_idx + 1))
+
+        def forward(self, x):
+            return self.layer(x)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    return Logs
+
+
+def test_epoch_means_are_bit_equal_to_lightnings():
+    results = {}
+    for name in ("lightning", "hookloop"):
+        fw = frameworks.load(name)
+        fw.seed_everything(0)
+        module = _logging_module(fw)()
+        with tempfile.TemporaryDirectory() as root:
+            trainer = _trainer(fw, root, max_epochs=2, enable_checkpointing=False, num_sanity_val_steps=0)
+            trainer.fit(module, DataLoader(_data(20), batch_size=3), DataLoader(_data(10, seed=2), batch_size=3))
+            fitted = _exact(trainer.callback_metrics)
+            validated = trainer.validate(module, DataLoader(_data(10, seed=2), batch_size=3), verbose=False)[0]
+        results[name] = (fitted, _exact(validated))
+    lightning, ours = results["lightning"], results["hookloop"]
+    assert lightning[0].keys() == ours[0].keys()
+    for key in lightning[0]:
+        assert ours[0][key] == lightning[0][key], (key, ours[0][key], lightning[0][key])
+    assert ours[1] == lightning[1]
