@@ -94,3 +94,43 @@ def test_epoch_means_are_bit_equal_to_lightnings():
     for key in lightning[0]:
         assert ours[0][key] == lightning[0][key], (key, ours[0][key], lightning[0][key])
     assert ours[1] == lightning[1]
+
+
+# -- c. callback_metrics belong to one run ------------------------------------------------
+
+
+def test_callback_metrics_are_reset_by_each_run_as_lightnings():
+    seen = {}
+    for name in ("lightning", "hookloop"):
+        fw = frameworks.load(name)
+        fw.seed_everything(0)
+
+        class WithTest(_logging_module(fw)):
+            def test_step(self, batch, batch_idx):
+                self.log("test_loss", F.cross_entropy(self(batch[0]), batch[1]), prog_bar=True)
+
+            def predict_step(self, batch, batch_idx):
+                return self(batch[0])
+
+        module, record = WithTest(), []
+        with tempfile.TemporaryDirectory() as root:
+            trainer = _trainer(fw, root, max_epochs=1, enable_checkpointing=False, num_sanity_val_steps=0)
+
+            def val():
+                return DataLoader(_data(10, seed=2), batch_size=3)
+
+            trainer.fit(module, DataLoader(_data(20), batch_size=3), val())
+            kept = trainer.callback_metrics
+            record.append(("fit", _exact(trainer.callback_metrics)))
+            trainer.test(module, val(), verbose=False)
+            record.append(("test", _exact(trainer.callback_metrics)))
+            record.append(("test progress bar", sorted(trainer.progress_bar_metrics)))
+            trainer.validate(module, val(), verbose=False)
+            record.append(("validate", _exact(trainer.callback_metrics)))
+            trainer.predict(module, val())
+            record.append(("predict", _exact(trainer.callback_metrics)))
+            record.append(("kept from fit", sorted(kept)))
+        seen[name] = record
+    assert [r[0] for r in seen["hookloop"]] == [r[0] for r in seen["lightning"]]
+    for ours, theirs in zip(seen["hookloop"], seen["lightning"]):
+        assert ours == theirs, (ours, theirs)

@@ -98,6 +98,7 @@ def session(trainer, stage: str):
     state = trainer.state
     state.fn, state.status = SETUP_STAGE[stage], "running"
     trainer._logged_metrics = {}
+    trainer._metrics.reset_run()  # Lightning: every run starts with no metrics
     try:
         hook.setup_environment(trainer=trainer)
         rank_zero_only.rank = trainer.global_rank

@@ -672,6 +672,16 @@ class Metrics:
 
     # -- stages -------------------------------------------------------------------------
 
+    def reset_run(self) -> None:
+        """Forget the previous run's metrics (``callback_metrics``, step values, progress
+        bar names) at the start of ``fit``/``validate``/``test``/``predict``, as Lightning's
+        ``reset_metrics()``: after ``fit`` then ``test`` only the test's metrics are left.
+        A new dict, so one a caller kept from the previous run keeps its values."""
+        self.callback_metrics = {}
+        self.step_values = {}
+        self.eval_step_row = {}
+        self.prog_bar, self.not_for_logger, self.forked = set(), set(), set()
+
     def start(self, stage: str) -> None:
         """A new epoch of ``stage``: forget its epoch sums (and, for training, the step
         values of the previous epoch)."""
