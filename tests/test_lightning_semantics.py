@@ -134,3 +134,48 @@ def test_callback_metrics_are_reset_by_each_run_as_lightnings():
     assert [r[0] for r in seen["hookloop"]] == [r[0] for r in seen["lightning"]]
     for ours, theirs in zip(seen["hookloop"], seen["lightning"]):
         assert ours == theirs, (ours, theirs)
+
+
+# -- d. ModelCheckpoint(dirpath=...) writes only what Lightning writes there -------------
+
+
+def _scored(fw):
+    class Scored(_logging_module(fw)):
+        def on_validation_epoch_end(self):
+            self.log("score", torch.tensor([0.5, 0.3, 0.4, 0.2][self.current_epoch]))
+
+    return Scored
+
+
+def test_checkpoint_dirpath_holds_lightnings_files_and_last_still_resumes(tmp_path):
+    files, resumed = {}, {}
+    for name in ("lightning", "hookloop"):
+        fw = frameworks.load(name)
+        for variant, kw in (("default", {}), ("save_last", {"save_last": True})):
+            fw.seed_everything(0)
+            root = tmp_path / name / variant
+            ckpt = fw.ModelCheckpoint(dirpath=str(root / "ckpts"), monitor="score", save_top_k=2, **kw)
+            trainer = _trainer(fw, str(root), max_epochs=3, callbacks=[ckpt], num_sanity_val_steps=0)
+            trainer.fit(_scored(fw)(), DataLoader(_data(20), batch_size=4), DataLoader(_data(8, seed=2), batch_size=4))
+            files[(name, variant)] = sorted(p.name for p in (root / "ckpts").iterdir() if not p.name.startswith("."))
+        # One more epoch: hookloop resumes from its own last.ckpt (in the run directory) with
+        # ckpt_path="last"; Lightning trains the four epochs straight.
+        fw.seed_everything(0)
+        module = _scored(fw)()
+        root = tmp_path / name / "default"
+        trainer = _trainer(fw, str(root), max_epochs=4, num_sanity_val_steps=0,
+                           callbacks=[fw.ModelCheckpoint(dirpath=str(root / "ckpts"), monitor="score", save_top_k=2)])
+        loaders = (DataLoader(_data(20), batch_size=4), DataLoader(_data(8, seed=2), batch_size=4))
+        if name == "hookloop":
+            trainer.fit(module, *loaders, ckpt_path="last")
+        else:
+            trainer = _trainer(fw, str(tmp_path / "straight"), max_epochs=4, num_sanity_val_steps=0,
+                               enable_checkpointing=False)
+            trainer.fit(module, *loaders)
+        resumed[name] = ({k: v.clone() for k, v in module.state_dict().items()}, trainer.global_step)
+    for variant in ("default", "save_last"):
+        assert files[("hookloop", variant)] == files[("lightning", variant)], variant
+    assert "last.ckpt" not in files[("hookloop", "default")]
+    assert resumed["hookloop"][1] == resumed["lightning"][1] == 20
+    for key, value in resumed["lightning"][0].items():
+        assert torch.allclose(resumed["hookloop"][0][key], value, atol=1e-6), key

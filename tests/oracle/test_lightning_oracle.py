@@ -189,7 +189,9 @@ def _validation_rng(case, mode, light, hook) -> bool:
 def _last_checkpoint(case, mode, light, hook) -> bool:
     """hookloop's checkpoint observer writes ``last.ckpt`` (keeping ``last.prev.ckpt``) at
     every epoch end, whatever ``save_last`` says; Lightning only with ``save_last=True``.
-    Drop those two names where Lightning wrote no last.ckpt; seen when hookloop had them."""
+    With ``dirpath=`` (as the checkpoint cases give) hookloop's is in the run directory, so
+    ``dirpath`` holds Lightning's files: drop the names only where Lightning wrote no
+    last.ckpt; seen when hookloop had them."""
     seen = False
     for name, obs in hook.items():
         if "last.ckpt" not in light[name]["files"] and "last.ckpt" in obs["files"]:
