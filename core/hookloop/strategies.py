@@ -68,6 +68,10 @@ def resolve_string(strategy: str) -> Any:
         if entry is None:
             return None
         name, options = entry
+        if not options:
+            # The plugin by name, as plugins=[name] (its plugin_options go to its constructor)
+            require(name, f"strategy={strategy!r}")
+            return name
         return load_plugin(name, options, f"strategy={strategy!r}")
     installed = plugin_registry.installed_plugins()
     if strategy in installed:
@@ -82,14 +86,19 @@ def resolve_string(strategy: str) -> Any:
     )
 
 
-def load_plugin(name: str, options: dict, what: str) -> Any:
-    installed = plugin_registry.installed_plugins()
-    if name not in installed:
+def require(name: str, what: str) -> None:
+    """Refuse, with its pip line, a plugin that ``what`` needs and that is not installed."""
+    if name not in plugin_registry.installed_plugins():
         dist = distribution(name)
         raise MissingDependencyError(
             f"{what} needs the plugin {name!r}, which is not installed: pip install "
             f"hookloop-{dist} (in a hookloop checkout: pip install -e plugins/{dist})"
         )
+
+
+def load_plugin(name: str, options: dict, what: str) -> Any:
+    """The installed plugin ``name`` made with ``options`` (see :func:`require`)."""
+    require(name, what)
     return plugin_registry.resolve(name, **options)
 
 

@@ -534,6 +534,9 @@ def case_checkpoints(fw, root, ddp):
             "best": os.path.basename(ckpt.best_model_path or ""),
             "best_k": {os.path.basename(k): round(float(v), 6) for k, v in ckpt.best_k_models.items()},
             "files": sorted(p.name for p in Path(dirpath).glob("*") if not p.name.startswith(".")),
+            # the run directory's checkpoints/ (hookloop keeps its resume last.ckpt there)
+            "run_dir_files": sorted(p.name for p in Path(fw.log_dir(trainer), "checkpoints").glob("*")
+                                    if not p.name.startswith(".")),
         }
     return out
 

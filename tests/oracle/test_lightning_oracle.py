@@ -194,9 +194,10 @@ def _last_checkpoint(case, mode, light, hook) -> bool:
     last.ckpt; seen when hookloop had them."""
     seen = False
     for name, obs in hook.items():
-        if "last.ckpt" not in light[name]["files"] and "last.ckpt" in obs["files"]:
-            obs["files"] = [f for f in obs["files"] if f != "last.ckpt"]
-            seen = True
+        for where in ("files", "run_dir_files"):
+            if "last.ckpt" not in light[name][where] and "last.ckpt" in obs[where]:
+                obs[where] = [f for f in obs[where] if f != "last.ckpt"]
+                seen = True
     return seen
 
 
@@ -205,9 +206,10 @@ def _previous_kept(case, mode, light, hook) -> bool:
     a damaged newest file); Lightning keeps none. Seen when hookloop had it."""
     seen = False
     for obs in hook.values():
-        if "last.prev.ckpt" in obs["files"]:
-            obs["files"].remove("last.prev.ckpt")
-            seen = True
+        for where in ("files", "run_dir_files"):
+            if "last.prev.ckpt" in obs[where]:
+                obs[where].remove("last.prev.ckpt")
+                seen = True
     return seen
 
 
