@@ -151,15 +151,20 @@ def permutation_shares(n: int, seed: int, epoch: int) -> list[list[int]]:
     return shares(torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist())
 
 
-def test_training_loader_without_shuffle_is_sharded_in_order():
+def test_training_loader_without_shuffle_is_shuffled_as_lightnings():
+    # Lightning's training DistributedSampler shuffles an unshuffled loader too.
     loader = DataLoader(IndexData(11), batch_size=2, shuffle=False)
     samplers = [hookloop.distributed_sampler(loader, 2, r, training=True) for r in (0, 1)]
     for epoch in (0, 1):
         for s in samplers:
             s.set_epoch(epoch)
-        assert [list(s) for s in samplers] == [[0, 2, 4, 6, 8, 10], [1, 3, 5, 7, 9, 0]]
+        assert [list(s) for s in samplers] == permutation_shares(11, seed=0, epoch=epoch)
     rebuilt = [hookloop.rebuild_dataloader(loader, s) for s in samplers]
-    assert [torch.cat(list(r)).tolist() for r in rebuilt] == [[0, 2, 4, 6, 8, 10], [1, 3, 5, 7, 9, 0]]
+    assert [torch.cat(list(r)).tolist() for r in rebuilt] == permutation_shares(11, seed=0, epoch=1)
+    # overfit_batches keeps the order (Lightning: shuffle and not overfit_batches)
+    ordered = DataLoader(IndexData(11), batch_size=2, sampler=hookloop.helpers.OrderedSampler(IndexData(11)))
+    samplers = [hookloop.distributed_sampler(ordered, 2, r, training=True) for r in (0, 1)]
+    assert [list(s) for s in samplers] == [[0, 2, 4, 6, 8, 10], [1, 3, 5, 7, 9, 0]]
 
 
 def test_shuffled_training_loader_gets_the_seeded_permutation_shares():

@@ -828,7 +828,7 @@ def _(tmp):
 @row("R02")
 def _(tmp):
     (tmp / "ck" / "last.ckpt").mkdir(parents=True)  # what a sharded (DeepSpeed) run left there
-    quiet(enable_checkpointing=True, callbacks=[hookloop.ModelCheckpoint(dirpath=tmp / "ck")]).fit(TinyModule(), loader())
+    quiet(enable_checkpointing=True, callbacks=[hookloop.ModelCheckpoint(dirpath=tmp / "ck", save_last=True)]).fit(TinyModule(), loader())
 
 
 # ---------------------------------------------------------------------------------------

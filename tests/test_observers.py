@@ -331,10 +331,11 @@ def test_a_resumed_run_continues_the_top_k_bookkeeping(tmp_path):
     fit(Scripted(val_values=VALS), epochs=3, callbacks=[callback()], default_root_dir=str(tmp_path / "b"))
     again = callback()
     trainer = hookloop.Trainer(max_epochs=5, default_root_dir=str(tmp_path / "b"), callbacks=[again])
-    trainer.fit(Scripted(val_values=VALS), train_loader(), val_loader(), ckpt_path=tmp_path / "ck" / "last.ckpt")
+    # hookloop's own last.ckpt is in the run directory (dirpath holds what Lightning writes)
+    trainer.fit(Scripted(val_values=VALS), train_loader(), val_loader(), ckpt_path="last")
     # epoch 2's file (4.0) from the first run was pushed out by epoch 3's (1.0) in the second
     assert reference == {"epoch=3-step=28.ckpt", "epoch=4-step=35.ckpt"}
-    assert {p.name for p in (tmp_path / "ck").iterdir()} == reference | {"last.ckpt", "last.prev.ckpt"}
+    assert {p.name for p in (tmp_path / "ck").iterdir()} == reference
     assert again.best_model_path == str(tmp_path / "ck" / "epoch=3-step=28.ckpt") and again.best_model_score == 1.0
 
 
@@ -424,7 +425,7 @@ def test_a_file_checkpoint_where_a_directory_strategy_would_write_is_refused_bef
     (tmp_path / "ck" / "last.ckpt").mkdir()  # what a sharded (DeepSpeed) run left there
     module = Scripted()
     with pytest.raises(hookloop.ConfigurationError, match="is a directory, and this run's strategy writes single-file"):
-        fit(module, epochs=1, callbacks=[hookloop.ModelCheckpoint(dirpath=tmp_path / "ck")])
+        fit(module, epochs=1, callbacks=[hookloop.ModelCheckpoint(dirpath=tmp_path / "ck", save_last=True)])
     assert module.step_losses == {}
 
 

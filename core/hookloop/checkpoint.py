@@ -67,19 +67,20 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
     return _atomic_write(path, write)
 
 
-def atomic_copy(source: str | os.PathLike, path: str | os.PathLike) -> Path:
+def atomic_copy(source: str | os.PathLike, path: str | os.PathLike, keep_previous: bool = True) -> Path:
     """Copy the checkpoint file ``source`` to ``path`` as :func:`atomic_save` writes one
-    (temporary file, fsync, rename; a replaced ``last.ckpt`` kept as ``last.prev.ckpt``).
-    The copy carries the source's checksum trailer, bytes and all."""
+    (temporary file, fsync, rename; a replaced ``last.ckpt`` kept as ``last.prev.ckpt``
+    unless ``keep_previous`` is false). The copy carries the source's checksum trailer,
+    bytes and all."""
 
     def write(f) -> None:
         with open(source, "rb") as src:
             shutil.copyfileobj(src, f, 1 << 20)
 
-    return _atomic_write(path, write)
+    return _atomic_write(path, write, keep_previous)
 
 
-def _atomic_write(path: str | os.PathLike, write: Callable[[Any], None]) -> Path:
+def _atomic_write(path: str | os.PathLike, write: Callable[[Any], None], keep_previous: bool = True) -> Path:
     """``write(file)`` into a temporary file beside ``path``, fsync, then install it over
     ``path`` (keeping a replaced ``last.ckpt`` as ``last.prev.ckpt``). A failed write
     removes the temporary file; an ``OSError`` becomes a :class:`CheckpointError`."""
@@ -95,7 +96,7 @@ def _atomic_write(path: str | os.PathLike, write: Callable[[Any], None]) -> Path
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        _install(tmp, path)
+        _install(tmp, path, keep_previous)
     except BaseException as exc:
         try:
             os.unlink(tmp)
@@ -154,11 +155,11 @@ def _write_error(path: Path, exc: OSError) -> CheckpointError:
     )
 
 
-def _install(tmp: str, path: Path) -> None:
+def _install(tmp: str, path: Path, keep_previous: bool = True) -> None:
     """Rename the finished temporary file ``tmp`` over ``path``, first keeping the file it
     replaces as :func:`previous_of` ``path`` (a hard link, so ``path`` exists at every
     moment; a rename where the file system has no hard links), then fsync the directory."""
-    previous = previous_of(path)
+    previous = previous_of(path) if keep_previous else None
     if previous is not None and path.is_file():
         link = previous.with_name(f".{previous.name}.{_writer()}.tmp")
         try:

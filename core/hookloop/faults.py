@@ -163,11 +163,11 @@ class Preemption:
 
 
 def preemption_checkpoint_path(trainer) -> Path:
-    """Where a preempted run writes its checkpoint: ``last.ckpt`` in the checkpoint
-    plugin's directory (``ModelCheckpoint(dirpath=...)``), else in this run's
-    ``checkpoints/``: where a restarted worker (``resume_after_restart``) and
-    ``ckpt_path="last"`` look."""
-    own = getattr(trainer.checkpoint_callback, "dir", None)
+    """Where a preempted run writes its checkpoint: ``last.ckpt`` in this run's
+    ``checkpoints/`` (the checkpoint observer's ``resume_dir``, also with
+    ``ModelCheckpoint(dirpath=...)``): where a restarted worker (``resume_after_restart``)
+    and ``ckpt_path="last"`` look."""
+    own = getattr(trainer.checkpoint_callback, "resume_dir", None)
     return (Path(own) if own is not None else Path(trainer.log_dir) / "checkpoints") / "last.ckpt"
 
 

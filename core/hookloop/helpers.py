@@ -263,6 +263,12 @@ def global_seed() -> int:
         ) from None
 
 
+class OrderedSampler(SequentialSampler):
+    """A ``SequentialSampler`` whose order sharding keeps: ``overfit_batches`` replaces a
+    training loader's sampler by one, and its ``DistributedSampler`` does not shuffle
+    (Lightning: ``shuffle and not overfit_batches``)."""
+
+
 def distributed_sampler(
     dataloader: DataLoader, num_replicas: int, rank: int, training: bool, seed: int | None = None
 ) -> Sampler | None:
@@ -270,9 +276,11 @@ def distributed_sampler(
 
     * loaders of an ``IterableDataset``: ``None`` (the dataset shards itself; hookloop
       cannot index it).
-    * the default samplers: a ``DistributedSampler`` that shuffles exactly when the
-      user's loader shuffles (its sampler is a ``RandomSampler``, i.e. ``shuffle=True``)
-      and ``training`` is true; validation, test and predict loaders are never shuffled.
+    * the default samplers: a ``DistributedSampler``. As in Lightning, a training loader
+      is always shuffled (seeded, ``set_epoch`` each epoch), even an unshuffled one, except
+      under ``overfit_batches`` (its :class:`OrderedSampler`). Validation, test and
+      predict loaders are never shuffled (Lightning shuffles those that shuffle; their
+      means do not depend on the order).
     * a user's own sampler: wrapped in :class:`DistributedSamplerWrapper`.
 
     ``seed`` (the same on every rank) defaults to the one :func:`seed_everything` set
@@ -291,7 +299,7 @@ def distributed_sampler(
             dataloader.dataset,
             num_replicas=num_replicas,
             rank=rank,
-            shuffle=training and isinstance(sampler, RandomSampler),
+            shuffle=training and not isinstance(sampler, OrderedSampler),
             seed=seed,
             drop_last=False,
         )

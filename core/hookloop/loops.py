@@ -23,13 +23,13 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 from . import checkpoint as ckpt
 from . import faults
 from .datamodule import provides
 from .errors import CheckpointError, ConfigurationError
-from .helpers import DistributedSamplerWrapper, apply_to_tensors, batch_size_of, move_to_device, rebuild_dataloader
+from .helpers import DistributedSamplerWrapper, OrderedSampler, apply_to_tensors, batch_size_of, move_to_device, rebuild_dataloader
 from .module import _STEP_BATCH, _defines_hook, module_hooks_plugin
 from .optim import LoopOptimizer, parse_optimizers, step_schedulers
 from .utilities import rank_zero_only
@@ -106,6 +106,7 @@ def session(trainer, stage: str):
     state = trainer.state
     state.fn, state.status = SETUP_STAGE[stage], "running"
     trainer._logged_metrics = {}
+    trainer._metrics.reset_run()  # Lightning: every run starts with no metrics
     try:
         hook.setup_environment(trainer=trainer)
         rank_zero_only.rank = trainer.global_rank
@@ -481,7 +482,11 @@ def _overfit_loader(trainer, loader: DataLoader) -> DataLoader:
     """``overfit_batches``: the same first batches every epoch, never shuffled."""
     if isinstance(loader.sampler, RandomSampler):
         trainer.print("hookloop: overfit_batches: the training loader's shuffling is turned off, so every epoch sees the same batches")
-        return rebuild_dataloader(loader, SequentialSampler(loader.dataset))
+    sharded = trainer.world_size > 1 and trainer.config.use_distributed_sampler
+    if isinstance(loader.sampler, RandomSampler) or (
+            sharded and type(loader.sampler) is SequentialSampler and type(loader.batch_sampler) is BatchSampler):
+        # Sequential, and kept so by the distributed sampler (which shuffles training loaders).
+        return rebuild_dataloader(loader, OrderedSampler(loader.dataset))
     return loader
 
 

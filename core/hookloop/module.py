@@ -656,7 +656,9 @@ class Metrics:
                 batch = getattr(_STEP_BATCH, "batch", None)
                 batch_size = batch_size_of(self.trainer._current_batch if batch is None else batch)
             key = f"{name}_epoch" if forked else name
-            v = value.double()
+            # Lightning's _ResultMetric: accumulate in the logged dtype, float32 (the default
+            # dtype) for anything but float32/float64, so epoch means are bit-equal to its.
+            v = value if value.dtype in (torch.float32, torch.float64) else value.to(torch.get_default_dtype())
             sums = self.epoch_sums.setdefault(self.stage, {})
             entry = sums.get(key)
             if entry is None:
@@ -669,6 +671,16 @@ class Metrics:
                 entry[6] = torch.minimum(entry[6], v)
 
     # -- stages -------------------------------------------------------------------------
+
+    def reset_run(self) -> None:
+        """Forget the previous run's metrics (``callback_metrics``, step values, progress
+        bar names) at the start of ``fit``/``validate``/``test``/``predict``, as Lightning's
+        ``reset_metrics()``: after ``fit`` then ``test`` only the test's metrics are left.
+        A new dict, so one a caller kept from the previous run keeps its values."""
+        self.callback_metrics = {}
+        self.step_values = {}
+        self.eval_step_row = {}
+        self.prog_bar, self.not_for_logger, self.forked = set(), set(), set()
 
     def start(self, stage: str) -> None:
         """A new epoch of ``stage``: forget its epoch sums (and, for training, the step
@@ -686,11 +698,13 @@ class Metrics:
         reduce = self.trainer.reduce
         for name, (total, count, sync, op, plain_sum, vmax, vmin) in self.epoch_sums.get(stage, {}).items():
             if op == "mean":
-                count_t = torch.tensor(float(count), dtype=torch.float64, device=total.device)
                 if sync:
-                    pair = reduce(torch.stack([total, count_t]), "sum")
-                    total, count_t = pair[0], pair[1]
-                out[name] = total / count_t
+                    # Lightning: the mean over ranks of the sums, divided by the mean over
+                    # ranks of the sample counts (both in the sum's dtype, like its sync).
+                    world = self.trainer.world_size
+                    pair = reduce(torch.stack([total, torch.tensor(count, dtype=total.dtype, device=total.device)]), "sum")
+                    total, count = pair[0] / world, pair[1] / world
+                out[name] = total / count
             elif op == "sum":
                 out[name] = reduce(plain_sum, "sum") if sync else plain_sum
             elif op == "max":

@@ -16,7 +16,7 @@ from . import callbacks as callbacks_module
 from . import loggers as loggers_module
 from . import loops
 from . import plugins as plugin_registry
-from . import rundir
+from . import rundir, strategies
 from .config import TrainerConfig, env_defaults
 from .datamodule import DataModule
 from .defaults import Defaults
@@ -178,8 +178,11 @@ class Trainer:
         fallbacks = {k: v.value for k, v in given.items() if isinstance(v, default)}
         given = {k: v for k, v in given.items() if k not in fallbacks}
         # strategy="auto" is Lightning's default: the built-in single process, or hookloop run's.
+        # Lightning's other strategy strings are plugins with options (strategies.py).
+        if isinstance(strategy, str):
+            strategy = strategies.resolve_string(strategy)
         in_code = list(logger_objects or [])
-        in_code += _as_list(given.get("plugins", [])) + _as_list(None if strategy in (_UNSET, "auto") else strategy)
+        in_code += _as_list(given.get("plugins", [])) + _as_list(None if strategy is _UNSET else strategy)
         given_callbacks = _as_list(callbacks if callbacks is not _UNSET else None)
         callbacks_module.check_callbacks_argument(given_callbacks)
         in_code += given_callbacks

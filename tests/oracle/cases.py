@@ -41,9 +41,9 @@ def data(n: int = 48, seed: int = 1) -> TensorDataset:
 
 
 def loader(ddp: bool, n: int = 48, seed: int = 1, batch_size: int = 4, train: bool = True) -> DataLoader:
-    # Lightning's training DistributedSampler always shuffles; a shuffled loader is the
-    # case both frameworks treat alike under ddp (docs/decisions.md). Evaluation: in order.
-    return DataLoader(data(n, seed), batch_size=batch_size, shuffle=ddp and train)
+    # Unshuffled: under ddp both frameworks' training DistributedSampler shuffles it anyway
+    # (seeded, set_epoch each epoch); evaluation loaders stay in order.
+    return DataLoader(data(n, seed), batch_size=batch_size)
 
 
 def base_module(fw):
@@ -194,10 +194,11 @@ def case_torchmetrics(fw, root, ddp):
     out = {"metrics": fw.metrics(trainer), "csv": fw.csv_entries(trainer), "counts_after_fit": counts(model)}
     out["validate"] = trainer.validate(model, loader(ddp, 24, seed=2, train=False), verbose=False)
     out["counts_after_validate"] = counts(model)
-    # (what validate computed: Lightning also forgets fit's callback_metrics here, hookloop keeps them)
-    out["metrics_after_validate"] = {k: v for k, v in fw.metrics(trainer).items() if k.startswith("val_")}
+    # every run starts with no metrics: only what validate computed is left (fit's are gone)
+    out["metrics_after_validate"] = fw.metrics(trainer)
     out["test"] = trainer.test(model, loader(ddp, 16, seed=4, train=False), verbose=False)
     out["counts_after_test"] = counts(model)
+    out["metrics_after_test"] = fw.metrics(trainer)
     return out
 
 
@@ -753,6 +754,9 @@ def case_checkpoints(fw, root, ddp):
             "best": os.path.basename(ckpt.best_model_path or ""),
             "best_k": {os.path.basename(k): round(float(v), 6) for k, v in ckpt.best_k_models.items()},
             "files": sorted(p.name for p in Path(dirpath).glob("*") if not p.name.startswith(".")),
+            # the run directory's checkpoints/ (hookloop keeps its resume last.ckpt there)
+            "run_dir_files": sorted(p.name for p in Path(fw.log_dir(trainer), "checkpoints").glob("*")
+                                    if not p.name.startswith(".")),
         }
     return out
 

@@ -189,12 +189,15 @@ def _validation_rng(case, mode, light, hook) -> bool:
 def _last_checkpoint(case, mode, light, hook) -> bool:
     """hookloop's checkpoint observer writes ``last.ckpt`` (keeping ``last.prev.ckpt``) at
     every epoch end, whatever ``save_last`` says; Lightning only with ``save_last=True``.
-    Drop those two names where Lightning wrote no last.ckpt; seen when hookloop had them."""
+    With ``dirpath=`` (as the checkpoint cases give) hookloop's is in the run directory, so
+    ``dirpath`` holds Lightning's files: drop the names only where Lightning wrote no
+    last.ckpt; seen when hookloop had them."""
     seen = False
     for name, obs in hook.items():
-        if "last.ckpt" not in light[name]["files"] and "last.ckpt" in obs["files"]:
-            obs["files"] = [f for f in obs["files"] if f != "last.ckpt"]
-            seen = True
+        for where in ("files", "run_dir_files"):
+            if "last.ckpt" not in light[name][where] and "last.ckpt" in obs[where]:
+                obs[where] = [f for f in obs[where] if f != "last.ckpt"]
+                seen = True
     return seen
 
 
@@ -203,9 +206,10 @@ def _previous_kept(case, mode, light, hook) -> bool:
     a damaged newest file); Lightning keeps none. Seen when hookloop had it."""
     seen = False
     for obs in hook.values():
-        if "last.prev.ckpt" in obs["files"]:
-            obs["files"].remove("last.prev.ckpt")
-            seen = True
+        for where in ("files", "run_dir_files"):
+            if "last.prev.ckpt" in obs[where]:
+                obs[where].remove("last.prev.ckpt")
+                seen = True
     return seen
 
 

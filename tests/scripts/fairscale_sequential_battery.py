@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hookloop  # noqa: E402
@@ -86,7 +86,12 @@ def fit(rank, plugin, epochs=2, optimizer="sgd", ckpt_path=None, **kwargs):
     kwargs.setdefault("enable_checkpointing", False)
     trainer = hookloop.Trainer(plugins=[plugin, losses], max_epochs=epochs, num_sanity_val_steps=1, **kwargs)
     module = SeqNet(seed=rank, optimizer=optimizer)  # rank 0's weights must win
-    trainer.fit(module, DataLoader(DATA, batch_size=8), DataLoader(VAL, batch_size=6), ckpt_path=ckpt_path)
+    train = DataLoader(DATA, batch_size=8)
+    if getattr(plugin, "stages", None) == 1:
+        # 1 stage x 2 replicas: each replica's share in order, through the loader's own
+        # DistributedSampler (a training loader is otherwise shuffled, as in Lightning)
+        train = DataLoader(DATA, batch_size=8, sampler=DistributedSampler(DATA, num_replicas=2, rank=rank, shuffle=False))
+    trainer.fit(module, train, DataLoader(VAL, batch_size=6), ckpt_path=ckpt_path)
     assert not dist.is_initialized()
     return {"state": state(module), "losses": losses.losses, "metrics": dict(trainer.callback_metrics),
             "global_step": trainer.global_step, "stage_parameters": losses.stage_parameters,

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hookloop  # noqa: E402
@@ -109,7 +109,11 @@ def fit(rank, strategy, optimizer="sgd", epochs=2, shuffle=True, plugins=(), mod
     kwargs.setdefault("enable_checkpointing", False)
     trainer = hookloop.Trainer(plugins=[strategy, probe, *plugins], max_epochs=epochs, num_sanity_val_steps=0, **kwargs)
     module = module if module is not None else Net(seed=rank, optimizer=optimizer)  # rank 0's must win
-    trainer.fit(module, DataLoader(DATA, batch_size=8, shuffle=shuffle), DataLoader(VAL, batch_size=4),
+    # In order: the loader's own DistributedSampler (a training loader is otherwise shuffled
+    # under several processes, as in Lightning)
+    train = (DataLoader(DATA, batch_size=8, shuffle=True) if shuffle else
+             DataLoader(DATA, batch_size=8, sampler=DistributedSampler(DATA, num_replicas=2, rank=rank, shuffle=False)))
+    trainer.fit(module, train, DataLoader(VAL, batch_size=4),
                 ckpt_path=ckpt_path)
     assert not dist.is_initialized()
     return trainer, module, probe.seen

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hookloop  # noqa: E402
@@ -208,7 +208,10 @@ for label, meta in (("normal", False), ("meta", True)):
 
 
 def unshuffled():
-    return DataLoader(data(), batch_size=8)
+    # In order: the loader's own DistributedSampler (a training loader is otherwise shuffled
+    # under several processes, as in Lightning), so one process on batches of 16 is the same run
+    sampler = DistributedSampler(data(), num_replicas=int(os.environ["WORLD_SIZE"]), rank=RANK, shuffle=False)
+    return DataLoader(data(), batch_size=8, sampler=sampler)
 
 
 class Weights:

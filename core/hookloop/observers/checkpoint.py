@@ -9,7 +9,9 @@ often than once per epoch, else at the end of every ``every_n_epochs``-th epoch 
 its validation); every ``every_n_train_steps`` optimizer steps (a save whose monitored
 metric no validation has produced yet waits for the next validation); at the end of
 training when it stopped inside an epoch (``max_steps``, ``trainer.should_stop``).
-``last.ckpt`` also at every epoch's end; the ``last.ckpt`` it replaces is kept as ``last.prev.ckpt``
+``last.ckpt`` also at every epoch's end, in the run directory's ``checkpoints/`` (what
+``ckpt_path="last"`` and a restart load; in ``dirpath`` too only with ``save_last=True``,
+as Lightning); the ``last.ckpt`` it replaces is kept as ``last.prev.ckpt``
 (every file ends with a SHA-256 checksum, see :mod:`hookloop.checkpoint`). Under several
 processes global rank 0's metric values decide what is saved and how it is named. Its
 bookkeeping (the best paths and scores) travels in the checkpoints, so a resumed run
@@ -44,7 +46,10 @@ class ModelCheckpoint:
     monitor: the metric that ranks checkpoints (None: keep the latest ones)
     mode: "min" or "max": which values of monitor are better
     save_top_k: how many to keep (-1: all, 0: none but last.ckpt)
-    save_last: also write last.ckpt at every save (default True)
+    save_last: None (default): hookloop's own ``last.ckpt`` (to resume from) in the run
+        directory's ``checkpoints/`` at every save and epoch end, nothing more in
+        ``dirpath`` (Lightning writes none); True: also ``last.ckpt`` in ``dirpath``, as
+        Lightning's ``save_last=True``; False: no ``last.ckpt`` anywhere (no resume file)
     every_n_epochs: save in every n-th epoch (0: never by epochs; None: 1, or 0 when
         every_n_train_steps is given, as in Lightning)
     every_n_train_steps: also save every n optimizer steps (None: not within epochs)
@@ -58,7 +63,7 @@ class ModelCheckpoint:
     hookloop_role = "observer"
 
     def __init__(self, dirpath: str | os.PathLike | None = None, filename: str | None = None, monitor: str | None = None,
-                 mode: str = "min", save_top_k: int = 1, save_last: bool = True, every_n_epochs: int | None = None,
+                 mode: str = "min", save_top_k: int = 1, save_last: bool | None = None, every_n_epochs: int | None = None,
                  every_n_train_steps: int | None = None, auto_insert_metric_name: bool = True,
                  save_on_train_epoch_end: bool | None = None):
         if mode not in ("min", "max"):
@@ -71,6 +76,8 @@ class ModelCheckpoint:
         if not isinstance(every_n_epochs, int) or every_n_epochs < 0:
             raise hookloop.ConfigurationError(
                 f"checkpoint every_n_epochs={every_n_epochs!r} must be an integer >= 0 (or None)")
+        if save_last not in (None, True, False):
+            raise hookloop.ConfigurationError(f"checkpoint save_last={save_last!r} must be True, False or None")
         if save_on_train_epoch_end not in (None, True, False):
             raise hookloop.ConfigurationError(
                 f"checkpoint save_on_train_epoch_end={save_on_train_epoch_end!r} must be True, False or None")
@@ -88,6 +95,8 @@ class ModelCheckpoint:
         self.last_model_path = ""
         self.latest: list[str] = []  # without a monitor: the newest files, oldest first
         self.dir: Path | None = None
+        #: where hookloop's own last.ckpt goes: the run directory's checkpoints/
+        self.resume_dir: Path | None = None
         self._last_saved: tuple | None = None
         self._steps: Any = None
         self._validated = False  # a validation of this fit has run: the monitor must be there
@@ -102,16 +111,17 @@ class ModelCheckpoint:
             return
         self._validated = self._deferred = False
         trainer._after_validation.append(self._after_validation)
-        self.dir = Path(self.dirpath) if self.dirpath else Path(trainer.log_dir) / "checkpoints"
+        self.resume_dir = Path(trainer.log_dir) / "checkpoints"
+        self.dir = Path(self.dirpath) if self.dirpath else self.resume_dir
         sharded = getattr(trainer.strategy, "hookloop_checkpoint_format", "file") == "directory"
-        last = self.dir / "last.ckpt"
-        if last.exists() and last.is_dir() != sharded:
-            # Found now, not after an epoch of training at the first save.
-            raise hookloop.ConfigurationError(
-                f"{str(last)!r} is a {'directory' if last.is_dir() else 'file'}, and this run's strategy writes "
-                f"{'sharded checkpoint directories' if sharded else 'single-file checkpoints'}: use another "
-                f"checkpoint directory (ModelCheckpoint(dirpath=...)) or remove it"
-            )
+        for last in self._last_paths():
+            if last.exists() and last.is_dir() != sharded:
+                # Found now, not after an epoch of training at the first save.
+                raise hookloop.ConfigurationError(
+                    f"{str(last)!r} is a {'directory' if last.is_dir() else 'file'}, and this run's strategy writes "
+                    f"{'sharded checkpoint directories' if sharded else 'single-file checkpoints'}: use another "
+                    f"checkpoint directory (ModelCheckpoint(dirpath=...)) or remove it"
+                )
         if self.every_n_train_steps:
             # Only runs that ask for it pay a call per step.
             self._steps = _SaveEverySteps(self)
@@ -131,7 +141,7 @@ class ModelCheckpoint:
     def on_train_epoch_end(self, trainer, epoch):
         if self._saves_at_epoch_end(trainer) and self.every_n_epochs and (epoch + 1) % self.every_n_epochs == 0:
             self.save(trainer)
-        elif self.save_last:
+        elif self.save_last is not False:
             self.save(trainer, top_k=False)  # last.ckpt at every epoch's end (docs/decisions.md)
 
     @hookloop.hookimpl
@@ -255,13 +265,25 @@ class ModelCheckpoint:
                 written = path
                 self._remove(trainer, drop)
         self._last_saved = position
-        if self.save_last:
-            last = str(self.dir / "last.ckpt")
-            self.last_model_path = last
+        lasts = self._last_paths()
+        if lasts:
+            self.last_model_path = str(lasts[-1])
+        for last in lasts:
             if written is not None:
-                self._copy(trainer, written, last)
+                self._copy(trainer, written, str(last))
             else:
-                trainer.save_checkpoint(last)
+                trainer.save_checkpoint(str(last))
+                written = str(last)
+
+    def _last_paths(self) -> list[Path]:
+        """Where ``last.ckpt`` goes: hookloop's resume file in the run directory (unless
+        ``save_last=False``), and ``dirpath``'s with ``save_last=True`` (Lightning's)."""
+        if self.save_last is False:
+            return []
+        paths = [self.resume_dir / "last.ckpt"]
+        if self.save_last and self.dir != self.resume_dir:
+            paths.append(self.dir / "last.ckpt")
+        return paths
 
     def _qualifies(self, value: float) -> bool:
         if self.save_top_k == -1 or len(self.best_k_models) < self.save_top_k:
@@ -315,7 +337,8 @@ class ModelCheckpoint:
                     shutil.rmtree(dst, ignore_errors=True) if dst.is_dir() else dst.unlink()
                 os.replace(tmp, dst)
             else:  # fsynced, checksum and all; the last.ckpt it replaces becomes last.prev.ckpt
-                atomic_copy(src, dst)
+                # (hookloop's resume file only: a user's dirpath holds what Lightning writes)
+                atomic_copy(src, dst, keep_previous=dst.parent == self.resume_dir)
         trainer.barrier("checkpoint_last")
 
     # -- state ------------------------------------------------------------------------------

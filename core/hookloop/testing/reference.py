@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import hookloop
 
@@ -72,18 +74,29 @@ def max_difference(a: dict, b: dict) -> float:
 
 
 def reference_fit(epochs: int, batch_size: int, world_size: int = 1, accumulate: int = 1, n: int = 64,
-                  seed: int = 0) -> dict[str, torch.Tensor]:
+                  seed: int = 0, sampler_seed: int = 0) -> dict[str, torch.Tensor]:
     """The weights a data-parallel run of ``world_size`` ranks must reach, computed in one
-    process by hand: unshuffled loaders give rank ``r`` the samples ``r, r + W, ...``, so
-    the ranks' batch ``j`` together are the ``j``-th block of ``W * batch_size`` samples,
-    and averaging the ranks' gradients is the gradient of that block's mean loss."""
+    process by hand. One process iterates the (unshuffled) loader; under ``W > 1`` ranks
+    each training loader is sharded by ``DistributedSampler(shuffle=True, seed=sampler_seed)``
+    with ``set_epoch(epoch)`` (as in Lightning, even for an unshuffled loader), so the
+    ranks' batch ``j`` together are the union of each rank's ``j``-th ``batch_size``
+    indices, and averaging the ranks' gradients is the gradient of that union's mean loss."""
     module = TinyClassifier(seed=seed)
     optimizer = module.configure_optimizers()
     data = tiny_dataset(n)
-    loader = DataLoader(data, batch_size=batch_size * world_size)
-    steps = len(loader)
-    for _ in range(epochs):
-        for i, (x, y, _) in enumerate(loader):
+    samplers = [DistributedSampler(data, num_replicas=world_size, rank=r, shuffle=True, seed=sampler_seed)
+                for r in range(world_size)]
+    steps = math.ceil(len(samplers[0]) / batch_size) if world_size > 1 else math.ceil(n / batch_size)
+    for epoch in range(epochs):
+        if world_size > 1:
+            for sampler in samplers:
+                sampler.set_epoch(epoch)
+            orders = [list(sampler) for sampler in samplers]
+            blocks = [[j for order in orders for j in order[i * batch_size:(i + 1) * batch_size]] for i in range(steps)]
+        else:
+            blocks = [list(range(n))[i * batch_size:(i + 1) * batch_size] for i in range(steps)]
+        for i, block in enumerate(blocks):
+            x, y, _ = data[torch.tensor(block)]
             (F.cross_entropy(module(x), y) / accumulate).backward()
             if (i + 1) % accumulate == 0 or i + 1 == steps:
                 optimizer.step()

@@ -252,6 +252,10 @@ class DDPSequential(DDP):
         if not trainer.config.use_distributed_sampler or self.layout is None:
             return None
         _, replicas, _, replica = self.layout
+        if replicas == 1 and type(dataloader.sampler) is torch.utils.data.SequentialSampler:
+            # One pipeline trains as one process: an unshuffled loader stays in order (a
+            # shuffled one is sharded below, so that every stage draws the same order).
+            return None
         return hookloop.distributed_sampler(dataloader, replicas, replica, training, seed=self.sampler_seed)
 
     # -- the step -----------------------------------------------------------------------
