@@ -191,8 +191,8 @@ def test_trainer_defaults_naming_no_trainer_argument_is_a_clear_error(monkeypatc
 
     mod = _load("hookloop", monkeypatch)
     monkeypatch.setattr(sys, "argv", [str(SCRIPT)])
-    with pytest.raises(hookloop.ConfigurationError, match=r"trainer_defaults names \['enable_model_summary'\]"):
-        mod.CLI(mod.Net, mod.Data, run=False, args=[], trainer_defaults={"enable_model_summary": False})
+    with pytest.raises(hookloop.ConfigurationError, match=r"trainer_defaults names \['detect_anomaly'\]"):
+        mod.CLI(mod.Net, mod.Data, run=False, args=[], trainer_defaults={"detect_anomaly": True})
 
 
 def test_print_config_model_and_data_sections_equal_lightnings(tmp_path, configs):
