@@ -59,6 +59,7 @@ def test_rewriting_changes_import_statements_only(path, framework):
 
 def test_rewritten_names_are_hookloops_and_missing_ones_fail_loudly():
     import hookloop
+    import hookloop.types
 
     ns: dict = {}
     exec(rewrite("import lightning as L\nfrom lightning.pytorch import LightningModule, callbacks\n"
@@ -67,6 +68,9 @@ def test_rewritten_names_are_hookloops_and_missing_ones_fail_loudly():
     assert ns["L"].Trainer is hookloop.Trainer
     assert ns["L"].pytorch.callbacks.EarlyStopping is hookloop.EarlyStopping is ns["EarlyStopping"]
     assert ns["callbacks"].ModelCheckpoint is hookloop.ModelCheckpoint
+    # the annotation aliases Lightning's BoringModel imports (`-> STEP_OUTPUT`)
+    exec(rewrite("from lightning.pytorch.utilities.types import STEP_OUTPUT, OptimizerLRScheduler\n", "hookloop"), ns)
+    assert ns["STEP_OUTPUT"] is hookloop.types.STEP_OUTPUT
     with pytest.raises(ImportError, match="StochasticWeightAveraging"):
         exec(rewrite("from lightning.pytorch.callbacks import StochasticWeightAveraging\n", "hookloop"), {})
     with pytest.raises(AttributeError, match="lightning.pytorch.tuner"):
