@@ -91,3 +91,47 @@ def test_reference_rewrite_reaches_pytorch_lightning():
 def test_case_gives_lightnings_numbers(case, mode, tmp_path):
     result, status = run_mode(case, tmp_path, ddp=(mode == "ddp"))
     assert status.startswith(("matches", "documented difference")), f"{case.source} ({mode}): {status}"
+
+
+EARLY_STOPPING = '''
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import EarlyStopping
+
+
+class Scripted(LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).sum()
+
+    def on_train_epoch_end(self):
+        self.log("scripted", [5.0, 4.8, 4.0, 3.9, 3.8, 3.0][self.current_epoch])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def run(root, *args, **kwargs):
+    loader = DataLoader(TensorDataset(torch.ones(4, 2)), batch_size=2)
+    trainer = Trainer(default_root_dir=root, max_epochs=6, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, callbacks=[EarlyStopping(*args, **kwargs)])
+    trainer.fit(Scripted(), loader)
+    return trainer.current_epoch
+'''
+
+
+@pytest.mark.parametrize("framework", ["lightning", "hookloop"])
+def test_early_stopping_takes_lightnings_arguments(framework, tmp_path):
+    """EarlyStopping(monitor, min_delta, patience, verbose, mode, strict, ...) in Lightning's
+    order: positional min_delta, ``verbose``, and ``strict=False`` (a missing monitor skips
+    the check). Lightning 2.6.6's epochs, hand-checked: 5.0 -> 4.8 improves by less than
+    min_delta 0.5, so patience 1 stops after epoch 1 (current_epoch 2)."""
+    ns: dict = {}
+    exec(rewrite(EARLY_STOPPING, framework), ns)
+    assert ns["run"](tmp_path / "a", "scripted", 0.5, 1, True) == 2
+    assert ns["run"](tmp_path / "b", monitor="scripted", min_delta=0.15, patience=1) == 4  # 4.0 -> 3.9
+    assert ns["run"](tmp_path / "c", monitor="absent", strict=False, verbose=False) == 6
