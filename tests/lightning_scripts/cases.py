@@ -49,6 +49,8 @@ CASES = [
          "docs/lightning_cli_intermediate_main.py", argv=("fit", "--trainer.max_epochs", "2"),
          ddp="args", ddp_args=("--trainer.accelerator", "cpu", "--trainer.strategy", "ddp",
                                "--trainer.devices", "2")),
+    Case("docs_lightning_module_starter", "docs/source-pytorch/common/lightning_module.rst (Starter Example)",
+         "docs/lightning_module_starter.py", data=("wikitext2",)),
     _t("train_loop_logging", "trainer/logging_/test_train_loop_logging.py", "test__training_step__log"),
     _t("eval_loop_logging", "trainer/logging_/test_eval_loop_logging.py", "test__validation_step__log"),
     _t("early_stopping_patience", "callbacks/test_early_stopping.py", "test_early_stopping_patience",

@@ -225,8 +225,19 @@ def rewrite(source: str, framework: str) -> str:
 
 
 def missing_names(source: str) -> list[str]:
-    """The Lightning names a source imports that hookloop lacks (for the table)."""
+    """The Lightning names a source imports, and the ``Trainer(...)`` keywords it passes,
+    that hookloop lacks (for the table: all of them, not only the first that fails)."""
+    import inspect
+
+    import hookloop
+
+    accepted = inspect.signature(hookloop.Trainer).parameters
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
     out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "Trainer":
+            out += [f"Trainer({k.arg}=)" for k in node.keywords
+                    if k.arg and not takes_any and k.arg not in accepted and f"Trainer({k.arg}=)" not in out]
     for node in lightning_imports(source):
         if isinstance(node, ast.ImportFrom) and not _demos(node.module):
             for alias in node.names:

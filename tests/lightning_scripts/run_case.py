@@ -48,6 +48,10 @@ def environment(framework: str, ddp: bool) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     env["PL_DISABLE_FORK"] = "1"
+    # One intra-op thread per process, in both frameworks: on a shared machine torch's
+    # default (one per core) spins against other processes (measured: 3 s per step of the
+    # demo Transformer instead of 0.1 s).
+    env["OMP_NUM_THREADS"] = "1"
     env.pop("HOOKLOOP_TRAINER_DEFAULTS", None)
     for key in [k for k in env if k.startswith("PL_TRAINER_")]:
         del env[key]

@@ -105,10 +105,11 @@ def run_mode(case: Case, root: Path, ddp: bool) -> tuple[str, str]:
 
 def run_case(case: Case, root: Path, modes=("1p", "ddp")) -> dict:
     row = {"case": case.name, "source": case.source, "1p": ("", ""), "ddp": ("", ""), "missing": []}
+    if case.vendored:
+        row["missing"] = missing_names((VENDOR / case.vendored).read_text())
     if case.blocked:
         row["status"] = f"blocked: {case.blocked}"
         return row
-    row["missing"] = missing_names((VENDOR / case.vendored).read_text())
     for mode in modes:
         row[mode] = run_mode(case, root, ddp=(mode == "ddp"))
     statuses = [row[m][1] for m in modes]

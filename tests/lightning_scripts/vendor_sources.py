@@ -57,9 +57,12 @@ TESTS = {
 }
 
 
-# (mirror docs page, a line that starts the code block) -> vendor path: the block, dedented
+# (mirror docs page, the first line of each code block, in order) -> vendor path: the blocks, dedented
 DOCS = {
-    "docs/lightning_cli_intermediate_main.py": ("docs/source-pytorch/cli/lightning_cli_intermediate.rst", "# main.py"),
+    "docs/lightning_cli_intermediate_main.py": ("docs/source-pytorch/cli/lightning_cli_intermediate.rst",
+                                                ("# main.py",)),
+    "docs/lightning_module_starter.py": ("docs/source-pytorch/common/lightning_module.rst",
+                                         ("import lightning as L", "from lightning.pytorch.demos import WikiText2")),
 }
 
 
@@ -124,10 +127,12 @@ def main(mirror: str = MIRROR) -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(f"# Extract of Lightning's {src}::{function} (see ../NOTICE.md)\n"
                        + extract(show(src), function, helpers))
-    for dst, (src, marker) in DOCS.items():
+    for dst, (src, markers) in DOCS.items():
         out = VENDOR / dst
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(f"# The code block of Lightning's {src} (see ../NOTICE.md)\n" + code_block(show(src), marker))
+        page = show(src)
+        out.write_text(f"# The code blocks of Lightning's {src} (see ../NOTICE.md)\n"
+                       + "\n\n".join(code_block(page, m) for m in markers))
     print(f"vendored from {commit}")
 
 

@@ -1,4 +1,4 @@
-# The code block of Lightning's docs/source-pytorch/cli/lightning_cli_intermediate.rst (see ../NOTICE.md)
+# The code blocks of Lightning's docs/source-pytorch/cli/lightning_cli_intermediate.rst (see ../NOTICE.md)
 # main.py
 from lightning.pytorch.cli import LightningCLI
 
