@@ -135,3 +135,53 @@ def test_early_stopping_takes_lightnings_arguments(framework, tmp_path):
     assert ns["run"](tmp_path / "a", "scripted", 0.5, 1, True) == 2
     assert ns["run"](tmp_path / "b", monitor="scripted", min_delta=0.15, patience=1) == 4  # 4.0 -> 3.9
     assert ns["run"](tmp_path / "c", monitor="absent", strict=False, verbose=False) == 6
+
+
+STEP_ARGS = '''
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+from lightning.pytorch import LightningModule, Trainer
+
+seen = []
+
+
+class StarArgs(LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).sum()
+
+    def validation_step(self, *args):
+        seen.append(("validation", len(args)))
+
+    def test_step(self, batch, batch_idx, dataloader_idx=0):
+        seen.append(("test", dataloader_idx))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def run(root):
+    loader = lambda: DataLoader(TensorDataset(torch.ones(2, 2)), batch_size=2)  # noqa: E731
+    trainer = Trainer(default_root_dir=root, max_epochs=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, num_sanity_val_steps=0)
+    model = StarArgs()
+    trainer.fit(model, loader(), loader())
+    trainer.validate(model, [loader(), loader()])
+    trainer.test(model, loader())
+    trainer.test(model, [loader(), loader()])
+    return seen
+'''
+
+
+@pytest.mark.parametrize("framework", ["lightning", "hookloop"])
+def test_step_gets_dataloader_idx_only_with_several_loaders(framework, tmp_path):
+    """Lightning calls an evaluation step with ``dataloader_idx`` only when there are several
+    loaders: ``validation_step(self, *args)`` gets 2 arguments from one loader (Lightning's
+    test_should_stop_mid_epoch relies on it), 3 from two."""
+    ns: dict = {}
+    exec(rewrite(STEP_ARGS, framework), ns)
+    assert ns["run"](tmp_path) == [("validation", 2), ("validation", 3), ("validation", 3),
+                                   ("test", 0), ("test", 0), ("test", 1)]
