@@ -192,6 +192,9 @@ def main(argv: list[str]) -> None:
             result["error"] = f"SystemExit: {exc.code}"
     except BaseException as exc:  # noqa: BLE001 - the table reports it
         result["error"] = f"{type(exc).__name__}: {exc}"
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename.endswith("case.py")]
+        if frames and frames[-1].line:  # which of the case's lines failed (a bare assert says nothing)
+            result["error"] += f" (case.py:{frames[-1].lineno}: `{frames[-1].line}`)"
         result["traceback"] = traceback.format_exc()[-3000:]
     Path(f"{prefix}.rank{rank}.json").write_text(json.dumps(result, indent=1))
 
