@@ -516,7 +516,9 @@ def _forward(trainer, kind: str, n_loaders: int = 1):
     model, module = trainer.model, trainer.module
     name = STEP_METHODS[kind]
     method = getattr(module, name, None)
-    with_idx = kind != TRAIN and callable(method) and _accepts_dataloader_idx(method)
+    # Lightning passes dataloader_idx only when there are several loaders: a single loader's
+    # step(self, *args) gets (batch, batch_idx), as BoringModel's validation_step expects.
+    with_idx = kind != TRAIN and n_loaders > 1 and callable(method) and _accepts_dataloader_idx(method)
     if n_loaders > 1 and kind != PREDICT and not with_idx:
         raise ConfigurationError(
             f"{n_loaders} {kind} dataloaders were given, but {type(module).__name__}.{name}(batch, "

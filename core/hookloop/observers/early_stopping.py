@@ -33,6 +33,11 @@ class EarlyStopping:
     check_on_train_epoch_end: check at the training epoch's end rather than after each
         validation (None: at epoch ends when validation runs once at every epoch's end
         or never, after each validation otherwise)
+    verbose: print each improvement, and warn (instead of nothing) when ``strict=False``
+        finds no ``monitor`` metric (False)
+    strict: a check without the ``monitor`` metric is an error; ``False`` skips that check (True)
+    log_rank_zero_only: (Lightning's) verbose messages only from global rank 0; they
+        come from rank 0 only here in any case, since rank 0 decides
     """
 
     hookloop_name = "early_stopping"
@@ -40,9 +45,11 @@ class EarlyStopping:
     # Which metric to watch is the user's choice: never loaded by HOOKLOOP_AUTOLOAD_PLUGINS.
     hookloop_autoload = False
 
-    def __init__(self, monitor: str = "val_loss", mode: str = "min", patience: int = 3, min_delta: float = 0.0,
-                 check_finite: bool = True, stopping_threshold: float | None = None,
-                 check_on_train_epoch_end: bool | None = None, divergence_threshold: float | None = None):
+    # Lightning 2.6's parameter order: EarlyStopping("val_loss", 0.01) is min_delta=0.01 in both.
+    def __init__(self, monitor: str = "val_loss", min_delta: float = 0.0, patience: int = 3, verbose: bool = False,
+                 mode: str = "min", strict: bool = True, check_finite: bool = True,
+                 stopping_threshold: float | None = None, divergence_threshold: float | None = None,
+                 check_on_train_epoch_end: bool | None = None, log_rank_zero_only: bool = False):
         if mode not in ("min", "max"):
             raise hookloop.ConfigurationError(
                 f"early_stopping mode={mode!r} must be 'min' (lower {monitor} is better) or 'max'")
@@ -55,6 +62,7 @@ class EarlyStopping:
         self.check_finite, self.stopping_threshold = check_finite, stopping_threshold
         self.divergence_threshold = divergence_threshold
         self.check_on_train_epoch_end = check_on_train_epoch_end
+        self.verbose, self.strict, self.log_rank_zero_only = verbose, strict, log_rank_zero_only
         self.wait_count = 0
         self.best_score: float | None = None
         self.stopped_epoch: int | None = None
@@ -102,6 +110,10 @@ class EarlyStopping:
         best = self.best_score
         best = torch.tensor(best if best is not None else (math.inf if lower else -math.inf), dtype=torch.float32)
         if better(current + self.min_delta if lower else current - self.min_delta, best):
+            if self.verbose:
+                hookloop.rank_zero_info(f"Metric {self.monitor} improved"
+                                        + (f" by {abs(float(best) - float(current)):.3f} >= min_delta = {self.min_delta}"
+                                           if torch.isfinite(best) else "") + f". New best score: {float(current):.3f}")
             self.best_score, self.wait_count = float(current), 0
             return None
         self.wait_count += 1
@@ -116,7 +128,12 @@ class EarlyStopping:
         decision = None
         if trainer.is_global_zero:
             metrics = trainer.callback_metrics
-            if self.monitor not in metrics:
+            if self.monitor not in metrics and not self.strict:
+                if self.verbose:
+                    hookloop.rank_zero_warn(f"EarlyStopping(monitor={self.monitor!r}, strict=False): no metric of "
+                                            f"that name was logged (logged: {', '.join(sorted(metrics)) or 'none'})")
+                decision = ("go", None)
+            elif self.monitor not in metrics:
                 decision = ("error", f"EarlyStopping(monitor={self.monitor!r}) but no metric of that name was logged "
                                      f"(logged: {', '.join(sorted(metrics)) or 'none'}): log it with "
                                      f"self.log({self.monitor!r}, ...) or monitor one of those")
