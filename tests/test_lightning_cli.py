@@ -254,13 +254,14 @@ def test_fit_then_test_give_lightnings_numbers_and_save_the_config(tmp_path):
 
 
 def test_runs_under_hookloop_run_with_ddp_and_with_trainer_plugins(tmp_path):
-    """2 processes x 8 samples with DDP's averaged gradients train as one process with
-    batches of 16 (unshuffled), so Lightning in one process is the reference."""
+    """2 processes x 8 samples train as Lightning's CLI with its own ddp on 2 processes
+    (the training sampler shuffles, seeded by seed_everything, in both)."""
     common = ["--trainer.max_epochs", "2", "--seed_everything", "3", "--model.lr", "0.05"]
     (tmp_path / "lightning").mkdir()
-    reference = _line(_script("lightning", ["fit", *common, "--data.batch_size", "16"], tmp_path / "lightning").stdout,
-                      "RESULT")
-    assert reference["world_size"] == 1
+    reference = _line(_script("lightning", ["fit", *common, "--data.batch_size", "8", "--trainer.strategy", "ddp",
+                                            "--trainer.devices", "2", "--trainer.accelerator", "cpu"],
+                              tmp_path / "lightning").stdout, "RESULT")
+    assert reference["world_size"] == 2
 
     # hookloop run's options are the Trainer defaults of the script's CLI ...
     (tmp_path / "run").mkdir()
@@ -309,6 +310,10 @@ def test_trainer_plugins_from_names_class_paths_and_trainer_defaults(monkeypatch
 
     class Marker:
         hookloop_name, hookloop_role = "marker", "observer"
+
+        @hookloop.hookimpl
+        def on_fit_start(self, trainer):
+            pass
 
     marker = Marker()
     cli = mod.CLI(mod.Net, mod.Data, run=False, trainer_defaults={"callbacks": marker, "max_epochs": 4},

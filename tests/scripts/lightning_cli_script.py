@@ -109,10 +109,11 @@ class CLI(LightningCLI):
         test = {k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith("test_")}
         params = torch.cat([p.detach().flatten() for p in self.model.parameters()])
         weights = [float(params.sum()), float(params.pow(2).sum())]
+        log_dir = str(self.trainer.log_dir)  # Lightning's broadcasts it: read on every rank
         if self.trainer.global_rank == 0:
             print("RESULT=" + json.dumps({"fit": fit, "test": test, "weights": weights,
                                           "world_size": self.trainer.world_size,
-                                          "log_dir": str(self.trainer.log_dir)}), flush=True)
+                                          "log_dir": log_dir}), flush=True)
 
     def after_test(self):
         if self.trainer.global_rank == 0:
