@@ -317,13 +317,24 @@ def _prepare_data(trainer) -> None:
 
 
 def _resolve_loaders(trainer, stage: str) -> None:
-    """The loaders of this run: those passed in, else the DataModule's, else the module's."""
-    for attr, method, wanted in (
+    """The loaders of this run: those passed in, else the DataModule's, else the module's.
+
+    As Lightning's fit: when a sanity check will run, the validation loaders are made
+    first, and what ``val_dataloader()`` draws from the random generators is undone
+    (Lightning makes them for the sanity check, inside ``isolate_rng``); the training
+    loader is made after, from the generators as they were."""
+    order = [
         ("train_dataloader", "train_dataloader", stage == "fit"),
         ("val_dataloaders", "val_dataloader", stage in ("fit", VALIDATE)),
         ("test_dataloaders", "test_dataloader", stage == TEST),
         ("predict_dataloaders", "predict_dataloader", stage == PREDICT),
-    ):
+    ]
+    config = trainer.config
+    isolate = (stage == "fit" and config.num_sanity_val_steps != 0 and config.limit_val_batches != 0
+               and trainer._ckpt_path is None)
+    if isolate:
+        order[0], order[1] = order[1], order[0]
+    for attr, method, wanted in order:
         if not wanted or getattr(trainer, attr) is not None:
             continue
         source = next((s for s in (trainer.datamodule, trainer.module) if s is not None and provides(s, method)), None)
@@ -332,7 +343,14 @@ def _resolve_loaders(trainer, stage: str) -> None:
         if attr == "val_dataloaders" and stage == "fit" and not callable(getattr(trainer.module, "validation_step", None)):
             trainer.print(f"hookloop: {type(source).__name__}.val_dataloader() is not used: {type(trainer.module).__name__} has no validation_step")
             continue
-        loaders = getattr(source, method)()
+        if isolate and attr == "val_dataloaders":
+            rng = ckpt.rng_state()
+            try:
+                loaders = getattr(source, method)()
+            finally:
+                ckpt.set_rng_state(rng)
+        else:
+            loaders = getattr(source, method)()
         setattr(trainer, attr, loaders if attr == "train_dataloader" else as_loader_list(loaders, f"{type(source).__name__}.{method}()"))
     if stage == "fit":
         if trainer.train_dataloader is None:
@@ -816,11 +834,12 @@ def _train_epoch(trainer, loader: DataLoader, step, validation: _ValidationSched
             is_last = batch_idx + 1 == n
         else:
             batch_idx, batch, is_last = item
-        trainer.batch_idx = batch_idx
+        trainer.batch_idx = trainer._fetched_batch_idx = batch_idx
         trainer.is_last_batch = is_last
         if batch_start is not None and -1 in batch_start(trainer=trainer, batch=batch, batch_idx=batch_idx):
             # Lightning: on_train_batch_start returning -1 ends the epoch (inside a window:
             # its gradients are zeroed at the next window's start); no epoch scheduler steps
+            trainer.is_last_batch = True  # Lightning marks the skipping batch the epoch's last
             return EPOCH_CUT
         boundary = is_last or (batch_idx + 1) % accumulate == 0
         stop = step(batch, batch_idx, boundary, is_last)  # it counts the batch as done (_batch_done)

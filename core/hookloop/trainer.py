@@ -98,6 +98,30 @@ class TrainerState:
             object.__setattr__(self, key, value)
 
 
+class FitLoopView:
+    """Read-only view of the training loop's position under Lightning's names (the
+    loop itself is :mod:`hookloop.loops`, not an object)."""
+
+    def __init__(self, trainer: "Trainer"):
+        self._trainer = trainer
+
+    @property
+    def batch_idx(self) -> int:
+        return self._trainer._fetched_batch_idx
+
+    @property
+    def max_epochs(self) -> int | None:
+        return self._trainer.max_epochs
+
+    @property
+    def max_steps(self) -> int | None:
+        return self._trainer.max_steps
+
+    @property
+    def epoch_loop(self) -> "FitLoopView":
+        return self
+
+
 class Trainer:
     """Runs a training module's steps; plugins supply every technique.
 
@@ -241,6 +265,7 @@ class Trainer:
         self.current_epoch = 0
         self.global_step = 0
         self.batch_idx = 0
+        self._fetched_batch_idx = 0  # the last training batch fetched (fit_loop.batch_idx)
         self.state = TrainerState(self)
         #: whether the training batch being run is the epoch's last (Lightning's)
         self.is_last_batch = False
@@ -355,7 +380,9 @@ class Trainer:
     @property
     def progress_bar_metrics(self) -> dict[str, float]:
         metrics = self.callback_metrics
-        return {k: v for k, v in metrics.items() if k in self._metrics.prog_bar}
+        # a forked metric (on_step and on_epoch) shows as name_step / name_epoch only
+        shown, forked = self._metrics.prog_bar, self._metrics.forked
+        return {k: v for k, v in metrics.items() if k in shown and k not in forked}
 
     @property
     def logged_metrics(self) -> dict[str, float]:
@@ -381,6 +408,13 @@ class Trainer:
         """The first logger plugin, or ``None`` without one."""
         loggers = self.loggers
         return loggers[0] if loggers else None
+
+    @property
+    def fit_loop(self) -> "FitLoopView":
+        """Lightning's ``trainer.fit_loop``, for what Lightning code reads of it:
+        ``batch_idx`` (the last training batch fetched), ``max_epochs``, ``max_steps``,
+        and ``epoch_loop`` (the same view)."""
+        return FitLoopView(self)
 
     @property
     def is_global_zero(self) -> bool:

@@ -192,7 +192,9 @@ class ModelCheckpoint:
         logged (yet)."""
         found: Any = None
         if trainer.is_global_zero:
-            metrics = trainer.callback_metrics
+            # Lightning's monitor candidates: the logged metrics, and "epoch"/"step" (the
+            # run's own counters unless a metric of that name was logged)
+            metrics = {"epoch": trainer.current_epoch, "step": trainer.global_step, **trainer.callback_metrics}
             if self.monitor is not None and self.monitor not in metrics:
                 found = ("missing", f"ModelCheckpoint(monitor={self.monitor!r}) but no metric of that name was "
                                     f"logged (logged: {', '.join(sorted(metrics)) or 'none'}): log it with "
