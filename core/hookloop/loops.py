@@ -670,7 +670,7 @@ def _fit_epochs(trainer, train_loader, step, validation, max_epochs: int, starte
                 break
         else:
             ended = EPOCH_DONE  # resumed inside on_train_epoch_end: the epoch had all its batches
-        _end_epoch(trainer, epoch, resumed_stage, complete=ended == EPOCH_DONE)
+        _end_epoch(trainer, epoch, resumed_stage, complete=ended in (EPOCH_DONE, EPOCH_CUT))
 
 
 def _done(trainer) -> bool:
@@ -838,8 +838,13 @@ def _train_epoch(trainer, loader: DataLoader, step, validation: _ValidationSched
         trainer.is_last_batch = is_last
         if batch_start is not None and -1 in batch_start(trainer=trainer, batch=batch, batch_idx=batch_idx):
             # Lightning: on_train_batch_start returning -1 ends the epoch (inside a window:
-            # its gradients are zeroed at the next window's start); no epoch scheduler steps
-            trainer.is_last_batch = True  # Lightning marks the skipping batch the epoch's last
+            # its gradients are zeroed at the next window's start). Lightning marks the
+            # skipping batch the epoch's last, so its (non-plateau) step and epoch
+            # schedulers step there, and the epoch's plateau ones after on_train_epoch_end.
+            trainer.is_last_batch = True
+            if trainer.automatic_optimization and trainer.lr_scheduler_configs:
+                step_schedulers(trainer, "step", plateau=False, count=batch_idx + 1)
+                step_schedulers(trainer, "epoch", plateau=False, count=trainer.current_epoch + 1)
             return EPOCH_CUT
         boundary = is_last or (batch_idx + 1) % accumulate == 0
         stop = step(batch, batch_idx, boundary, is_last)  # it counts the batch as done (_batch_done)

@@ -130,7 +130,6 @@ DOCUMENTED: list[Documented] = [
 # that starts to match fails the run until it is removed from here.
 SAMPLER = "ddp training sampler not shuffled as Lightning's (i18-semantics item 2a): weights differ"
 NOT_YET: dict[str, str] = {
-    "batch_start_minus_one": "no trainer.fit_loop (Lightning's test reads fit_loop.batch_idx)",
     "step_with_optimizer_closure": "no lightning.pytorch.strategies.Strategy (the test wraps Strategy.backward)",
     "early_stopping_patience/ddp": SAMPLER,
     "training_starts_with_seed/ddp": SAMPLER,
