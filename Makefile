@@ -34,7 +34,7 @@ DEMO_STAMP     := $(VENV)/.hookloop-demo
 BACKENDS_STAMP := $(VENV)/.hookloop-backends
 STAMP          := $(VENV)/.hookloop-installed
 
-.PHONY: demo backends test bench install clean
+.PHONY: demo backends test test-full bench install clean
 
 $(TORCH_STAMP):
 	test -x $(PYTHON) || python3 -m venv $(VENV)
@@ -79,6 +79,12 @@ demo: $(DEMO_STAMP)
 test: $(STAMP)
 	$(COMPILE_SRC)
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
+
+# The long matrices, run before resolving an issue: Lightning's own scripts and tests
+# under ddp too, and its slow examples (tests/lightning_scripts).
+test-full: $(STAMP)
+	$(COMPILE_SRC)
+	LIGHTNING_SCRIPTS_FULL=1 $(PYTHON) -m pytest -q $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PIP) $(ORACLE) accelerate==1.15.0 $(TORCH)
