@@ -296,12 +296,19 @@ def _summary_printed(name: str, **kw) -> str:
             import logging
 
             handler = logging.StreamHandler(out)  # Lightning logs the table at info level
-            logging.getLogger("pytorch_lightning.callbacks.model_summary").addHandler(handler)
+            summary_logger = logging.getLogger("pytorch_lightning.callbacks.model_summary")
+            summary_logger.addHandler(handler)
+            # at info level whatever an earlier test in this process set on its parents
+            level, disabled = summary_logger.level, summary_logger.disabled
+            summary_logger.setLevel(logging.INFO)
+            summary_logger.disabled = False
             try:
                 fw.pl.Trainer(accelerator="cpu", default_root_dir=root, max_steps=1, logger=False,
                               enable_progress_bar=False, enable_checkpointing=False, **kw).fit(module, loader)
             finally:
-                logging.getLogger("pytorch_lightning.callbacks.model_summary").removeHandler(handler)
+                summary_logger.removeHandler(handler)
+                summary_logger.setLevel(level)
+                summary_logger.disabled = disabled
         else:
             hookloop.Trainer(default_root_dir=root, max_steps=1, logger=False, enable_progress_bar=False,
                              enable_checkpointing=False, **kw).fit(module, loader)

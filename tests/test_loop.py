@@ -114,13 +114,22 @@ def test_bad_configuration_is_refused_early(kwargs, match):
         fit(TinyModule(), DataLoader(tiny_data(), batch_size=8), max_epochs=1, **kwargs)
 
 
-@pytest.mark.parametrize("name", ["enable_checkpointing", "enable_progress_bar", "logger", "use_distributed_sampler",
+@pytest.mark.parametrize("name", ["enable_checkpointing", "enable_progress_bar", "use_distributed_sampler",
                                   "autoload_plugins", "requeue_on_preemption"])
 @pytest.mark.parametrize("value", ["no", 0, None])
 def test_switches_must_be_booleans(name, value):
     # "no" is truthy: it would silently have meant True.
     with pytest.raises(hookloop.ConfigurationError, match=f"^{name}={value!r} must be True or False$"):
         hookloop.Trainer(**{name: value})
+
+
+@pytest.mark.parametrize("value", ["no", 0])
+def test_logger_must_be_a_switch_or_loggers(value):
+    # logger= takes True/False/None (Lightning's default) or logger objects; "no" and 0
+    # would silently have meant something
+    with pytest.raises(hookloop.ConfigurationError, match=rf"^Trainer\(logger=\.\.\.\) got builtins\.{type(value).__name__}, "
+                                                           r"which is not a hookloop logger"):
+        hookloop.Trainer(logger=value)
 
 
 @pytest.mark.parametrize("value", ["1.0", True, 0.0])
