@@ -266,6 +266,9 @@ class Trainer:
         self.global_step = 0
         self.batch_idx = 0
         self._fetched_batch_idx = 0  # the last training batch fetched (fit_loop.batch_idx)
+        #: batches of a training epoch (after limit_train_batches), known from fit's setup;
+        #: None before, or for an unsized loader
+        self.num_training_batches: int | None = None
         self.state = TrainerState(self)
         #: whether the training batch being run is the epoch's last (Lightning's)
         self.is_last_batch = False
