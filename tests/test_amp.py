@@ -111,8 +111,8 @@ def test_bf16_digits_with_ddp_on_two_processes_within_one_point_of_fp32(tmp_path
             results[precision] = (world, plugins, float(acc.split("=")[1]))
     print(f"digits val_acc on 2 ddp processes: {results}")
     # the built-in progress bar and CSV logger come with every run
-    assert results["32"][:2] == ("world=2", "plugins=ddp,progress,csv")
-    assert results["bf16-mixed"][:2] == ("world=2", "plugins=ddp,progress,csv,amp")  # amp enabled by precision
+    assert results["32"][:2] == ("world=2", "plugins=ddp,progress,model_summary,csv")
+    assert results["bf16-mixed"][:2] == ("world=2", "plugins=ddp,progress,model_summary,csv,amp")  # amp enabled by precision
     assert results["32"][2] >= 0.9
     assert abs(results["bf16-mixed"][2] - results["32"][2]) <= 0.01
 
@@ -167,7 +167,7 @@ def test_cli_precision_option_applies_autocast(tmp_path):
         """
     ))
     out = run_python(HOOKLOOP + ["run", "--precision", "bf16-mixed", "train.py", str(REPO / "tests")], cwd=tmp_path)
-    assert "PLUGINS ['progress', 'csv', 'amp'] bf16-mixed" in out.stdout
+    assert "PLUGINS ['progress', 'model_summary', 'csv', 'amp'] bf16-mixed" in out.stdout
     assert "AUTOCAST True torch.bfloat16" in out.stdout
 
 
