@@ -129,15 +129,19 @@ DOCUMENTED: list[Documented] = [
     # the test patches Lightning's Strategy.backward: hookloop has no Strategy class
     *[Documented("step_with_optimizer_closure", mode, "cannot import name 'Strategy'",
                  "There is no `Strategy` base class either") for mode in ("1p", "ddp")],
+    # shuffled training with dropout and a validation each epoch: Lightning's validation
+    # draws a seed (its loader's iterator), hookloop's restores the generators
+    *[Documented("basics_transformer", mode, "train_loss",
+                 "Validation draws nothing from the random generators") for mode in ("1p", "ddp")],
 ]
 
 # The cases that do not match Lightning on this branch yet, with the first error (the lead's
 # to-do list; `python -m tests.lightning_scripts.table` prints the whole table), keyed by
 # case name (both modes) or "name/ddp". The pytest file runs them as strict xfails: one
 # that starts to match fails the run until it is removed from here.
-SAMPLER = "ddp training sampler not shuffled as Lightning's (i18-semantics item 2a): weights differ"
+RESEED = ("under ddp/fsdp/deepspeed Lightning re-seeds from PL_GLOBAL_SEED when the process group is set "
+          "up (reset_seed() in DDPStrategy.setup_distributed): a RandomDataset made in train_dataloader() "
+          "after the model draws other numbers; hookloop does not re-seed yet (weights differ; branch reseed-wip)")
 NOT_YET: dict[str, str] = {
-    "early_stopping_patience/ddp": SAMPLER,
-    "training_starts_with_seed/ddp": SAMPLER,
-    "should_stop_mid_epoch/ddp": SAMPLER,
+    "training_starts_with_seed/ddp": RESEED,
 }
