@@ -22,6 +22,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+from frameworks import EVENTS
+
 REDUCE = ("mean", "sum", "max", "min")
 MODULE_HOOKS = (
     "on_fit_start", "on_fit_end", "on_train_start", "on_train_end", "on_train_epoch_start",
@@ -232,19 +234,9 @@ def case_hook_order(fw, root, ddp):
     return {"events": log}
 
 
-# Every hook of Lightning's Callback that a run without checkpoints calls.
-CALLBACK_HOOKS = (
-    "setup", "teardown", "on_fit_start", "on_fit_end", "on_sanity_check_start", "on_sanity_check_end",
-    "on_train_start", "on_train_end", "on_train_epoch_start", "on_train_epoch_end",
-    "on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
-    "on_before_optimizer_step", "on_before_zero_grad",
-    "on_validation_start", "on_validation_end", "on_validation_epoch_start", "on_validation_epoch_end",
-    "on_validation_batch_start", "on_validation_batch_end",
-    "on_test_start", "on_test_end", "on_test_epoch_start", "on_test_epoch_end",
-    "on_test_batch_start", "on_test_batch_end",
-    "on_predict_start", "on_predict_end", "on_predict_epoch_start", "on_predict_epoch_end",
-    "on_predict_batch_start", "on_predict_batch_end",
-)
+# Every hook of Lightning's Callback that a run without checkpoints calls: the events both
+# frameworks send.
+CALLBACK_HOOKS = EVENTS
 
 
 def describe(value, trainer, module):
