@@ -122,6 +122,9 @@ def main(argv=None) -> dict:
         default_root_dir=args.root,
     )
     trainer.fit(model, datamodule=dm)
+    # ReduceLROnPlateau's, logged in on_train_epoch_end: read after fit (each validate/test/
+    # predict starts with empty callback_metrics, as in Lightning)
+    lr = trainer.callback_metrics["lr"]
     trainer.save_checkpoint(f"{args.root}/final.ckpt")  # every rank calls it; rank 0 writes
     val = trainer.validate(model, datamodule=dm, verbose=False)[0]
     test = trainer.test(model, datamodule=dm, verbose=False)[0]
@@ -131,7 +134,7 @@ def main(argv=None) -> dict:
         "val_acc": val["val_acc"],
         "test_acc": test["test_acc"],
         "predictions": len(predictions),
-        "lr": trainer.callback_metrics["lr"],  # ReduceLROnPlateau's, logged in on_train_epoch_end
+        "lr": lr,
         "epochs_seen": model.epochs_seen,
     }
     if trainer.global_rank == 0:

@@ -13,7 +13,7 @@ import sys
 
 import torch
 from torch.nn import functional as F
-from torch.utils.data import DataLoader
+from torch.utils.data import DistributedSampler, default_collate
 
 from conftest import REPO
 
@@ -29,13 +29,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def reference(epochs: int = 2, batch: int = 16) -> dict:
-    """One process, by hand: the four ranks' batches of 4 together are the blocks of 16."""
+def reference(epochs: int = 2, batch: int = 16, ranks: int = 4) -> dict:
+    """One process, by hand: the four ranks' batches of 4 together are the blocks of 16;
+    each rank's share is a ``DistributedSampler(shuffle=True, seed=0)`` set to the epoch
+    (a training loader is shuffled under several processes, as in Lightning)."""
     module = Net(seed=0)  # rank 0's weights: every rank starts from them
     config = module.configure_optimizers()
     optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
-    for _ in range(epochs):
-        for x, y in DataLoader(data(), batch_size=batch):
+    dataset = data()
+    samplers = [DistributedSampler(dataset, num_replicas=ranks, rank=r, shuffle=True, seed=0) for r in range(ranks)]
+    per_rank = batch // ranks
+    for epoch in range(epochs):
+        for sampler in samplers:
+            sampler.set_epoch(epoch)
+        orders = [list(sampler) for sampler in samplers]
+        for i in range(len(orders[0]) // per_rank):
+            block = [j for order in orders for j in order[i * per_rank:(i + 1) * per_rank]]
+            x, y = default_collate([dataset[j] for j in block])
             F.cross_entropy(module(x), y).backward()
             optimizer.step()
             optimizer.zero_grad()
@@ -45,7 +55,8 @@ def reference(epochs: int = 2, batch: int = 16) -> dict:
 
 def test_hybrid_shard_on_two_nodes(tmp_path):
     endpoint = f"127.0.0.1:{_free_port()}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HOOKLOOP_") and k not in ("LOCAL_RANK", "RANK")}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("HOOKLOOP_") and k not in ("LOCAL_RANK", "RANK", "PL_GLOBAL_SEED")}
     env["HOOKLOOP_RUN_ID"] = f"fsdp-hybrid-{os.getpid()}"
     nodes = [
         subprocess.Popen([sys.executable, "-m", "hookloop", "run", "--plugins", "fsdp", "--devices", "2", "--nodes", "2",

@@ -197,7 +197,7 @@ class ModelCheckpoint:
             metrics = {"epoch": trainer.current_epoch, "step": trainer.global_step, **trainer.callback_metrics}
             if self.monitor is not None and self.monitor not in metrics:
                 found = ("missing", f"ModelCheckpoint(monitor={self.monitor!r}) but no metric of that name was "
-                                    f"logged (logged: {', '.join(sorted(metrics)) or 'none'}): log it with "
+                                    f"logged (logged: {', '.join(sorted(trainer.callback_metrics)) or 'none'}): log it with "
                                     f"self.log({self.monitor!r}, ...) or monitor one of those")
             else:
                 try:
