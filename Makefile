@@ -81,10 +81,11 @@ test: $(STAMP)
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
 
 # The long matrices, run before resolving an issue: Lightning's own scripts and tests
-# under ddp too, and its slow examples (tests/lightning_scripts).
+# under ddp too, and its slow examples (tests/lightning_scripts); every strategy x every
+# kill point of the resume certificate (HOOKLOOP_TEST_FULL).
 test-full: $(STAMP)
 	$(COMPILE_SRC)
-	LIGHTNING_SCRIPTS_FULL=1 $(PYTHON) -m pytest -q $(PYTEST_ARGS)
+	LIGHTNING_SCRIPTS_FULL=1 HOOKLOOP_TEST_FULL=1 $(PYTHON) -m pytest -q $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PIP) $(ORACLE) accelerate==1.15.0 $(TORCH)
