@@ -171,3 +171,16 @@ def _clean_env(monkeypatch, tmp_path):
     for key in ("HOOKLOOP_TRAINER_DEFAULTS", "HOOKLOOP_WORKER", "LOCAL_RANK", "HOOKLOOP_PLUGINS", "HOOKLOOP_AUTOLOAD_PLUGINS"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.chdir(tmp_path)
+
+
+@pytest.fixture(autouse=True)
+def _seed_environment_per_test():
+    """``seed_everything`` records its seed in the environment (``PL_GLOBAL_SEED``), which
+    the processes a later test starts would inherit (their distributed samplers' seed, the
+    strategies' ``reset_seed``): each test starts with the environment it found."""
+    before = os.environ.get("PL_GLOBAL_SEED")
+    yield
+    if before is None:
+        os.environ.pop("PL_GLOBAL_SEED", None)
+    else:
+        os.environ["PL_GLOBAL_SEED"] = before

@@ -95,6 +95,17 @@ def seed_everything(seed: int) -> int:
     return seed
 
 
+def reset_seed() -> None:
+    """Seed the generators again with the seed :func:`seed_everything` recorded
+    (``PL_GLOBAL_SEED``); nothing when none was. Strategies that start a process group call
+    it in ``setup_environment``, as Lightning's DDP, FSDP and DeepSpeed strategies do when
+    they set up their process group, so what a run draws after that point (a dataset made
+    in ``train_dataloader()``, dropout) is Lightning's."""
+    seed = os.environ.get(GLOBAL_SEED_ENV)
+    if seed is not None:
+        seed_everything(int(seed))
+
+
 def local_rank_device(trainer: Any, local_rank: int) -> torch.device:
     """The device of the process with ``local_rank`` on its machine, for ``setup_environment``.
 

@@ -139,9 +139,4 @@ DOCUMENTED: list[Documented] = [
 # to-do list; `python -m tests.lightning_scripts.table` prints the whole table), keyed by
 # case name (both modes) or "name/ddp". The pytest file runs them as strict xfails: one
 # that starts to match fails the run until it is removed from here.
-RESEED = ("under ddp/fsdp/deepspeed Lightning re-seeds from PL_GLOBAL_SEED when the process group is set "
-          "up (reset_seed() in DDPStrategy.setup_distributed): a RandomDataset made in train_dataloader() "
-          "after the model draws other numbers; hookloop does not re-seed yet (weights differ; branch reseed-wip)")
-NOT_YET: dict[str, str] = {
-    "training_starts_with_seed/ddp": RESEED,
-}
+NOT_YET: dict[str, str] = {}

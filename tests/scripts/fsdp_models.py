@@ -40,13 +40,14 @@ class Net(hookloop.Module):
     def __init__(self, seed: int = 0, optimizer: str = "sgd", lazy: bool = False, width: int = 32,
                  layers: int = 2, lr: float = 0.05):
         super().__init__()
-        torch.manual_seed(seed)
-        self.optimizer_name, self.width, self.layers, self.lazy, self.lr = optimizer, width, layers, lazy, lr
+        self.seed, self.optimizer_name, self.width, self.layers, self.lazy, self.lr = seed, optimizer, width, layers, lazy, lr
         self.dtypes: list = []
         if not lazy:
             self.build()
 
     def build(self) -> None:
+        # seeded here, not in __init__: a lazy build runs after the strategy's reset_seed
+        torch.manual_seed(self.seed)
         w = self.width
         self.blocks = nn.Sequential(Block(8, w), *[Block(w, w) for _ in range(self.layers - 1)])
         self.head = nn.Linear(w, 3)

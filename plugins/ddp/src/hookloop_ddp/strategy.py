@@ -244,7 +244,11 @@ class DDP:
 
     @hookloop.hookimpl
     def setup_environment(self, trainer):
-        """Read ranks from the launcher, pick this rank's device, initialise the process group."""
+        """Read ranks from the launcher, pick this rank's device, initialise the process group.
+
+        First the generators are seeded again from ``seed_everything``'s seed
+        (:func:`hookloop.reset_seed`), as Lightning's DDP strategy does there."""
+        hookloop.reset_seed()
         check_backend(self.process_group_backend)
         cluster = self.cluster = ClusterEnvironment.detect()
         self.check_process_count(trainer, cluster)

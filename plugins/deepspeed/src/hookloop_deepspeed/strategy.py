@@ -168,6 +168,7 @@ class DeepSpeedStrategy:
         (``DS_ACCELERATOR=cpu``) before deepspeed is imported, and the backend is gloo.
         """
         self.check()
+        hookloop.reset_seed()  # as Lightning's DeepSpeed strategy, before its process group
         want_cuda = trainer.config.accelerator in ("cuda", "gpu") or (
             trainer.config.accelerator == "auto" and torch.cuda.is_available()
         )
