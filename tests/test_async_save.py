@@ -298,3 +298,59 @@ def test_resume_from_an_async_last_ckpt_is_bit_identical_to_the_synchronous_case
         finals[async_save] = (module.state_dict(), trainer.optimizers[0].state_dict())
     assert same(finals[True], finals[False]) == []
     assert same(finals[True], (straight_module.state_dict(), straight.optimizers[0].state_dict())) == []
+
+
+# -- ddp, and fairscale's ddp_sharded: only the writing rank writes --------------------------
+
+
+def _ddp_checkpoints(root: str, strategy: str) -> dict:
+    """On each rank: a synchronous and an asynchronous fit saving every 2 steps; the
+    files each rank serialised (by the writing thread's name)."""
+    import hookloop.checkpoint as ckpt_module
+
+    written: list[str] = []
+    real_write = ckpt_module._ChecksumWriter.write
+
+    def write(writer, data):
+        if not getattr(writer, "_named", False):
+            writer._named = True
+            written.append(threading.current_thread().name)
+        return real_write(writer, data)
+
+    ckpt_module._ChecksumWriter.write = write
+    dirs = {}
+    for async_save in (False, True):
+        torch.manual_seed(0)
+        trainer = hookloop.Trainer(
+            default_root_dir=str(Path(root) / ("async" if async_save else "sync")), logger=False,
+            enable_progress_bar=False, enable_model_summary=False, max_steps=6, plugins=[strategy],
+            callbacks=[hookloop.ModelCheckpoint(every_n_train_steps=2, every_n_epochs=0, save_top_k=-1,
+                                                async_save=async_save)])
+        trainer.fit(Scripted(), train_loader())
+        dirs[async_save] = (trainer.log_dir, trainer.checkpoint_callback._async)
+    return {"written": written, "dirs": dirs}
+
+
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("ddp_sharded", marks=pytest.mark.skipif(
+    not os.environ.get("HOOKLOOP_TEST_FULL"), reason="the long matrix: HOOKLOOP_TEST_FULL=1 (make test-full)"))])
+def test_under_several_processes_only_the_writing_rank_writes_and_files_equal_synchronous_ones(tmp_path, strategy):
+    from hookloop.testing import run_processes
+
+    ranks = run_processes(_ddp_checkpoints, nprocs=2, args=(str(tmp_path), strategy), timeout=300)
+    (sync_dir, sync_async), (async_dir, async_async) = ranks[0]["dirs"][False], ranks[0]["dirs"][True]
+    assert (sync_async, async_async) == (False, True)
+    # rank 0 serialised each file once, synchronously then in background threads (steps 2, 4
+    # and 6, and epoch 0's end's last.ckpt after step 4: 4 batches a rank); rank 1 none
+    assert ranks[1]["written"] == []
+    names = ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "last.ckpt", "epoch=1-step=6.ckpt"]
+    assert ranks[0]["written"] == ["MainThread"] * 4 + [f"hookloop checkpoint writer ({n})" for n in names]
+
+    class Run:  # what checkpoints() reads
+        def __init__(self, log_dir, root):
+            self.log_dir, self.default_root_dir = log_dir, root
+
+    expected = checkpoints(Run(sync_dir, tmp_path / "sync"))
+    written = checkpoints(Run(async_dir, tmp_path / "async"))
+    assert sorted(written) == sorted(expected) and len(written) == 5  # 3 top-k, last, last.prev
+    for name in expected:
+        assert same(written[name], expected[name], name) == []
