@@ -166,6 +166,13 @@ def test_cpu_snapshot_is_a_copy_that_keeps_shared_storages_shared():
     assert copy["same"] is copy["w"] and copy["view"].untyped_storage().data_ptr() == copy["w"].untyped_storage().data_ptr()
     assert copy["n"] == [1, (2, "x")] and copy["sd"]._metadata == state["sd"]._metadata
     assert copy["w"].untyped_storage().data_ptr() != weight.untyped_storage().data_ptr()
+    # the next snapshot copies into the storages of one nothing reads any more
+    used: list = []
+    first = ckpt.cpu_snapshot(state, used=used)
+    weight.mul_(2.0)
+    second = ckpt.cpu_snapshot(state, reuse=used)
+    assert not used and second["w"].untyped_storage().data_ptr() == first["w"].untyped_storage().data_ptr()
+    assert second["view"].tolist() == [206.0, 208.0, 210.0] and torch.equal(second["sd"]["weight"], state["sd"]["weight"])
 
 
 # -- (b) at most one in flight ------------------------------------------------------------
@@ -331,8 +338,12 @@ def _ddp_checkpoints(root: str, strategy: str) -> dict:
     return {"written": written, "dirs": dirs}
 
 
-@pytest.mark.parametrize("strategy", ["ddp", pytest.param("ddp_sharded", marks=pytest.mark.skipif(
-    not os.environ.get("HOOKLOOP_TEST_FULL"), reason="the long matrix: HOOKLOOP_TEST_FULL=1 (make test-full)"))])
+FULL = pytest.mark.skipif(not os.environ.get("HOOKLOOP_TEST_FULL"),
+                          reason="the long matrix: HOOKLOOP_TEST_FULL=1 (make test-full)")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("ddp_sharded", marks=FULL),
+                                      pytest.param("fsdp", marks=FULL)])  # fsdp: state_dict_type="full"
 def test_under_several_processes_only_the_writing_rank_writes_and_files_equal_synchronous_ones(tmp_path, strategy):
     from hookloop.testing import run_processes
 

@@ -324,7 +324,7 @@ class ModelCheckpoint:
                 writes = self._write(trainer, str(last))
                 written = str(last)
         if background is not None and written is not None and (writes or background):
-            trainer._checkpoint_writer.submit(_Job(writes, background), written)
+            trainer._checkpoint_writer.submit(_Job(writes, background, trainer._checkpoint_writer.spare), written)
 
     def _write(self, trainer, path: str) -> list:
         """``trainer.save_checkpoint(path)``; with async_save, the ``atomic_save`` calls
@@ -332,7 +332,7 @@ class ModelCheckpoint:
         if not self._async:
             trainer.save_checkpoint(path)
             return []
-        with deferred_writes() as writes:
+        with deferred_writes(trainer._checkpoint_writer.spare) as writes:
             trainer.save_checkpoint(path)
         return writes
 
@@ -447,13 +447,16 @@ class _Job:
     writes (atomic, fsync'd), then last.ckpt's copy and the removal of pushed-out files,
     in the order a synchronous save does them."""
 
-    def __init__(self, writes: list, then: list):
-        self.writes, self.then = writes, then
+    def __init__(self, writes: list, then: list, spare: list):
+        self.writes, self.then, self.spare = writes, then, spare
 
     def __call__(self) -> None:
-        for snapshot, path in self.writes:
+        for snapshot, path, _ in self.writes:
             _write_checkpoint(snapshot, path)
-        self.writes = []  # the snapshot's memory goes as soon as it is written
+        # written: its storages are the next snapshot's (the writer waits for this job
+        # before that snapshot is taken)
+        self.spare[:] = [storage for _, _, storages in self.writes for storage in storages]
+        self.writes = []
         for step in self.then:
             step()
 
