@@ -365,3 +365,30 @@ def test_under_several_processes_only_the_writing_rank_writes_and_files_equal_sy
     assert sorted(written) == sorted(expected) and len(written) == 5  # 3 top-k, last, last.prev
     for name in expected:
         assert same(written[name], expected[name], name) == []
+
+
+class OwnWriter:
+    """A strategy-like plugin that writes checkpoints itself and declares nothing."""
+
+    hookloop_role = "extension"
+    hookloop_name = "own_writer"
+
+    @hookloop.hookimpl(tryfirst=True)
+    def save_checkpoint(self, trainer, checkpoint, path):
+        ckpt.atomic_save(checkpoint, path)
+        (Path(path).parent / "after-the-file.txt").write_text(str(Path(path).stat().st_size))
+        return path
+
+
+def test_a_plugin_that_writes_checkpoints_itself_and_does_not_declare_it_saves_synchronously(tmp_path):
+    torch.manual_seed(0)
+    trainer = hookloop.Trainer(default_root_dir=str(tmp_path), logger=False, enable_progress_bar=False,
+                               enable_model_summary=False, max_steps=2, plugins=[OwnWriter()],
+                               callbacks=[hookloop.ModelCheckpoint(async_save=True, every_n_train_steps=2)])
+    with pytest.warns(UserWarning, match=r"checkpoint async_save=True: own_writer writes its checkpoints itself and "
+                                         r"does not declare that they can be written in the background"):
+        trainer.fit(Scripted(), train_loader())
+    assert trainer.checkpoint_callback._async is False
+    directory = Path(trainer.log_dir) / "checkpoints"
+    # it found its file on disk right after atomic_save: the save was synchronous
+    assert int((directory / "after-the-file.txt").read_text()) == (directory / "epoch=0-step=2.ckpt").stat().st_size
