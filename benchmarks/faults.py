@@ -20,7 +20,16 @@ checkpoint with Adam's state) for ``--steps`` steps; the time of one ``last.ckpt
 (what ``ModelCheckpoint(every_n_train_steps=N)`` writes every N steps) is measured
 directly, and the overhead per step at N = 50, 200, 1000 is that time over N steps.
 
-    python benchmarks/faults.py [--rounds 3] [--steps 2000] [--skip-faults]
+Part 3, the training stall per checkpoint (issue 19): ``ModelCheckpoint.save`` (a top-k
+file and ``last.ckpt``) timed where the step waits for it, synchronous
+(``async_save=False``: serialise, SHA-256, fsync, rename, copy to ``last.ckpt``) and
+asynchronous (``async_save=True``: the CPU snapshot; the rest in a background thread,
+timed apart: the write time), for the 12 MiB MLP and a ~200 MiB one (Adam's state
+included), in interleaved rounds (sync then async for each model, every round); medians
+and the ratio sync / async. Each async save starts with no write in flight (saves
+further apart than a write, the steady state asked for).
+
+    python benchmarks/faults.py [--rounds 3] [--steps 2000] [--skip-faults] [--stall-only]
 """
 
 from __future__ import annotations
@@ -154,15 +163,75 @@ def checkpoint_table(rounds: int, steps: int) -> None:
         print(f"{n:<15}{save / (n * step) * 100:>19.2f}%")
 
 
+class WideMLP(MLP):
+    """17.8 M parameters: a ~204 MiB checkpoint with Adam's state."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(256, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 10))
+
+
+def trained(model_cls, async_save: bool, root: str) -> hookloop.Trainer:
+    """A trainer after 4 steps (Adam's state exists) with a ModelCheckpoint(save_top_k=1)."""
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(4 * 32, 256, generator=g), torch.randint(0, 10, (4 * 32,), generator=g))
+    callback = hookloop.ModelCheckpoint(every_n_epochs=0, save_top_k=1, async_save=async_save)
+    trainer = hookloop.Trainer(max_epochs=1, default_root_dir=root, enable_progress_bar=False, logger=False,
+                               enable_model_summary=False, callbacks=[callback])
+    trainer.fit(model_cls(), DataLoader(data, batch_size=32))
+    return trainer
+
+
+def stall_table(rounds: int, saves: int = 3) -> None:
+    models = {"MLP 12 MiB": MLP, "MLP 200 MiB": WideMLP}
+    stalls = {(m, a): [] for m in models for a in (False, True)}
+    writes: dict[str, list[float]] = {m: [] for m in models}
+    sizes = {}
+    with tempfile.TemporaryDirectory(prefix="faults-stall-") as root:
+        trainers = {(m, a): trained(cls, a, str(Path(root) / f"{cls.__name__}-{a}"))
+                    for m, cls in models.items() for a in (False, True)}
+        for _ in range(rounds + 1):  # the first round warms up
+            for m in models:
+                for a in (False, True):
+                    trainer = trainers[(m, a)]
+                    callback = trainer.checkpoint_callback
+                    for _ in range(saves):
+                        callback._last_saved = None  # the same position again: save anyway
+                        start = time.perf_counter()
+                        callback.save(trainer)
+                        stalled = time.perf_counter() - start
+                        trainer._checkpoint_writer.wait()
+                        written = time.perf_counter() - start
+                        stalls[(m, a)].append(stalled)
+                        if a:
+                            writes[m].append(written)
+                    sizes[m] = (Path(trainer.log_dir) / "checkpoints" / "last.ckpt").stat().st_size
+        for key in stalls:  # drop the warm-up round
+            stalls[key] = stalls[key][saves:]
+        for m in writes:
+            writes[m] = writes[m][saves:]
+    print(f"\nTraining stall per checkpoint (ModelCheckpoint.save: a top-k file + last.ckpt), 1 process, "
+          f"Adam; medians of {rounds} rounds x {saves} saves, interleaved")
+    print(f"{'model':<14}{'ckpt MiB':>9}{'sync ms':>10}{'async ms':>10}{'sync/async':>12}{'async write ms':>16}")
+    for m in models:
+        sync, asy = statistics.median(stalls[(m, False)]), statistics.median(stalls[(m, True)])
+        print(f"{m:<14}{sizes[m] / 2**20:>9.1f}{sync * 1e3:>10.1f}{asy * 1e3:>10.1f}{sync / asy:>12.1f}"
+              f"{statistics.median(writes[m]) * 1e3:>16.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--skip-faults", action="store_true")
+    parser.add_argument("--stall-only", action="store_true", help="only part 3: the stall per checkpoint")
     args = parser.parse_args()
-    if not args.skip_faults:
+    if not args.skip_faults and not args.stall_only:
         faults_table(args.rounds)
-    checkpoint_table(args.rounds, args.steps)
+    if not args.stall_only:
+        checkpoint_table(args.rounds, args.steps)
+    stall_table(args.rounds)
 
 
 if __name__ == "__main__":

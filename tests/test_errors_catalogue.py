@@ -466,6 +466,13 @@ def _(tmp):
     trainer.fit(TinyModule(), loader(), loader(8))
 
 
+@row("S15")
+def _(tmp):
+    trainer = quiet(plugin_options={"checkpoint": {"async_save": "yes"}}, enable_checkpointing=True,
+                    default_root_dir=str(tmp))
+    trainer.fit(TinyModule(), loader())
+
+
 # -- launch -------------------------------------------------------------------------------
 
 

@@ -1,11 +1,12 @@
 """Checkpoint I/O: atomic writes, safe loads, RNG state, and model compatibility checks.
 
 Public helpers for plugins: :func:`atomic_save`, :func:`safe_load`,
-:func:`check_state_dict`.
+:func:`check_state_dict`, :func:`cpu_snapshot`.
 """
 
 from __future__ import annotations
 
+import copy as _copy
 import hashlib
 import os
 import pickle
@@ -15,7 +16,9 @@ import shutil
 import socket
 import struct
 import tempfile
+import threading
 import zipfile
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable
 
@@ -57,14 +60,183 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
     and replacing a ``last.ckpt`` keeps the one it replaces as ``last.prev.ckpt``. A
     write that fails (disk full, file size limit) raises :class:`CheckpointError`,
     removes the temporary file and leaves ``path`` as it was.
-    """
 
+    Inside :class:`deferred_writes` (an asynchronous save), it only takes a
+    :func:`cpu_snapshot` of ``obj``; the write happens later, in the background.
+    """
+    deferral = getattr(_deferral, "active", None)
+    if deferral is not None:  # inside deferred_writes(): copy now, write in the background
+        used: list = []
+        deferral.writes.append((cpu_snapshot(obj, reuse=deferral.spare, used=used), Path(path), used))
+        return Path(path)
+    return _write_checkpoint(obj, path)
+
+
+def _write_checkpoint(obj: Any, path: str | os.PathLike) -> Path:
     def write(f) -> None:
         writer = _ChecksumWriter(f)
         torch.save(obj, writer)
         writer.write_trailer()
 
     return _atomic_write(path, write)
+
+
+# ---------------------------------------------------------------------------------------
+# Asynchronous saving: a CPU snapshot now, the write in a background thread
+# ---------------------------------------------------------------------------------------
+
+
+_deferral = threading.local()
+
+
+def cpu_snapshot(obj: Any, reuse: list | None = None, used: list | None = None) -> Any:
+    """A copy of the checkpoint ``obj`` that training can no longer change: every tensor
+    copied to new CPU memory (also CPU tensors: the optimizer step mutates them in place),
+    dicts, lists and tuples rebuilt, other values shared (numbers, strings) or copied.
+
+    One pass, no pickling: each storage is copied once (``memcpy``, or one device-to-host
+    copy), and tensors that share a storage share the copy, so ``torch.save`` of the
+    snapshot writes what it would have written of ``obj``.
+
+    reuse: CPU storages (``torch.UntypedStorage``) of an earlier snapshot that nothing
+        reads any more: a storage of the same size is taken out of the list and copied
+        into (memory already mapped copies about twice as fast as fresh memory).
+    used: a list the storages of the copy are appended to (to reuse them next time).
+    """
+    storages: dict[tuple, torch.UntypedStorage] = {}
+    seen: dict[int, Any] = {}
+    spare: dict[int, list] = {}
+    for storage in reuse or ():
+        spare.setdefault(storage.nbytes(), []).append(storage)
+    if reuse:
+        reuse.clear()
+    copy = _snapshot(obj, storages, seen, spare)
+    if used is not None:
+        used.extend(storages.values())
+    return copy
+
+
+def _snapshot(obj: Any, storages: dict, seen: dict, spare: dict) -> Any:
+    if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes, torch.dtype, torch.device)):
+        return obj
+    known = seen.get(id(obj))
+    if known is not None:
+        return known[1]
+    if isinstance(obj, torch.Tensor):
+        copy = _snapshot_tensor(obj, storages, spare)
+    elif isinstance(obj, dict):
+        copy = type(obj)() if type(obj) in (dict, OrderedDict) else {}
+        seen[id(obj)] = (obj, copy)
+        for key, value in obj.items():
+            copy[key] = _snapshot(value, storages, seen, spare)
+        metadata = getattr(obj, "_metadata", None)  # a module state dict's versions
+        if metadata is not None:
+            copy._metadata = _copy.deepcopy(metadata)
+        return copy
+    elif isinstance(obj, list):
+        copy = []
+        seen[id(obj)] = (obj, copy)
+        copy.extend(_snapshot(value, storages, seen, spare) for value in obj)
+        return copy
+    elif isinstance(obj, tuple):
+        items = [_snapshot(value, storages, seen, spare) for value in obj]
+        copy = type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    else:
+        try:
+            copy = _copy.deepcopy(obj)
+        except Exception:  # an object that cannot be copied: written as it is then
+            copy = obj
+    seen[id(obj)] = (obj, copy)  # keep obj alive: ids stay unique during the pass
+    return copy
+
+
+def _snapshot_tensor(tensor: torch.Tensor, storages: dict, spare: dict) -> torch.Tensor:
+    tensor = tensor.detach()
+    if tensor.layout != torch.strided or tensor.is_quantized or type(tensor) is not torch.Tensor:
+        return tensor.to("cpu", copy=True)  # sparse, quantized, DTensor...: their own copy
+    source = tensor.untyped_storage()
+    key = (source.device, source.data_ptr(), source.nbytes())
+    storage = storages.get(key)
+    if storage is None:
+        free = spare.get(source.nbytes())
+        storage = free.pop() if free else torch.UntypedStorage(source.nbytes(), device="cpu")
+        storage.copy_(source)
+        storages[key] = storage
+    copy = torch.empty((0,), dtype=tensor.dtype, device="cpu")
+    copy.set_(storage, tensor.storage_offset(), tensor.size(), tensor.stride())
+    return copy
+
+
+class deferred_writes:
+    """``with deferred_writes(spare) as writes:``: the :func:`atomic_save` calls made by
+    this thread inside the block take a :func:`cpu_snapshot` of their object (into the
+    ``spare`` storages where sizes match) and return at once; ``writes`` then lists
+    ``(snapshot, path, storages)`` for a background job to write (and the storages to
+    reuse after). The pause of an asynchronous save is the snapshot."""
+
+    def __init__(self, spare: list | None = None):
+        self.spare = spare if spare is not None else []
+        self.writes: list = []
+
+    def __enter__(self) -> list:
+        if getattr(_deferral, "active", None) is not None:
+            raise RuntimeError("deferred_writes() blocks do not nest")
+        _deferral.active = self
+        return self.writes
+
+    def __exit__(self, *exc: Any) -> None:
+        _deferral.active = None
+
+
+class AsyncCheckpointWriter:
+    """Runs one checkpoint job at a time in a background thread (the trainer's:
+    ``trainer._checkpoint_writer``).
+
+    :meth:`submit` first waits for the job in flight, so at most one is; an error of a
+    job (a failed write, a full disk) is raised by the next :meth:`submit` or
+    :meth:`wait` as a :class:`CheckpointError` naming the checkpoint, never lost.
+    """
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: tuple[str, BaseException] | None = None
+        #: the CPU storages of the last snapshot written, for the next one to copy into
+        #: (one extra copy of the checkpoint stays allocated between saves)
+        self.spare: list = []
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, job: Callable[[], Any], path: str | os.PathLike) -> None:
+        """Run ``job()`` (which writes ``path``, and what goes with it) in the background,
+        after the previous job has finished (its error is raised here, and ``job`` is then
+        not run)."""
+        self.wait()
+        thread = threading.Thread(target=self._run, args=(job, str(path)), daemon=False,
+                                  name=f"hookloop checkpoint writer ({Path(path).name})")
+        self._thread = thread
+        thread.start()
+
+    def _run(self, job: Callable[[], Any], path: str) -> None:
+        try:
+            job()
+        except BaseException as exc:  # kept for the training thread, which raises it
+            self._error = (path, exc)
+
+    def wait(self) -> None:
+        """Wait for the job in flight; raise its error, if it failed."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        error, self._error = self._error, None
+        if error is not None:
+            path, exc = error
+            if isinstance(exc, CheckpointError):
+                raise CheckpointError(f"the background save of checkpoint {path!r} failed: {exc}") from exc
+            raise CheckpointError(
+                f"the background save of checkpoint {path!r} failed ({type(exc).__name__}: {exc}); the "
+                f"checkpoints written before it are unchanged") from exc
 
 
 def atomic_copy(source: str | os.PathLike, path: str | os.PathLike, keep_previous: bool = True) -> Path:

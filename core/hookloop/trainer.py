@@ -17,6 +17,7 @@ from . import loggers as loggers_module
 from . import loops
 from . import plugins as plugin_registry
 from . import rundir, strategies
+from .checkpoint import AsyncCheckpointWriter
 from .config import TrainerConfig, env_defaults
 from .datamodule import DataModule
 from .defaults import Defaults
@@ -299,6 +300,9 @@ class Trainer:
         self._return_predictions = True
         self._loop_optimizer_cache: list | None = None
         self._clip_requests: dict[int, tuple] = {}
+        # ModelCheckpoint(async_save=True)'s background writes: one at a time, waited for by
+        # every synchronous save (save_checkpoint) so files are written in the order asked
+        self._checkpoint_writer = AsyncCheckpointWriter()
         self._on_before_optimizer_step = None
         self._on_before_zero_grad = None
         self._on_log_metrics = None
@@ -598,7 +602,11 @@ class Trainer:
         return None if result is True else result
 
     def save_checkpoint(self, path: str | os.PathLike) -> Path:
-        """Write a checkpoint of the whole run state to ``path`` (call on every rank)."""
+        """Write a checkpoint of the whole run state to ``path`` (call on every rank).
+
+        Synchronous: it first waits for a background save in flight
+        (``ModelCheckpoint(async_save=True)``), whose error it then raises."""
+        self._checkpoint_writer.wait()
         checkpoint = loops.checkpoint_dict(self)
         return self.hook.save_checkpoint(trainer=self, checkpoint=checkpoint, path=Path(path))
 

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import hookloop
-from hookloop.checkpoint import atomic_copy
+from hookloop.checkpoint import _write_checkpoint, atomic_copy, deferred_writes
+from hookloop.plugins import plugin_name
 
 _GROUP = re.compile(r"\{([A-Za-z_][\w.]*)([:}])")
 
@@ -57,6 +58,13 @@ class ModelCheckpoint:
     save_on_train_epoch_end: rank at training epochs' ends rather than after each
         validation (None: at epoch ends when validation runs once at every epoch's end or
         never, after each validation otherwise)
+    async_save: write in a background thread: a save pauses training only to copy the
+        state to new CPU memory (:func:`hookloop.checkpoint.cpu_snapshot`); the write,
+        fsync and rename (then last.ckpt's copy and the removal of pushed-out top-k
+        files) follow in the background, one save at a time (a save waits for the one
+        before). A failed background write raises ``CheckpointError`` at the next save or
+        at the end of ``fit``. Strategies that write their own format (deepspeed, fsdp's
+        sharded directories) save synchronously, with a warning
     """
 
     hookloop_name = "checkpoint"
@@ -65,7 +73,7 @@ class ModelCheckpoint:
     def __init__(self, dirpath: str | os.PathLike | None = None, filename: str | None = None, monitor: str | None = None,
                  mode: str = "min", save_top_k: int = 1, save_last: bool | None = None, every_n_epochs: int | None = None,
                  every_n_train_steps: int | None = None, auto_insert_metric_name: bool = True,
-                 save_on_train_epoch_end: bool | None = None):
+                 save_on_train_epoch_end: bool | None = None, async_save: bool = False):
         if mode not in ("min", "max"):
             raise hookloop.ConfigurationError(
                 f"checkpoint mode={mode!r} must be 'min' (lower {monitor or 'monitored value'} is better) or 'max'")
@@ -89,6 +97,8 @@ class ModelCheckpoint:
         self.every_n_epochs, self.every_n_train_steps = every_n_epochs, every_n_train_steps
         self.auto_insert_metric_name = auto_insert_metric_name
         self.save_on_train_epoch_end = save_on_train_epoch_end
+        self.async_save = async_save
+        self._check_async_save()
         self.best_k_models: dict[str, float] = {}
         self.best_model_path = ""
         self.best_model_score: float | None = None
@@ -102,6 +112,12 @@ class ModelCheckpoint:
         self._validated = False  # a validation of this fit has run: the monitor must be there
         self._deferred = False  # a step's save waits for the next validation's metric
         self._warned_missing = False
+        self._async = False  # async_save, where this run's strategy allows it (setup)
+
+    def _check_async_save(self) -> None:
+        if self.async_save not in (True, False):
+            raise hookloop.ConfigurationError(
+                f"checkpoint async_save={self.async_save!r} must be True or False")
 
     # -- the run --------------------------------------------------------------------------
 
@@ -122,13 +138,41 @@ class ModelCheckpoint:
                     f"{'sharded checkpoint directories' if sharded else 'single-file checkpoints'}: use another "
                     f"checkpoint directory (ModelCheckpoint(dirpath=...)) or remove it"
                 )
+        self._check_async_save()  # also when set by --plugin-option checkpoint.async_save=...
+        self._async = bool(self.async_save) and self._async_allowed(trainer, sharded)
         if self.every_n_train_steps:
             # Only runs that ask for it pay a call per step.
             self._steps = _SaveEverySteps(self)
             trainer.plugin_manager.register(self._steps, name="checkpoint.every_n_train_steps")
 
+    def _async_allowed(self, trainer, sharded: bool) -> bool:
+        """Whether saves can go to the background: each plugin that writes checkpoints
+        itself (``save_checkpoint``) declares ``hookloop_async_save = True`` (it writes
+        only through :func:`hookloop.atomic_save`, and nothing it does after that call
+        needs the file on disk), and its checkpoints are single files."""
+        refusing = [] if not sharded else [plugin_name(trainer.strategy)]
+        for impl in trainer.plugin_manager.hook.save_checkpoint.get_hookimpls():
+            plugin = impl.plugin
+            if type(plugin).__module__ == "hookloop.defaults" or getattr(plugin, "hookloop_async_save", False):
+                continue
+            refusing.append(plugin_name(plugin))
+        if refusing and trainer.is_global_zero:
+            warnings.warn(
+                f"checkpoint async_save=True: {', '.join(sorted(set(refusing)))} writes its checkpoints itself and "
+                f"does not declare that they can be written in the background (hookloop_async_save); this run "
+                f"saves synchronously", stacklevel=3)
+        return not refusing
+
     @hookloop.hookimpl
     def teardown(self, trainer):
+        # The last background save is finished before the run is over. Its error is
+        # raised, unless the run is already ending with one (then it is printed).
+        try:
+            trainer._checkpoint_writer.wait()
+        except hookloop.CheckpointError as exc:
+            if trainer.state.status != "interrupted":
+                raise
+            warnings.warn(str(exc), stacklevel=2)
         if self._after_validation in trainer._after_validation:
             trainer._after_validation.remove(self._after_validation)
         steps, self._steps = self._steps, None
@@ -179,6 +223,8 @@ class ModelCheckpoint:
         at the next batch."""
         if trainer.batch_idx and self._position(trainer) != self._last_saved:
             self.save(trainer)
+        if self._async:  # the end of fit waits for the last background save (and its error)
+            trainer._checkpoint_writer.wait()
 
     # -- saving ---------------------------------------------------------------------------
 
@@ -249,7 +295,8 @@ class ModelCheckpoint:
         position = self._position(trainer)
         if position == self._last_saved:
             return
-        written = None
+        written, writes = None, []
+        background: list | None = [] if self._async else None  # file operations after the write
         if top_k and self.save_top_k != 0:
             candidate = self._candidate(trainer, quiet=defer)
             if candidate is None and defer:
@@ -263,19 +310,31 @@ class ModelCheckpoint:
                     value = math.inf if self.mode == "min" else -math.inf  # as Lightning: kept as the worst
                 path = str(self.dir / name)
                 drop = self._book(path, value)
-                trainer.save_checkpoint(path)
+                writes = self._write(trainer, path)
                 written = path
-                self._remove(trainer, drop)
+                self._remove(trainer, drop, background)
         self._last_saved = position
         lasts = self._last_paths()
         if lasts:
             self.last_model_path = str(lasts[-1])
         for last in lasts:
             if written is not None:
-                self._copy(trainer, written, str(last))
+                self._copy(trainer, written, str(last), background)
             else:
-                trainer.save_checkpoint(str(last))
+                writes = self._write(trainer, str(last))
                 written = str(last)
+        if background is not None and written is not None and (writes or background):
+            trainer._checkpoint_writer.submit(_Job(writes, background, trainer._checkpoint_writer.spare), written)
+
+    def _write(self, trainer, path: str) -> list:
+        """``trainer.save_checkpoint(path)``; with async_save, the ``atomic_save`` calls
+        inside it only take their CPU snapshots: returned, to be written in the background."""
+        if not self._async:
+            trainer.save_checkpoint(path)
+            return []
+        with deferred_writes(trainer._checkpoint_writer.spare) as writes:
+            trainer.save_checkpoint(path)
+        return writes
 
     def _last_paths(self) -> list[Path]:
         """Where ``last.ckpt`` goes: hookloop's resume file in the run directory (unless
@@ -315,20 +374,28 @@ class ModelCheckpoint:
         self.best_model_path, self.best_model_score = best, self.best_k_models[best]
         return drop
 
-    def _remove(self, trainer, paths: list[str]) -> None:
+    def _remove(self, trainer, paths: list[str], background: list | None = None) -> None:
+        """Remove the checkpoints pushed out of the top k (rank 0). ``background``: a save
+        in the background: queue the removal after the new file's write."""
         if trainer.is_global_zero:
-            for path in paths:
-                if path in (self.last_model_path,) or path in self.best_k_models:
-                    continue
-                target = Path(path)
-                if target.is_dir():
-                    shutil.rmtree(target, ignore_errors=True)
-                elif target.exists():
-                    target.unlink()
-        trainer.barrier("checkpoint_remove")
+            paths = [p for p in paths if p != self.last_model_path and p not in self.best_k_models]
+            if background is not None:
+                if paths:
+                    background.append(lambda: _remove_files(paths))
+                return
+            _remove_files(paths)
+        if background is None:
+            trainer.barrier("checkpoint_remove")
 
-    def _copy(self, trainer, source: str, target: str) -> None:
-        """last.ckpt as a copy of the checkpoint just written (no second serialisation)."""
+    def _copy(self, trainer, source: str, target: str, background: list | None = None) -> None:
+        """last.ckpt as a copy of the checkpoint just written (no second serialisation).
+        ``background``: a save in the background (single files): queue the copy after the
+        write."""
+        if background is not None:
+            if trainer.is_global_zero:
+                keep = Path(target).parent == self.resume_dir
+                background.append(lambda: atomic_copy(source, target, keep_previous=keep))
+            return
         if trainer.is_global_zero:
             src, dst = Path(source), Path(target)
             if src.is_dir():  # a strategy's sharded directory: no previous kept, no checksum
@@ -364,6 +431,34 @@ class ModelCheckpoint:
         self.best_k_models = {p: s for p, s in state["best_k_models"].items() if Path(p).exists()}
         self.best_model_path, self.best_model_score = state["best_model_path"], state["best_model_score"]
         self.last_model_path, self.latest = state["last_model_path"], list(state["latest"])
+
+
+def _remove_files(paths: list[str]) -> None:
+    for path in paths:
+        target = Path(path)
+        if target.is_dir():
+            shutil.rmtree(target, ignore_errors=True)
+        elif target.exists():
+            target.unlink()
+
+
+class _Job:
+    """One asynchronous save, run by the trainer's background writer: the snapshots'
+    writes (atomic, fsync'd), then last.ckpt's copy and the removal of pushed-out files,
+    in the order a synchronous save does them."""
+
+    def __init__(self, writes: list, then: list, spare: list):
+        self.writes, self.then, self.spare = writes, then, spare
+
+    def __call__(self) -> None:
+        for snapshot, path, _ in self.writes:
+            _write_checkpoint(snapshot, path)
+        # written: its storages are the next snapshot's (the writer waits for this job
+        # before that snapshot is taken)
+        self.spare[:] = [storage for _, _, storages in self.writes for storage in storages]
+        self.writes = []
+        for step in self.then:
+            step()
 
 
 class _SaveEverySteps:

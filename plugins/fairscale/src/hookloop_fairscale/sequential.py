@@ -66,6 +66,9 @@ class DDPSequential(DDP):
 
     hookloop_name = "ddp_sequential"
     hookloop_role = "strategy"
+    # Its save_checkpoint gathers the state and lets the default write it (atomic_save):
+    # ModelCheckpoint(async_save=True) may write that in the background.
+    hookloop_async_save = True
     # Norm clipping is over the whole model, whose gradients are spread over the stages.
     hookloop_owns = frozenset({"gradient_clipping"})
 

@@ -62,6 +62,9 @@ class DDPSharded(DDP):
 
     hookloop_name = "ddp_sharded"
     hookloop_role = "strategy"
+    # Its save_checkpoint gathers the state and lets the default write it (atomic_save):
+    # ModelCheckpoint(async_save=True) may write that in the background.
+    hookloop_async_save = True
     # Norm clipping needs a norm across the shards: done in on_before_optimizer_step, so
     # self.clip_gradients (which would clip each rank's shard on its own) is refused.
     hookloop_owns = frozenset({"gradient_clipping"})

@@ -240,6 +240,13 @@ class FSDP(DDP):
     def _full(self) -> bool:
         return opts.state_dict_type(self.state_dict_type) == "full"
 
+    @property
+    def hookloop_async_save(self) -> bool:
+        """``ModelCheckpoint(async_save=True)`` may write in the background under
+        ``state_dict_type="full"`` (gathered, then one ``atomic_save`` on rank 0); the
+        sharded directories are written synchronously."""
+        return self._full
+
     # -- model ----------------------------------------------------------------------------
 
     @hookloop.hookimpl
