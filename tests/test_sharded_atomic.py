@@ -169,3 +169,13 @@ def test_atomic_copy_tree_keeps_the_replaced_directory_as_last_prev(tmp_path):
     checkpoints = tmp_path / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt", "last.prev.ckpt"]
     assert (checkpoints / "last.ckpt" / "step4").is_dir() and (checkpoints / "last.prev.ckpt" / "step2").is_dir()
+    # Shards are hard links (no bytes copied); small files (latest, markers) are copies.
+    src = tmp_path / "epoch=0-step=6.ckpt"
+    make_tag(src, "step6")
+    (src / "step6" / "big.pt").write_bytes(b"\0" * (1 << 20))
+    (src / "latest").write_text("step6")
+    hookloop.atomic_copy_tree(src, checkpoints / "last.ckpt")
+    inode = lambda p: p.stat().st_ino  # noqa: E731
+    assert inode(checkpoints / "last.ckpt" / "step6" / "big.pt") == inode(src / "step6" / "big.pt")
+    assert inode(checkpoints / "last.ckpt" / "latest") != inode(src / "latest")
+    assert (checkpoints / "last.prev.ckpt" / "step4").is_dir()

@@ -113,14 +113,15 @@ def atomic_copy_tree(source: str | os.PathLike, path: str | os.PathLike, keep_pr
     ``path`` so that a crash at any moment leaves a loadable checkpoint there or at
     :func:`previous_of` ``path``.
 
-    The copy is made complete under a temporary name beside ``path`` (each file hard-linked
-    where the file system allows, copied otherwise, then fsynced), then the directory it
-    replaces becomes ``last.prev.ckpt`` (for a ``last.ckpt`` and ``keep_previous``; the
-    prev it replaces is removed), then the copy is renamed into place. A kill between the
+    The copy is made complete under a temporary name beside ``path`` (each shard of at
+    least :data:`LINK_MIN_BYTES` hard-linked where the file system allows, the rest
+    copied; then fsynced), then the directory it replaces becomes ``last.prev.ckpt`` (for
+    a ``last.ckpt`` and ``keep_previous``; the prev it replaces is removed), then the copy
+    is renamed into place. A kill between the
     two renames leaves ``last.prev.ckpt`` alone, which the restart resume and
     ``ckpt_path="last"`` load (:func:`hookloop.loops.restore`'s fall-back). Hard links
-    share the files' bytes: strategies must write a new file rather than rewrite one in
-    place (the in-tree ones write every save into a new tag). An ``OSError`` becomes a
+    share the files' bytes: strategies must write a new shard file rather than rewrite one
+    in place (the in-tree ones write every save into a new tag). An ``OSError`` becomes a
     :class:`CheckpointError` and leaves ``path`` as it was.
     """
     source, path = Path(source), Path(path)
@@ -140,11 +141,20 @@ def atomic_copy_tree(source: str | os.PathLike, path: str | os.PathLike, keep_pr
     return path
 
 
+#: Files at least this large are hard-linked by :func:`atomic_copy_tree`; smaller ones
+#: (``latest``, markers, DeepSpeed's ``zero_to_fp32.py``, which it rewrites in place at
+#: every save) are copied, so no small file is shared between two directories.
+LINK_MIN_BYTES = 1 << 20
+
+
 def _link_or_copy(src: str, dst: str) -> str:
     try:
-        os.link(src, dst)
+        if os.stat(src).st_size >= LINK_MIN_BYTES:
+            os.link(src, dst)
+            return dst
     except OSError:  # another file system, or none with hard links
-        shutil.copy2(src, dst)
+        pass
+    shutil.copy2(src, dst)
     return dst
 
 
