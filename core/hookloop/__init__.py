@@ -10,7 +10,15 @@ and register the plugin under the entry-point group ``hookloop.plugins``.
 """
 
 from .callbacks import BaseFinetuning, BasePredictionWriter, Callback, GradientAccumulationScheduler
-from .checkpoint import atomic_save, atomic_write_text, check_state_dict, optimizer_and_scheduler_states, safe_load
+from .checkpoint import (
+    TaggedCheckpointDir,
+    atomic_copy_tree,
+    atomic_save,
+    atomic_write_text,
+    check_state_dict,
+    optimizer_and_scheduler_states,
+    safe_load,
+)
 from .config import TrainerConfig
 from .datamodule import DataModule
 from .errors import (
@@ -96,10 +104,12 @@ __all__ = [
     "RichProgressBarTheme",
     "SchedulerConfig",
     "TQDMProgressBar",
+    "TaggedCheckpointDir",
     "Timer",
     "Trainer",
     "TrainerConfig",
     "apply_to_tensors",
+    "atomic_copy_tree",
     "atomic_save",
     "atomic_write_text",
     "batch_size_of",

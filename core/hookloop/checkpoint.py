@@ -1,7 +1,7 @@
 """Checkpoint I/O: atomic writes, safe loads, RNG state, and model compatibility checks.
 
 Public helpers for plugins: :func:`atomic_save`, :func:`safe_load`,
-:func:`check_state_dict`, :func:`cpu_snapshot`.
+:func:`check_state_dict`, :func:`cpu_snapshot`, :func:`atomic_copy_tree`, :class:`TaggedCheckpointDir`.
 """
 
 from __future__ import annotations
@@ -280,6 +280,253 @@ def _atomic_write(path: str | os.PathLike, write: Callable[[Any], None], keep_pr
     return path
 
 
+def atomic_copy_tree(source: str | os.PathLike, path: str | os.PathLike, keep_previous: bool = True) -> Path:
+    """Install a copy of the checkpoint *directory* ``source`` (a strategy's shards) at
+    ``path`` so that a crash at any moment leaves a loadable checkpoint there or at
+    :func:`previous_of` ``path``.
+
+    The copy is made complete under a temporary name beside ``path`` (each shard of at
+    least :data:`LINK_MIN_BYTES` hard-linked where the file system allows, the rest
+    copied; then fsynced), then the directory it replaces becomes ``last.prev.ckpt`` (for
+    a ``last.ckpt`` and ``keep_previous``; the prev it replaces is removed), then the copy
+    is renamed into place. A kill between the
+    two renames leaves ``last.prev.ckpt`` alone, which the restart resume and
+    ``ckpt_path="last"`` load (:func:`hookloop.loops.restore`'s fall-back). Hard links
+    share the files' bytes: strategies must write a new shard file rather than rewrite one
+    in place (the in-tree ones write every save into a new tag). An ``OSError`` becomes a
+    :class:`CheckpointError` and leaves ``path`` as it was.
+    """
+    source, path = Path(source), Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries(path)
+    tmp = path.with_name(f".{path.name}.{_writer()}.tmp")
+    _remove_tree(tmp)
+    try:
+        shutil.copytree(source, tmp, copy_function=_link_or_copy)
+        _fsync_tree(tmp)
+        _install_tree(tmp, path, keep_previous)
+    except BaseException as exc:
+        _remove_tree(tmp)
+        if isinstance(exc, OSError):
+            raise _write_error(path, exc) from exc
+        raise
+    return path
+
+
+#: Files at least this large are hard-linked by :func:`atomic_copy_tree`; smaller ones
+#: (``latest``, markers, DeepSpeed's ``zero_to_fp32.py``, which it rewrites in place at
+#: every save) are copied, so no small file is shared between two directories.
+LINK_MIN_BYTES = 1 << 20
+
+
+def _link_or_copy(src: str, dst: str) -> str:
+    try:
+        if os.stat(src).st_size >= LINK_MIN_BYTES:
+            os.link(src, dst)
+            return dst
+    except OSError:  # another file system, or none with hard links
+        pass
+    shutil.copy2(src, dst)
+    return dst
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file and directory under ``root`` (directories last: their entries)."""
+    for folder, _, files in os.walk(root, topdown=False):
+        for name in files:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(folder))
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def _remove_tree(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.unlink(path)
+
+
+def _install_tree(tmp: Path, path: Path, keep_previous: bool) -> None:
+    """Rename the complete directory ``tmp`` to ``path``; the one it replaces first becomes
+    :func:`previous_of` ``path`` (or is renamed aside and removed afterwards)."""
+    previous = previous_of(path) if keep_previous else None
+    trash: list[Path] = []
+    if os.path.lexists(path):
+        if previous is not None:
+            if os.path.lexists(previous):  # aside first: never a half-removed last.prev.ckpt
+                aside = previous.with_name(f".{previous.name}.{_writer()}.old.tmp")
+                _remove_tree(aside)
+                os.rename(previous, aside)
+                trash.append(aside)
+            os.rename(path, previous)  # from here until the next rename only the previous exists
+        else:
+            aside = path.with_name(f".{path.name}.{_writer()}.old.tmp")
+            _remove_tree(aside)
+            os.rename(path, aside)
+            trash.append(aside)
+    os.rename(tmp, path)
+    _fsync_dir(path.parent)
+    for old in trash:
+        _remove_tree(old)
+
+
+#: The file that marks a tag of a :class:`TaggedCheckpointDir` complete.
+COMPLETE_MARKER = ".hookloop-complete"
+
+
+class TaggedCheckpointDir:
+    """A sharded checkpoint directory of tags, committed atomically (the scheme of the
+    fsdp and deepspeed strategies)::
+
+        last.ckpt/
+          latest              the committed tag's name, replaced atomically (rename)
+          step42/             one save: every rank's shards, then .hookloop-complete
+
+    A save is: ``tag = d.new_tag(global_step)`` (on rank 0, then broadcast), every rank
+    writes its shards into ``d.path / tag``, a barrier, then rank 0 calls
+    ``d.commit(tag)`` (fsyncs the tag, writes :data:`COMPLETE_MARKER` into it, then
+    ``latest``) and ``d.prune()`` (removes the other tags, including those a killed save
+    left incomplete), and a second barrier. A crash before ``commit`` leaves ``latest``
+    naming the previous complete tag.
+
+    Loading calls :meth:`committed`: the tag ``latest`` names if it is complete; if it is
+    not (``latest`` written before the shards, as DeepSpeed's own writer does), or
+    ``latest`` is missing, the newest complete tag, with a warning. ``legacy_complete(tag
+    directory)`` tells whether a tag without the marker (written before hookloop wrote
+    markers) is whole; such a tag is trusted only when ``latest`` names it and no tag has
+    a marker.
+
+    :param path: the directory (``last.ckpt``, a top-k checkpoint)
+    :param prefix: tag names are ``<prefix><global step>`` (``.1``, ``.2``... appended
+        when that step has tags there already; a name is never reused)
+    """
+
+    LATEST = "latest"
+
+    def __init__(self, path: str | os.PathLike, prefix: str = "step",
+                 legacy_complete: Callable[[Path], bool] | None = None):
+        self.path, self.prefix, self.legacy_complete = Path(path), prefix, legacy_complete
+        self._pattern = re.compile(rf"{re.escape(prefix)}(\d+)(?:\.(\d+))?")
+
+    def tags(self) -> list[str]:
+        """Every tag in the directory, complete or not, oldest first: by when it was
+        committed (its marker's mtime), or for an incomplete one when its last file was
+        created (the directory's mtime). Not by name: a run that restarts from an earlier
+        step, or a new run saving into the same path, writes lower steps later."""
+        if not self.path.is_dir():
+            return []
+        found = []
+        for p in self.path.iterdir():
+            m = self._pattern.fullmatch(p.name)
+            if m and p.is_dir():
+                try:  # the step and suffix break ties of the file system's clock (coarse: ~ms)
+                    found.append((self._written(p), int(m[1]), int(m[2] or 0), p.name))
+                except OSError:  # removed meanwhile
+                    pass
+        return [f[-1] for f in sorted(found)]
+
+    @staticmethod
+    def _written(tag: Path) -> int:
+        marker = tag / COMPLETE_MARKER
+        return (marker if marker.is_file() else tag).stat().st_mtime_ns
+
+    def new_tag(self, global_step: int) -> str:
+        """A name no tag in the directory has had yet, for a save at ``global_step``
+        (``<prefix><step>``, then ``.1``, ``.2``... after the highest suffix there)."""
+        used = [self._pattern.fullmatch(p.name) for p in self.path.iterdir()] if self.path.is_dir() else []
+        suffixes = [int(m[2] or 0) for m in used if m and int(m[1]) == global_step]
+        if not suffixes:
+            return f"{self.prefix}{global_step}"
+        return f"{self.prefix}{global_step}.{max(suffixes) + 1}"
+
+    def is_complete(self, tag: str) -> bool:
+        return (self.path / tag / COMPLETE_MARKER).is_file()
+
+    def commit(self, tag: str) -> None:
+        """Mark ``tag`` complete and make it the one loaded: call it on one rank, after a
+        barrier that every rank reached once its shards were written."""
+        target = self.path / tag
+        if not target.is_dir():
+            raise CheckpointError(f"cannot commit tag {tag!r}: {str(target)!r} is not a directory")
+        _fsync_tree(target)
+        atomic_write_text(target / COMPLETE_MARKER, tag + "\n")
+        atomic_write_text(self.path / self.LATEST, tag + "\n")
+
+    def prune(self, keep: int = 1) -> list[str]:
+        """Remove every tag but the committed one and the ``keep - 1`` newest other complete
+        ones (an interrupted save's incomplete tags go too): call it on the committing
+        rank, after :meth:`commit`. Returns the tags removed."""
+        tags, latest = self.tags(), self._latest()
+        complete = [t for t in tags if self.is_complete(t) and t != latest]
+        kept = set(complete[len(complete) - (keep - 1):] if keep > 1 else [])
+        if latest is not None:
+            kept.add(latest)
+        removed = [t for t in tags if t not in kept]
+        for tag in removed:
+            shutil.rmtree(self.path / tag, ignore_errors=True)
+        return removed
+
+    def newest_complete(self) -> str | None:
+        complete = [t for t in self.tags() if self.is_complete(t)]
+        return complete[-1] if complete else None
+
+    def _latest(self) -> str | None:
+        try:
+            return (self.path / self.LATEST).read_text().strip() or None
+        except (OSError, UnicodeDecodeError):
+            return None
+
+    def committed(self, warn: bool = True) -> Path:
+        """The directory of the tag to load (see the class); ``CheckpointError`` when the
+        directory holds no complete tag. Warns (``warn``: on one rank, say) when it is not
+        the newest tag on disk (a save was interrupted) or when ``latest`` names an
+        incomplete one."""
+        import warnings
+
+        latest, tags = self._latest(), self.tags()
+        complete = [t for t in tags if self.is_complete(t)]
+        if latest is not None and latest in complete:
+            chosen = latest
+        elif complete:
+            chosen = complete[-1]
+            why = (f"its 'latest' names tag {latest!r}, which is incomplete (no {COMPLETE_MARKER}: a save was "
+                   f"interrupted)" if latest is not None else f"it has no readable '{self.LATEST}' file")
+            if warn:
+                warnings.warn(f"sharded checkpoint {str(self.path)!r}: {why}; loading the newest complete tag "
+                              f"{chosen!r} instead", stacklevel=2)
+            return self.path / chosen
+        elif (latest is not None and (self.path / latest).is_dir()
+              and (self.legacy_complete is None or self.legacy_complete(self.path / latest))):
+            return self.path / latest  # written before hookloop marked tags complete
+        elif latest is None:
+            raise CheckpointError(
+                f"{str(self.path)!r} is a directory but holds no committed checkpoint (no '{self.LATEST}' file "
+                f"and no complete tag): a sharded checkpoint whose first save was interrupted has none yet")
+        else:
+            raise CheckpointError(
+                f"{str(self.path)!r} names tag {latest!r} as the latest, and it is incomplete; no other complete "
+                f"tag is there to fall back to (tags: {', '.join(tags) or 'none'})")
+        newer = [t for t in tags[tags.index(chosen) + 1:] if not self.is_complete(t)]
+        if newer and warn:
+            warnings.warn(f"sharded checkpoint {str(self.path)!r}: a save was interrupted, leaving "
+                          f"{', '.join(newer)} incomplete; loading the committed tag {chosen!r}", stacklevel=2)
+        return self.path / chosen
+
+
 def _writer() -> str:
     """``HOST-PID``: temporary files are named after their writer, so that a later save can
     tell the leftovers of a process killed mid-save (and only those) and remove them."""
@@ -301,7 +548,7 @@ def _remove_stale_temporaries(path: Path) -> None:
         found = next((m for m in (p.fullmatch(entry) for p in patterns) if m), None)
         if found and not _process_exists(int(found[1])):
             try:
-                os.unlink(path.parent / entry)
+                _remove_tree(path.parent / entry)  # a directory's copy (atomic_copy_tree) too
             except OSError:
                 pass
 

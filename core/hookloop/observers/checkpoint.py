@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import hookloop
-from hookloop.checkpoint import _write_checkpoint, atomic_copy, deferred_writes
+from hookloop.checkpoint import _write_checkpoint, atomic_copy, atomic_copy_tree, deferred_writes
 from hookloop.plugins import plugin_name
 
 _GROUP = re.compile(r"\{([A-Za-z_][\w.]*)([:}])")
@@ -398,16 +398,13 @@ class ModelCheckpoint:
             return
         if trainer.is_global_zero:
             src, dst = Path(source), Path(target)
-            if src.is_dir():  # a strategy's sharded directory: no previous kept, no checksum
-                tmp = dst.with_name(f".{dst.name}.tmp")
-                shutil.rmtree(tmp, ignore_errors=True)
-                shutil.copytree(src, tmp)
-                if dst.exists():
-                    shutil.rmtree(dst, ignore_errors=True) if dst.is_dir() else dst.unlink()
-                os.replace(tmp, dst)
-            else:  # fsynced, checksum and all; the last.ckpt it replaces becomes last.prev.ckpt
-                # (hookloop's resume file only: a user's dirpath holds what Lightning writes)
-                atomic_copy(src, dst, keep_previous=dst.parent == self.resume_dir)
+            # The last.ckpt it replaces becomes last.prev.ckpt (hookloop's resume file only:
+            # a user's dirpath holds what Lightning writes).
+            keep = dst.parent == self.resume_dir
+            if src.is_dir():  # a strategy's sharded directory: hard-linked, complete before installed
+                atomic_copy_tree(src, dst, keep_previous=keep)
+            else:  # fsynced, checksum and all
+                atomic_copy(src, dst, keep_previous=keep)
         trainer.barrier("checkpoint_last")
 
     # -- state ------------------------------------------------------------------------------

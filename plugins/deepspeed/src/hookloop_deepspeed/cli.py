@@ -37,10 +37,12 @@ def collate(checkpoint_dir: str | os.PathLike, output: str | os.PathLike, tag: s
             f"deepspeed strategy wrote (e.g. checkpoints/last.ckpt)"
         )
     if tag is None:
-        latest = checkpoint_dir / "latest"
-        if not latest.is_file():
+        from .strategy import _tagged
+
+        tags = _tagged(checkpoint_dir)
+        if not (checkpoint_dir / "latest").is_file() and not tags.tags():
             raise CheckpointError(f"{str(checkpoint_dir)!r} is not a DeepSpeed checkpoint (no 'latest' file); pass --tag")
-        tag = latest.read_text().strip()
+        tag = tags.committed().name  # the newest complete tag when 'latest' names an interrupted save's
     shard_dir = checkpoint_dir / tag
     if not shard_dir.is_dir():
         raise CheckpointError(f"{str(checkpoint_dir)!r} has no checkpoint tag {tag!r}")

@@ -10,7 +10,6 @@ import contextlib
 import logging
 import os
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -503,9 +502,12 @@ class DeepSpeedStrategy:
         """Write a sharded checkpoint *directory* at ``path`` through the engine.
 
         Every rank writes its own shard; the loop, RNG, scheduler and plugin state travel
-        as the engine's client state. Each save goes to a new tag, and older tags are
-        removed only after it is complete, so an interrupted save leaves the previous
-        checkpoint intact.
+        as the engine's client state. Each save goes to a new tag of a
+        :class:`hookloop.TaggedCheckpointDir`: DeepSpeed writes no ``latest`` itself
+        (``save_latest=False``: its own is a plain write by rank 0 before the other ranks
+        have finished their shards); after a barrier rank 0 marks the tag complete and
+        replaces ``latest`` atomically, then removes the older tags, so an interrupted
+        save leaves the previous checkpoint committed.
         """
         path = Path(path)
         if path.exists() and not path.is_dir():
@@ -515,13 +517,13 @@ class DeepSpeedStrategy:
                 f"default_root_dir / path"
             )
         client_state = {_CLIENT_KEY: {k: v for k, v in checkpoint.items() if k not in _ENGINE_OWNED}}
-        tag = trainer.broadcast(_new_tag(path, trainer.global_step) if trainer.is_global_zero else None, 0)
-        self.engine.save_checkpoint(str(path), tag=tag, client_state=client_state)
-        trainer.barrier("deepspeed_save_checkpoint")
+        tags = _tagged(path)
+        tag = trainer.broadcast(tags.new_tag(trainer.global_step) if trainer.is_global_zero else None, 0)
+        self.engine.save_checkpoint(str(path), tag=tag, client_state=client_state, save_latest=False)
+        trainer.barrier("deepspeed_save_checkpoint")  # every rank's shards are written
         if trainer.is_global_zero:
-            for old in path.iterdir():
-                if old.is_dir() and old.name != tag and any(old.glob("*model_states.pt")):
-                    shutil.rmtree(old, ignore_errors=True)
+            tags.commit(tag)
+            tags.prune()
         trainer.barrier("deepspeed_prune_checkpoint")
         return path
 
@@ -538,20 +540,24 @@ class DeepSpeedStrategy:
                 f"them into the module before fit: module.load_state_dict(torch.load(path, "
                 f"weights_only=True)['state_dict'])"
             )
-        if not (path / "latest").is_file():
+        tags = _tagged(path)
+        if not (path / "latest").is_file() and not tags.tags():
             raise CheckpointError(
                 f"{str(path)!r} is not a DeepSpeed checkpoint directory (it has no 'latest' file)"
             )
-        _check_zero_world_size(trainer, path, zero_stage(self.ds_config))
+        # The tag 'latest' names, or the newest complete one when it names an interrupted save's.
+        tag = tags.committed(warn=trainer.is_global_zero).name
+        _check_zero_world_size(trainer, path, tag, zero_stage(self.ds_config))
         try:
             # DeepSpeed reads its shards with torch.load(weights_only=False): inside this
             # block every load is weights-only, so a shared checkpoint cannot run code.
             with hookloop.weights_only_loads(path, checkpoint_safe_globals()):
                 if trainer.optimizer is None and zero_stage(self.ds_config) == 3:
-                    client_state = self._load_zero3_weights(trainer, path)
+                    client_state = self._load_zero3_weights(trainer, path, tag)
                 else:
                     loaded, client_state = self.engine.load_checkpoint(
                         str(path),
+                        tag=tag,
                         load_optimizer_states=trainer.optimizer is not None,
                         # The engine holds a scheduler only from the config's 'scheduler'
                         # section (the loop's own travels in the client state): skipping its
@@ -573,14 +579,13 @@ class DeepSpeedStrategy:
             raise CheckpointError(f"{str(path)!r} was not written by hookloop's deepspeed strategy (no loop state)")
         return dict(client_state[_CLIENT_KEY])
 
-    def _load_zero3_weights(self, trainer, path: Path) -> dict:
+    def _load_zero3_weights(self, trainer, path: Path, tag: str) -> dict:
         """ZeRO-3 without an optimizer (``validate``): the engine cannot restore weights
         from its optimizer shards, so gather the fp32 weights from the files and let rank 0
         write them into the partitioned parameters."""
         import deepspeed
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        tag = (path / "latest").read_text().strip()
         state = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag)
         module = self.engine.module
         with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
@@ -750,16 +755,14 @@ def _cast_batch_hook(dtype: torch.dtype):
     return cast
 
 
-def _new_tag(path: Path, global_step: int) -> str:
-    tag = f"global_step{global_step}"
-    n = 1
-    while (path / tag).exists():
-        tag = f"global_step{global_step}.{n}"
-        n += 1
-    return tag
+def _tagged(path: Path) -> hookloop.TaggedCheckpointDir:
+    """``path`` as a directory of tags (``global_step<N>``, DeepSpeed's names); a tag of an
+    older hookloop, without the complete marker, is trusted when it holds model states."""
+    return hookloop.TaggedCheckpointDir(path, prefix="global_step",
+                                        legacy_complete=lambda tag: any(tag.glob("*model_states.pt")))
 
 
-def _check_zero_world_size(trainer, path: Path, stage: int) -> None:
+def _check_zero_world_size(trainer, path: Path, tag: str, stage: int) -> None:
     """Refuse, before DeepSpeed touches the engine, a ZeRO 1-3 checkpoint written by
     another number of processes: its optimizer (and for ZeRO-3 parameter) shards are
     partitioned for that many ranks, and DeepSpeed (0.19) refuses to re-partition them
@@ -767,7 +770,6 @@ def _check_zero_world_size(trainer, path: Path, stage: int) -> None:
     not currently supported"; docs/decisions.md, "Changing world size")."""
     if stage < 1:
         return
-    tag = (path / "latest").read_text().strip()
     ranks = {re.search(r"zero_pp_rank_(\d+)_", p.name).group(1) for p in (path / tag).glob("*zero_pp_rank_*_optim_states.pt")}
     if ranks and len(ranks) != trainer.world_size:
         raise CheckpointError(

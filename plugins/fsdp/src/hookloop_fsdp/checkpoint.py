@@ -12,21 +12,22 @@ loads.
     last.ckpt/
       latest                  the committed tag, replaced atomically (rename)
       step42/
+        .hookloop-complete    written once every rank's shards are there
         model/                DCP: .metadata + one __<rank>_0.distcp per rank
         optimizer/            DCP: optimizer_<i>, keyed by parameter name
         hookloop.pt           the loop's state (epoch, step, RNG, plugins...), rank 0
 
-A save writes a new tag; ``latest`` is replaced only once every rank's shards and DCP's
-metadata (written last, by the coordinator) are on disk, and older tags are removed
-after that. A crash mid-save leaves ``latest`` naming the previous, complete tag.
-Loading reads ``latest``; DCP reshards to the number of processes of the run that
-loads.
+The tags are a :class:`hookloop.TaggedCheckpointDir` (the scheme the deepspeed strategy
+shares): a save writes a new tag; once every rank's shards and DCP's metadata (written
+last, by the coordinator) are on disk (a barrier), rank 0 marks the tag complete
+(``.hookloop-complete``), then replaces ``latest``, then removes the older tags. A crash
+mid-save leaves ``latest`` naming the previous, complete tag. Loading reads ``latest``
+(falling back to the newest complete tag, with a warning, when it names an incomplete
+one); DCP reshards to the number of processes of the run that loads.
 """
 
 from __future__ import annotations
 
-import re
-import shutil
 from pathlib import Path
 
 import torch.distributed as dist
@@ -98,8 +99,8 @@ def save_sharded(strategy, trainer, checkpoint: dict, path: Path) -> Path:
             f"{str(path)!r} is a file (a single-file checkpoint?), but state_dict_type='sharded' "
             f"writes a checkpoint directory there: remove it, choose another path, or use "
             f"state_dict_type='full'")
-    previous = _tags(path) if trainer.global_rank == 0 else []
-    tag = trainer.broadcast(_new_tag(path, trainer.global_step) if trainer.global_rank == 0 else None, 0)
+    tags = tagged(path)
+    tag = trainer.broadcast(tags.new_tag(trainer.global_step) if trainer.global_rank == 0 else None, 0)
     target = path / tag
     module = strategy.sharded.module
     with strategy.sharded_state_dicts():
@@ -116,10 +117,8 @@ def save_sharded(strategy, trainer, checkpoint: dict, path: Path) -> Path:
         hookloop.atomic_save(loop, target / LOOP_FILE)
     trainer.barrier("fsdp_sharded_written")
     if trainer.global_rank == 0:
-        hookloop.atomic_write_text(path / LATEST, tag + "\n")  # fsync'd, then renamed
-        for old in previous:
-            if old != tag:
-                shutil.rmtree(path / old, ignore_errors=True)
+        tags.commit(tag)  # complete marker, then latest: fsync'd, then renamed
+        tags.prune()  # older tags, and those an interrupted save left
     trainer.barrier("fsdp_sharded_committed")
     return path
 
@@ -175,18 +174,11 @@ def _restore_by_position(optimizer, states: list[dict]) -> None:
                 for k, v in state.items()}
 
 
-def _tags(path: Path) -> list[str]:
-    """The tags in ``path``, complete or left by an interrupted save."""
-    if not path.is_dir():
-        return []
-    return [p.name for p in path.iterdir() if p.is_dir() and re.fullmatch(r"step\d+(\.\d+)?", p.name)]
-
-
-def _new_tag(path: Path, global_step: int) -> str:
-    tag, n = f"step{global_step}", 1
-    while (path / tag).exists():
-        tag, n = f"step{global_step}.{n}", n + 1
-    return tag
+def tagged(path: Path) -> hookloop.TaggedCheckpointDir:
+    """``path`` as a directory of tags (``step<N>``); a tag of an older hookloop, without
+    the complete marker, is whole when DCP's metadata (written last) is there."""
+    return hookloop.TaggedCheckpointDir(path, prefix="step",
+                                        legacy_complete=lambda tag: (tag / MODEL_DIR / ".metadata").is_file())
 
 
 # ---------------------------------------------------------------------------------------
@@ -194,21 +186,19 @@ def _new_tag(path: Path, global_step: int) -> str:
 # ---------------------------------------------------------------------------------------
 
 
-def committed_tag(path: Path) -> Path:
-    """The directory of the committed checkpoint in ``path`` (its ``latest`` tag), or
+def committed_tag(path: Path, warn: bool = True) -> Path:
+    """The directory of the committed checkpoint in ``path`` (its ``latest`` tag, or the
+    newest complete one with a warning when ``latest`` names an incomplete tag), or
     ``path`` itself when it is a tag; ``CheckpointError`` otherwise."""
     if (path / MODEL_DIR / ".metadata").is_file():
         return path
-    latest = path / LATEST
-    if not latest.is_file():
+    tags = tagged(path)
+    if not (path / LATEST).is_file() and not tags.tags():
         raise CheckpointError(
             f"{str(path)!r} is a directory but not a checkpoint of the fsdp strategy (no "
             f"'{LATEST}' file and no '{MODEL_DIR}/.metadata'); a sharded checkpoint whose first "
             f"save was interrupted has no '{LATEST}' yet")
-    tag = path / latest.read_text().strip()
-    if not (tag / MODEL_DIR / ".metadata").is_file():
-        raise CheckpointError(f"{str(path)!r} names tag {tag.name!r} as the latest, and it is incomplete")
-    return tag
+    return tags.committed(warn=warn)
 
 
 def load(trainer, path: Path) -> dict:
@@ -218,7 +208,7 @@ def load(trainer, path: Path) -> dict:
         return hookloop.safe_load(path)  # its error names the checkpoints beside it
     if not path.is_dir():
         return hookloop.safe_load(path)
-    tag = committed_tag(path)
+    tag = committed_tag(path, warn=trainer.global_rank == 0)
     checkpoint = hookloop.safe_load(tag / LOOP_FILE)
     checkpoint[SHARDS_KEY] = str(tag)
     return checkpoint
