@@ -110,6 +110,16 @@ def test_done_batches_are_skipped_by_index_and_never_read(tmp_path):
     assert loader.dataset.reads == (EPOCHS * N // BATCH - STOP) * BATCH == 68
 
 
+def test_a_loaders_own_generator_resumes_where_it_stood(tmp_path):
+    # the loader's generator (not torch's global one) draws the shuffle of every epoch: the
+    # epochs after the resumed one must continue from where it stood at the checkpoint
+    def make_loader():
+        return DataLoader(AugmentedData(), batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(5))
+
+    straight, resumed, _, _ = stopped_and_resumed(tmp_path, make_loader)
+    assert_same_run(straight, resumed)
+
+
 class Stream(IterableDataset):
     """An endless stream cut into epochs of ``N`` samples: the epoch after the first
     continues where it stopped, so reading it again from a fresh stream gives other

@@ -108,7 +108,7 @@ class ResumableBatchSampler(Sampler):
         self.workers = workers
         self.generator = generator
         self.drawn_from: dict | None = None
-        self._skip, self._resume_from = 0, None
+        self._skip, self._resume_from, self._generator_after = 0, None, None
 
     # what code that reads a batch sampler expects of one
     @property
@@ -126,9 +126,10 @@ class ResumableBatchSampler(Sampler):
     def __len__(self) -> int:
         return len(self.batch_sampler)
 
-    def resume_at(self, batch: int, drawn_from: dict | None) -> None:
-        """The next iteration starts at ``batch``, its order drawn from ``drawn_from``."""
-        self._skip, self._resume_from = batch, drawn_from
+    def resume_at(self, batch: int, drawn_from: dict | None, generator: torch.Tensor | None = None) -> None:
+        """The next iteration starts at ``batch``, its order drawn from ``drawn_from``;
+        the loader's own ``generator`` is left in state ``generator`` (as at the checkpoint)."""
+        self._skip, self._resume_from, self._generator_after = batch, drawn_from, generator
 
     def _state(self) -> dict:
         state = ckpt.rng_state()
@@ -144,7 +145,7 @@ class ResumableBatchSampler(Sampler):
     def __iter__(self) -> Iterator[list]:
         # A generator: its body runs at the first batch, after the loader drew its base seed.
         skip, drawn_from = self._skip, self._resume_from
-        self._skip, self._resume_from = 0, None
+        self._skip, self._resume_from = 0, None  # _generator_after is read below
         if drawn_from is None:
             drawn_from = self._state()
             batches = iter(self.batch_sampler)
@@ -152,9 +153,15 @@ class ResumableBatchSampler(Sampler):
             now = self._state()
             self._set(drawn_from)
             try:
-                batches = iter(list(self.batch_sampler)[skip:])
+                # lazily, as the uninterrupted run: a sampler may draw again later in the
+                # epoch (RandomSampler with a generator, at its end), from where it stood
+                batches = iter(self.batch_sampler)
+                for _ in range(skip):
+                    next(batches)
             finally:
                 self._set(now)
+                if self.generator is not None and self._generator_after is not None:
+                    self.generator.set_state(self._generator_after)
         self.drawn_from = drawn_from
         if not self.workers:
             yield from batches
@@ -196,7 +203,10 @@ def loader_state(trainer, loader: Any) -> dict | None:
         return {"state_dict": pending if pending is not None else loader.state_dict()}
     batch_sampler = getattr(loader, "batch_sampler", None)
     if isinstance(batch_sampler, ResumableBatchSampler) and batch_sampler.drawn_from is not None:
-        return {"drawn_from": batch_sampler.drawn_from}
+        state = {"drawn_from": batch_sampler.drawn_from}
+        if batch_sampler.generator is not None:  # a loader's own generator: where it is now
+            state["generator"] = batch_sampler.generator.get_state()
+        return state
     return None
 
 
@@ -216,7 +226,8 @@ def start_epoch(trainer, loader: Any, skip: int) -> bool:
         # without a saved draw (older checkpoints): the epoch's start, exact for loaders
         # that drew no base seed before it (persistent_workers=False)
         drawn_from = state.get("drawn_from") if state else None
-        batch_sampler.resume_at(skip, drawn_from if drawn_from is not None else trainer._epoch_rng)
+        batch_sampler.resume_at(skip, drawn_from if drawn_from is not None else trainer._epoch_rng,
+                                state.get("generator") if state else None)
         return False
     if trainer.global_rank == 0:  # once: only the resumed epoch starts with a skip
         kind = "an IterableDataset" if isinstance(getattr(loader, "dataset", None), IterableDataset) else "a loader"
