@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import itertools
 import random
 import sys
 import warnings
@@ -143,7 +144,11 @@ class ResumableBatchSampler(Sampler):
             self.generator.set_state(state["loader_generator"])
 
     def __iter__(self) -> Iterator[list]:
-        # A generator: its body runs at the first batch, after the loader drew its base seed.
+        # _epoch runs at the first batch, after the loader drew its base seed; then the
+        # batches pass through chain (C): no Python call per batch without workers.
+        return itertools.chain.from_iterable(self._epoch())
+
+    def _epoch(self) -> Iterator[Iterator[list]]:
         skip, drawn_from = self._skip, self._resume_from
         self._skip, self._resume_from = 0, None  # _generator_after is read below
         if drawn_from is None:
@@ -164,15 +169,18 @@ class ResumableBatchSampler(Sampler):
                     self.generator.set_state(self._generator_after)
         self.drawn_from = drawn_from
         if not self.workers:
-            yield from batches
+            yield batches
             return
         digest = hashlib.blake2b(digest_size=8)
         digest.update(drawn_from["torch"].numpy().tobytes())
         if "loader_generator" in drawn_from:
             digest.update(drawn_from["loader_generator"].numpy().tobytes())
-        epoch_seed = int.from_bytes(digest.digest(), "little")
-        for position, indices in enumerate(batches, skip):
-            yield _SeededBatch(indices, (epoch_seed + (position + 1) * _GOLDEN) & _MASK63)
+        yield _seeded(batches, skip, int.from_bytes(digest.digest(), "little"))
+
+
+def _seeded(batches: Iterator[list], start: int, epoch_seed: int) -> Iterator[_SeededBatch]:
+    for position, indices in enumerate(batches, start):
+        yield _SeededBatch(indices, (epoch_seed + (position + 1) * _GOLDEN) & _MASK63)
 
 
 def resumable_loader(loader: Any) -> Any:
