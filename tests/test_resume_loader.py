@@ -10,6 +10,7 @@ uninterrupted run: the batches each step saw, and the final weights.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import warnings
 
@@ -96,8 +97,10 @@ def test_a_mid_epoch_resume_with_workers_yields_the_uninterrupted_batches(tmp_pa
         return DataLoader(AugmentedData(), batch_size=BATCH, shuffle=True, num_workers=2,
                           persistent_workers=persistent, multiprocessing_context="fork")
 
-    straight, resumed, _, _ = stopped_and_resumed(tmp_path, make_loader)
+    straight, resumed, _, trainer = stopped_and_resumed(tmp_path, make_loader)
     assert_same_run(straight, resumed)
+    # the workers ended with each fit, although the trainer keeps the loader it iterated
+    assert trainer._fit_train_loader is not None and not multiprocessing.active_children()
 
 
 def test_done_batches_are_skipped_by_index_and_never_read(tmp_path):

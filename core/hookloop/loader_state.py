@@ -202,6 +202,19 @@ def resumable_loader(loader: Any) -> Any:
     return copied
 
 
+def release(trainer) -> None:
+    """End the workers of the loader copy ``fit`` iterated (the trainer keeps the copy,
+    for a checkpoint saved after ``fit``, but not its persistent workers)."""
+    loader = getattr(trainer, "_fit_train_loader", None)
+    if loader is None or not isinstance(getattr(loader, "batch_sampler", None), ResumableBatchSampler):
+        return
+    iterator = loader._iterator
+    object.__setattr__(loader, "_iterator", None)
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
+
+
 def loader_state(trainer, loader: Any) -> dict | None:
     """This rank's loader state for a mid-epoch checkpoint (``None``: nothing to save)."""
     if not trainer.batch_idx or loader is None:

@@ -639,6 +639,7 @@ def fit(trainer) -> None:
             raise
         finally:
             trainer._preemption = None
+            loader_state.release(trainer)  # persistent workers end with fit, as before
         # A SIGTERM after the last step boundary goes to the handler from before fit.
         preemption.uninstall()
 
@@ -1562,11 +1563,11 @@ def checkpoint_dict(trainer) -> dict:
         per_rank(trainer=trainer, rank_state=mine)
         # On the CPU: the list travels between ranks and is written by one of them.
         checkpoint["rank_states"] = trainer.all_gather_object(apply_to_tensors(mine, lambda t: t.detach().cpu()))
-    # each rank's loader position: a stateful loader's state_dict, or the RNG state the
-    # epoch's order was drawn from (hookloop.loader_state)
-    loaders = gather_per_rank(trainer, loader_state.loader_state(trainer, getattr(trainer, "_fit_train_loader", None)))
-    if any(state is not None for state in loaders):
-        checkpoint["loader_per_rank"] = loaders
+    if trainer.batch_idx:  # the same on every rank: mid-epoch, each rank's loader position
+        # (a stateful loader's state_dict, or the RNG state the epoch's order was drawn from)
+        loaders = gather_per_rank(trainer, loader_state.loader_state(trainer, trainer._fit_train_loader))
+        if any(state is not None for state in loaders):
+            checkpoint["loader_per_rank"] = loaders
     return checkpoint
 
 
