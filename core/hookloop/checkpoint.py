@@ -265,7 +265,10 @@ def _atomic_write(path: str | os.PathLike, write: Callable[[Any], None], keep_pr
         # open(path, "w") would, so other users and groups read it as the umask allows.
         os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
-            write(f)
+            try:
+                write(f)
+            except RuntimeError as exc:
+                raise _short_write_cause(f) or exc
             f.flush()
             os.fsync(f.fileno())
         _install(tmp, path, keep_previous)
@@ -525,6 +528,18 @@ class TaggedCheckpointDir:
             warnings.warn(f"sharded checkpoint {str(self.path)!r}: a save was interrupted, leaving "
                           f"{', '.join(newer)} incomplete; loading the committed tag {chosen!r}", stacklevel=2)
         return self.path / chosen
+
+
+def _short_write_cause(f) -> OSError | None:
+    """The ``OSError`` behind a ``RuntimeError`` of torch's zip writer: a large record
+    written straight through hits the file size limit or a full disk as a short write,
+    which torch reports as "unexpected pos"; one more byte at the end tells why."""
+    try:
+        f.flush()
+        os.write(f.fileno(), b"\0")
+    except OSError as exc:
+        return exc
+    return None
 
 
 def _writer() -> str:

@@ -64,6 +64,21 @@ def batch_size_of(batch: Any) -> int:
     return 1
 
 
+def gather_per_rank(trainer: Any, obj: Any) -> list:
+    """Every rank's ``obj`` (state this rank holds on its own: RNG, loader position), its
+    tensors moved to the CPU, as a list in global-rank order, for a checkpoint that one
+    rank writes. A collective: call it on every rank (inside ``checkpoint_dict``)."""
+    return trainer.all_gather_object(apply_to_tensors(obj, lambda t: t.detach().cpu()))
+
+
+def own_entry(per_rank: Any, trainer: Any) -> Any:
+    """This global rank's entry of a list :func:`gather_per_rank` made; ``None`` when there
+    is none, or when the checkpoint was written by another number of processes."""
+    if not isinstance(per_rank, (list, tuple)) or len(per_rank) != trainer.world_size:
+        return None
+    return per_rank[trainer.global_rank]
+
+
 def env_int(*names: str, default: int | None = None) -> int | None:
     """The first of the environment variables ``names`` that is set, as an int."""
     for name in names:

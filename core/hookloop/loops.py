@@ -27,9 +27,11 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Rando
 
 from . import checkpoint as ckpt
 from . import faults
+from . import loader_state
 from .datamodule import provides
 from .errors import CheckpointError, ConfigurationError
-from .helpers import DistributedSamplerWrapper, OrderedSampler, apply_to_tensors, batch_size_of, move_to_device, rebuild_dataloader
+from .helpers import (DistributedSamplerWrapper, OrderedSampler, apply_to_tensors, batch_size_of, gather_per_rank, move_to_device,
+                      own_entry, rebuild_dataloader)
 from .module import _STEP_BATCH, _defines_hook, module_hooks_plugin
 from .optim import LoopOptimizer, parse_optimizers, step_schedulers
 from .utilities import rank_zero_only
@@ -583,6 +585,8 @@ def fit(trainer) -> None:
         if config.overfit_batches:
             train_loader = _overfit_loader(trainer, train_loader)
         train_loader = prepare_loader(trainer, train_loader, training=True)
+        # skippable by index, with per-batch worker seeds (hookloop.loader_state)
+        train_loader = trainer._fit_train_loader = loader_state.resumable_loader(train_loader)
         val_loaders = [prepare_loader(trainer, v, training=False) for v in trainer.val_dataloaders or []]
         warn_repeated_samples(trainer, val_loaders, "validation")
         if val_loaders and not callable(getattr(trainer.module, "validation_step", None)):
@@ -635,6 +639,7 @@ def fit(trainer) -> None:
             raise
         finally:
             trainer._preemption = None
+            loader_state.release(trainer)  # persistent workers end with fit, as before
         # A SIGTERM after the last step boundary goes to the handler from before fit.
         preemption.uninstall()
 
@@ -772,18 +777,33 @@ class _ValidationSchedule:
             after(trainer)
 
 
-def _lookahead(iterator, start: int):
+def _lookahead(iterator, start: int, before_reading: Callable | None = None):
     """``(batch_idx, batch, is_last)`` of an unsized loader, read one batch ahead so that
-    its last batch is known (it ends an accumulation window)."""
+    its last batch is known (it ends an accumulation window). ``before_reading()`` is
+    called before each batch after the first is read."""
     try:
         batch = next(iterator)
     except StopIteration:
         return
     batch_idx = start
-    for following in iterator:
+    while True:
+        if before_reading is not None:
+            before_reading()
+        try:
+            following = next(iterator)
+        except StopIteration:
+            break
         yield batch_idx, batch, False
         batch, batch_idx = following, batch_idx + 1
     yield batch_idx, batch, True
+
+
+def _pending_state(trainer, loader) -> Callable:
+    """Remember a stateful loader's state before the loop reads ahead: a checkpoint
+    written after the current batch resumes at the next one, not the one after."""
+    def remember() -> None:
+        trainer._loader_state_pending = loader.state_dict()
+    return remember
 
 
 # How an epoch of training ended: all its batches, cut by on_train_batch_start returning -1,
@@ -805,16 +825,20 @@ def _train_epoch(trainer, loader: DataLoader, step, validation: _ValidationSched
         if resumed_stage == "train" and validation.due(skip - 1, True):
             validation.run()  # it came after the checkpoint in the interrupted run
         return EPOCH_DONE
+    # Resuming mid-epoch: a stateful loader loads its state; hookloop's batch sampler skips
+    # the done batches' indices; any other loader reads them again (hookloop.loader_state).
+    replay = loader_state.start_epoch(trainer, loader, skip)
     if skip:
-        # Resuming mid-epoch: replay this epoch's shuffle, skip what was trained.
+        # the epoch's shuffle is drawn as it was at its start
         resume_rng = ckpt.rng_state()
         ckpt.set_rng_state(trainer._epoch_rng)
     else:
         trainer._epoch_rng = ckpt.rng_state()
     iterator = iter(loader)
     if skip:
-        for _ in range(skip):
-            next(iterator)
+        if replay:
+            for _ in range(skip):
+                next(iterator)
         ckpt.set_rng_state(resume_rng)
         if resumed_stage == "train" and validation.due(skip - 1, False):
             validation.run()  # it came after the checkpoint in the interrupted run
@@ -822,7 +846,11 @@ def _train_epoch(trainer, loader: DataLoader, step, validation: _ValidationSched
     preemption = getattr(trainer, "_preemption", None)
     single = trainer.world_size == 1  # one process: the SIGTERM flag is read, no call per step
     # Sized loaders (the common case) need no look-ahead; is_last is a comparison.
-    batches = enumerate(iterator, skip) if n is not None else _lookahead(iterator, skip)
+    if n is not None:
+        batches = enumerate(iterator, skip)
+    else:
+        # a stateful loader's state is taken before the batch read ahead
+        batches = _lookahead(iterator, skip, _pending_state(trainer, loader) if loader_state.is_stateful(loader) else None)
     validate = validation.due if validation.due_this_epoch() else None
     step_plateau = trainer.automatic_optimization and any(
         c.interval == "step" and c.reduce_on_plateau for c in trainer.lr_scheduler_configs)
@@ -1535,6 +1563,11 @@ def checkpoint_dict(trainer) -> dict:
         per_rank(trainer=trainer, rank_state=mine)
         # On the CPU: the list travels between ranks and is written by one of them.
         checkpoint["rank_states"] = trainer.all_gather_object(apply_to_tensors(mine, lambda t: t.detach().cpu()))
+    if trainer.batch_idx:  # the same on every rank: mid-epoch, each rank's loader position
+        # (a stateful loader's state_dict, or the RNG state the epoch's order was drawn from)
+        loaders = gather_per_rank(trainer, loader_state.loader_state(trainer, trainer._fit_train_loader))
+        if any(state is not None for state in loaders):
+            checkpoint["loader_per_rank"] = loaders
     return checkpoint
 
 
@@ -1621,6 +1654,7 @@ def restore(trainer, ckpt_path: Any, fall_back: bool = False, train_loader: Any 
     trainer._total_batch_idx = int(loop.get("total_batch_idx", 0))
     trainer._epoch_val_metrics = dict(loop.get("epoch_val_metrics") or {})
     trainer._epoch_rng = checkpoint.get("epoch_rng")
+    trainer._loader_resume_state = own_entry(checkpoint.get("loader_per_rank"), trainer)
     if trainer.batch_idx and trainer._loop_stage == "train" and trainer._epoch_rng is None:
         raise CheckpointError(f"{str(path)!r} was saved mid-epoch without the epoch's RNG state")
     if train_loader is not None:

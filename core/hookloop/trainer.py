@@ -286,6 +286,10 @@ class Trainer:
         self._metrics = Metrics(self)
         self._current_batch: Any = None
         self._epoch_rng: dict | None = None
+        # the training loader fit iterates, and its saved / pending position (loader_state)
+        self._fit_train_loader: Any = None
+        self._loader_resume_state: dict | None = None
+        self._loader_state_pending: Any = None
         self._loop_stage = "train"
         self._prediction_writing = None  # what BasePredictionWriter callbacks read (loops.run_predict)
         self._total_batch_idx = 0
@@ -524,7 +528,7 @@ class Trainer:
         # plugin manager is rebuilt from the (pickled) plugins on arrival.
         state = self.__dict__.copy()
         for key in ("plugin_manager", "hook", "_on_before_optimizer_step", "_on_before_zero_grad", "_on_log_metrics",
-                    "_loop_optimizer_cache", "_backward_events"):
+                    "_loop_optimizer_cache", "_backward_events", "_fit_train_loader"):
             state.pop(key, None)
         return state
 
@@ -533,7 +537,7 @@ class Trainer:
         self.plugin_manager = plugin_registry.make_plugin_manager(self.plugins, Defaults())
         self.hook = self.plugin_manager.hook
         self._on_before_optimizer_step = self._on_before_zero_grad = self._loop_optimizer_cache = None
-        self._on_log_metrics = self._backward_events = None
+        self._on_log_metrics = self._backward_events = self._fit_train_loader = None
 
     # -- entry points -------------------------------------------------------------------
 

@@ -1,0 +1,205 @@
+"""Loader state across a mid-epoch resume (issue 19, item 3): the resumed run yields exactly
+the batches of the uninterrupted run, with persistent workers and with what the workers
+draw; done batches are skipped by index (never read); a loader with
+state_dict()/load_state_dict() is restored from its state; a plain iterable dataset warns.
+
+Each test compares a run stopped mid-epoch (max_steps) and resumed from its last.ckpt in a
+fresh trainer, with fresh loaders and another global seed in between, against one
+uninterrupted run: the batches each step saw, and the final weights.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+import hookloop
+
+N, BATCH = 40, 4  # 10 batches per epoch
+EPOCHS, STOP = 3, 13  # stopped at epoch 1, batch 3
+
+
+class AugmentedData(Dataset):
+    """Sample i is (i, a random augmentation drawn in __getitem__ from torch's generator);
+    it counts its reads (in this process: num_workers=0)."""
+
+    def __init__(self, n: int = N):
+        self.n, self.reads = n, 0
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        self.reads += 1
+        return torch.tensor(i), torch.rand(1)
+
+
+class Recorder(hookloop.Module):
+    """A linear fit of the augmentation; records every batch it trains on."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.net = nn.Linear(1, 1)
+        self.seen: list[tuple[list[int], list[float]]] = []
+
+    def training_step(self, batch, batch_idx):
+        index, aug = batch
+        self.seen.append((index.tolist(), aug.flatten().tolist()))
+        return ((self.net(aug).flatten() - index.float() / N) ** 2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def fit(tmp_path, module, loader, ckpt_path=None, **kw):
+    trainer = hookloop.Trainer(default_root_dir=str(tmp_path), enable_progress_bar=False, **kw)
+    trainer.fit(module, loader, ckpt_path=ckpt_path)
+    return trainer
+
+
+def stopped_and_resumed(tmp_path, make_loader, epochs=EPOCHS, stop=STOP):
+    """(uninterrupted module, resumed module, resumed loader, first trainer)."""
+    torch.manual_seed(11)
+    straight = Recorder()
+    fit(tmp_path / "a", straight, make_loader(), max_epochs=epochs)
+    torch.manual_seed(11)
+    first = Recorder()
+    t1 = fit(tmp_path / "b", first, make_loader(), max_steps=stop)
+    assert first.seen == straight.seen[:stop]
+    torch.manual_seed(999)  # whatever the RNG does in between must not matter
+    resumed, loader = Recorder(seed=3), make_loader()
+    last = tmp_path / "b" / "logs" / "version_0" / "checkpoints" / "last.ckpt"
+    fit(tmp_path / "b", resumed, loader, ckpt_path=last, max_epochs=epochs)
+    return straight, resumed, loader, t1
+
+
+def assert_same_run(straight, resumed, stop=STOP):
+    assert len(resumed.seen) == len(straight.seen) - stop
+    for step, (a, b) in enumerate(zip(straight.seen[stop:], resumed.seen), stop):
+        assert a == b, f"step {step}: uninterrupted {a}, resumed {b}"
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "not-persistent"])
+def test_a_mid_epoch_resume_with_workers_yields_the_uninterrupted_batches(tmp_path, persistent):
+    # Two workers that draw an augmentation per sample; with persistent workers the resumed
+    # loader used to draw a base seed the uninterrupted run never drew, so its sampler got
+    # another seed and the rest of the epoch another permutation.
+    def make_loader():
+        return DataLoader(AugmentedData(), batch_size=BATCH, shuffle=True, num_workers=2,
+                          persistent_workers=persistent, multiprocessing_context="fork")
+
+    straight, resumed, _, trainer = stopped_and_resumed(tmp_path, make_loader)
+    assert_same_run(straight, resumed)
+    # the workers ended with each fit, although the trainer keeps the loader it iterated
+    assert trainer._fit_train_loader is not None and not multiprocessing.active_children()
+
+
+def test_done_batches_are_skipped_by_index_and_never_read(tmp_path):
+    def make_loader():
+        return DataLoader(AugmentedData(), batch_size=BATCH, shuffle=True)
+
+    straight, resumed, loader, _ = stopped_and_resumed(tmp_path, make_loader)
+    assert_same_run(straight, resumed)
+    # the 7 remaining batches of epoch 1 and the 10 of epoch 2; not the 3 done ones
+    assert loader.dataset.reads == (EPOCHS * N // BATCH - STOP) * BATCH == 68
+
+
+def test_a_loaders_own_generator_resumes_where_it_stood(tmp_path):
+    # the loader's generator (not torch's global one) draws the shuffle of every epoch: the
+    # epochs after the resumed one must continue from where it stood at the checkpoint
+    def make_loader():
+        return DataLoader(AugmentedData(), batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(5))
+
+    straight, resumed, _, _ = stopped_and_resumed(tmp_path, make_loader)
+    assert_same_run(straight, resumed)
+
+
+class Stream(IterableDataset):
+    """An endless stream cut into epochs of ``N`` samples: the epoch after the first
+    continues where it stopped, so reading it again from a fresh stream gives other
+    samples. Sample i is (i, a noise drawn from i)."""
+
+    def __init__(self):
+        self.next, self.end = 0, None
+
+    def __iter__(self):
+        if self.end is None or self.next >= self.end:
+            self.end = self.next + N
+        while self.next < self.end:
+            i = self.next
+            self.next += 1
+            yield torch.tensor(i), torch.rand(1, generator=torch.Generator().manual_seed(i))
+
+
+class StatefulLoader(DataLoader):
+    """A loader with torchdata's StatefulDataLoader contract over the stream."""
+
+    def state_dict(self):
+        return {"next": self.dataset.next, "end": self.dataset.end}
+
+    def load_state_dict(self, state):
+        self.dataset.next, self.dataset.end = state["next"], state["end"]
+
+
+def test_a_stateful_loader_is_restored_from_its_state(tmp_path):
+    def make_loader():
+        return StatefulLoader(Stream(), batch_size=BATCH)
+
+    straight, resumed, loader, _ = stopped_and_resumed(tmp_path, make_loader)
+    assert_same_run(straight, resumed)
+    last = tmp_path / "b" / "logs" / "version_0" / "checkpoints" / "last.ckpt"
+    # saved after step 13 (samples 48-51), before the loop read the next batch ahead
+    assert hookloop.safe_load(last)["loader_per_rank"] == [{"state_dict": {"next": 52, "end": 80}}]
+    assert loader.dataset.next == EPOCHS * N
+
+
+def test_a_plain_iterable_dataset_warns_once_that_it_cannot_resume_exactly(tmp_path):
+    def make_loader():
+        return DataLoader(Stream(), batch_size=BATCH)
+
+    with pytest.warns(UserWarning, match=r"resuming mid-epoch \(batch 3\) with an IterableDataset that has no "
+                                         r"state_dict\(\)/load_state_dict\(\).*cannot resume exactly") as caught:
+        straight, resumed, _, _ = stopped_and_resumed(tmp_path, make_loader)
+    assert sum("resuming mid-epoch" in str(w.message) for w in caught) == 1
+    # it read the done batches again from a fresh stream: samples 0-11 discarded, 12-15 trained
+    assert resumed.seen[0][0] == [12, 13, 14, 15] != straight.seen[STOP][0] == [52, 53, 54, 55]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fit(tmp_path / "c", Recorder(), make_loader(), max_epochs=1)  # no resume: no warning
+
+
+@pytest.mark.skipif(not os.environ.get("HOOKLOOP_TEST_FULL"), reason="three 2-process jobs (~2 min on 2 cores): "
+                    "make test-full (HOOKLOOP_TEST_FULL=1)")
+def test_under_ddp_each_rank_resumes_its_shard_with_its_workers_draws(tmp_path):
+    # DistributedSampler (seed + epoch) draws nothing; what the persistent workers draw
+    # used to start again from a new base seed at the resume.
+    import json
+
+    from conftest import REPO, finish_job, start_hookloop_run
+
+    script = REPO / "tests" / "scripts" / "resume_loader_job.py"
+
+    def start(out, *args):
+        out.mkdir()
+        return start_hookloop_run(["--plugins", "ddp", "--devices", 2, script, out, *args], out)
+
+    straight, stopped = start(tmp_path / "a", "--epochs", 2), start(tmp_path / "b", "--epochs", 2, "--steps", 7)
+    finish_job(straight, 180), finish_job(stopped, 180)
+    last = tmp_path / "b" / "root" / "logs" / "version_0" / "checkpoints" / "last.ckpt"
+    finish_job(start(tmp_path / "c", "--epochs", 2, "--ckpt", last), 180)
+    for rank in (0, 1):
+        a = json.loads((tmp_path / "a" / f"seen_{rank}.json").read_text())
+        b = json.loads((tmp_path / "b" / f"seen_{rank}.json").read_text())
+        c = json.loads((tmp_path / "c" / f"seen_{rank}.json").read_text())
+        assert len(a["seen"]) == 10 and b["seen"] == a["seen"][:7]  # 5 batches per rank and epoch
+        assert c["seen"] == a["seen"][7:], f"rank {rank}"
+        assert c["weights"] == a["weights"]
