@@ -9,6 +9,7 @@ SIGKILLed and the agent restarts both. The reference is the same job uninterrupt
 
 from __future__ import annotations
 
+import os
 import random
 import warnings
 
@@ -23,9 +24,9 @@ from conftest import REPO, finish_job, start_hookloop_run
 SCRIPT = REPO / "tests" / "scripts" / "rank_state_job.py"
 
 
-def start_job(out, *args):
+def start_job(out, *args, strategy: str = "ddp"):
     out.mkdir()
-    return start_hookloop_run(["--plugins", "ddp", "--devices", "2", "--max-restarts", "2", SCRIPT, out, *args], out)
+    return start_hookloop_run(["--plugins", strategy, "--devices", "2", "--max-restarts", "2", SCRIPT, out, *args], out)
 
 
 def draws(out, rank: int, attempt: int) -> dict[tuple[int, int], str]:
@@ -105,6 +106,21 @@ def test_a_second_kill_inside_the_accumulation_window_after_a_resume_loses_nothi
     assert hookloop.safe_load(last)["plugins"]["checkpoint"]["last_global_step_saved"] == 6
 
 
+# The sharded strategies write the loop state through the same checkpoint_dict (fsdp's
+# single file or hookloop.pt, DeepSpeed's client state): the same kill resumes exactly.
+@pytest.mark.skipif(os.environ.get("HOOKLOOP_TEST_FULL") != "1", reason="long matrix: make test-full")
+@pytest.mark.parametrize("strategy", ["fsdp", "deepspeed_stage_2"])
+def test_sharded_strategies_resume_each_ranks_rng_state(tmp_path, strategy):
+    pytest.importorskip(f"hookloop_{strategy.split('_')[0]}")
+    straight = start_job(tmp_path / "straight", strategy=strategy)
+    killed = start_job(tmp_path / "killed", "--kill-at-batch", "5", strategy=strategy)
+    finish_job(straight, 300), finish_job(killed, 300)
+    for rank in (0, 1):
+        resumed = draws(tmp_path / "killed", rank, 1)
+        assert resumed == {k: v for k, v in draws(tmp_path / "straight", rank, 0).items() if k >= (0, 4)}
+    assert max_difference(tmp_path / "killed", torch.load(tmp_path / "straight" / "weights.pt")) == 0.0
+
+
 # ---------------------------------------------------------------------------------------
 # In one process: what a rank takes from a checkpoint of another world size
 # ---------------------------------------------------------------------------------------
@@ -141,3 +157,39 @@ def test_a_checkpoint_with_cuda_device_states_loads_on_the_cpu(tmp_path):
     first = torch.rand(4)
     ckpt.set_rng_state(loaded)
     assert torch.equal(torch.rand(4), first)
+
+
+def rank_view(tmp_path, rank: int, world: int) -> hookloop.Trainer:
+    """A trainer as global rank ``rank`` of ``world`` sees itself when it restores."""
+    trainer = hookloop.Trainer(max_epochs=1, default_root_dir=str(tmp_path))
+    trainer.global_rank, trainer.world_size = rank, world
+    return trainer
+
+
+def test_a_checkpoint_of_fewer_processes_gives_the_extra_ranks_derived_streams_with_one_warning(tmp_path):
+    from hookloop import loops
+
+    state = ckpt.rng_state()
+    one = {"rng": state, "epoch_rng": None, "loop": {"world_size": 1}}
+    with pytest.warns(UserWarning, match=r"holds the RNG states of 1 process, resumed on 2: the generators of "
+                                         r"rank 1 are seeded anew from the state of rank \(r mod 1\)"):
+        assert loops._rank_rng(rank_view(tmp_path, 0, 2), one, one["loop"]) == (state, None, False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # rank 1 says nothing: rank 0 warned
+        rng, _, derive = loops._rank_rng(rank_view(tmp_path, 1, 2), one, one["loop"])
+    assert rng is state and derive
+    # An older checkpoint of 2 processes (global rank 0's state only): the same, said so.
+    legacy = {"rng": state, "epoch_rng": None, "loop": {"world_size": 2}}
+    with pytest.warns(UserWarning, match="written before checkpoints held every rank's RNG state"):
+        loops._rank_rng(rank_view(tmp_path, 0, 2), legacy, legacy["loop"])
+    # Same world size: each rank its own entry, nothing said.
+    other = ckpt.rng_state(cuda_devices=[])
+    two = {"rng": state, "rng_per_rank": [{"rng": state, "epoch_rng": None}, {"rng": other, "epoch_rng": None}],
+           "loop": {"world_size": 2}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert loops._rank_rng(rank_view(tmp_path, 1, 2), two, two["loop"])[0] is other
+    # Fewer processes than entries: rank r takes entry r, the rest are not used.
+    with pytest.warns(UserWarning, match=r"holds the RNG states of 2 processes, resumed on 1: each rank takes its "
+                                         r"own; the states of rank 1 are not used"):
+        assert loops._rank_rng(rank_view(tmp_path, 0, 1), two, two["loop"])[0] is state

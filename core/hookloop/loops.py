@@ -1670,17 +1670,21 @@ def _rank_rng(trainer, checkpoint: dict, loop: dict) -> tuple[dict | None, dict 
         written = ("was written before checkpoints held every rank's RNG state (only global rank 0's)" if legacy
                    else f"holds the RNG states of {saved} process{'es' if saved != 1 else ''}")
         if saved < world:
-            outcome = (f"ranks {saved}-{world - 1} draw new streams, each seeded from rank (r mod {saved})'s "
-                       f"state and its own rank, so the random draws (dropout, augmentation) of this run differ "
-                       f"from an uninterrupted one")
+            outcome = (f"the generators of {_ranks(saved, world - 1)} are seeded anew from the state of rank "
+                       f"(r mod {saved}) and their own rank, so the random draws (dropout, augmentation) of this run "
+                       f"differ from an uninterrupted one")
         else:
-            outcome = f"ranks 0-{world - 1} take their own and the states of ranks {world}-{saved - 1} are not used"
+            outcome = f"each rank takes its own; the states of {_ranks(world, saved - 1)} are not used"
         warnings.warn(f"the checkpoint {written}, resumed on {world}: {outcome}", stacklevel=3)
     if rank < saved:
         entry = entries[rank]
         return entry.get("rng"), entry.get("epoch_rng"), False
     entry = entries[rank % saved]
     return entry.get("rng"), entry.get("epoch_rng"), entry.get("rng") is not None
+
+
+def _ranks(first: int, last: int) -> str:
+    return f"rank {first}" if first == last else f"ranks {first}-{last}"
 
 
 def _adapt_position(trainer, loop: dict, train_loader: Any) -> None:
