@@ -811,13 +811,26 @@ def _short(items: list[str], n: int = 5) -> str:
 # ---------------------------------------------------------------------------------------
 
 
-def rng_state() -> dict:
+def rng_state(cuda_devices: Any = None) -> dict:
+    """This process's random generators (torch CPU, CUDA, Python, NumPy) as tensors and
+    plain types (``torch.load(weights_only=True)`` reads them); :func:`set_rng_state`
+    puts them back.
+
+    ``cuda_devices``: the CUDA device indices whose generators to keep, under
+    ``"cuda_devices"`` (``{index: state}``, restored on the same index): what a rank of a
+    multi-process run saves, the devices it uses (:func:`rank_cuda_devices`). ``None``
+    (saving and restoring within one process): every device's, under ``"cuda"``. No
+    CUDA state is taken while CUDA is not initialised (nothing drew from it).
+    """
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": _python_state_to_safe(random.getstate()),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        if cuda_devices is None:
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        else:
+            state["cuda_devices"] = {int(i): torch.cuda.get_rng_state(int(i)) for i in sorted(set(cuda_devices))}
     try:
         import numpy as np
 
@@ -835,10 +848,18 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
+    """Put back what :func:`rng_state` took. CUDA states are skipped on a machine without
+    CUDA, and a saved device index this machine does not have is skipped too."""
     torch.set_rng_state(state["torch"])
     random.setstate(_python_state_from_safe(state["python"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+    devices = state.get("cuda_devices")
+    if devices and torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        for index, device_state in devices.items():
+            if int(index) < count:
+                torch.cuda.set_rng_state(device_state, int(index))
     if "numpy" in state:
         try:
             import numpy as np
@@ -849,6 +870,37 @@ def set_rng_state(state: dict) -> None:
             )
         except ImportError:
             pass
+
+
+def rank_cuda_devices(trainer: Any) -> list[int]:
+    """The CUDA devices this process uses, whose generators its checkpoint section keeps:
+    ``trainer.root_device``, and the strategy's ``device_ids`` where one process drives
+    several GPUs (dp). Empty on the CPU."""
+    devices: set[int] = set()
+    root = getattr(trainer, "root_device", None)
+    if root is not None and root.type == "cuda" and torch.cuda.is_available():
+        devices.add(root.index if root.index is not None else torch.cuda.current_device())
+    ids = getattr(getattr(trainer, "strategy", None), "device_ids", None)
+    if isinstance(ids, (list, tuple)):
+        devices.update(i for i in ids if isinstance(i, int))
+    return sorted(devices)
+
+
+def derive_rng_state(state: dict, rank: int) -> None:
+    """Seed every generator (torch CPU and CUDA, Python, NumPy) from a seed derived from
+    ``state`` (another rank's :func:`rng_state`) and ``rank``: the stream of a rank that a
+    checkpoint has no state of (it was written on fewer processes). Deterministic (the
+    same checkpoint and rank give the same stream) and distinct per rank."""
+    digest = hashlib.sha256(state["torch"].numpy().tobytes() + f"/rank{int(rank)}".encode()).digest()
+    seed = int.from_bytes(digest[:8], "little") >> 1
+    torch.manual_seed(seed)  # the CUDA devices' too
+    random.seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
 
 
 def _python_state_to_safe(state: tuple) -> dict:

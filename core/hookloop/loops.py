@@ -1523,6 +1523,10 @@ def checkpoint_dict(trainer) -> dict:
     import hookloop
 
     module = trainer.module
+    # This rank's generators (and its CUDA devices'); global rank 0's are the file's "rng"
+    # and "epoch_rng" (what a checkpoint of one process, or an older reader, has).
+    rng = ckpt.rng_state(ckpt.rank_cuda_devices(trainer))
+    epoch_rng = trainer._epoch_rng if trainer.batch_idx else None
     checkpoint = {
         "hookloop": {"version": hookloop.__version__, "format": ckpt.FORMAT_VERSION},
         "state_dict": module.state_dict(),
@@ -1544,10 +1548,21 @@ def checkpoint_dict(trainer) -> dict:
             "epoch_batches": getattr(trainer, "num_training_batches", None),
         },
         "metrics": trainer._metrics.state_dict(),
-        "rng": ckpt.rng_state(),
-        "epoch_rng": trainer._epoch_rng if trainer.batch_idx else None,
+        "rng": rng,
+        "epoch_rng": epoch_rng,
         "plugins": {},
     }
+    # Every rank's own RNG states and (mid-epoch, the same on every rank) loader position:
+    # a stateful loader's state_dict, or the RNG state the epoch's order was drawn from.
+    # One gather, in rank order, on the CPU; rank r resumes with entry r (see _rank_rng).
+    # Every rank builds the checkpoint, whichever rank writes it.
+    loader = loader_state.loader_state(trainer, trainer._fit_train_loader) if trainer.batch_idx else None
+    if trainer.world_size > 1:
+        per_rank = gather_per_rank(trainer, {"rng": rng, "epoch_rng": epoch_rng, "loader": loader})
+        checkpoint["rng_per_rank"] = [{"rng": e["rng"], "epoch_rng": e["epoch_rng"]} for e in per_rank]
+        loaders = [e["loader"] for e in per_rank]
+    else:
+        loaders = [loader]
     hparams = getattr(module, "hparams", None)
     if hparams:
         checkpoint["hyper_parameters"] = dict(hparams)
@@ -1563,11 +1578,8 @@ def checkpoint_dict(trainer) -> dict:
         per_rank(trainer=trainer, rank_state=mine)
         # On the CPU: the list travels between ranks and is written by one of them.
         checkpoint["rank_states"] = trainer.all_gather_object(apply_to_tensors(mine, lambda t: t.detach().cpu()))
-    if trainer.batch_idx:  # the same on every rank: mid-epoch, each rank's loader position
-        # (a stateful loader's state_dict, or the RNG state the epoch's order was drawn from)
-        loaders = gather_per_rank(trainer, loader_state.loader_state(trainer, trainer._fit_train_loader))
-        if any(state is not None for state in loaders):
-            checkpoint["loader_per_rank"] = loaders
+    if any(state is not None for state in loaders):
+        checkpoint["loader_per_rank"] = loaders
     return checkpoint
 
 
@@ -1653,7 +1665,7 @@ def restore(trainer, ckpt_path: Any, fall_back: bool = False, train_loader: Any 
     trainer._loop_stage = loop.get("stage", "train")
     trainer._total_batch_idx = int(loop.get("total_batch_idx", 0))
     trainer._epoch_val_metrics = dict(loop.get("epoch_val_metrics") or {})
-    trainer._epoch_rng = checkpoint.get("epoch_rng")
+    rng, trainer._epoch_rng, derive = _rank_rng(trainer, checkpoint, loop)
     trainer._loader_resume_state = own_entry(checkpoint.get("loader_per_rank"), trainer)
     if trainer.batch_idx and trainer._loop_stage == "train" and trainer._epoch_rng is None:
         raise CheckpointError(f"{str(path)!r} was saved mid-epoch without the epoch's RNG state")
@@ -1661,8 +1673,10 @@ def restore(trainer, ckpt_path: Any, fall_back: bool = False, train_loader: Any 
         _adapt_position(trainer, loop, train_loader)
     if checkpoint.get("metrics"):
         trainer._metrics.load_state_dict(checkpoint["metrics"])
-    if checkpoint.get("rng") is not None:
-        ckpt.set_rng_state(checkpoint["rng"])
+    if rng is not None:
+        ckpt.set_rng_state(rng)
+        if derive:
+            ckpt.derive_rng_state(rng, trainer.global_rank)
     datamodule = trainer.datamodule
     if datamodule is not None and checkpoint.get("datamodule") and callable(getattr(datamodule, "load_state_dict", None)):
         datamodule.load_state_dict(checkpoint["datamodule"])
@@ -1672,6 +1686,43 @@ def restore(trainer, ckpt_path: Any, fall_back: bool = False, train_loader: Any 
         mine = states[trainer.global_rank] if len(states) == trainer.world_size else None
         trainer.hook.on_load_rank_checkpoint(trainer=trainer, rank_state=mine, rank_states=states)
     return path
+
+
+def _rank_rng(trainer, checkpoint: dict, loop: dict) -> tuple[dict | None, dict | None, bool]:
+    """This rank's RNG states in ``checkpoint``: ``(rng, epoch_rng, derive)``.
+
+    Global rank r takes entry r of ``rng_per_rank`` (written by runs of several
+    processes). A checkpoint of one process, or one older than per-rank states, has one
+    entry: global rank 0's ``rng``/``epoch_rng``. A rank the checkpoint has no entry of
+    (it was written on fewer processes) takes the entry of rank ``r % saved`` and
+    ``derive`` (:func:`hookloop.checkpoint.derive_rng_state`: its own stream, seeded
+    from that entry and its rank), so no two ranks draw the same numbers. When the
+    numbers of entries and processes differ, global rank 0 warns once.
+    """
+    entries = checkpoint.get("rng_per_rank")
+    legacy = entries is None and int(loop.get("world_size") or 1) > 1
+    if entries is None:
+        entries = [{"rng": checkpoint.get("rng"), "epoch_rng": checkpoint.get("epoch_rng")}]
+    saved, world, rank = len(entries), trainer.world_size, trainer.global_rank
+    if saved != world and trainer.is_global_zero:
+        written = ("was written before checkpoints held every rank's RNG state (only global rank 0's)" if legacy
+                   else f"holds the RNG states of {saved} process{'es' if saved != 1 else ''}")
+        if saved < world:
+            outcome = (f"the generators of {_ranks(saved, world - 1)} are seeded anew from the state of rank "
+                       f"(r mod {saved}) and their own rank, so the random draws (dropout, augmentation) of this run "
+                       f"differ from an uninterrupted one")
+        else:
+            outcome = f"each rank takes its own; the states of {_ranks(world, saved - 1)} are not used"
+        warnings.warn(f"the checkpoint {written}, resumed on {world}: {outcome}", stacklevel=3)
+    if rank < saved:
+        entry = entries[rank]
+        return entry.get("rng"), entry.get("epoch_rng"), False
+    entry = entries[rank % saved]
+    return entry.get("rng"), entry.get("epoch_rng"), entry.get("rng") is not None
+
+
+def _ranks(first: int, last: int) -> str:
+    return f"rank {first}" if first == last else f"ranks {first}-{last}"
 
 
 def _adapt_position(trainer, loop: dict, train_loader: Any) -> None:

@@ -108,6 +108,10 @@ class ModelCheckpoint:
         #: where hookloop's own last.ckpt goes: the run directory's checkpoints/
         self.resume_dir: Path | None = None
         self._last_saved: tuple | None = None
+        # every_n_train_steps: the global step it last saved at, so the micro-batches after
+        # that optimizer step (accumulation) do not save again; in the checkpoint, so a
+        # resume inside such a window does not either.
+        self._last_global_step_saved: int | None = None
         self._steps: Any = None
         self._validated = False  # a validation of this fit has run: the monitor must be there
         self._deferred = False  # a step's save waits for the next validation's metric
@@ -126,6 +130,7 @@ class ModelCheckpoint:
         if stage != "fit":
             return
         self._validated = self._deferred = False
+        self._last_global_step_saved = None  # a new fit; a resume restores it after this
         trainer._after_validation.append(self._after_validation)
         self.resume_dir = Path(trainer.log_dir) / "checkpoints"
         self.dir = Path(self.dirpath) if self.dirpath else self.resume_dir
@@ -415,7 +420,7 @@ class ModelCheckpoint:
             "dir": str(self.dir) if self.dir else None, "monitor": self.monitor, "mode": self.mode,
             "best_k_models": dict(self.best_k_models), "best_model_path": self.best_model_path,
             "best_model_score": self.best_model_score, "last_model_path": self.last_model_path,
-            "latest": list(self.latest),
+            "latest": list(self.latest), "last_global_step_saved": self._last_global_step_saved,
         }
 
     @hookloop.hookimpl
@@ -423,6 +428,9 @@ class ModelCheckpoint:
         """Continue the bookkeeping of the run the checkpoint came from, when it kept its
         checkpoints where this one does and ranked them by the same metric."""
         state = checkpoint.get("plugins", {}).get("checkpoint")
+        if state:
+            # The run's position, whatever the directory: the step already saved stays saved.
+            self._last_global_step_saved = state.get("last_global_step_saved")
         if not state or state["dir"] != (str(self.dir) if self.dir else None) or state["monitor"] != self.monitor:
             return
         self.best_k_models = {p: s for p, s in state["best_k_models"].items() if Path(p).exists()}
@@ -470,10 +478,10 @@ class _SaveEverySteps:
     def on_train_batch_end(self, trainer, batch_idx):
         n = self.owner.every_n_train_steps
         # Once per optimizer step: at the micro-batch that took it (the position moves).
+        owner = self.owner
         if trainer.global_step and trainer.global_step % n == 0 and (
-                trainer.global_step != getattr(self, "_step", None)):
-            self._step = trainer.global_step
-            owner = self.owner
+                trainer.global_step != owner._last_global_step_saved):
+            owner._last_global_step_saved = trainer.global_step
             if (owner.monitor is not None and not owner._saves_at_epoch_end(trainer)
                     and batch_idx + 1 == trainer.num_training_batches and self._validates_this_epoch(trainer)):
                 # The epoch's last batch, with a validation due after it: rank by its fresh
