@@ -52,7 +52,7 @@ from .helpers import (
     torch_reduce_op,
 )
 from .hookspecs import hookimpl, hookspec
-from .launch import elastic_command, in_worker
+from .launch import as_launcher, die_with_launcher, elastic_command, in_worker
 from .module import Module
 from .observers.checkpoint import ModelCheckpoint
 from .observers.csvlog import CSVLogger
@@ -111,6 +111,7 @@ __all__ = [
     "Trainer",
     "TrainerConfig",
     "apply_to_tensors",
+    "as_launcher",
     "atomic_copy_tree",
     "atomic_save",
     "atomic_write_text",
@@ -119,6 +120,7 @@ __all__ = [
     "check_state_dict",
     "clip_gradients",
     "default",
+    "die_with_launcher",
     "distributed_sampler",
     "elastic_command",
     "env_int",
@@ -149,3 +151,5 @@ __all__ = [
     "unsafe_checkpoint_error",
     "weights_only_loads",
 ]
+
+die_with_launcher()  # a launched worker ends with its launcher, from its first import of hookloop

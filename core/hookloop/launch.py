@@ -7,17 +7,108 @@ c10d rendezvous (``--nodes``, ``--node-rank``, ``--rdzv-endpoint``).
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import os
 import signal
 import subprocess
 import sys
 import threading
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Iterator
 
 from .config import DEFAULTS_ENV, TrainerConfig
 
 WORKER_ENV = "HOOKLOOP_WORKER"
+#: The pid of the hookloop process that started this job's processes (``hookloop run``,
+#: a Trainer that re-launches its script, ``ddp_spawn``'s ``fit``): a process that has it
+#: dies with its parent, and exits at once when the chain up to it is already broken.
+LAUNCHER_ENV = "HOOKLOOP_LAUNCHER_PID"
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _prctl():
+    """libc's ``prctl``, resolved ahead (a ``preexec_fn`` must not load a library between
+    fork and exec); ``None`` off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])  # field 4, after the (name)
+
+
+def _descends_from(ancestor: int) -> bool | None:
+    """Whether ``ancestor`` is this process's parent, grandparent...; ``None`` when /proc
+    cannot tell."""
+    pid = os.getppid()
+    for _ in range(64):
+        if pid == ancestor:
+            return True
+        if pid in (0, 1):
+            return False
+        parent = _parent_of(pid)
+        if parent is None:
+            return None
+        pid = parent
+    return False
+
+
+def die_with_launcher() -> bool:
+    """Make this process end when the process that started it ends (even by SIGKILL), in
+    a process that a hookloop launcher started (:data:`LAUNCHER_ENV` is set): Linux's
+    parent-death signal (``prctl(PR_SET_PDEATHSIG, SIGKILL)``), then a check that the
+    chain of parents up to the launcher still stands; when it does not (a parent died
+    before the ``prctl``, so no signal will ever come), the process exits at once.
+
+    ``import hookloop`` calls it, so every worker (torchrun's, ``ddp_spawn``'s, any
+    launcher's that runs a script importing hookloop) has it from its first line; a
+    launcher plugin whose workers are forked (they import nothing) calls it in the
+    child, and again where something else set another signal (``torch.multiprocessing``
+    gives its workers SIGINT, which a training loop may survive). Each process dies with
+    its own parent, so a SIGKILL to ``hookloop run`` ends the elastic agent (see
+    :func:`run_command`), whose death ends the workers. Returns whether the signal is set
+    (False off Linux, or outside a launched process)."""
+    try:
+        launcher = int(os.environ.get(LAUNCHER_ENV, ""))
+    except ValueError:
+        return False
+    if launcher == os.getpid():
+        return False  # the launcher itself (its own environment names it)
+    prctl = _prctl()
+    if prctl is None or prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        return False
+    if _descends_from(launcher) is False:
+        print(f"hookloop: process {os.getpid()} exits: the launcher that started it (pid {launcher}) or a "
+              f"process between them is gone", file=sys.stderr, flush=True)
+        os._exit(1)
+    return True
+
+
+@contextlib.contextmanager
+def as_launcher() -> Iterator[None]:
+    """Within it, processes started from this one (a plugin's own launcher:
+    ``torch.multiprocessing``, a subprocess) carry :data:`LAUNCHER_ENV` naming this
+    process, so when they import hookloop they die with their parent
+    (:func:`die_with_launcher`) instead of training on, orphaned, after it was killed."""
+    previous = os.environ.get(LAUNCHER_ENV)
+    os.environ[LAUNCHER_ENV] = str(os.getpid())
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(LAUNCHER_ENV, None)
+        else:
+            os.environ[LAUNCHER_ENV] = previous
 
 
 def in_worker() -> bool:
@@ -61,6 +152,11 @@ def run_command(cmd: list[str], defaults: dict | None = None, workers: bool = Tr
     ``workers=False`` for a plain interpreter: that process is not a launched worker, so
     a ``Trainer`` in it that asks for several processes starts them (through the
     strategy's launcher) instead of silently training alone.
+
+    The launched process dies with this one, even when this one is SIGKILLed (a test's
+    or a scheduler's timeout): on Linux it gets a parent-death signal before it runs
+    ``cmd`` (kept across exec; so torchrun's agent, which imports no hookloop, has it
+    too), and its children get theirs when they import hookloop (:func:`die_with_launcher`).
     """
     env = dict(os.environ)
     if workers:
@@ -69,7 +165,8 @@ def run_command(cmd: list[str], defaults: dict | None = None, workers: bool = Tr
         env.pop(WORKER_ENV, None)
     if defaults is not None:
         env[DEFAULTS_ENV] = json.dumps(defaults)
-    proc = subprocess.Popen(cmd, env=env)
+    env[LAUNCHER_ENV] = str(os.getpid())
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=_parent_death_signal())
     forwarding = _forward_sigterm(proc)
     try:
         return proc.wait()
@@ -82,6 +179,21 @@ def run_command(cmd: list[str], defaults: dict | None = None, workers: bool = Tr
             return proc.wait()
     finally:
         forwarding()
+
+
+def _parent_death_signal() -> Callable[[], None] | None:
+    """The ``preexec_fn`` that gives a child SIGKILL when this process ends; the child
+    kills itself at once if this process already ended before the ``prctl``."""
+    prctl, parent = _prctl(), os.getpid()
+    if prctl is None:
+        return None
+
+    def set_signal() -> None:  # in the child, between fork and exec: no allocation, no import
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return set_signal
 
 
 def _forward_sigterm(proc: subprocess.Popen) -> Callable[[], None]:

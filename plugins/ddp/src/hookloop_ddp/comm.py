@@ -42,7 +42,7 @@ def register(plugin: Any, trainer: Any, model: torch.nn.Module, local_world_size
             model.register_comm_hook(None, bf16_compress)
         return None
     if hook == "powersgd":
-        powersgd = ResumablePowerSGD(plugin, trainer.module)
+        powersgd = ResumablePowerSGD(plugin, trainer.module, model)
         model.register_comm_hook(powersgd.state, powersgd.hook)
         return powersgd
     if hook == "post_localsgd":
@@ -111,9 +111,16 @@ class ResumablePowerSGD:
     gradient-ready order from its second, so the state is saved per parameter name and
     laid out again for the buckets each time DDP may have rebuilt them (the first two
     steps of every wrapper). Afterwards the hook is torch's, untouched.
+
+    The layout itself changes the numbers, though (each gradient's offset in the bucket
+    buffer decides how the matrix products round: 1.5e-8 after one step): a resumed
+    wrapper's first step, on the initial layout, would round otherwise than the
+    uninterrupted run's, on the rebuilt one. So the rebuilt order is saved too, and a
+    resume rebuilds the new wrapper's buckets in that order before its first step
+    (:meth:`_rebuild_buckets`).
     """
 
-    def __init__(self, plugin: Any, module: torch.nn.Module):
+    def __init__(self, plugin: Any, module: torch.nn.Module, model: Any = None):
         try:
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
         except ImportError as exc:  # PowerSGDState keeps a numpy RandomState
@@ -137,10 +144,16 @@ class ResumablePowerSGD:
         self.pending: dict[str, dict] = {}  # parameter name -> {"error": ..., "q": ...}
         self._iterations_to_check = 2  # DDP rebuilds its buckets once, after its first step
         self._new_iteration = True
+        self.model = model  # the DistributedDataParallel wrapper
+        self._warming_up = False  # a backward that only orders the buckets: no communication
 
     # DDP requires a function whose second argument is named ``bucket``.
     def hook(self, state, bucket):
         """The communication hook: torch's PowerSGD, after aligning state with the bucket."""
+        if self._warming_up:
+            done = torch.futures.Future()
+            done.set_result(bucket.buffer())
+            return done
         if self._iterations_to_check:
             if self._new_iteration:
                 # The previous step's futures are complete: its state is final.
@@ -226,6 +239,7 @@ class ResumablePowerSGD:
         return {
             "hook": "powersgd",
             "iter": int(self.state.iter),
+            "bucket_order": self.bucket_order(),
             "ranks": ranks,  # None except on rank 0, which is the one that writes
             "rng": {
                 "kind": kind,
@@ -265,6 +279,51 @@ class ResumablePowerSGD:
         state.rng.set_state(
             (rng["kind"], rng["keys"].numpy().astype("uint32"), rng["pos"], rng["has_gauss"], rng["gauss"])
         )
+        if saved.get("bucket_order"):
+            self._rebuild_buckets(saved["bucket_order"])
+
+    def bucket_order(self) -> list[str] | None:
+        """The parameters' names in the order of DDP's rebuilt buckets (bucket 0 first,
+        each bucket's parameters in its order); ``None`` before DDP rebuilt them."""
+        if self._iterations_to_check or not self.layouts:
+            return None
+        return [self.names[id(p)] for index in sorted(self.layouts) for p in self.layouts[index]]
+
+    def _rebuild_buckets(self, order: list[str]) -> None:
+        """Give the wrapper, before its first step, the buckets that the saved run had
+        rebuilt: DDP rebuilds its buckets in the order in which a backward made the
+        gradients ready, so one backward through ``sum(0 * p)``, built so that the
+        parameters' gradients become ready in ``order``, with this hook passing the
+        buckets through untouched (no communication, no PowerSGD state), then DDP's own
+        rebuild (a collective: every rank loads the checkpoint). Each parameter's
+        ``.grad`` is put back afterwards. Left to DDP (it rebuilds after the first step,
+        which then rounds differently) where the parameters changed, or where DDP does
+        not rebuild (``static_graph``, ``find_unused_parameters``) or the gradients are
+        views of the buckets."""
+        model = self.model
+        if model is None or model.static_graph or model.find_unused_parameters or model.gradient_as_bucket_view:
+            return
+        named = {name: p for p in model.parameters() if (name := self.names.get(id(p))) is not None}
+        wanted = {name for name, p in named.items() if p.requires_grad}
+        if len(set(order)) != len(order) or set(order) != wanted or len(wanted) != sum(p.requires_grad for p in model.parameters()):
+            return
+        params = [named[name] for name in order]
+        grads = [p.grad for p in params]
+        self._warming_up = True
+        try:
+            with torch.enable_grad():
+                total = None
+                # The autograd engine runs the newest branch first: build in reverse.
+                for p in reversed(params):
+                    term = (p * 0).sum()
+                    total = term if total is None else total + term
+                model.reducer.prepare_for_backward([])
+                total.backward()
+        finally:
+            self._warming_up = False
+            for p, grad in zip(params, grads):
+                p.grad = grad
+        model.reducer._rebuild_buckets()
 
 
 def state_to_checkpoint(hook: Any, state: Any) -> dict | None:

@@ -79,13 +79,15 @@ class DDPSpawn(DDP):
         payload = pickle_job({"trainer": trainer, "function": function}, trainer, self.start_method)
         with tempfile.TemporaryDirectory(prefix="hookloop-ddp-spawn-") as tmp:
             try:
-                mp.start_processes(
-                    _worker,
-                    args=(payload, nprocs, _free_port(), tmp),
-                    nprocs=nprocs,
-                    join=True,
-                    start_method=self.start_method,
-                )
+                # The workers die with this process, even a SIGKILLed one (hookloop.as_launcher).
+                with hookloop.as_launcher():
+                    mp.start_processes(
+                        _worker,
+                        args=(payload, nprocs, _free_port(), tmp),
+                        nprocs=nprocs,
+                        join=True,
+                        start_method=self.start_method,
+                    )
             except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
                 own = _worker_exception(Path(tmp), nprocs)
                 if own is not None:
@@ -128,6 +130,9 @@ def _free_port() -> int:
 
 def _worker(local_rank: int, payload: bytes, nprocs: int, port: int, tmp: str) -> None:
     """One spawned process: become rank ``local_rank`` of a torchrun-like environment."""
+    # torch.multiprocessing gave this process SIGINT as its parent-death signal, which a
+    # training loop survives: SIGKILL instead (a forked worker did not import hookloop).
+    hookloop.die_with_launcher()
     os.environ.update(
         RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nprocs),
         LOCAL_WORLD_SIZE=str(nprocs), GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
