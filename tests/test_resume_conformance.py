@@ -4,7 +4,7 @@ Each class runs one job twice per seed: uninterrupted, and SIGKILLed in successi
 attempts inside a step, a checkpoint save, a validation and an accumulation window
 (dropout, persistent loader workers, per-rank seeds, accumulation, clipping, a
 scheduler); the restarted job must end bit-identical. ``HOOKLOOP_TEST_FULL=1`` runs
-three seeds per strategy instead of one.
+four seeds per strategy instead of one.
 
 * ``ddp_spawn`` and ``dp`` launch without torch's elastic agent (``ddp_spawn`` spawns
   from inside ``fit``, ``dp`` is one plain process), so nothing restarts their workers:
@@ -39,7 +39,12 @@ class TestDDPSharded(ResumeConformance):
 
 
 class TestFSDP(ResumeConformance):
+    plugin = "fsdp"  # state_dict_type="full" (the default): hookloop's single file, written by rank 0
+
+
+class TestFSDPSharded(ResumeConformance):
     plugin = "fsdp"
+    options = {"state_dict_type": "sharded"}  # a torch.distributed.checkpoint directory, a shard per rank
     checkpoint = "directory"
 
 

@@ -201,6 +201,33 @@ def _wrap_torch_save(job: ResumeJob, trainer: hookloop.Trainer) -> None:
         die(job.out, kill, job.attempt)
 
     torch.save = save
+    if job.kill is not None and job.kill["kind"] == "save":
+        _wrap_dcp_writes(job, trainer)
+
+
+def _wrap_dcp_writes(job: ResumeJob, trainer: hookloop.Trainer) -> None:
+    """The same for ``torch.distributed.checkpoint``'s file writer (FSDP's sharded
+    checkpoints), which writes tensors' bytes without ``torch.save``: the armed rank
+    writes part of its first item into its shard file, flushes, and dies."""
+    try:
+        from torch.distributed.checkpoint import filesystem
+    except ImportError:  # pragma: no cover - no torch.distributed
+        return
+    real = getattr(filesystem, "_write_item", None)
+    if real is None or getattr(real, "_hookloop_kill", False):
+        return
+    kill = job.kill
+
+    def write_item(*args, **kwargs):
+        if trainer.global_rank != kill["rank"] or trainer.global_step != kill["at"]:
+            return real(*args, **kwargs)
+        stream = kwargs.get("stream", args[1] if len(args) > 1 else None)
+        stream.write(b"\0" * 64)  # a torn shard
+        stream.flush()
+        die(job.out, kill, job.attempt)
+
+    write_item._hookloop_kill = True
+    filesystem._write_item = write_item
 
 
 def main(out: str, spec_path: str) -> None:
