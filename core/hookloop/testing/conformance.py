@@ -551,7 +551,8 @@ class ResumeConformance:
             for i, (a, b) in enumerate(zip(straight["optimizers"], resumed["optimizers"])):
                 params = [float((x - y).abs().max()) for ga, gb in zip(a["params"], b["params"]) for x, y in zip(ga, gb)]
                 assert max(params, default=0.0) == 0.0, f"rank {rank} optimizer {i}: parameters differ by {max(params)} {where}"
-                assert a["groups"] == b["groups"], f"rank {rank} optimizer {i}: param groups (lr...) differ {where}"
+                assert _max_state_difference(a["groups"], b["groups"]) == 0.0, (
+                    f"rank {rank} optimizer {i}: param groups (lr...) differ: {a['groups']} vs {b['groups']} {where}")
                 diff = _max_state_difference(a["state"], b["state"])
                 assert diff == 0.0, f"rank {rank} optimizer {i}: state (momentum...) differs by {diff} {where}"
             assert straight["schedulers"] == resumed["schedulers"], f"rank {rank}: scheduler states differ {where}"
@@ -592,4 +593,7 @@ def _max_state_difference(a: Any, b: Any) -> float:
     if isinstance(a, (list, tuple)):
         assert len(a) == len(b)
         return max((_max_state_difference(x, y) for x, y in zip(a, b)), default=0.0)
+    if a is None or b is None:
+        assert a is b, "optimizer state present in one run only"
+        return 0.0
     return 0.0 if a == b else float("inf")

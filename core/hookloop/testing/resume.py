@@ -158,10 +158,14 @@ def optimizer_state(optimizer) -> dict:
         optimizer = inner
     if isinstance(getattr(optimizer, "optim", None), torch.optim.Optimizer):  # fairscale OSS: the local one
         optimizer = optimizer.optim
-    state = optimizer.state_dict()
+    # Not state_dict(): under ZeRO-3 the state is keyed by tensors its param_groups do not list.
+    ordered = [p for group in optimizer.param_groups for p in group["params"]]
+    known = {id(p) for p in ordered}
+    state = [_cpu(optimizer.state[p]) if p in optimizer.state else None for p in ordered]
+    state += [_cpu(v) for k, v in optimizer.state.items() if id(k) not in known]
     params = [[p.detach().float().cpu().clone() for p in group["params"]] for group in optimizer.param_groups]
-    return {"type": type(optimizer).__name__, "state": _cpu(state["state"]),
-            "groups": [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]],
+    return {"type": type(optimizer).__name__, "state": state,
+            "groups": [{k: _cpu(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
             "params": params}
 
 
