@@ -13,7 +13,9 @@
           plugin = "mystrategy"
 
   :class:`StrategyConformance`, :class:`ObserverConformance`,
-  :class:`PrecisionConformance`, :class:`DevicesConformance`. See docs/plugin-authors.md.
+  :class:`PrecisionConformance`, :class:`DevicesConformance`, and :class:`ResumeConformance`
+  (SIGKILL a job inside a step, a save, a validation and an accumulation window; the
+  restarted job must end bit-identical to an uninterrupted one). See docs/plugin-authors.md.
 
 The pytest plugin (entry point ``pytest11``: ``hookloop``) only adds the fixture; it is
 inactive unless a test uses it.
@@ -25,7 +27,8 @@ from .reference import IndexedDataset, TinyClassifier, max_difference, reference
 
 def __getattr__(name):
     # The suites import pytest; keep `import hookloop.testing` free of it until asked.
-    if name in ("StrategyConformance", "ObserverConformance", "PrecisionConformance", "DevicesConformance"):
+    if name in ("StrategyConformance", "ObserverConformance", "PrecisionConformance", "DevicesConformance",
+                "ResumeConformance"):
         from . import conformance
 
         return getattr(conformance, name)
@@ -33,6 +36,7 @@ def __getattr__(name):
 
 
 __all__ = [
-    "DevicesConformance", "IndexedDataset", "ObserverConformance", "PrecisionConformance", "ProcessError", "StrategyConformance",
+    "DevicesConformance", "IndexedDataset", "ObserverConformance", "PrecisionConformance", "ProcessError",
+    "ResumeConformance", "StrategyConformance",
     "TinyClassifier", "free_port", "max_difference", "reference_fit", "run_processes", "tiny_dataset", "weights",
 ]

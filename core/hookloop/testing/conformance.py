@@ -303,3 +303,297 @@ class DevicesConformance:
         torch.manual_seed(0)
         _, without = _fit([])
         assert max_difference(weights(with_it), weights(without)) == 0.0
+
+
+class ResumeConformance:
+    """Kill anywhere, restart, bit-identical: a strategy's resume certificate.
+
+    One job (:mod:`hookloop.testing.resume`: dropout, a shuffled loader with
+    ``num_workers=2, persistent_workers=True``, a random augmentation in ``__getitem__``,
+    every rank seeded differently, gradient accumulation, clipping, a per-step LR
+    scheduler, ``ModelCheckpoint(every_n_train_steps=2)``) runs twice per seed: once
+    uninterrupted, and once under ``hookloop run --max-restarts 4`` where attempt 0 is
+    SIGKILLed inside a step, attempt 1 inside a checkpoint save (half-way through the
+    file), attempt 2 inside a validation, attempt 3 inside an accumulation window, and
+    attempt 4 finishes. Its final weights, optimizer state (every rank's, parameters
+    included), schedulers and ``metrics.csv`` rows must equal the uninterrupted run's
+    exactly. The seed picks the step or batch within each category; a failure names the
+    seed and the points, and :meth:`kill_points` gives them back.
+
+    Class attributes: ``plugin`` (its name; ``""`` for hookloop's single-process default),
+    ``options`` (plugin options), ``world_size`` (2), ``checkpoint`` (``"file"``: global
+    rank 0 writes, and is the rank killed in the save; ``"directory"``: every rank writes
+    its shard, the last rank is killed in its write), ``restarts`` (``"agent"``: torch's
+    elastic agent restarts the workers; ``"rerun"``: the strategy launches without an
+    agent (spawn, one plain process), so the kit runs the same command again with
+    ``fit(ckpt_path="last")``, as a user re-runs a job), ``refuses_restarts`` (a strategy
+    that cannot restart workers: a piece of the error ``hookloop run --max-restarts 1``
+    must fail with; the kill tests are then not run), ``seeds`` (``(2,)``; ``(2, 0, 1, 6)``
+    when ``HOOKLOOP_TEST_FULL=1``), ``timeout`` (s, per job).
+    """
+
+    plugin: str = ""
+    options: dict = {}
+    world_size: int = 2
+    checkpoint: str = "file"
+    restarts: str = "agent"
+    refuses_restarts: str | None = None
+    # Seed 2: the step kill resumes mid-epoch, the accumulation kill is in the first
+    # window after the validation kill's resume (where a checkpoint marker not restored
+    # would save mid-window).
+    seeds: tuple = (2,)
+    full_seeds: tuple = (2, 0, 1, 6)
+    timeout: float = 400
+    # What the job holds; a failing strategy is diagnosed by turning one off in a subclass
+    # (persistent_workers = False, dropout = 0.0, augment = False, kinds = ("step",)...).
+    persistent_workers: bool = True
+    dropout: float = 0.25
+    augment: bool = True
+    kinds: tuple = ("step", "save", "validation", "accumulation")
+    # The job's shape: per rank and epoch 8 micro-batches of 4 samples, 2 per optimizer
+    # step (4 steps an epoch), a checkpoint every 2 steps, 3 validation batches, 4 epochs.
+    batch_size = 4
+    micro_batches = 8
+    accumulate = 2
+    every_n_train_steps = 2
+    val_batches = 3
+    epochs = 4
+
+    # -- the plan -----------------------------------------------------------------------
+
+    @classmethod
+    def kill_points(cls, seed: int) -> list[dict]:
+        """The kill points of ``seed``, one per attempt: inside a step (epoch 0, after the
+        first checkpoint), inside a save (epoch 1), inside the validation at the end of
+        epoch 2, inside an accumulation window (epoch 3). Each after the one before, so
+        each attempt reaches its own."""
+        import random
+
+        rng = random.Random(seed)
+        steps = cls.micro_batches // cls.accumulate  # optimizer steps per epoch
+        every, last = cls.every_n_train_steps, cls.world_size - 1
+        saver = 0 if cls.checkpoint == "file" else last
+        window = rng.randrange(steps)
+        points = [
+            {"kind": "step", "rank": last, "at": rng.randint(every + 1, steps)},
+            {"kind": "save", "rank": saver, "at": rng.choice([s for s in range(steps + 1, 2 * steps + 1) if s % every == 0])},
+            {"kind": "validation", "rank": last, "epoch": 2, "batch": rng.randrange(cls.val_batches)},
+            {"kind": "accumulation", "rank": last, "epoch": 3, "batch": window * cls.accumulate + cls.accumulate - 1},
+        ]
+        return [p for p in points if p["kind"] in cls.kinds]
+
+    @classmethod
+    def run_seeds(cls) -> tuple:
+        import os
+
+        return tuple(cls.full_seeds) if os.environ.get("HOOKLOOP_TEST_FULL") == "1" else tuple(cls.seeds)
+
+    # -- running the jobs ---------------------------------------------------------------
+
+    @classmethod
+    def _command(cls, out: Path, spec: Path, max_restarts: int | None) -> list[str]:
+        args = [sys.executable, "-m", "hookloop", "run"]
+        if cls.plugin:
+            args += ["--plugins", cls.plugin]
+        args += ["--devices", str(cls.world_size)]
+        if max_restarts is not None:
+            args += ["--max-restarts", str(max_restarts)]
+        return [*args, str(Path(__file__).with_name("resume_job.py")), str(out), str(spec)]
+
+    @classmethod
+    def _start(cls, cmd: list[str], cwd: Path, attempt: int | None = None):
+        import os
+        import subprocess
+
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("TORCHELASTIC_", "HOOKLOOP_")) and k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
+        if attempt is not None:
+            from .resume import ATTEMPT_ENV
+
+            env[ATTEMPT_ENV] = str(attempt)
+        # A session of its own: a job that hangs is ended with every process it started.
+        return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+
+    @classmethod
+    def _finish(cls, proc, what: str) -> tuple[int, str]:
+        import os
+        import signal
+        import subprocess
+
+        try:
+            output, _ = proc.communicate(timeout=cls.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+            raise AssertionError(f"{what}: hung past {cls.timeout}s, killed with its processes:\n{output[-6000:]}")
+        finally:
+            try:  # nothing the job started outlives it
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return proc.returncode, output
+
+    @classmethod
+    def _spec(cls, out: Path, kills: list[dict]) -> Path:
+        out.mkdir(parents=True, exist_ok=True)
+        spec = {"batch_size": cls.batch_size, "world_size": cls.world_size, "micro_batches": cls.micro_batches,
+                "val_batches": cls.val_batches, "epochs": cls.epochs, "accumulate": cls.accumulate,
+                "every_n_train_steps": cls.every_n_train_steps, "restarts": cls.restarts, "kills": kills,
+                "persistent_workers": cls.persistent_workers, "dropout": cls.dropout, "augment": cls.augment,
+                "options": {cls.plugin: dict(cls.options)} if cls.plugin and cls.options else {}}
+        path = out / "spec.json"
+        path.write_text(json.dumps(spec))
+        return path
+
+    @classmethod
+    def _collect(cls, out: Path) -> dict:
+        import csv
+
+        ranks = [torch.load(out / f"final.rank{r}.pt", weights_only=False) if (out / f"final.rank{r}.pt").exists()
+                 else None for r in range(cls.world_size)]
+        tables = []
+        for path in sorted(out.glob("root/**/metrics.csv")):
+            with open(path, newline="") as f:
+                tables.append([{k: v for k, v in row.items() if v not in ("", None)} for row in csv.DictReader(f)])
+        killed = sorted(out.glob("killed.attempt*.json"), key=lambda p: int(p.stem.split("attempt")[1]))
+        return {"ranks": ranks, "metrics": tables, "killed": [json.loads(p.read_text()) for p in killed]}
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def runs(cls, tmp_path_factory) -> dict:
+        """Per seed: the uninterrupted and the killed job's results, and the kill points."""
+        if cls.refuses_restarts is not None:
+            out = tmp_path_factory.mktemp(f"resume-{cls.plugin}-refused")
+            status, log = cls._finish(cls._start(cls._command(out, cls._spec(out, []), 1), out), "refused job")
+            return {"refused": {"status": status, "log": log, "trained": bool(list(out.glob("final.rank*.pt")))}}
+        results = {}
+        for seed in cls.run_seeds():
+            root = tmp_path_factory.mktemp(f"resume-{cls.plugin or 'single'}-seed{seed}")
+            kills = cls.kill_points(seed)
+            runs = {"straight": [], "killed": kills}
+            agent = cls.restarts == "agent"
+            restarts = len(kills) if agent else None
+            jobs = {name: (root / name, cls._spec(root / name, plan)) for name, plan in runs.items()}
+            # Both at once: the wall time of the killed one (which restarts several times).
+            if agent:
+                procs = {name: cls._start(cls._command(out, spec, restarts), out) for name, (out, spec) in jobs.items()}
+                outcome = {name: cls._finish(proc, f"{name} job") for name, proc in procs.items()}
+            else:
+                outcome = {}
+                straight = cls._start(cls._command(*jobs["straight"], None), jobs["straight"][0], attempt=0)
+                logs = []
+                for a in range(len(kills) + 1):
+                    status, log = cls._finish(cls._start(cls._command(*jobs["killed"], None), jobs["killed"][0], attempt=a),
+                                              f"killed job, attempt {a}")
+                    logs.append(f"--- attempt {a}: exit status {status}\n{log}")
+                    if status == 0:
+                        break
+                outcome["killed"] = (status, "\n".join(logs))
+                outcome["straight"] = cls._finish(straight, "straight job")
+            for name, (status, log) in outcome.items():
+                (jobs[name][0] / "output.log").write_text(log)  # for a failure's diagnosis
+            results[seed] = {"kills": kills, "log": {n: o[1] for n, o in outcome.items()},
+                             "status": {n: o[0] for n, o in outcome.items()},
+                             **{name: cls._collect(out) for name, (out, _) in jobs.items()}}
+        return results
+
+    def where(self, seed: int, result: dict) -> str:
+        return (f"[{type(self).__name__}, plugin {self.plugin or '(single process)'!r}, seed {seed}; kill points, "
+                f"attempt by attempt: {result['kills']}; reproduce: {type(self).__name__}.kill_points({seed})]")
+
+    # -- the certificate ----------------------------------------------------------------
+
+    def refused(self, runs) -> bool:
+        """For a strategy that cannot restart workers (``refuses_restarts``): assert that
+        ``hookloop run --max-restarts 1`` fails up front with that error, and say so."""
+        if self.refuses_restarts is None:
+            assert "refused" not in runs
+            return False
+        refused = runs["refused"]
+        assert refused["status"] != 0, f"{self.plugin}: hookloop run --max-restarts 1 ran instead of refusing:\n{refused['log'][-4000:]}"
+        assert self.refuses_restarts in refused["log"], f"{self.plugin}: not the expected refusal:\n{refused['log'][-4000:]}"
+        assert not refused["trained"], f"{self.plugin}: refused, yet a worker trained"
+        return True
+
+    def test_every_attempt_died_where_planned_and_the_last_finished(self, runs):
+        if self.refused(runs):
+            return
+        for seed, result in runs.items():
+            where = self.where(seed, result)
+            assert result["status"]["straight"] == 0, f"the uninterrupted job failed {where}:\n{result['log']['straight'][-6000:]}"
+            assert result["status"]["killed"] == 0, f"the killed job did not finish {where}:\n{result['log']['killed'][-8000:]}"
+            assert result["killed"]["killed"] == result["kills"], (
+                f"the kills that happened differ from the plan {where}:\n{result['log']['killed'][-6000:]}")
+            assert result["straight"]["killed"] == []
+
+    def _final(self, runs):
+        for seed, result in runs.items():
+            where = self.where(seed, result)
+            for rank, (a, b) in enumerate(zip(result["straight"]["ranks"], result["killed"]["ranks"])):
+                assert a is not None and b is not None, f"rank {rank} wrote no final state {where}"
+                yield where, rank, a, b
+
+    def test_final_weights_are_bit_identical(self, runs):
+        if self.refused(runs):
+            return
+        for where, rank, straight, resumed in self._final(runs):
+            assert resumed["global_step"] == straight["global_step"], where
+            assert straight["weights"].keys() == resumed["weights"].keys()
+            differ = {k: float((straight["weights"][k] - resumed["weights"][k]).abs().max())
+                      for k in straight["weights"] if not torch.equal(straight["weights"][k], resumed["weights"][k])}
+            assert not differ, f"rank {rank}: weights differ from the uninterrupted run's (max |diff| per tensor: {differ}) {where}"
+
+    def test_optimizer_and_scheduler_states_are_bit_identical(self, runs):
+        if self.refused(runs):
+            return
+        for where, rank, straight, resumed in self._final(runs):
+            for i, (a, b) in enumerate(zip(straight["optimizers"], resumed["optimizers"])):
+                params = [float((x - y).abs().max()) for ga, gb in zip(a["params"], b["params"]) for x, y in zip(ga, gb)]
+                assert max(params, default=0.0) == 0.0, f"rank {rank} optimizer {i}: parameters differ by {max(params)} {where}"
+                assert _max_state_difference(a["groups"], b["groups"]) == 0.0, (
+                    f"rank {rank} optimizer {i}: param groups (lr...) differ: {a['groups']} vs {b['groups']} {where}")
+                diff = _max_state_difference(a["state"], b["state"])
+                assert diff == 0.0, f"rank {rank} optimizer {i}: state (momentum...) differs by {diff} {where}"
+            assert straight["schedulers"] == resumed["schedulers"], f"rank {rank}: scheduler states differ {where}"
+
+    def test_logged_metrics_are_identical(self, runs):
+        if self.refused(runs):
+            return
+        for seed, result in runs.items():
+            where = self.where(seed, result)
+            straight, killed = result["straight"]["metrics"], result["killed"]["metrics"]
+            assert len(straight) == 1, f"the uninterrupted run wrote {len(straight)} metrics.csv files {where}"
+            if self.restarts == "agent":
+                # One run directory, every row once: the resumed attempts dropped and rewrote theirs.
+                assert len(killed) == 1, f"the restarted run wrote {len(killed)} metrics.csv files {where}"
+                rows = {i: row for i, row in enumerate(killed[0])}
+                diff = [(i, row, straight[0][i] if i < len(straight[0]) else None) for i, row in rows.items()
+                        if i >= len(straight[0]) or row != straight[0][i]]
+                assert len(killed[0]) == len(straight[0]) and not diff, (
+                    f"metrics.csv differs from the uninterrupted run's ({len(killed[0])} vs {len(straight[0])} rows; "
+                    f"first differing rows: {diff[:3]}) {where}")
+            else:
+                # Every re-run writes a run directory of its own: each row it wrote is a row of
+                # the uninterrupted run, and together they are all of them.
+                reference = [json.dumps(r, sort_keys=True) for r in straight[0]]
+                written = {json.dumps(r, sort_keys=True) for table in killed for r in table}
+                assert written == set(reference), (
+                    f"metrics.csv rows differ: {sorted(written - set(reference))[:3]} not in the uninterrupted run, "
+                    f"{sorted(set(reference) - written)[:3]} missing {where}")
+
+
+def _max_state_difference(a: Any, b: Any) -> float:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.shape == b.shape, "optimizer state shapes differ"
+        return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), f"optimizer state keys differ: {list(a)} vs {list(b)}"
+        return max((_max_state_difference(a[k], b[k]) for k in a), default=0.0)
+    if isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        return max((_max_state_difference(x, y) for x, y in zip(a, b)), default=0.0)
+    if a is None or b is None:
+        assert a is b, "optimizer state present in one run only"
+        return 0.0
+    return 0.0 if a == b else float("inf")

@@ -1,0 +1,79 @@
+"""hookloop.testing.ResumeConformance for every in-tree strategy (issue 19, item 1).
+
+Each class runs one job twice per seed: uninterrupted, and SIGKILLed in successive
+attempts inside a step, a checkpoint save, a validation and an accumulation window
+(dropout, persistent loader workers, per-rank seeds, accumulation, clipping, a
+scheduler); the restarted job must end bit-identical. ``HOOKLOOP_TEST_FULL=1`` runs
+four seeds per strategy instead of one.
+
+* ``ddp_spawn`` and ``dp`` launch without torch's elastic agent (``ddp_spawn`` spawns
+  from inside ``fit``, ``dp`` is one plain process), so nothing restarts their workers:
+  the kit re-runs the whole job with ``fit(ckpt_path="last")`` after each kill, as a
+  user would (``restarts = "rerun"``).
+* ``ddp2`` is one process per node (DataParallel inside it): on one CPU machine, one process.
+* ``horovod`` refuses ``--max-restarts`` (horovodrun does not restart workers):
+  the class asserts that refusal.
+"""
+
+import pytest
+
+from hookloop.testing import ResumeConformance
+
+
+class TestSingleProcess(ResumeConformance):
+    plugin = ""
+    world_size = 1
+
+
+class TestDDP(ResumeConformance):
+    plugin = "ddp"
+
+
+class TestDDPSpawn(ResumeConformance):
+    plugin = "ddp_spawn"
+    restarts = "rerun"
+
+
+class TestDDPSharded(ResumeConformance):
+    plugin = "ddp_sharded"
+
+
+class TestFSDP(ResumeConformance):
+    plugin = "fsdp"  # state_dict_type="full" (the default): hookloop's single file, written by rank 0
+
+
+class TestFSDPSharded(ResumeConformance):
+    plugin = "fsdp"
+    options = {"state_dict_type": "sharded"}  # a torch.distributed.checkpoint directory, a shard per rank
+    checkpoint = "directory"
+
+
+class TestDeepSpeedStage1(ResumeConformance):
+    plugin = "deepspeed_stage_1"
+    checkpoint = "directory"
+
+
+class TestDeepSpeedStage2(ResumeConformance):
+    plugin = "deepspeed_stage_2"
+    checkpoint = "directory"
+
+
+class TestDeepSpeedStage3(ResumeConformance):
+    plugin = "deepspeed_stage_3"
+    checkpoint = "directory"
+
+
+class TestDP(ResumeConformance):
+    plugin = "dp"
+    world_size = 1
+    restarts = "rerun"
+
+
+class TestDDP2(ResumeConformance):
+    plugin = "ddp2"
+    world_size = 1
+
+
+class TestHorovod(ResumeConformance):
+    plugin = "horovod"
+    refuses_restarts = "horovod cannot restart failed workers"
