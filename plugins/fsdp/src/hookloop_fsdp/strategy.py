@@ -241,6 +241,13 @@ class FSDP(DDP):
         return opts.state_dict_type(self.state_dict_type) == "full"
 
     @property
+    def hookloop_checkpoint_format(self) -> str:
+        """``"directory"`` under ``state_dict_type="sharded"`` (a ``TaggedCheckpointDir`` of
+        shards): the checkpoint observer then installs ``last.ckpt`` as a directory and a
+        restart finds it."""
+        return "file" if self._full else "directory"
+
+    @property
     def hookloop_async_save(self) -> bool:
         """``ModelCheckpoint(async_save=True)`` may write in the background under
         ``state_dict_type="full"`` (gathered, then one ``atomic_save`` on rank 0); the
