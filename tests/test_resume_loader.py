@@ -103,6 +103,20 @@ def test_a_mid_epoch_resume_with_workers_yields_the_uninterrupted_batches(tmp_pa
     assert trainer._fit_train_loader is not None and not multiprocessing.active_children()
 
 
+@pytest.mark.parametrize("stop", [10, 20], ids=["end-of-epoch-0", "end-of-epoch-1"])
+def test_a_resume_at_an_epoch_boundary_with_persistent_workers_yields_the_uninterrupted_batches(tmp_path, stop):
+    # Stopped after an epoch's last batch: the resumed process starts its workers at the
+    # next epoch, where the uninterrupted run's persistent workers drew no base seed; the
+    # resumed run used to draw one from the global generator, so the next epoch's shuffle
+    # was another (found by hookloop.testing.ResumeConformance).
+    def make_loader():
+        return DataLoader(AugmentedData(), batch_size=BATCH, shuffle=True, num_workers=2,
+                          persistent_workers=True, multiprocessing_context="fork")
+
+    straight, resumed, _, _ = stopped_and_resumed(tmp_path, make_loader, stop=stop)
+    assert_same_run(straight, resumed, stop=stop)
+
+
 def test_done_batches_are_skipped_by_index_and_never_read(tmp_path):
     def make_loader():
         return DataLoader(AugmentedData(), batch_size=BATCH, shuffle=True)

@@ -109,6 +109,7 @@ class ResumableBatchSampler(Sampler):
         self.workers = workers
         self.generator = generator
         self.drawn_from: dict | None = None
+        self.first_after_resume = False  # see iterate()
         self._skip, self._resume_from, self._generator_after = 0, None, None
 
     # what code that reads a batch sampler expects of one
@@ -213,6 +214,37 @@ def release(trainer) -> None:
     shutdown = getattr(iterator, "_shutdown_workers", None)
     if shutdown is not None:
         shutdown()
+
+
+def resumed(loader: Any) -> None:
+    """``fit`` restored a checkpoint: the first iteration of ``loader`` in this process
+    may continue workers the uninterrupted run still had (see :func:`iterate`)."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    if (isinstance(batch_sampler, ResumableBatchSampler) and getattr(loader, "num_workers", 0)
+            and getattr(loader, "persistent_workers", False)):
+        batch_sampler.first_after_resume = True
+
+
+def iterate(loader: Any, epoch: int) -> Any:
+    """``iter(loader)`` for training epoch ``epoch``. With persistent workers the
+    uninterrupted run drew the loader's base seed (from the global generator) once, when
+    epoch 0 started its workers; later epochs reuse them and draw none. A resumed process
+    starting its workers at a later epoch therefore draws its base seed from a scratch
+    generator, so the epoch's shuffle and everything after it (dropout) come from where
+    the uninterrupted run's did. What the workers draw does not depend on the base seed:
+    each batch reseeds the worker that reads it."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    if not getattr(batch_sampler, "first_after_resume", False):
+        return iter(loader)
+    batch_sampler.first_after_resume = False
+    if epoch == 0 or loader._iterator is not None:
+        return iter(loader)
+    own = loader.generator
+    object.__setattr__(loader, "generator", torch.Generator())
+    try:
+        return iter(loader)
+    finally:
+        object.__setattr__(loader, "generator", own)
 
 
 def loader_state(trainer, loader: Any) -> dict | None:

@@ -834,7 +834,7 @@ def _train_epoch(trainer, loader: DataLoader, step, validation: _ValidationSched
         ckpt.set_rng_state(trainer._epoch_rng)
     else:
         trainer._epoch_rng = ckpt.rng_state()
-    iterator = iter(loader)
+    iterator = loader_state.iterate(loader, trainer.current_epoch)
     if skip:
         if replay:
             for _ in range(skip):
@@ -1671,6 +1671,7 @@ def restore(trainer, ckpt_path: Any, fall_back: bool = False, train_loader: Any 
         raise CheckpointError(f"{str(path)!r} was saved mid-epoch without the epoch's RNG state")
     if train_loader is not None:
         _adapt_position(trainer, loop, train_loader)
+        loader_state.resumed(train_loader)
     if checkpoint.get("metrics"):
         trainer._metrics.load_state_dict(checkpoint["metrics"])
     if rng is not None:
