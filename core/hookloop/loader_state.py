@@ -204,16 +204,18 @@ def resumable_loader(loader: Any) -> Any:
 
 
 def release(trainer) -> None:
-    """End the workers of the loader copy ``fit`` iterated (the trainer keeps the copy,
-    for a checkpoint saved after ``fit``, but not its persistent workers)."""
-    loader = getattr(trainer, "_fit_train_loader", None)
-    if loader is None or not isinstance(getattr(loader, "batch_sampler", None), ResumableBatchSampler):
-        return
-    iterator = loader._iterator
-    object.__setattr__(loader, "_iterator", None)
-    shutdown = getattr(iterator, "_shutdown_workers", None)
-    if shutdown is not None:
-        shutdown()
+    """End the workers of the loader copies ``fit`` iterated (the trainer keeps the training
+    one, for a checkpoint saved after ``fit``, but not its persistent workers)."""
+    loaders = [getattr(trainer, "_fit_train_loader", None), *(getattr(trainer, "_fit_val_loaders", None) or [])]
+    trainer._fit_val_loaders = None
+    for loader in loaders:
+        if loader is None or not isinstance(getattr(loader, "batch_sampler", None), ResumableBatchSampler):
+            continue
+        iterator = loader._iterator
+        object.__setattr__(loader, "_iterator", None)
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
 
 
 def resumed(loader: Any) -> None:
@@ -239,6 +241,21 @@ def iterate(loader: Any, epoch: int) -> Any:
     batch_sampler.first_after_resume = False
     if epoch == 0 or loader._iterator is not None:
         return iter(loader)
+    return _iter_with_scratch_base_seed(loader)
+
+
+def iterate_validation(loader: Any) -> Any:
+    """``iter(loader)`` for a validation inside ``fit``. A loader that :func:`resumable_loader`
+    prepared for validation (``fit``'s, with workers) draws its base seed from a scratch
+    generator, so each batch's worker seed is the RNG state at the validation's start (the
+    same after a resume: training left it there) and the batch's position, whether its
+    persistent workers are new or reused."""
+    if isinstance(getattr(loader, "batch_sampler", None), ResumableBatchSampler) and loader.num_workers:
+        return _iter_with_scratch_base_seed(loader)
+    return iter(loader)
+
+
+def _iter_with_scratch_base_seed(loader: Any) -> Any:
     own = loader.generator
     object.__setattr__(loader, "generator", torch.Generator())
     try:

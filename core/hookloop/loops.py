@@ -587,7 +587,11 @@ def fit(trainer) -> None:
         train_loader = prepare_loader(trainer, train_loader, training=True)
         # skippable by index, with per-batch worker seeds (hookloop.loader_state)
         train_loader = trainer._fit_train_loader = loader_state.resumable_loader(train_loader)
-        val_loaders = [prepare_loader(trainer, v, training=False) for v in trainer.val_dataloaders or []]
+        # with workers: per-batch worker seeds, the same after a resume (hookloop.loader_state)
+        val_loaders = [loader_state.resumable_loader(prepare_loader(trainer, v, training=False))
+                       if getattr(v, "num_workers", 0) else prepare_loader(trainer, v, training=False)
+                       for v in trainer.val_dataloaders or []]
+        trainer._fit_val_loaders = val_loaders
         warn_repeated_samples(trainer, val_loaders, "validation")
         if val_loaders and not callable(getattr(trainer.module, "validation_step", None)):
             raise ConfigurationError(
@@ -1245,7 +1249,7 @@ def evaluate(trainer, stage: str, loaders: list, limit: Any, publish: bool = Tru
                 n = batch_limit(loader, limit, f"limit_{'val' if stage == VALIDATE else stage}_batches")
                 if n == 0:
                     continue
-                for batch_idx, batch in enumerate(loader):
+                for batch_idx, batch in enumerate(loader_state.iterate_validation(loader)):
                     if move:
                         batch = move_to_device(batch, device)
                     trainer._current_batch = batch

@@ -537,7 +537,7 @@ class Trainer:
         self.plugin_manager = plugin_registry.make_plugin_manager(self.plugins, Defaults())
         self.hook = self.plugin_manager.hook
         self._on_before_optimizer_step = self._on_before_zero_grad = self._loop_optimizer_cache = None
-        self._on_log_metrics = self._backward_events = self._fit_train_loader = None
+        self._on_log_metrics = self._backward_events = self._fit_train_loader = self._fit_val_loaders = None
 
     # -- entry points -------------------------------------------------------------------
 
