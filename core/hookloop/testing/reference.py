@@ -65,7 +65,15 @@ class TinyClassifier(hookloop.Module):
 
 
 def weights(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
+    """The module's state as plain CPU float tensors (a DTensor, e.g. FSDP's sharded state:
+    this rank's shard)."""
+    return {k: local_tensor(v).detach().float().cpu().clone() for k, v in module.state_dict().items()}
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or this rank's shard of it when it is a DTensor."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
 
 
 def max_difference(a: dict, b: dict) -> float:

@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import hookloop
 
-from .reference import TinyClassifier, tiny_dataset, weights
+from .reference import TinyClassifier, local_tensor, tiny_dataset, weights
 
 ATTEMPT_ENV = "HOOKLOOP_RESUME_ATTEMPT"
 _REAL_SAVE = torch.save
@@ -163,7 +163,8 @@ def optimizer_state(optimizer) -> dict:
     known = {id(p) for p in ordered}
     state = [_cpu(optimizer.state[p]) if p in optimizer.state else None for p in ordered]
     state += [_cpu(v) for k, v in optimizer.state.items() if id(k) not in known]
-    params = [[p.detach().float().cpu().clone() for p in group["params"]] for group in optimizer.param_groups]
+    params = [[local_tensor(p).detach().float().cpu().clone() for p in group["params"]]
+              for group in optimizer.param_groups]
     return {"type": type(optimizer).__name__, "state": state,
             "groups": [{k: _cpu(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
             "params": params}
@@ -171,7 +172,7 @@ def optimizer_state(optimizer) -> dict:
 
 def _cpu(value):
     if isinstance(value, torch.Tensor):
-        return value.detach().cpu().clone()
+        return local_tensor(value).detach().cpu().clone()
     if isinstance(value, dict):
         return {k: _cpu(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
