@@ -1563,8 +1563,10 @@ def checkpoint_dict(trainer) -> dict:
     loader = loader_state.loader_state(trainer, trainer._fit_train_loader) if trainer.batch_idx else None
     if trainer.world_size > 1:
         per_rank = gather_per_rank(trainer, {"rng": rng, "epoch_rng": epoch_rng, "loader": loader})
-        checkpoint["rng_per_rank"] = [{"rng": e["rng"], "epoch_rng": e["epoch_rng"]} for e in per_rank]
-        loaders = [e["loader"] for e in per_rank]
+        # (an entry is None where a strategy's broadcast has no process group any more: after fit)
+        checkpoint["rng_per_rank"] = [e if e is None else {"rng": e["rng"], "epoch_rng": e["epoch_rng"]}
+                                      for e in per_rank]
+        loaders = [e if e is None else e["loader"] for e in per_rank]
     else:
         loaders = [loader]
     hparams = getattr(module, "hparams", None)
@@ -1706,8 +1708,11 @@ def _rank_rng(trainer, checkpoint: dict, loop: dict) -> tuple[dict | None, dict 
     """
     entries = checkpoint.get("rng_per_rank")
     legacy = entries is None and int(loop.get("world_size") or 1) > 1
+    rank0 = {"rng": checkpoint.get("rng"), "epoch_rng": checkpoint.get("epoch_rng")}
     if entries is None:
-        entries = [{"rng": checkpoint.get("rng"), "epoch_rng": checkpoint.get("epoch_rng")}]
+        entries = [rank0]
+    # a rank whose state could not be gathered (saved after fit, its process group gone): rank 0's
+    entries = [rank0 if e is None else e for e in entries]
     saved, world, rank = len(entries), trainer.world_size, trainer.global_rank
     if saved != world and trainer.is_global_zero:
         written = ("was written before checkpoints held every rank's RNG state (only global rank 0's)" if legacy
