@@ -343,7 +343,7 @@ class ResumeConformance:
     # would save mid-window).
     seeds: tuple = (2,)
     full_seeds: tuple = (2, 0, 1, 6)
-    timeout: float = 400
+    timeout: float = 900  # per job (all its attempts); a loaded 2-core machine needs ~4x an idle one
     # What the job holds; a failing strategy is diagnosed by turning one off in a subclass
     # (persistent_workers = False, dropout = 0.0, augment = False, kinds = ("step",)...).
     persistent_workers: bool = True
