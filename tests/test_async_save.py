@@ -392,3 +392,80 @@ def test_a_plugin_that_writes_checkpoints_itself_and_does_not_declare_it_saves_s
     directory = Path(trainer.log_dir) / "checkpoints"
     # it found its file on disk right after atomic_save: the save was synchronous
     assert int((directory / "after-the-file.txt").read_text()) == (directory / "epoch=0-step=2.ckpt").stat().st_size
+
+
+# -- fsdp's sharded directories: torch.distributed.checkpoint.async_save -------------------
+
+
+def _fsdp_sharded(root: str) -> dict:
+    """On each rank (fsdp, state_dict_type="sharded", 2 processes): the run never
+    interrupted (8 steps); then, saving synchronously and asynchronously, a run stopped
+    at step 4 (``last.ckpt``: a directory) resumed to step 8. DCP's writes are slowed
+    (0.3 s each, in this process) so that training goes on while they are in flight; the
+    steps at which each write started and ended, and the thread that made it, are kept."""
+    import torch.distributed.checkpoint.filesystem as fs
+
+    from hookloop.testing import weights
+
+    spans, box = [], []
+    real_write = fs.FileSystemWriter.write_data
+
+    def write_data(writer, plan, planner):
+        start = box[0].global_step if box else None
+        time.sleep(0.3)
+        result = real_write(writer, plan, planner)
+        spans.append((threading.current_thread().name, start, box[0].global_step if box else None))
+        return result
+
+    fs.FileSystemWriter.write_data = write_data
+
+    def fit(directory, max_steps, async_save=None, ckpt_path=None):
+        torch.manual_seed(0)
+        callbacks = [Box(box)]
+        if async_save is not None:
+            callbacks.append(hookloop.ModelCheckpoint(every_n_train_steps=2, every_n_epochs=0, save_top_k=-1,
+                                                      async_save=async_save))
+        trainer = hookloop.Trainer(
+            default_root_dir=str(Path(root) / directory), logger=False, enable_progress_bar=False,
+            enable_model_summary=False, max_steps=max_steps, callbacks=callbacks,
+            enable_checkpointing=async_save is not None,
+            plugins=[hookloop.plugin("fsdp", state_dict_type="sharded")])
+        module = Scripted()
+        trainer.fit(module, train_loader(), ckpt_path=ckpt_path)
+        return trainer, weights(module)
+
+    _, straight = fit("straight", 8)
+    result = {"straight": straight}
+    for async_save in (False, True):
+        name = "async" if async_save else "sync"
+        spans.clear()
+        first, _ = fit(name, 4, async_save)
+        result[f"{name}_spans"] = list(spans)
+        result[f"{name}_async"] = first.checkpoint_callback._async
+        last = Path(first.log_dir) / "checkpoints" / "last.ckpt"
+        result[f"{name}_latest"] = (last / "latest").read_text().strip()
+        _, result[name] = fit(name, 8, async_save, ckpt_path=str(last))
+    fs.FileSystemWriter.write_data = real_write
+    return result
+
+
+def test_fsdp_sharded_directories_are_written_by_dcp_in_the_background_and_resume_bit_identical(tmp_path):
+    """fsdp's sharded checkpoint directories with ``async_save=True``: every rank's DCP
+    writes run in a background thread while training goes on (steps advance during them),
+    the tag is committed once they are on disk, and a resume from the asynchronously saved
+    ``last.ckpt`` ends bit-identical to the synchronous case and to the run never
+    interrupted. Before, async_save under sharded fsdp warned and saved synchronously."""
+    pytest.importorskip("hookloop_fsdp")
+    from hookloop.testing import run_processes
+
+    ranks = run_processes(_fsdp_sharded, nprocs=2, args=(str(tmp_path),), timeout=400)
+    for rank, result in enumerate(ranks):
+        assert (result["sync_async"], result["async_async"]) == (False, True)
+        assert result["sync_latest"] == result["async_latest"] == "step4.1"  # step 4, then the epoch's end
+        # synchronous: every write on the training thread, at the step of its save
+        assert result["sync_spans"] and all(t == "MainThread" and a == b for t, a, b in result["sync_spans"])
+        # asynchronous: never on the training thread, and training stepped during some
+        assert result["async_spans"] and all(t != "MainThread" for t, _, _ in result["async_spans"])
+        assert any(b > a for _, a, b in result["async_spans"]), result["async_spans"]
+        assert same(result["async"], result["sync"], f"rank {rank}") == []
+        assert same(result["async"], result["straight"], f"rank {rank}") == []

@@ -110,6 +110,31 @@ def make_tag(root, name: str, complete: bool = True):
         (root / name / COMPLETE_MARKER).write_text(name)
 
 
+FSDP_SHARDED = ["--plugins", "fsdp", "--plugin-option", "fsdp.state_dict_type=sharded", "--devices", "2",
+                "--max-restarts", "1", SCRIPT]
+
+
+def test_a_rank_killed_inside_its_background_dcp_write_resumes_from_the_previous_checkpoint(tmp_path):
+    """fsdp's sharded directories saved asynchronously (``async_save=True``: DCP's
+    ``async_save``): global rank 1 is SIGKILLed in DCP's background thread as it starts
+    writing its shards of step 4, while training went on. The tag of step 4 is never
+    committed; the restart resumes from ``last.ckpt`` of step 2 and ends bit-identical to
+    the same job never interrupted (saving synchronously)."""
+    pytest.importorskip("hookloop_fsdp")
+    started = {}
+    for name, args in {"straight": [], "killed": ["--async-save", "--fault", "dcp-background-write"]}.items():
+        out = tmp_path / name
+        out.mkdir()
+        started[name] = (out, start_hookloop_run([*FSDP_SHARDED, out, *args], out))
+    (straight, _), (killed, proc) = started["straight"], started["killed"]
+    finish_job(started["straight"][1], timeout=400)
+    stdout, stderr = finish_job(proc, timeout=400)
+    assert "MainThread" not in (killed / "killed_in_background_write").read_text()  # the background thread
+    first, second = steps(killed, 1, 0), steps(killed, 1, 1)
+    assert first[:4] == [1, 2, 3, 4] and second[0] == 3, (first, second)  # resumed at step 2
+    same_weights(killed, straight)
+
+
 def test_latest_naming_an_incomplete_tag_falls_back_to_the_newest_complete_one(tmp_path):
     # DeepSpeed's own writer: rank 0 wrote 'latest' for step 4 before rank 1 finished.
     make_tag(tmp_path, "global_step2")

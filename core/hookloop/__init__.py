@@ -16,6 +16,8 @@ from .checkpoint import (
     atomic_save,
     atomic_write_text,
     check_state_dict,
+    defer,
+    deferring,
     optimizer_and_scheduler_states,
     safe_load,
 )
@@ -120,6 +122,8 @@ __all__ = [
     "check_state_dict",
     "clip_gradients",
     "default",
+    "defer",
+    "deferring",
     "die_with_launcher",
     "distributed_sampler",
     "elastic_command",

@@ -172,7 +172,8 @@ class deferred_writes:
     this thread inside the block take a :func:`cpu_snapshot` of their object (into the
     ``spare`` storages where sizes match) and return at once; ``writes`` then lists
     ``(snapshot, path, storages)`` for a background job to write (and the storages to
-    reuse after). The pause of an asynchronous save is the snapshot."""
+    reuse after), and the steps :func:`defer` queued, in order. The pause of an
+    asynchronous save is the snapshot."""
 
     def __init__(self, spare: list | None = None):
         self.spare = spare if spare is not None else []
@@ -186,6 +187,27 @@ class deferred_writes:
 
     def __exit__(self, *exc: Any) -> None:
         _deferral.active = None
+
+
+def deferring() -> bool:
+    """Whether this thread is inside an asynchronous save (``ModelCheckpoint(async_save=
+    True)``, :class:`deferred_writes`): a strategy's ``save_checkpoint`` that writes
+    checkpoint directories itself (e.g. with ``torch.distributed.checkpoint.async_save``)
+    then starts its writes, and hands what must wait for them to :func:`defer`."""
+    return getattr(_deferral, "active", None) is not None
+
+
+def defer(step: Callable[[], Any]) -> None:
+    """Inside an asynchronous save: run ``step()`` in the background writer, after the
+    writes queued before it and before the checkpoint observer's own steps (the copy to
+    ``last.ckpt``, the removal of checkpoints pushed out of the top k). Outside one: run it
+    now. An error it raises is raised in training at the next save or at the end of
+    ``fit``, as a failed background write is."""
+    deferral = getattr(_deferral, "active", None)
+    if deferral is None:
+        step()
+    else:
+        deferral.writes.append(step)
 
 
 class AsyncCheckpointWriter:

@@ -14,6 +14,10 @@ lands at an exact point of the real save (the product code has no hook for it):
 * ``--fault shard-write``: global rank 1 writes half of its ZeRO optimizer shard of tag
   ``global_step4`` (``torch.save`` wrapped), waits until global rank 0 has written its
   own shards and reached the barrier after them, then sends itself SIGKILL.
+* ``--fault dcp-background-write`` (fsdp ``state_dict_type="sharded"`` with
+  ``--async-save``): global rank 1 sends itself SIGKILL in DCP's background thread, when
+  it starts writing its shards of the step-4 tag (``FileSystemWriter.write_data``
+  wrapped), while the training thread has gone on.
 
 The elastic agent restarts both workers, which resume by themselves. Every rank appends
 the global step of each optimizer step to ``OUT/steps.rank<R>.attempt<A>``; global rank
@@ -42,8 +46,9 @@ faulthandler.enable()
 faulthandler.dump_traceback_later(120, exit=True)
 parser = argparse.ArgumentParser()
 parser.add_argument("out", type=Path)
-parser.add_argument("--fault", default="none", choices=["none", "last-rename", "shard-write"])
+parser.add_argument("--fault", default="none", choices=["none", "last-rename", "shard-write", "dcp-background-write"])
 parser.add_argument("--save-top-k", type=int, default=1)
+parser.add_argument("--async-save", action="store_true")
 ARGS = parser.parse_args()
 OUT = ARGS.out
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -106,6 +111,22 @@ if FAULTY and ARGS.fault == "shard-write":
     torch.save, dist.barrier = save, barrier
 
 
+if FAULTY and ARGS.fault == "dcp-background-write" and RANK == 1:
+    import threading
+
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    real_write_data = dcp_fs.FileSystemWriter.write_data
+
+    def write_data(writer, plan, planner):
+        if Path(str(writer.path)).parent.name == "step4":
+            (OUT / "killed_in_background_write").write_text(f"{writer.path} ({threading.current_thread().name})\n")
+            die()
+        return real_write_data(writer, plan, planner)
+
+    dcp_fs.FileSystemWriter.write_data = write_data
+
+
 class Job(TinyClassifier):
     def on_train_batch_end(self, outputs, batch, batch_idx):
         trainer = self.trainer
@@ -116,7 +137,8 @@ class Job(TinyClassifier):
 module = Job(seed=0)
 trainer = hookloop.Trainer(
     max_epochs=2, default_root_dir=str(OUT / "root"), num_sanity_val_steps=0,
-    callbacks=[hookloop.ModelCheckpoint(every_n_train_steps=2, save_top_k=ARGS.save_top_k)],
+    callbacks=[hookloop.ModelCheckpoint(every_n_train_steps=2, save_top_k=ARGS.save_top_k,
+                                        async_save=ARGS.async_save)],
 )
 trainer.fit(module, DataLoader(tiny_dataset(64), batch_size=8, shuffle=True))
 if trainer.global_rank == 0:

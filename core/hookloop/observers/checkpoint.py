@@ -117,6 +117,7 @@ class ModelCheckpoint:
         self._deferred = False  # a step's save waits for the next validation's metric
         self._warned_missing = False
         self._async = False  # async_save, where this run's strategy allows it (setup)
+        self._sharded = False  # this run's strategy writes checkpoint directories (setup)
 
     def _check_async_save(self) -> None:
         if self.async_save not in (True, False):
@@ -134,7 +135,7 @@ class ModelCheckpoint:
         trainer._after_validation.append(self._after_validation)
         self.resume_dir = Path(trainer.log_dir) / "checkpoints"
         self.dir = Path(self.dirpath) if self.dirpath else self.resume_dir
-        sharded = getattr(trainer.strategy, "hookloop_checkpoint_format", "file") == "directory"
+        sharded = self._sharded = getattr(trainer.strategy, "hookloop_checkpoint_format", "file") == "directory"
         for last in self._last_paths():
             if last.exists() and last.is_dir() != sharded:
                 # Found now, not after an epoch of training at the first save.
@@ -152,10 +153,12 @@ class ModelCheckpoint:
 
     def _async_allowed(self, trainer, sharded: bool) -> bool:
         """Whether saves can go to the background: each plugin that writes checkpoints
-        itself (``save_checkpoint``) declares ``hookloop_async_save = True`` (it writes
-        only through :func:`hookloop.atomic_save`, and nothing it does after that call
-        needs the file on disk), and its checkpoints are single files."""
-        refusing = [] if not sharded else [plugin_name(trainer.strategy)]
+        itself (``save_checkpoint``) declares ``hookloop_async_save = True``: it writes
+        only through :func:`hookloop.atomic_save` and nothing it does after that call
+        needs the file on disk, or (checkpoint directories) it starts its own background
+        writes when :func:`hookloop.deferring` and hands what must wait for them (the
+        commit of its directory) to :func:`hookloop.defer`."""
+        refusing = []
         for impl in trainer.plugin_manager.hook.save_checkpoint.get_hookimpls():
             plugin = impl.plugin
             if type(plugin).__module__ == "hookloop.defaults" or getattr(plugin, "hookloop_async_save", False):
@@ -230,6 +233,8 @@ class ModelCheckpoint:
             self.save(trainer)
         if self._async:  # the end of fit waits for the last background save (and its error)
             trainer._checkpoint_writer.wait()
+            if self._sharded:  # every rank's: then rank 0's commit of the directory is done too
+                trainer.barrier("checkpoint_async_committed")
 
     # -- saving ---------------------------------------------------------------------------
 
@@ -399,7 +404,8 @@ class ModelCheckpoint:
         if background is not None:
             if trainer.is_global_zero:
                 keep = Path(target).parent == self.resume_dir
-                background.append(lambda: atomic_copy(source, target, keep_previous=keep))
+                copy = atomic_copy_tree if self._sharded else atomic_copy
+                background.append(lambda: copy(source, target, keep_previous=keep))
             return
         if trainer.is_global_zero:
             src, dst = Path(source), Path(target)
@@ -456,11 +462,15 @@ class _Job:
         self.writes, self.then, self.spare = writes, then, spare
 
     def __call__(self) -> None:
-        for snapshot, path, _ in self.writes:
-            _write_checkpoint(snapshot, path)
+        for item in self.writes:
+            if callable(item):  # a strategy's own step (hookloop.defer): e.g. commit its directory
+                item()
+            else:
+                snapshot, path, _ = item
+                _write_checkpoint(snapshot, path)
         # written: its storages are the next snapshot's (the writer waits for this job
         # before that snapshot is taken)
-        self.spare[:] = [storage for _, _, storages in self.writes for storage in storages]
+        self.spare[:] = [storage for item in self.writes if not callable(item) for storage in item[2]]
         self.writes = []
         for step in self.then:
             step()

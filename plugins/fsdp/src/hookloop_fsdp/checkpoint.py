@@ -103,24 +103,50 @@ def save_sharded(strategy, trainer, checkpoint: dict, path: Path) -> Path:
     tag = trainer.broadcast(tags.new_tag(trainer.global_step) if trainer.global_rank == 0 else None, 0)
     target = path / tag
     module = strategy.sharded.module
+    background = hookloop.deferring()  # ModelCheckpoint(async_save=True)
+    writes = []  # DCP's background writes (futures), in an asynchronous save
     with strategy.sharded_state_dicts():
-        dcp.save(get_model_state_dict(module), checkpoint_id=str(target / MODEL_DIR))
         stepped = [bool(any(o.state.values())) for o in trainer.optimizers]
+        states = [(MODEL_DIR, get_model_state_dict(module))]
         optimizers = {f"optimizer_{i}": get_optimizer_state_dict(module, o)
                       for i, o in enumerate(trainer.optimizers) if stepped[i]}
         if optimizers:
-            dcp.save(optimizers, checkpoint_id=str(target / OPTIMIZER_DIR))
+            states.append((OPTIMIZER_DIR, optimizers))
+        for name, state in states:
+            if background:
+                # Copied to CPU now (DCP's stager), written by DCP's thread; its collectives
+                # run on a gloo group of their own, never beside training's on the same one.
+                writes.append(dcp.async_save(state, checkpoint_id=str(target / name),
+                                             process_group=strategy.checkpoint_group(name)))
+            else:
+                dcp.save(state, checkpoint_id=str(target / name))
     if trainer.global_rank == 0:
         loop = {k: v for k, v in checkpoint.items() if k not in _SHARDED_KEYS}
         loop[SHARDS_INFO] = {"optimizers": len(trainer.optimizers), "stepped": stepped,
                              "world_size": trainer.world_size}
-        hookloop.atomic_save(loop, target / LOOP_FILE)
+        hookloop.atomic_save(loop, target / LOOP_FILE)  # asynchronous: a snapshot, written in the background
+    if background:
+        hookloop.defer(lambda: _commit_when_written(trainer.global_rank, tags, tag, writes))
+        return path
     trainer.barrier("fsdp_sharded_written")
     if trainer.global_rank == 0:
         tags.commit(tag)  # complete marker, then latest: fsync'd, then renamed
         tags.prune()  # older tags, and those an interrupted save left
     trainer.barrier("fsdp_sharded_committed")
     return path
+
+
+def _commit_when_written(rank: int, tags, tag: str, writes: list) -> None:
+    """The end of an asynchronous sharded save, in the background writer: wait for DCP's
+    writes; then rank 0 commits the tag. A DCP save ends (on every rank) once its
+    coordinator has gathered every rank's write results and written the metadata, so
+    rank 0's writes done means every rank's shards are on disk, with no barrier. A rank
+    killed before that leaves ``latest`` naming the previous tag."""
+    for write in writes:
+        write.result()
+    if rank == 0:
+        tags.commit(tag)
+        tags.prune()
 
 
 def save_after_run(strategy, trainer, checkpoint: dict, path: Path) -> Path:

@@ -234,6 +234,7 @@ class FSDP(DDP):
                 unshard_module(sharded, list(trainer.optimizers), gather=gather)
         finally:
             self.mesh = None
+            self.__dict__.pop("_checkpoint_groups", None)  # destroyed with the process group
             super().teardown(trainer)
 
     @property
@@ -247,12 +248,21 @@ class FSDP(DDP):
         restart finds it."""
         return "file" if self._full else "directory"
 
-    @property
-    def hookloop_async_save(self) -> bool:
-        """``ModelCheckpoint(async_save=True)`` may write in the background under
-        ``state_dict_type="full"`` (gathered, then one ``atomic_save`` on rank 0); the
-        sharded directories are written synchronously."""
-        return self._full
+    #: ``ModelCheckpoint(async_save=True)`` writes in the background: under
+    #: ``state_dict_type="full"`` the gathered state is one ``atomic_save`` on rank 0 (a CPU
+    #: snapshot, written by the checkpoint writer); under ``"sharded"`` every rank's shards
+    #: go through ``torch.distributed.checkpoint.async_save`` and the tag is committed by
+    #: the writer once they are on disk (``hookloop.defer``).
+    hookloop_async_save = True
+
+    def checkpoint_group(self, name: str):
+        """A gloo process group for the background collectives of DCP's asynchronous
+        saves of ``name`` (model, optimizer), made the first time (every rank saves, so
+        every rank makes it, in the same order) and kept for the run."""
+        groups = self.__dict__.setdefault("_checkpoint_groups", {})
+        if name not in groups:
+            groups[name] = dist.new_group(backend="gloo")
+        return groups[name]
 
     # -- model ----------------------------------------------------------------------------
 
