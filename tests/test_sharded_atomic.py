@@ -29,7 +29,8 @@ from conftest import REPO, finish_job, start_hookloop_run
 SCRIPT = REPO / "tests" / "scripts" / "sharded_kill_job.py"
 COMPLETE_MARKER = ".hookloop-complete"  # documented: the file that marks a tag complete
 JOBS = {"straight": [], "last_rename": ["--fault", "last-rename"],
-        "shard_write": ["--fault", "shard-write", "--save-top-k", "0"]}
+        "shard_write": ["--fault", "shard-write", "--save-top-k", "0"],
+        "async_shard_write": ["--async-save", "--fault", "shard-write", "--save-top-k", "0"]}
 
 
 def steps(out, rank: int, attempt: int) -> list[int]:
@@ -87,6 +88,25 @@ def test_a_rank_killed_inside_its_deepspeed_shard_resumes_from_the_previous_tag(
     # The later saves pruned the interrupted tag: one complete tag, the one latest names.
     tags = [p.name for p in last.iterdir() if p.is_dir()]
     assert tags == [(last / "latest").read_text().strip()] and (last / tags[0] / COMPLETE_MARKER).is_file()
+
+
+def test_saved_asynchronously_a_rank_killed_inside_its_background_shard_write_resumes_from_the_previous_tag(jobs):
+    """``async_save=True`` under deepspeed: the engine's shard writes are CPU snapshots
+    written by the background writer, the tag committed there after a barrier on a gloo
+    group of its own. Rank 1 killed in the middle of its background shard write of step 4
+    (rank 0's shards done, waiting at that barrier): ``latest`` still names step 2, and the
+    restart ends bit-identical to the synchronous job never interrupted. Before, deepspeed
+    warned and saved synchronously."""
+    out, stdout, stderr = jobs["async_shard_write"]
+    assert "writes its checkpoints itself and does not declare" not in stderr
+    assert "hookloop checkpoint writer" in (out / "killed_in_shard").read_text()  # the background thread
+    assert (out / "rank0_at_barrier").exists()
+    assert steps(out, 1, 0) == [1, 2, 3, 4]
+    last = out / "root" / "logs" / "version_0" / "checkpoints" / "last.ckpt"
+    assert f"resumed from {last} at epoch 0, global step 2" in stdout
+    assert "a save was interrupted, leaving global_step4 incomplete; loading the committed tag 'global_step2'" in stderr
+    assert steps(out, 0, 1) == steps(out, 1, 1) == [3, 4, 5, 6, 7, 8]
+    same_weights(out, jobs["straight"][0])
 
 
 def test_the_uninterrupted_job_keeps_last_and_prev_as_complete_tags(jobs):

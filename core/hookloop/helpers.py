@@ -483,26 +483,29 @@ def init_process_group(backend: str, rank: int, world_size: int, timeout: float 
 # Process groups destroyed by the latest release of this process (see release_process_group).
 _RETIRED: list = []
 # The default group that cpu_process_group last served, and the gloo group it made for it.
-_CPU_GROUP: tuple = (None, None)
+#: name -> (the default group it was made for, the gloo group)
+_CPU_GROUPS: dict[str, tuple] = {}
 
 
-def cpu_process_group() -> Any:
+def cpu_process_group(name: str = "agreement") -> Any:
     """A gloo process group over the ranks of ``torch.distributed``'s default group, for
-    small collectives of CPU tensors that must neither touch the device (no host-device
-    sync under NCCL) nor queue behind the training's collectives: the preemption
-    agreement's (``hookloop.faults``). Made once per default group, by every rank at the
-    same point (``new_group`` is collective), with the run's timeout; destroyed with the
-    default group (:func:`release_process_group`, or ``destroy_process_group()``, which
-    destroys every group)."""
+    collectives of CPU tensors that must neither touch the device (no host-device sync
+    under NCCL) nor queue behind the training's collectives: the preemption agreement's
+    (``hookloop.faults``, the default ``name``), and those a background thread runs while
+    training goes on (fsdp's ``torch.distributed.checkpoint.async_save``, one group per
+    ``name``: two threads never share a group). Made once per name and default group, by
+    every rank at the same point (``new_group`` is collective), with the run's timeout;
+    destroyed with the default group (:func:`release_process_group`, or
+    ``destroy_process_group()``, which destroys every group)."""
     import torch.distributed as dist
     from datetime import timedelta
 
-    global _CPU_GROUP
     world = dist.group.WORLD
-    if _CPU_GROUP[0] is not world:
+    made = _CPU_GROUPS.get(name)
+    if made is None or made[0] is not world:
         kwargs = {"timeout": timedelta(seconds=_GROUP_TIMEOUT)} if _GROUP_TIMEOUT else {}
-        _CPU_GROUP = (world, dist.new_group(backend="gloo", **kwargs))
-    return _CPU_GROUP[1]
+        _CPU_GROUPS[name] = made = (world, dist.new_group(backend="gloo", **kwargs))
+    return made[1]
 
 
 def _quiesce_at_exit() -> None:
@@ -546,8 +549,7 @@ def release_process_group(destroy: Any = None) -> None:
         return
     world = getattr(dist.distributed_c10d, "_world", None)
     groups = list(getattr(world, "pg_names", {})) or [dist.group.WORLD]
-    global _CPU_GROUP
-    _CPU_GROUP = (None, None)  # destroyed with the rest (it is one of pg_names)
+    _CPU_GROUPS.clear()  # destroyed with the rest (they are in pg_names)
     previous = _RETIRED[:]
     _RETIRED[:] = groups
     del previous

@@ -32,6 +32,7 @@ import io
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -91,7 +92,8 @@ if FAULTY and ARGS.fault == "shard-write":
             data = buffer.getvalue()
             with open(f, "wb") as out:  # half a shard, as a kill in the middle of the write leaves
                 out.write(data[: len(data) // 2])
-            (OUT / "killed_in_shard").write_text(f"{f}: {len(data) // 2} of {len(data)} bytes\n")
+            (OUT / "killed_in_shard").write_text(
+                f"{f}: {len(data) // 2} of {len(data)} bytes ({threading.current_thread().name})\n")
             deadline = time.monotonic() + 60
             while not RANK0_AT_BARRIER.exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -112,8 +114,6 @@ if FAULTY and ARGS.fault == "shard-write":
 
 
 if FAULTY and ARGS.fault == "dcp-background-write" and RANK == 1:
-    import threading
-
     import torch.distributed.checkpoint.filesystem as dcp_fs
 
     real_write_data = dcp_fs.FileSystemWriter.write_data

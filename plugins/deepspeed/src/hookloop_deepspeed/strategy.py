@@ -75,6 +75,10 @@ class DeepSpeedStrategy:
     hookloop_owns = frozenset({"precision", "gradient_clipping"})
     # Checkpoints are directories of shards (the checkpoint plugin checks before training).
     hookloop_checkpoint_format = "directory"
+    #: ``ModelCheckpoint(async_save=True)``: the engine's shard writes (its checkpoint
+    #: engine's ``save``) take a CPU snapshot and are written by the background writer;
+    #: the tag is committed there once every rank's shards are on disk.
+    hookloop_async_save = True
     # `hookloop plugins` shows "not built: ..." until DeepSpeed's CPU ops are compiled.
     @staticmethod
     def hookloop_build_status():
@@ -519,6 +523,12 @@ class DeepSpeedStrategy:
         client_state = {_CLIENT_KEY: {k: v for k, v in checkpoint.items() if k not in _ENGINE_OWNED}}
         tags = _tagged(path)
         tag = trainer.broadcast(tags.new_tag(trainer.global_step) if trainer.is_global_zero else None, 0)
+        if hookloop.deferring():  # ModelCheckpoint(async_save=True)
+            group = hookloop.cpu_process_group("checkpoint.deepspeed")
+            with _shard_writes_in_background(self.engine):
+                self.engine.save_checkpoint(str(path), tag=tag, client_state=client_state, save_latest=False)
+            hookloop.defer(lambda: _commit_when_written(trainer.is_global_zero, group, tags, tag))
+            return path
         self.engine.save_checkpoint(str(path), tag=tag, client_state=client_state, save_latest=False)
         trainer.barrier("deepspeed_save_checkpoint")  # every rank's shards are written
         if trainer.is_global_zero:
@@ -781,3 +791,40 @@ def _check_zero_world_size(trainer, path: Path, tag: str, stage: int) -> None:
             f"(module.load_state_dict(torch.load('OUT.pt', weights_only=True))); the optimizer state and the "
             f"loop position are not carried over"
         )
+
+
+@contextlib.contextmanager
+def _shard_writes_in_background(engine):
+    """Inside an asynchronous save: each file the engine's checkpoint engine saves is a
+    CPU snapshot now (``hookloop.checkpoint.cpu_snapshot``), written by the background
+    writer later (``hookloop.defer``), with the checkpoint engine's own ``save``."""
+    from hookloop.checkpoint import cpu_snapshot
+
+    writer = engine.checkpoint_engine
+    real, own = writer.save, writer.__dict__.get("save")
+
+    def save(state_dict, path):
+        snapshot = cpu_snapshot(state_dict)
+        hookloop.defer(lambda: real(snapshot, path))
+
+    writer.save = save
+    try:
+        yield
+    finally:
+        if own is None:
+            del writer.save  # the class's again
+        else:
+            writer.save = own
+
+
+def _commit_when_written(rank_zero: bool, group, tags, tag: str) -> None:
+    """The end of an asynchronous save, in the background writer (after this rank's shard
+    writes): a barrier on a gloo group of its own (every rank's shards are on disk), then
+    rank 0 commits the tag. A rank killed before leaves ``latest`` on the previous tag."""
+    import torch.distributed as torch_dist
+
+    torch_dist.barrier(group=group)
+    if rank_zero:
+        tags.commit(tag)
+        tags.prune()
+

@@ -117,7 +117,7 @@ def save_sharded(strategy, trainer, checkpoint: dict, path: Path) -> Path:
                 # Copied to CPU now (DCP's stager), written by DCP's thread; its collectives
                 # run on a gloo group of their own, never beside training's on the same one.
                 writes.append(dcp.async_save(state, checkpoint_id=str(target / name),
-                                             process_group=strategy.checkpoint_group(name)))
+                                             process_group=hookloop.cpu_process_group(f"checkpoint.{name}")))
             else:
                 dcp.save(state, checkpoint_id=str(target / name))
     if trainer.global_rank == 0:

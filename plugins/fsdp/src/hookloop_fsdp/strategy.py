@@ -234,7 +234,6 @@ class FSDP(DDP):
                 unshard_module(sharded, list(trainer.optimizers), gather=gather)
         finally:
             self.mesh = None
-            self.__dict__.pop("_checkpoint_groups", None)  # destroyed with the process group
             super().teardown(trainer)
 
     @property
@@ -254,15 +253,6 @@ class FSDP(DDP):
     #: go through ``torch.distributed.checkpoint.async_save`` and the tag is committed by
     #: the writer once they are on disk (``hookloop.defer``).
     hookloop_async_save = True
-
-    def checkpoint_group(self, name: str):
-        """A gloo process group for the background collectives of DCP's asynchronous
-        saves of ``name`` (model, optimizer), made the first time (every rank saves, so
-        every rank makes it, in the same order) and kept for the run."""
-        groups = self.__dict__.setdefault("_checkpoint_groups", {})
-        if name not in groups:
-            groups[name] = dist.new_group(backend="gloo")
-        return groups[name]
 
     # -- model ----------------------------------------------------------------------------
 
