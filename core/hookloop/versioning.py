@@ -24,6 +24,7 @@ it gets a :class:`HookloopDeprecationWarning` at registration, pointing at its o
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any
 
@@ -120,6 +121,8 @@ def check_loaded(plugin: Any, name: str, distribution: str | None = None) -> Non
     check_range(plugin, name, distribution)
     if declared_range(plugin) is not None or distribution == "hookloop" or name in _TOLD:
         return
+    if os.environ.get("RANK", "0") != "0":
+        return  # told by global rank 0 (and the launching process), not once per worker
     _TOLD.add(name)
     dist = f" ({distribution})" if distribution else ""
     warnings.warn(
