@@ -381,6 +381,15 @@ def _(tmp):
     hookloop.Trainer(plugins=["amp"], plugin_options={"ampp": {"init_scale": 1024}}, default_root_dir=tmp)
 
 
+@row("P16")
+def _(tmp):
+    class MyPlugin:
+        hookloop_role = "observer"
+        hookloop_requires = ">=1,<2"
+
+    hookloop.Trainer(plugins=[MyPlugin()], default_root_dir=tmp)
+
+
 # -- strategies' and observers' options ----------------------------------------------------
 
 

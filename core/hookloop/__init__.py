@@ -70,6 +70,7 @@ from .plugins import installed_plugins, resolve as plugin
 from .trainer import Trainer, default
 from .unpickling import refused_object, unsafe_checkpoint_error, weights_only_loads
 from .utilities import rank_zero_info, rank_zero_only, rank_zero_warn
+from .versioning import CONTRACT_VERSION, HookloopContractWarning, HookloopDeprecationWarning
 
 __version__ = "0.1.0"
 
@@ -84,6 +85,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "CONTRACT_VERSION",
     "BaseFinetuning",
     "BasePredictionWriter",
     "CSVLogger",
@@ -95,6 +97,8 @@ __all__ = [
     "EarlyStopping",
     "GradientAccumulationScheduler",
     "DistributedSamplerWrapper",
+    "HookloopContractWarning",
+    "HookloopDeprecationWarning",
     "HookloopError",
     "LearningRateMonitor",
     "ModelCheckpoint",

@@ -14,7 +14,7 @@ import argparse
 import inspect
 import sys
 
-from . import contract, plot, scaffold
+from . import contract, plot, scaffold, versioning
 from . import plugins as registry
 from .config import TrainerConfig, env_defaults
 from .errors import HookloopError
@@ -113,9 +113,12 @@ def _parse_devices(text: str | None):
 def cmd_check(args) -> int:
     failed = False
     for name in args.names:
-        _, problems = contract.check(name)
+        plugin, problems = contract.check(name)
         if not problems:
             print(f"{name}: ok")
+            note = versioning.range_note(plugin)  # accepted; said so the author can declare one
+            if note:
+                print(f"  note: {note}")
             continue
         failed = True
         print(f"{name}: {len(problems)} problem(s)")

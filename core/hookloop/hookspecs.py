@@ -624,10 +624,15 @@ def on_validation_epoch_end(trainer):
 
 
 @hookspec
-def on_validation_end(trainer, metrics):
+def on_validation_end(trainer, metrics, sanity_checking):
     """Validation finished; ``metrics`` maps logged names to floats, already reduced
-    across ranks where the user asked for ``sync_dist``. During the sanity check
-    (``trainer.sanity_checking``) they are the sanity batches' and are discarded after."""
+    across ranks where the user asked for ``sync_dist``.
+
+    :param sanity_checking: ``True`` when this is the sanity check before training
+        (``num_sanity_val_steps`` batches; ``metrics`` are the sanity batches' and are
+        discarded after): an observer that writes rows or ranks checkpoints returns then.
+        Every ``on_validation_*`` hook fires during the sanity check, as Lightning's do;
+        the others tell it by ``trainer.sanity_checking`` (contract 2.0, CHANGELOG.md)."""
 
 
 @hookspec

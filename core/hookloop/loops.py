@@ -1269,7 +1269,8 @@ def evaluate(trainer, stage: str, loaders: list, limit: Any, publish: bool = Tru
         computed = metrics.finish_epoch(stage, publish=publish)
         # a name logged with on_step and on_epoch is a result as name_epoch only (Lightning)
         computed = {k: v for k, v in computed.items() if not (k in metrics.forked and f"{k}_epoch" in computed)}
-        getattr(hook, f"on_{prefix}_end")(trainer=trainer, metrics=dict(computed))
+        end_args = {"sanity_checking": trainer.sanity_checking} if prefix == "validation" else {}
+        getattr(hook, f"on_{prefix}_end")(trainer=trainer, metrics=dict(computed), **end_args)
         metrics.reset_metric_objects(stage)  # torchmetrics Metrics, after on_*_end (Lightning)
     finally:
         metrics.stage, metrics.suffix, metrics.epoch_level = saved

@@ -33,7 +33,7 @@ from typing import Any, Iterable
 
 import pluggy
 
-from . import contract, hookspecs, sourcescan
+from . import contract, hookspecs, sourcescan, versioning
 from .errors import (
     ConfigurationError,
     MissingDependencyError,
@@ -78,8 +78,8 @@ class PluginInfo:
             return None
         try:
             plugin = _load_entry_point(self)
-        except MissingDependencyError:
-            return None  # shown as missing requirements instead
+        except (MissingDependencyError, PluginValidationError):
+            return None  # shown as missing requirements / by `hookloop check` instead
         return build_status(plugin, self.name)
 
 
@@ -147,7 +147,7 @@ def installed_commands() -> dict[str, md.EntryPoint]:
 def _load_entry_point(info: PluginInfo) -> Any:
     (ep,) = [e for e in md.entry_points(group=ENTRY_POINT_GROUP) if e.name == info.name][:1]
     try:
-        return ep.load()
+        obj = ep.load()
     except MissingDependencyError:
         raise
     except ImportError as exc:
@@ -164,6 +164,8 @@ def _load_entry_point(info: PluginInfo) -> Any:
             f"Reinstall it (pip install --force-reinstall {dist}) or install what it "
             f"imports."
         ) from exc
+    versioning.check_loaded(obj, info.name, info.distribution)  # its hookloop_requires
+    return obj
 
 
 def unknown_plugin_error(name: str, installed: Iterable[str]) -> PluginNotFoundError:
@@ -523,6 +525,7 @@ def make_plugin_manager(plugins: list[Any], defaults_plugin: Any) -> pluggy.Plug
     pm.register(defaults_plugin, name="hookloop.defaults")
     for p in plugins:
         name = plugin_name(p)
+        versioning.check_range(p, name)  # a plugin given in code: its declared contract range
         problems = contract.hook_problems(p, name)
         if problems:
             raise PluginValidationError(

@@ -172,6 +172,7 @@ class $cls(DDP):
     # Inherited from DDP already; repeated as a plain string so that `hookloop plugins`
     # reads it from this file without importing anything.
     hookloop_role = "strategy"
+    hookloop_requires = ">=2,<3"  # the contract versions it is written for (CHANGELOG.md)
 
     def __init__(self, verbose: bool = False, **ddp_options):
         super().__init__(**ddp_options)
@@ -247,6 +248,7 @@ class $cls:
 
     hookloop_name = "$name"
     hookloop_role = "precision"  # a plain string: `hookloop plugins` reads it unimported
+    hookloop_requires = ">=2,<3"  # the contract versions it is written for (CHANGELOG.md)
 
     def __init__(self, cache_enabled: bool = True):
         self.cache_enabled = cache_enabled
@@ -325,6 +327,7 @@ class $cls:
 
     hookloop_name = "$name"
     hookloop_role = "observer"  # a plain string: `hookloop plugins` reads it unimported
+    hookloop_requires = ">=2,<3"  # the contract versions it is written for (CHANGELOG.md)
 
     def __init__(self, every: int = 0):
         self.every = every
@@ -404,6 +407,7 @@ class $cls:
 
     hookloop_name = "$name"
     hookloop_role = "devices"  # a plain string: `hookloop plugins` reads it unimported
+    hookloop_requires = ">=2,<3"  # the contract versions it is written for (CHANGELOG.md)
 
     def __init__(self, count: int | None = None):
         self.count = count

@@ -178,6 +178,38 @@ def _fit(plugins: list, precision: str = "32", epochs: int = 2, seed: int = 0, m
     return trainer, module
 
 
+def _written_during_sanity_check(plugins: list) -> set[str]:
+    """The files under the run's root (relative paths) created or changed between
+    ``on_sanity_check_start`` and the end of ``on_sanity_check_end`` of a short fit."""
+    from hookloop import hookimpl
+
+    class Snapshots:
+        hookloop_name = "conformance_sanity_snapshots"
+        hookloop_role = "observer"
+
+        def __init__(self):
+            self.before: dict | None = None
+            self.after: dict = {}
+
+        @staticmethod
+        def _files(root) -> dict:
+            root = Path(root)
+            return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+        @hookimpl(tryfirst=True)
+        def on_sanity_check_start(self, trainer):
+            self.before = self._files(trainer.default_root_dir)
+
+        @hookimpl(trylast=True)
+        def on_sanity_check_end(self, trainer):
+            self.after = self._files(trainer.default_root_dir)
+
+    snapshots = Snapshots()
+    _fit(plugins + [snapshots], epochs=1)
+    assert snapshots.before is not None, "the conformance run's sanity check did not run"
+    return {path for path, data in snapshots.after.items() if snapshots.before.get(path) != data}
+
+
 def _make(plugin: Any, options: dict) -> Any:
     """The plugin object: by installed name, or from a class (or an object) under test."""
     import hookloop
@@ -190,8 +222,9 @@ def _make(plugin: Any, options: dict) -> Any:
 
 
 class ObserverConformance:
-    """What every observer must do: not change the math, and get its events in the
-    documented order (docs/hooks.md's ``fit`` sequence, restricted to its hooks).
+    """What every observer must do: not change the math, get its events in the
+    documented order (docs/hooks.md's ``fit`` sequence, restricted to its hooks), and
+    write nothing during the sanity check.
 
     Set ``plugin`` (its installed name, or its class) and optionally ``options``.
     """
@@ -218,6 +251,20 @@ class ObserverConformance:
         observer = self.make()
         implemented = {name for name, _, _ in implementations(observer)}
         assert received_events(observer) == [name for name in FIT_ORDER if name in implemented]
+
+    def test_writes_nothing_during_the_sanity_check(self):
+        """The sanity check fires ``on_validation_end`` with ``sanity_checking=True`` (and the
+        other validation events, ``trainer.sanity_checking`` set); its metrics are discarded,
+        so an observer writes no row, file or checkpoint then (contract 2.0, CHANGELOG.md)."""
+        torch.manual_seed(0)
+        baseline = _written_during_sanity_check([])
+        torch.manual_seed(0)
+        written = _written_during_sanity_check([self.make()])
+        extra = sorted(path for path in written if path not in baseline)
+        assert not extra, (
+            f"the observer wrote {', '.join(extra)} (under the run's root) during the sanity check: "
+            f"on_validation_end gets sanity_checking=True then (trainer.sanity_checking in the other "
+            f"hooks); return without writing")
 
 
 class PrecisionConformance:

@@ -26,6 +26,7 @@ class EMA:
 
     hookloop_name = "ema"
     hookloop_role = "extension"  # composes with any strategy and precision plugin
+    hookloop_requires = ">=2,<3"  # the hookloop plugin contract versions it is written for
 
     def __init__(self, decay: float = 0.9, apply_at_end: bool = True):
         if not 0.0 < decay < 1.0:

@@ -37,6 +37,7 @@ class AMP:
 
     hookloop_name = "amp"
     hookloop_role = "precision"
+    hookloop_requires = ">=2,<3"  # the plugin contract versions it is written for
 
     def __init__(self, allow_cpu_fp16: bool = False, init_scale: float = 2.0**16, growth_interval: int = 2000):
         self.allow_cpu_fp16 = allow_cpu_fp16

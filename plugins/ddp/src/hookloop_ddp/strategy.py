@@ -94,6 +94,7 @@ class DDP:
 
     hookloop_name = "ddp"
     hookloop_role = "strategy"
+    hookloop_requires = ">=2,<3"  # the plugin contract versions it is written for
 
     _OPTIONS = (
         "process_group_backend", "find_unused_parameters", "static_graph",
@@ -410,6 +411,7 @@ class _PrepareReducer:
     """
 
     hookloop_role = "extension"
+    hookloop_requires = ">=2,<3"  # the plugin contract versions it is written for
 
     @hookloop.hookimpl(wrapper=True)
     def backward(self, loss, model):

@@ -70,6 +70,7 @@ class DeepSpeedStrategy:
 
     hookloop_name = "deepspeed"
     hookloop_role = "strategy"
+    hookloop_requires = ">=2,<3"  # the plugin contract versions it is written for
     # Precision plugins hand their setting over: the engine casts the model itself.
     # and the engine clips (its config's gradient_clipping), so self.clip_gradients is refused.
     hookloop_owns = frozenset({"precision", "gradient_clipping"})

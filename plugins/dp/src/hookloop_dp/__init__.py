@@ -85,6 +85,7 @@ class DP:
 
     hookloop_name = "dp"
     hookloop_role = "strategy"
+    hookloop_requires = ">=2,<3"  # the plugin contract versions it is written for
 
     def __init__(self):
         self.device_ids: list[int] = []

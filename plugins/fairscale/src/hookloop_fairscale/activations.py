@@ -46,6 +46,7 @@ class ActivationCheckpointing:
 
     hookloop_name = "activation_checkpointing"
     hookloop_role = "extension"
+    hookloop_requires = ">=2,<3"  # the plugin contract versions it is written for
 
     def __init__(self, modules: list[Any] | tuple[Any, ...] = (), offload_to_cpu: bool = False):
         require_fairscale(self.hookloop_name)

@@ -52,6 +52,7 @@ class PipeStrategy:
 
     hookloop_name = "pipe"
     hookloop_role = "strategy"
+    hookloop_requires = ">=2,<3"  # the plugin contract versions it is written for
 
     def __init__(self, balance: list[int] | None = None, chunks: int = 8, checkpoint: str = "except_last",
                  devices: list[Any] | None = None):

@@ -66,6 +66,7 @@ class DDPSequential(DDP):
 
     hookloop_name = "ddp_sequential"
     hookloop_role = "strategy"
+    hookloop_requires = ">=2,<3"  # the plugin contract versions it is written for
     # Its save_checkpoint gathers the state and lets the default write it (atomic_save):
     # ModelCheckpoint(async_save=True) may write that in the background.
     hookloop_async_save = True

@@ -62,6 +62,7 @@ class DDPSharded(DDP):
 
     hookloop_name = "ddp_sharded"
     hookloop_role = "strategy"
+    hookloop_requires = ">=2,<3"  # the plugin contract versions it is written for
     # Its save_checkpoint gathers the state and lets the default write it (atomic_save):
     # ModelCheckpoint(async_save=True) may write that in the background.
     hookloop_async_save = True
@@ -373,6 +374,7 @@ class DDPShardedSpawn(DDPSharded, DDPSpawn):
 
     hookloop_name = "ddp_sharded_spawn"
     hookloop_role = "strategy"
+    hookloop_requires = ">=2,<3"  # the plugin contract versions it is written for
     _OPTIONS = DDPSharded._OPTIONS + ("start_method",)
 
     def __init__(

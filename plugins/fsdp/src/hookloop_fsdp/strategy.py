@@ -108,6 +108,7 @@ class FSDP(DDP):
 
     hookloop_name = "fsdp"
     hookloop_role = "strategy"
+    hookloop_requires = ">=2,<3"  # the plugin contract versions it is written for
     hookloop_owns = frozenset({"precision"})
 
     _FSDP_OPTIONS = (
@@ -427,6 +428,7 @@ class _GradScaling:
     same steps). Registered by :meth:`FSDP.setup` for fp16 runs only."""
 
     hookloop_role = "extension"
+    hookloop_requires = ">=2,<3"  # the plugin contract versions it is written for
 
     def __init__(self, device: torch.device):
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler

@@ -61,6 +61,7 @@ class GPUs:
 
     hookloop_name = "gpus"
     hookloop_role = "devices"
+    hookloop_requires = ">=2,<3"  # the plugin contract versions it is written for
 
     def __init__(self, gpus: Any = _FROM_DEVICES, auto_select_gpus: bool = False, machine: Callable[[], Machine] | None = None):
         self.gpus = gpus

@@ -49,6 +49,7 @@ class Horovod:
 
     hookloop_name = "horovod"
     hookloop_role = "strategy"
+    hookloop_requires = ">=2,<3"  # the plugin contract versions it is written for
     # `hookloop plugins` shows "not built: ..." until Horovod's PyTorch extension is built.
     hookloop_build_status = staticmethod(build_status)
 

@@ -72,6 +72,7 @@ class MLFlowLogger(hookloop.loggers.ConstructorOptions):
 
     hookloop_name = "mlflow"
     hookloop_role = "observer"
+    hookloop_requires = ">=2,<3"  # the plugin contract versions it is written for
 
     def __init__(self, experiment_name: str = "lightning_logs", run_name: str | None = None,
                  tracking_uri: str | None = None, tags: dict | None = None, save_dir: str | os.PathLike | None = None,

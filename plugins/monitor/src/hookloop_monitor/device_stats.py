@@ -80,6 +80,7 @@ class DeviceStats:
 
     hookloop_name = "device_stats"
     hookloop_role = "observer"
+    hookloop_requires = ">=2,<3"  # the plugin contract versions it is written for
 
     def __init__(self, every_n_steps: int = 50, nvml: Any = None):
         self.every_n_steps = check_every("device_stats", every_n_steps)

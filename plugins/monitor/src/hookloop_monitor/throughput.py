@@ -109,6 +109,7 @@ class Throughput:
 
     hookloop_name = "throughput"
     hookloop_role = "observer"
+    hookloop_requires = ">=2,<3"  # the plugin contract versions it is written for
 
     def __init__(self, every_n_steps: int = 50, sync: bool = False):
         self.every_n_steps = check_every("throughput", every_n_steps)

@@ -64,6 +64,7 @@ class TensorBoardLogger(VersionedDirectory):
 
     hookloop_name = "tensorboard"
     hookloop_role = "observer"
+    hookloop_requires = ">=2,<3"  # the plugin contract versions it is written for
 
     def __init__(self, save_dir: Any = None, name: str | None = "lightning_logs", version: int | str | None = None,
                  log_graph: bool = False, default_hp_metric: bool = True, prefix: str = "",
