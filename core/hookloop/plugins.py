@@ -253,7 +253,7 @@ def _check_option_names(cls: type, name: str, options: dict) -> None:
     known = plugin_options(cls)
     for key in options:
         if key not in known:
-            raise _unknown_option_error(name, key, known)
+            raise _unknown_option_error(name, key, known, cls)
 
 
 def _declared_name(plugin: Any) -> str | None:
@@ -375,12 +375,17 @@ def check_option_targets(plugins: Iterable[Any], options: dict[str, dict]) -> No
     )
 
 
-def _unknown_option_error(name: str, key: str, known: list[str]) -> ConfigurationError:
-    """``key`` is not a constructor parameter of plugin ``name`` (whose are ``known``)."""
+def _unknown_option_error(name: str, key: str, known: list[str], cls: type | None = None) -> ConfigurationError:
+    """``key`` is not a constructor parameter of plugin ``name`` (whose are ``known``);
+    where a base class's constructor takes it (ddp's ``comm_hook`` under fsdp), says so."""
     close = [c for c in difflib.get_close_matches(key, known, n=2) if c != key][:1]
+    base = next((b for b in (cls.__mro__[1:] if cls is not None else ()) if b is not object
+                 and key in plugin_options(b)), None)
     return ConfigurationError(
         f"plugin {name!r} has no option {key!r}"
         + (f" (did you mean {close[0]!r}?)" if close else "")
+        + (f" (an option of its base class {base.__name__} that {cls.__name__}'s constructor does not take)"
+           if base is not None else "")
         + f"; its options: {', '.join(known) or 'none'}"
     )
 
