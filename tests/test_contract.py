@@ -425,10 +425,12 @@ def test_options_for_a_plugin_name_nobody_knows_are_refused(tmp_path):
                        match=r"options are given for plugin 'ampp' \(init_scale\), but no plugin of that name is "
                              r"installed or in the run \(did you mean 'amp'\?\); plugins: .*\bddp\b.*\."):
         hookloop.Trainer(plugins=["amp"], plugin_options={"ampp": {"init_scale": 2}}, default_root_dir=tmp_path)
-    # A plugin object given in code is known by its name.
-    trainer = hookloop.Trainer(plugins=[RankCounter()], plugin_options={"rank_counter": {"value": 2.0}},
-                               default_root_dir=tmp_path)
-    assert trainer.plugins[0].value == 2.0
+    # A plugin object given in code is known by its name: the options reach it, and are
+    # refused as options (value is no constructor argument: options construct plugins,
+    # tests/test_plugin_options.py), not as a name nobody knows.
+    with pytest.raises(hookloop.ConfigurationError, match=r"plugin 'rank_counter' has no option 'value'; its options: none"):
+        hookloop.Trainer(plugins=[RankCounter()], plugin_options={"rank_counter": {"value": 2.0}},
+                         default_root_dir=tmp_path)
 
 
 def test_options_for_an_installed_plugin_outside_the_run_are_kept_for_the_runs_that_use_it(tmp_path):

@@ -381,6 +381,12 @@ def _(tmp):
     hookloop.Trainer(plugins=["amp"], plugin_options={"ampp": {"init_scale": 1024}}, default_root_dir=tmp)
 
 
+@row("P12")
+def _(tmp):
+    hookloop.Trainer(plugins=[hookloop.EarlyStopping(monitor="val_loss")],
+                     plugin_options={"early_stopping": {"patience": 5}}, default_root_dir=tmp)
+
+
 @row("P16")
 def _(tmp):
     class MyPlugin:

@@ -184,7 +184,7 @@ def test_fairscale_not_installed_names_the_package(monkeypatch):
 
 
 def test_ddp_options_that_sharding_does_not_use_are_refused():
-    with pytest.raises(hookloop.ConfigurationError, match="comm_hook='fp16'.*ShardedDataParallel"):
+    with pytest.raises(hookloop.ConfigurationError, match=r"no option 'comm_hook' \(an option of its base class DDP that"):
         hookloop.Trainer(plugins=["ddp_sharded"], plugin_options={"ddp_sharded": {"comm_hook": "fp16"}})
     with pytest.raises(hookloop.ConfigurationError, match="reduce_buffer_size"):
         hookloop.plugin("ddp_sharded", reduce_buffer_size=-1)

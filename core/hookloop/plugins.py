@@ -197,23 +197,65 @@ def resolve(name: str, **options: Any) -> Any:
 
 
 def _instantiate(obj: Any, name: str | None, options: dict) -> Any:
+    """A plugin object from ``obj`` (a class is constructed with ``options``, each checked
+    to be a constructor parameter unless ``__init__`` takes ``**kwargs``; the arguments are
+    recorded so that :func:`apply_options` can construct it again with more). ``name``
+    (the entry-point name) becomes the plugin's name unless its class declares one itself:
+    a subclass of ``ddp`` installed as ``localsgd`` is ``localsgd``, not ``ddp``."""
     if inspect.isclass(obj):
-        known = plugin_options(obj)
-        if not _takes_any_keyword(obj):
-            for key in options:
-                if key not in known:
-                    raise _unknown_option_error(name or _declared_name(obj) or obj.__name__, key, known)
+        label = name or _declared_name(obj) or obj.__name__
+        _check_option_names(obj, label, options)
         plugin = obj(**options)
+        _record_init_args(plugin, options)
     else:
         if options:
-            raise TypeError(f"plugin {name!r} is not a class and takes no options")
+            raise ConfigurationError(
+                f"plugin {name!r} is not a class (it is {type(obj).__name__} {obj!r}) and takes no "
+                f"options; drop {', '.join(sorted(options))} or register a class"
+            )
         plugin = obj
-    if name and not _declared_name(plugin):
+    if name and (not _declared_name(plugin) or (inspect.isclass(obj) and "hookloop_name" not in _own_attributes(obj))):
         try:
             plugin.hookloop_name = name
         except (AttributeError, TypeError):
             pass
     return plugin
+
+
+def _own_attributes(cls: type) -> set[str]:
+    """Names a class declares in its own body (not inherited from a base plugin)."""
+    return set(vars(cls))
+
+
+#: The attribute where :func:`_instantiate` records the constructor arguments it used.
+INIT_ARGS = "_hookloop_init_args"
+
+
+def _record_init_args(plugin: Any, args: dict) -> None:
+    try:
+        object.__setattr__(plugin, INIT_ARGS, dict(args))
+    except (AttributeError, TypeError):  # __slots__ without room: cannot be rebuilt later
+        pass
+
+
+def _recorded_init_args(plugin: Any) -> dict | None:
+    """The constructor arguments a plugin object was built with, when known: recorded by
+    hookloop (``hookloop.plugin(...)``, a name in ``plugins=``), or kept by the object
+    itself in ``_init_args`` (the loggers, :class:`hookloop.loggers.ConstructorOptions`)."""
+    args = vars(plugin).get(INIT_ARGS) if hasattr(plugin, "__dict__") else None
+    if args is None:
+        args = getattr(plugin, "_init_args", None)
+    return dict(args) if isinstance(args, dict) else None
+
+
+def _check_option_names(cls: type, name: str, options: dict) -> None:
+    """Every option must be a parameter of ``cls.__init__`` (unless it takes ``**kwargs``)."""
+    if _takes_any_keyword(cls):
+        return
+    known = plugin_options(cls)
+    for key in options:
+        if key not in known:
+            raise _unknown_option_error(name, key, known, cls)
 
 
 def _declared_name(plugin: Any) -> str | None:
@@ -253,22 +295,63 @@ def plugin_options(plugin: Any) -> list[str]:
 
 
 def apply_options(plugin: Any, options: dict[str, dict]) -> Any:
-    """Set ``options[plugin's name]`` on the plugin object (``plugin_options=``,
-    ``--plugin-option``, ``HOOKLOOP_PLUGIN_OPTIONS``); an unknown option is an error
-    naming the plugin's options."""
+    """Give ``options[plugin's name]`` (``plugin_options=``, ``--plugin-option``,
+    ``HOOKLOOP_PLUGIN_OPTIONS``) to the plugin's constructor.
+
+    Options construct the plugin, so its ``__init__`` validates them: each must be a
+    constructor parameter (unless ``__init__`` takes ``**kwargs``), else the error names
+    the real ones. A plugin hookloop built (from a name or a class) already got them; an
+    object built with known arguments (``hookloop.plugin(...)``, a logger) is constructed
+    again, in place, with its arguments and the options merged (the options win); an
+    object whose constructor arguments are unknown (``DDP(...)`` written in code) cannot
+    be, and is refused with the way to pass the option instead.
+    """
     name = plugin_name(plugin)
-    if name in options and not isinstance(plugin, type):
+    given = options.get(name)
+    if not given or isinstance(plugin, type):
+        return plugin
+    if isinstance(plugin, types.ModuleType):
+        raise ConfigurationError(
+            f"plugin {name!r} is a module and takes no options, but options are given for it "
+            f"({', '.join(sorted(given))}): drop them from plugin_options= / --plugin-option / "
+            f"{OPTIONS_ENV}"
+        )
+    cls = type(plugin)
+    _check_option_names(cls, name, given)
+    recorded = _recorded_init_args(plugin)
+    if recorded is not None and all(k in recorded and _same(recorded[k], v) for k, v in given.items()):
+        return plugin  # constructed with these options already
+    if recorded is None:
         set_option = getattr(plugin, "hookloop_set_option", None)
-        for key, value in options[name].items():
-            if callable(set_option):  # options that are not plain attributes (a logger's save_dir)
-                if key not in plugin_options(plugin) and not _takes_any_keyword(type(plugin)):
-                    raise _unknown_option_error(name, key, plugin_options(plugin))
+        if callable(set_option):  # an object that rebuilds itself per option
+            for key, value in given.items():
                 set_option(key, value)
-                continue
-            if not hasattr(plugin, key):
-                raise _unknown_option_error(name, key, plugin_options(plugin))
-            setattr(plugin, key, value)
+            return plugin
+        key = next(iter(given))
+        raise ConfigurationError(
+            f"option {name}.{key}={given[key]!r} (from plugin_options= / --plugin-option / "
+            f"{OPTIONS_ENV}) cannot be given to plugin {name!r}: it was built in code as "
+            f"{cls.__qualname__}(...) and hookloop does not know its constructor arguments, so it "
+            f"cannot construct it again with the option (options are constructor arguments, "
+            f"checked by __init__). Pass {key}=... to {cls.__qualname__}(...) in code, build it "
+            f"with hookloop.plugin({name!r}, ...), or name it (plugins=[{name!r}])"
+        )
+    keep = {k: v for k, v in vars(plugin).items() if k == "hookloop_name"}
+    merged = {**recorded, **given}
+    cls.__init__(plugin, **merged)  # the constructor's own validation runs
+    _record_init_args(plugin, merged)
+    for k, v in keep.items():
+        object.__setattr__(plugin, k, v)
     return plugin
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    try:
+        return bool(type(a) is type(b) and a == b)
+    except Exception:
+        return False
 
 
 def check_option_targets(plugins: Iterable[Any], options: dict[str, dict]) -> None:
@@ -294,11 +377,17 @@ def check_option_targets(plugins: Iterable[Any], options: dict[str, dict]) -> No
     )
 
 
-def _unknown_option_error(name: str, key: str, known: list[str]) -> ConfigurationError:
-    close = difflib.get_close_matches(key, known, n=1)
+def _unknown_option_error(name: str, key: str, known: list[str], cls: type | None = None) -> ConfigurationError:
+    """``key`` is not a constructor parameter of plugin ``name`` (whose are ``known``);
+    where a base class's constructor takes it (ddp's ``comm_hook`` under fsdp), says so."""
+    close = [c for c in difflib.get_close_matches(key, known, n=2) if c != key][:1]
+    base = next((b for b in (cls.__mro__[1:] if cls is not None else ()) if b is not object
+                 and key in plugin_options(b)), None)
     return ConfigurationError(
         f"plugin {name!r} has no option {key!r}"
         + (f" (did you mean {close[0]!r}?)" if close else "")
+        + (f" (an option of its base class {base.__name__} that {cls.__name__}'s constructor does not take)"
+           if base is not None else "")
         + f"; its options: {', '.join(known) or 'none'}"
     )
 
@@ -347,9 +436,7 @@ def collect(requested: Iterable[Any], defaults: Iterable[Any] = (), autoload: bo
 
     def make(cls: Any, name: str | None) -> Any:
         given = options.get(name or getattr(cls, "hookloop_name", None) or cls.__name__, {}) if inspect.isclass(cls) else {}
-        known = set(plugin_options(cls)) if given else set()
-        # Unknown names are left to apply_options, whose error lists the real ones.
-        return _instantiate(cls, name, {k: v for k, v in given.items() if k in known})
+        return _instantiate(cls, name, dict(given))  # options construct the plugin
 
     requested = list(requested)
     defaults = list(defaults)

@@ -21,9 +21,12 @@ import hookloop
 from . import comm
 from .environment import ClusterEnvironment
 
-#: The key of this plugin's state in ``checkpoint["plugins"]``; shared by ``ddp`` and
-#: ``ddp_spawn`` so a checkpoint of one resumes under the other.
+#: The key ``ddp`` itself saves its state under in ``checkpoint["plugins"]``. A subclass
+#: saves under its own plugin name (``ddp_spawn``, ``localsgd``...), and loads from its own
+#: key, else from the first of these present: the key every ddp subclass used before
+#: issue 20 ("ddp"), and ddp's own family, so a checkpoint of one resumes under another.
 CHECKPOINT_KEY = "ddp"
+FALLBACK_KEYS = ("ddp", "ddp_spawn", "ddp2")
 
 
 
@@ -385,17 +388,25 @@ class DDP:
 
     # -- checkpoints --------------------------------------------------------------------
 
+    def checkpoint_key(self) -> str:
+        """This plugin's key in ``checkpoint["plugins"]``: its plugin name (a subclass's own)."""
+        return getattr(self, "hookloop_name", None) or type(self).__name__
+
     @hookloop.hookimpl
     def on_save_checkpoint(self, checkpoint):
         """Save the communication hook's state (PowerSGD's error feedback, iteration...)."""
         state = comm.state_to_checkpoint(self.comm_hook, self.comm_hook_state)
         if state is not None:
-            checkpoint["plugins"][CHECKPOINT_KEY] = {"comm_hook": state}
+            checkpoint["plugins"][self.checkpoint_key()] = {"comm_hook": state}
 
     @hookloop.hookimpl
     def on_load_checkpoint(self, checkpoint):
-        """Restore the communication hook's state saved by :meth:`on_save_checkpoint`."""
-        saved = checkpoint.get("plugins", {}).get(CHECKPOINT_KEY, {}).get("comm_hook")
+        """Restore the communication hook's state saved by :meth:`on_save_checkpoint`:
+        under this plugin's name, else under a key of :data:`FALLBACK_KEYS` (a checkpoint
+        a subclass saved under "ddp" before issue 20, or one of ddp_spawn's)."""
+        plugins = checkpoint.get("plugins", {})
+        key = next((k for k in (self.checkpoint_key(),) + FALLBACK_KEYS if k in plugins), None)
+        saved = plugins.get(key, {}).get("comm_hook") if key is not None else None
         if saved is not None:
             comm.state_from_checkpoint(self.comm_hook, self.comm_hook_state, saved)
 
