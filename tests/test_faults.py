@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 import hookloop
-from hookloop import helpers, rundir
+from hookloop import dist as hookloop_dist, rundir
 from conftest import REPO, TinyModule, finish_job, start_hookloop_run, state_of, tiny_data
 
 SCRIPT = REPO / "tests" / "scripts" / "restart_job.py"
@@ -47,7 +47,7 @@ def agent_store(monkeypatch):
 def group_store(monkeypatch, rank: int, restart: int, run_id: str = "job") -> dist.Store:
     """The store ``hookloop.init_process_group`` gives torch's process group in a newly
     started worker of global rank ``rank`` (of 2) in attempt ``restart`` of run ``run_id``."""
-    monkeypatch.setattr(helpers, "_GROUP_GENERATION", itertools.count())  # a new process counts from 0
+    monkeypatch.setattr(hookloop_dist, "_GROUP_GENERATION", itertools.count())  # a new process counts from 0
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", run_id)
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(restart))
     made = {}

@@ -33,6 +33,7 @@ from .errors import (
     PluginNotFoundError,
     PluginValidationError,
 )
+from .dist import init_process_group, release_process_group, torch_reduce_op
 from .helpers import (
     DistributedSamplerWrapper,
     apply_to_tensors,
@@ -40,19 +41,15 @@ from .helpers import (
     clip_gradients,
     cpu_process_group,
     distributed_sampler,
-    env_int,
     gather_per_rank,
-    init_process_group,
     local_rank_device,
     move_to_device,
     own_entry,
     rebuild_dataloader,
-    release_process_group,
     repoint_lr_scheduler,
     reset_seed,
     run_hparams,
     seed_everything,
-    torch_reduce_op,
 )
 from .hookspecs import hookimpl, hookspec
 from .launch import as_launcher, die_with_launcher, elastic_command, in_worker
@@ -69,10 +66,10 @@ from .optim import SchedulerConfig, before_optimizer_step, schedulers_of
 from .plugins import installed_plugins, resolve as plugin
 from .trainer import Trainer, default
 from .unpickling import refused_object, unsafe_checkpoint_error, weights_only_loads
-from .utilities import rank_zero_info, rank_zero_only, rank_zero_warn
+from .utilities import env_int, rank_zero_info, rank_zero_only, rank_zero_warn
 from .versioning import CONTRACT_VERSION, HookloopContractWarning, HookloopDeprecationWarning
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 
 def __getattr__(name: str):

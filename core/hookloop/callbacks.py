@@ -41,13 +41,22 @@ from __future__ import annotations
 import copy
 import enum
 import inspect
+import sys
 from typing import Any, Iterable, Sequence
 
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from . import pluginspec
 from .errors import ConfigurationError
+from .observers import bars, csvlog, early_stopping, lr_monitor, model_summary, progress, timer
+from .observers import checkpoint as model_checkpoint
+
+#: Where the classes that ``hookloop`` exports under Lightning's names live (this module
+#: and the built-in observers): read by :func:`not_honoured_error`, without importing the
+#: package's facade.
+_LIGHTNING_NAMED = (bars, model_checkpoint, csvlog, early_stopping, lr_monitor, model_summary, progress, timer)
 
 # Lightning 2.6.6's Callback hooks (other than setup/teardown and the checkpoint ones):
 # name -> (the hookloop event that calls it, the Lightning arguments after pl_module,
@@ -249,9 +258,7 @@ def overridden(callback: Callback, name: str) -> bool:
 def check_callback(callback: Callback) -> None:
     """Refuse ``on_*`` methods that are no Lightning hook (never called), and Lightning
     hooks whose hookloop event does not exist."""
-    from . import contract
-
-    specs = contract.specs()
+    specs = pluginspec.specs()
     for name in dir(type(callback)):
         if not name.startswith("on_") or not callable(getattr(type(callback), name, None)):
             continue
@@ -281,10 +288,8 @@ def not_honoured_error(obj: Any) -> ConfigurationError:
     where = f"{cls.__module__}.{cls.__qualname__}"
     lightning = next((c for c in cls.__mro__ if c.__module__.split(".")[0] in ("lightning", "pytorch_lightning")), None)
     if lightning is not None:
-        import hookloop
-
         base = lightning.__name__
-        if isinstance(getattr(hookloop, base, None), type):
+        if any(isinstance(getattr(home, base, None), type) for home in (sys.modules[__name__], *_LIGHTNING_NAMED)):
             hint = (
                 f"it is a Lightning callback (the import was not changed): change `from lightning.pytorch.callbacks "
                 f"import {base}` (or pytorch_lightning's) to `from hookloop import {base}`"
@@ -463,8 +468,6 @@ def check_callbacks_argument(objects: Iterable[Any]) -> None:
     or a plugin's name (a string or class, loaded as plugins are)."""
     import types
 
-    from . import contract
-
     for obj in objects:
         if isinstance(obj, type) and issubclass(obj, Callback):
             raise ConfigurationError(
@@ -472,7 +475,7 @@ def check_callbacks_argument(objects: Iterable[Any]) -> None:
                 f"callbacks=[{obj.__name__}(...)]")
         if isinstance(obj, (str, type, types.ModuleType, Callback)) or obj is None:
             continue
-        if not any(True for _ in contract.implementations(obj)):
+        if not any(True for _ in pluginspec.implementations(obj)):
             raise not_honoured_error(obj)
 
 

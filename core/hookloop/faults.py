@@ -30,29 +30,25 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
-#: Seconds a collective may wait, per backend, when neither the Trainer nor the strategy
-#: says: NCCL as torch (10 minutes); gloo (CPU) 5 minutes, where torch waits 30.
-DEFAULT_TIMEOUTS = {"gloo": 300.0, "nccl": 600.0}
+# What a failed collective is and how it is reported, and the timeouts, moved to
+# hookloop.dist with the process groups; they stay importable from here.
+from .dist import (  # noqa: F401
+    DEFAULT_TIMEOUTS,
+    census,
+    collective_failure_error,
+    cpu_process_group,
+    default_process_group_timeout,
+    describe_collective,
+    is_collective_failure,
+)
 
 #: The exit status of a worker that stopped for a SIGTERM after writing its checkpoint:
 #: 128 + SIGTERM, what a shell reports for a process that SIGTERM ended. Non-zero, so the
 #: elastic agent treats it as a failure and restarts the workers while restarts remain.
 PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
-
-
-def default_process_group_timeout(backend: str | None) -> float | None:
-    """The timeout (seconds) for a process group of ``backend`` when nobody chose one:
-    :data:`DEFAULT_TIMEOUTS`, the longest of a per-device list (``"cpu:gloo,cuda:nccl"``),
-    ``None`` (torch's own default) for other backends."""
-    if not backend:
-        return None
-    found = [DEFAULT_TIMEOUTS.get(part.split(":")[-1].strip().lower()) for part in str(backend).split(",")]
-    found = [t for t in found if t is not None]
-    return max(found) if found else None
 
 
 # ---------------------------------------------------------------------------------------
@@ -106,8 +102,6 @@ class Preemption:
         self._flag = torch.zeros(1)
         if (trainer.world_size > 1 and dist.is_available() and dist.is_initialized()
                 and dist.get_world_size() == trainer.world_size):
-            from .helpers import cpu_process_group
-
             self._group = cpu_process_group()
 
     def agreed(self, trainer) -> bool:
@@ -200,138 +194,3 @@ def requeue_slurm_job() -> bool:
         return False
     print(f"hookloop: requeued the SLURM job: `{shlex.join(cmd)}`", flush=True)
     return True
-
-
-# ---------------------------------------------------------------------------------------
-# Hung or broken collectives
-# ---------------------------------------------------------------------------------------
-
-# torch.distributed functions, as they appear in a traceback, and what to call them.
-_COLLECTIVES = ("all_reduce", "reduce", "broadcast", "broadcast_object_list", "all_gather", "all_gather_object",
-                "gather", "gather_object", "scatter", "scatter_object_list", "reduce_scatter", "barrier",
-                "all_to_all", "send", "recv", "monitored_barrier")
-_TIMEOUT_WORDS = ("timed out", "timeout", "connection reset", "connection closed", "broken pipe", "connection refused")
-
-
-def is_collective_failure(exc: BaseException) -> bool:
-    """A torch.distributed error of a collective that timed out or lost a peer."""
-    if not isinstance(exc, RuntimeError):
-        return False
-    text = str(exc).lower()
-    return any(word in text for word in _TIMEOUT_WORDS) and _distributed_in_traceback(exc)
-
-
-def _distributed_in_traceback(exc: BaseException) -> bool:
-    import torch.distributed as dist
-
-    if isinstance(exc, getattr(dist, "DistError", ())):
-        return True
-    return any(_frame_kind(frame) is not None for frame in _frames(exc))
-
-
-def _frames(exc: BaseException) -> list:
-    frames, tb = [], exc.__traceback__
-    while tb is not None:
-        frames.append(tb.tb_frame)
-        tb = tb.tb_next
-    return frames
-
-
-def _frame_kind(frame) -> str | None:
-    path = frame.f_code.co_filename.replace("\\", "/")
-    name = frame.f_code.co_name
-    if path.endswith("torch/distributed/distributed_c10d.py") and name in _COLLECTIVES:
-        return name
-    if name in ("backward", "run_backward", "_engine_run_backward") and "/torch/" in path:
-        return "backward"
-    if name == "agreed" and path.endswith("hookloop/faults.py"):
-        return "agreement"  # the wait for the preemption check's asynchronous all_reduce
-    return None
-
-
-def describe_collective(exc: BaseException) -> str:
-    """Which collective failed, read from the traceback: torch.distributed's function, and
-    where hookloop called it from (a named barrier, the preemption check...)."""
-    frames = _frames(exc)
-    kinds = [(frame, kind) for frame in frames if (kind := _frame_kind(frame)) is not None]
-    if not kinds:
-        return "a collective"
-    if any(kind == "agreement" for _, kind in kinds):
-        return "all_reduce of the preemption check (the SIGTERM flag, at an optimizer-step boundary)"
-    frame, kind = kinds[-1]
-    if kind == "backward":
-        return ("the all_reduce of the gradients in backward (DistributedDataParallel's reducer, or the "
-                "strategy's gradient synchronisation)")
-    caller = None
-    for f in frames:
-        if f is frame:
-            break
-        path = f.f_code.co_filename.replace("\\", "/")
-        if "/hookloop" in path and "/torch/" not in path:
-            caller = f
-    where = ""
-    if caller is not None:
-        name = caller.f_code.co_name
-        label = caller.f_locals.get("name") if name == "barrier" else None
-        if name == "agreed":
-            where = " of the preemption check (the SIGTERM flag, at an optimizer-step boundary)"
-        elif label:
-            where = f" {label!r}"
-        else:
-            where = f" (called from hookloop's {name})"
-    return f"{kind}{where}"
-
-
-def census(trainer, grace: float) -> tuple[list[int], list[int]] | None:
-    """After a failed collective: each surviving rank reports in the process group's store
-    and waits up to ``grace`` seconds for the others. Returns ``(reported, missing)``, or
-    ``None`` when the store cannot be reached (its host may be the rank that failed)."""
-    from . import helpers
-
-    store = helpers._GROUP_STORE
-    world, rank = trainer.world_size, trainer.global_rank
-    if store is None or world <= 1:
-        return None
-    try:
-        store.set(f"hookloop/census/{rank}", str(trainer.global_step))
-        deadline = time.monotonic() + grace
-        while True:
-            reported = [r for r in range(world) if store.check([f"hookloop/census/{r}"])]
-            if len(reported) == world or time.monotonic() >= deadline:
-                return reported, [r for r in range(world) if r not in reported]
-            time.sleep(0.2)
-    except Exception:  # the store went with the failure: nothing can be known
-        return None
-
-
-def collective_failure_error(trainer, exc: BaseException):
-    """The :class:`CollectiveTimeoutError` that explains ``exc``, a failed collective; or
-    ``None`` when ``exc`` is something else."""
-    from .errors import CollectiveTimeoutError
-
-    if trainer.world_size <= 1 or not is_collective_failure(exc):
-        return None
-    from . import helpers
-
-    timeout = helpers._GROUP_TIMEOUT
-    grace = min(5.0, (timeout or 10.0) / 2)
-    found = census(trainer, grace)
-    if found is None:
-        suspects = ("Which rank failed cannot be known: the process group's store could not be reached "
-                    "(it lives in the elastic agent, or on global rank 0, which may be the one that failed)")
-    elif found[1]:
-        missing = found[1]
-        suspects = (f"Suspected rank(s): {', '.join(map(str, missing))} (did not report within {grace:g} s after the "
-                    f"failure: stopped, dead, or stuck outside the collective; ranks {found[0]} reported)")
-    else:
-        suspects = ("Every rank reported after the failure, so none is stuck now: a rank was slower than the "
-                    "timeout, or the network between them failed")
-    limit = f"{timeout:g} s" if timeout else "torch's default"
-    return CollectiveTimeoutError(
-        f"global rank {trainer.global_rank}: {describe_collective(exc)} failed after global step "
-        f"{trainer.global_step} (process-group timeout {limit}): {(str(exc).strip().splitlines() or [type(exc).__name__])[-1]}. "
-        f"{suspects}. This process exits so that the elastic agent restarts the workers (hookloop run "
-        f"--max-restarts N), which resume from this run's last.ckpt. If a rank is legitimately that slow "
-        f"(rank-0-only work such as prepare_data or a large checkpoint), raise the timeout: "
-        f"Trainer(process_group_timeout=SECONDS) or hookloop run --process-group-timeout SECONDS"
-    )

@@ -6,14 +6,11 @@ call these instead of copying them.
 
 from __future__ import annotations
 
-import atexit
 import functools
 import inspect
-import itertools
 import math
 import os
 import random
-import time
 from typing import Any, Iterator
 
 import torch
@@ -26,6 +23,21 @@ from torch.utils.data import (
     Sampler,
     SequentialSampler,
 )
+
+# The distributed helpers moved to hookloop.dist (env_int to hookloop.utilities); they stay
+# importable from here, where plugins found them first.
+from .dist import (  # noqa: F401
+    DEFAULT_TIMEOUTS,
+    REDUCE_OPS,
+    cpu_process_group,
+    default_process_group_timeout,
+    init_process_group,
+    release_process_group,
+    torch_reduce_op,
+)
+from .errors import ConfigurationError
+from .pluginspec import plugin_name
+from .utilities import env_int  # noqa: F401
 
 # ---------------------------------------------------------------------------------------
 # Devices and batches
@@ -79,15 +91,6 @@ def own_entry(per_rank: Any, trainer: Any) -> Any:
     return per_rank[trainer.global_rank]
 
 
-def env_int(*names: str, default: int | None = None) -> int | None:
-    """The first of the environment variables ``names`` that is set, as an int."""
-    for name in names:
-        value = os.environ.get(name)
-        if value not in (None, ""):
-            return int(value)
-    return default
-
-
 #: where :func:`seed_everything` records its seed, for the processes it starts and for
 #: :func:`distributed_sampler` (Lightning's name: a seed set by Lightning's own
 #: ``seed_everything`` counts too)
@@ -130,8 +133,6 @@ def local_rank_device(trainer: Any, local_rank: int) -> torch.device:
     ``local_rank``-th entry of a ``devices=[...]`` list, else ``cuda:<local_rank>``.
     Raises ``ConfigurationError`` when that GPU does not exist.
     """
-    from .errors import ConfigurationError
-
     accelerator = trainer.config.accelerator
     cuda = torch.cuda.is_available()
     if accelerator in ("cuda", "gpu") and not cuda:
@@ -281,8 +282,6 @@ def global_seed() -> int:
     try:
         return int(value)
     except ValueError:
-        from .errors import ConfigurationError
-
         raise ConfigurationError(
             f"{GLOBAL_SEED_ENV}={value!r} in the environment is not an integer: it is the seed of the "
             f"distributed samplers; set it with hookloop.seed_everything(<int>) or unset it"
@@ -405,175 +404,11 @@ def _init_parameters(cls: type) -> list[inspect.Parameter]:
 
 
 def _unrebuildable(cls: type, problem: str, fix: str) -> Exception:
-    from .errors import ConfigurationError
-
     return ConfigurationError(
         f"hookloop cannot rebuild the {cls.__name__} loader with this rank's sampler: "
         f"{problem}. Fix: {fix}, or pass use_distributed_sampler=False and give each rank "
         f"its share yourself"
     )
-
-
-# ---------------------------------------------------------------------------------------
-# Process groups
-# ---------------------------------------------------------------------------------------
-
-# How many process groups this process has made; every rank of a job counts the same.
-_GROUP_GENERATION = itertools.count()
-# The newest group's store (keys of its own) and timeout in seconds, for the report of a
-# collective that failed (hookloop.faults).
-_GROUP_STORE: Any = None
-_GROUP_TIMEOUT: float | None = None
-
-
-def init_process_group(backend: str, rank: int, world_size: int, timeout: float | None = None,
-                       master_addr: str | None = None, master_port: int | None = None) -> None:
-    """Make ``torch.distributed``'s default process group for a strategy's
-    ``setup_environment``: rank ``rank`` of ``world_size``, rendezvous at
-    ``MASTER_ADDR:MASTER_PORT`` (``env://``; arguments fill them in when the launcher did
-    not, as under SLURM). A world of one needs no rendezvous (an in-memory store).
-
-    A process may make several groups (``fit``, then a resumed ``fit``...), and under an
-    elastic agent its restarted successor reuses the agent's store, which keeps the keys
-    of the attempt before. torch names every default group alike, so each group gets
-    keys of its own: prefixed by the run id, the agent's restart count and this process's
-    group count. A rank that read an earlier group's keys would connect to dead peers.
-
-    ``timeout`` (seconds) bounds every collective of the group; ``None`` is the backend's
-    default, ``hookloop.faults.DEFAULT_TIMEOUTS`` (gloo 300 s, nccl 600 s; torch's own for
-    other backends). Strategies pass ``Trainer(process_group_timeout=...)`` (or their
-    own option) here.
-    """
-    import torch.distributed as dist
-    from datetime import timedelta
-
-    from .faults import default_process_group_timeout
-
-    global _GROUP_STORE, _GROUP_TIMEOUT
-    kwargs: dict[str, Any] = {"backend": backend}
-    if timeout is None:
-        timeout = default_process_group_timeout(backend)
-    _GROUP_TIMEOUT = timeout
-    if timeout is not None:
-        kwargs["timeout"] = timedelta(seconds=timeout)
-    master_addr = master_addr or os.environ.get("MASTER_ADDR")
-    master_port = master_port or env_int("MASTER_PORT")
-    if world_size == 1 and not (master_addr and master_port):
-        dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
-        return
-    if not (master_addr and master_port):
-        from .errors import ConfigurationError
-
-        raise ConfigurationError(
-            f"{world_size} processes were started but MASTER_ADDR / MASTER_PORT are not set, so "
-            f"they cannot find each other: launch with `hookloop run --plugins ddp --devices N` or torchrun"
-        )
-    os.environ.setdefault("MASTER_ADDR", str(master_addr))
-    os.environ.setdefault("MASTER_PORT", str(master_port))
-    rendezvous = dist.rendezvous("env://", rank=rank, world_size=world_size,
-                                 **({"timeout": kwargs["timeout"]} if "timeout" in kwargs else {}))
-    store, _, _ = next(rendezvous)
-    run = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("HOOKLOOP_RUN_ID") or "run"
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.PrefixStore(f"hookloop/{run}/{restart}/{next(_GROUP_GENERATION)}", store)
-    _GROUP_STORE = store  # for the report of a failed collective (hookloop.faults.census)
-    dist.init_process_group(store=store, rank=rank, world_size=world_size, **kwargs)
-
-
-# Process groups destroyed by the latest release of this process (see release_process_group).
-_RETIRED: list = []
-# The default group that cpu_process_group last served, and the gloo group it made for it.
-#: name -> (the default group it was made for, the gloo group)
-_CPU_GROUPS: dict[str, tuple] = {}
-
-
-def cpu_process_group(name: str = "agreement") -> Any:
-    """A gloo process group over the ranks of ``torch.distributed``'s default group, for
-    collectives of CPU tensors that must neither touch the device (no host-device sync
-    under NCCL) nor queue behind the training's collectives: the preemption agreement's
-    (``hookloop.faults``, the default ``name``), and those a background thread runs while
-    training goes on (fsdp's ``torch.distributed.checkpoint.async_save``, one group per
-    ``name``: two threads never share a group). Made once per name and default group, by
-    every rank at the same point (``new_group`` is collective), with the run's timeout;
-    destroyed with the default group (:func:`release_process_group`, or
-    ``destroy_process_group()``, which destroys every group)."""
-    import torch.distributed as dist
-    from datetime import timedelta
-
-    world = dist.group.WORLD
-    made = _CPU_GROUPS.get(name)
-    if made is None or made[0] is not world:
-        kwargs = {"timeout": timedelta(seconds=_GROUP_TIMEOUT)} if _GROUP_TIMEOUT else {}
-        _CPU_GROUPS[name] = made = (world, dist.new_group(backend="gloo", **kwargs))
-    return made[1]
-
-
-def _quiesce_at_exit() -> None:
-    """Let gloo's worker threads finish before the interpreter shuts down.
-
-    A gloo worker destroys each finished collective's work object itself, and with it the
-    last references to tensors Python made, which takes the GIL. If the interpreter is
-    already finalising then, the thread is made to exit inside that C++ destructor and
-    the process aborts ("terminate called without an active exception", exit -6) after a
-    run that succeeded: seen in about 1 of 10 two-process runs (core dump: the
-    ``ProcessGroupGloo::runLoop`` thread in ``~AsyncWork`` -> ``take_gil`` ->
-    ``PyThread_exit_thread``). Sleeping here releases the GIL while those threads
-    finish; then the retired groups are dropped."""
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if _RETIRED or _GROUP_STORE is not None or distributed:
-        time.sleep(0.2)
-    _RETIRED.clear()
-
-
-atexit.register(_quiesce_at_exit)
-
-
-def release_process_group(destroy: Any = None) -> None:
-    """Destroy ``torch.distributed``'s default process group and its subgroups, for a
-    strategy's ``teardown`` (a run leaves no process group behind). ``destroy``: the
-    backend's own destroy function when it keeps references to the groups (DeepSpeed's
-    ``deepspeed.comm.destroy_process_group``); default ``torch.distributed``'s.
-
-    ``destroy_process_group`` only unregisters a group; its C++ object, and the gloo
-    threads in it, die with the last reference, wherever that is dropped. Right after a
-    collective, a gloo thread is still freeing that collective's tensors, which takes
-    the GIL when Python made them. Dropped then, the group deadlocks (DDP's C++ reducer
-    releases it with the GIL held, and its destructor joins that thread) or aborts
-    ("Resource deadlock avoided"); both were seen in processes that train several times
-    under CPU load. So the groups' handles are held until the next release (or exit),
-    long after their threads went idle, and dropped from Python.
-    """
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized():
-        return
-    world = getattr(dist.distributed_c10d, "_world", None)
-    groups = list(getattr(world, "pg_names", {})) or [dist.group.WORLD]
-    _CPU_GROUPS.clear()  # destroyed with the rest (they are in pg_names)
-    previous = _RETIRED[:]
-    _RETIRED[:] = groups
-    del previous
-    (destroy or dist.destroy_process_group)()
-
-
-# ---------------------------------------------------------------------------------------
-# Reductions
-# ---------------------------------------------------------------------------------------
-
-REDUCE_OPS = ("mean", "sum", "max", "min")
-
-
-def torch_reduce_op(op: str):
-    """``"mean"``/``"sum"``/``"max"``/``"min"`` -> ``torch.distributed.ReduceOp`` (mean is SUM,
-    divide by world size afterwards: gloo has no AVG)."""
-    import torch.distributed as dist
-
-    return {
-        "mean": dist.ReduceOp.SUM,
-        "sum": dist.ReduceOp.SUM,
-        "max": dist.ReduceOp.MAX,
-        "min": dist.ReduceOp.MIN,
-    }[op]
 
 
 def run_hparams(trainer, flat: bool = False) -> dict:
@@ -585,12 +420,10 @@ def run_hparams(trainer, flat: bool = False) -> dict:
     form of TensorBoard's and MLflow's parameters."""
     import dataclasses
 
-    from . import plugins
-
     # Not dataclasses.asdict: it deep-copies, and plugin objects need not be copyable.
     settings = {f.name: getattr(trainer.config, f.name) for f in dataclasses.fields(trainer.config)
                 if f.name != "plugins"}
-    settings["plugins"] = [plugins.plugin_name(p) for p in trainer.plugins]
+    settings["plugins"] = [plugin_name(p) for p in trainer.plugins]
     hparams = dict(getattr(trainer.module, "hparams", None) or {})
     tree = {"trainer": _plain(settings), "module": _plain(hparams)}
     return _flatten(tree) if flat else tree

@@ -301,7 +301,7 @@ class LightningCLI:
 
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
         """Make the argument parser (with ``-c/--config``)."""
-        from . import __version__
+        from ._version import __version__
 
         kwargs.setdefault("dump_header", [f"hookloop=={__version__}"])
         parser = self.parser_class(**kwargs)

@@ -1525,7 +1525,7 @@ def checkpoint_dict(trainer) -> dict:
     is done) or ``"epoch_end"`` (written inside ``on_train_epoch_end``). A resume does
     exactly what the interrupted run would have done after the checkpoint.
     """
-    import hookloop
+    from . import _version as hookloop  # hookloop.__version__, without the package's facade
 
     module = trainer.module
     # This rank's generators (and its CUDA devices'); global rank 0's are the file's "rng"
@@ -1600,7 +1600,7 @@ def resume_after_restart(trainer, train_loader: Any = None) -> None:
     run has written none yet. Global rank 0 chooses the file (every rank loads the same)
     and says what happened. Called once the run directory and the process group exist.
     """
-    from .helpers import env_int
+    from .utilities import env_int
 
     restart = env_int("TORCHELASTIC_RESTART_COUNT", default=0)
     if not restart:

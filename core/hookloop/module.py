@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from .errors import ConfigurationError
-from .helpers import REDUCE_OPS, batch_size_of
+from .dist import REDUCE_OPS
+from .helpers import batch_size_of
 from .hookspecs import MODULE_HOOKS, hookimpl
 
 # ---------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from typing import Any, Iterable
 
 import pluggy
 
-from . import contract, hookspecs, sourcescan, versioning
+from . import hookspecs, pluginspec, sourcescan, versioning
 from .errors import (
     ConfigurationError,
     MissingDependencyError,
@@ -41,6 +41,7 @@ from .errors import (
     PluginNotFoundError,
     PluginValidationError,
 )
+from .pluginspec import _declared_name, plugin_name
 
 ENTRY_POINT_GROUP = "hookloop.plugins"
 COMMAND_GROUP = "hookloop.commands"
@@ -256,20 +257,6 @@ def _check_option_names(cls: type, name: str, options: dict) -> None:
     for key in options:
         if key not in known:
             raise _unknown_option_error(name, key, known, cls)
-
-
-def _declared_name(plugin: Any) -> str | None:
-    return getattr(plugin, "hookloop_name", None)
-
-
-def plugin_name(plugin: Any) -> str:
-    """The name a plugin object is known by."""
-    name = _declared_name(plugin)
-    if name:
-        return name
-    if isinstance(plugin, types.ModuleType):
-        return plugin.__name__
-    return type(plugin).__name__
 
 
 def plugin_role(plugin: Any) -> str:
@@ -596,7 +583,7 @@ class HookloopPluginManager(pluggy.PluginManager):
     implementation stays one (see :func:`hookloop.contract.hookimpl_options`)."""
 
     def parse_hookimpl_opts(self, plugin: Any, name: str):
-        return contract.hookimpl_options(plugin, name)
+        return pluginspec.hookimpl_options(plugin, name)
 
 
 def make_plugin_manager(plugins: list[Any], defaults_plugin: Any) -> pluggy.PluginManager:
@@ -613,7 +600,7 @@ def make_plugin_manager(plugins: list[Any], defaults_plugin: Any) -> pluggy.Plug
     for p in plugins:
         name = plugin_name(p)
         versioning.check_range(p, name)  # a plugin given in code: its declared contract range
-        problems = contract.hook_problems(p, name)
+        problems = pluginspec.hook_problems(p, name)
         if problems:
             raise PluginValidationError(
                 f"plugin {name!r} does not fit the hook contract (core/hookloop/hookspecs.py):\n  "

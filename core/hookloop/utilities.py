@@ -5,6 +5,9 @@
 ``rank_zero_only.rank`` is the process's global rank: read from the launcher's
 environment (``RANK``, else ``SLURM_PROCID``, else ``LOCAL_RANK``, else 0) at import, and
 set by every run once its ranks are known, as Lightning does.
+
+Also :func:`env_int` (an integer from the first of several environment variables that is
+set), at the bottom of the core so that :mod:`hookloop.dist` can use it.
 """
 
 from __future__ import annotations
@@ -61,3 +64,12 @@ def rank_zero_warn(message: Any, stacklevel: int = 4, **kwargs: Any) -> None:
 
 
 __all__ = ["rank_zero_debug", "rank_zero_info", "rank_zero_only", "rank_zero_warn"]
+
+
+def env_int(*names: str, default: int | None = None) -> int | None:
+    """The first of the environment variables ``names`` that is set, as an int."""
+    for name in names:
+        value = os.environ.get(name)
+        if value not in (None, ""):
+            return int(value)
+    return default

@@ -19,8 +19,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-import hookloop
-from hookloop.errors import MissingDependencyError
+from hookloop.errors import ConfigurationError, MissingDependencyError
+from hookloop.hookspecs import hookimpl
+from hookloop.utilities import rank_zero_warn
 
 
 def _need(module: str, who: str):
@@ -60,7 +61,7 @@ class _Bar:
 
     def __init__(self, refresh_rate: int, leave: bool):
         if isinstance(refresh_rate, bool) or not isinstance(refresh_rate, int) or refresh_rate < 0:
-            raise hookloop.ConfigurationError(
+            raise ConfigurationError(
                 f"{type(self).__name__}(refresh_rate={refresh_rate!r}) must be a number of batches >= 0 "
                 f"(0 draws nothing)")
         self._refresh_rate = refresh_rate
@@ -139,7 +140,7 @@ class _Bar:
         shown = trainer.progress_bar_metrics
         duplicates = sorted(standard.keys() & shown.keys())
         if duplicates:
-            hookloop.rank_zero_warn(
+            rank_zero_warn(
                 f"The progress bar already tracks a metric with the name(s) '{', '.join(duplicates)}' and "
                 f"`self.log('{duplicates[0]}', ..., prog_bar=True)` will overwrite this value. If this is "
                 f"undesired, change the name or override `get_metrics()` in the progress bar callback.")
@@ -150,7 +151,7 @@ class _Bar:
 
     # -- the run ---------------------------------------------------------------------------
 
-    @hookloop.hookimpl
+    @hookimpl
     def setup(self, trainer):
         self._trainer = trainer
         if not trainer.is_global_zero:
@@ -160,7 +161,7 @@ class _Bar:
             self._per_batch = _PerBatch(self)
             trainer.plugin_manager.register(self._per_batch, name="progress.per_batch")
 
-    @hookloop.hookimpl
+    @hookimpl
     def teardown(self, trainer):
         per_batch, self._per_batch = self._per_batch, None
         if per_batch is not None:
@@ -175,19 +176,19 @@ class _PerBatch:
     def __init__(self, bar: _Bar):
         self.bar = bar
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_train_batch_end(self, trainer, batch_idx):
         self.bar._train_batch_end(trainer, batch_idx)
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_validation_batch_end(self, trainer, batch_idx, dataloader_idx):
         self.bar._eval_batch_end(trainer, "val", batch_idx, dataloader_idx)
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_test_batch_end(self, trainer, batch_idx, dataloader_idx):
         self.bar._eval_batch_end(trainer, "test", batch_idx, dataloader_idx)
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_predict_batch_end(self, trainer, batch_idx, dataloader_idx):
         self.bar._eval_batch_end(trainer, "predict", batch_idx, dataloader_idx)
 
@@ -335,21 +336,21 @@ class TQDMProgressBar(_Bar):
 
     # -- training -------------------------------------------------------------------------
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_sanity_check_start(self):
         self.val_progress_bar = self.init_sanity_tqdm()
         self.train_progress_bar = tqdm_class()(disable=True)  # a stand-in, as Lightning's
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_sanity_check_end(self):
         self.val_progress_bar.close()
         self.train_progress_bar.close()
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_train_start(self):
         self.train_progress_bar = self.init_train_tqdm()
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_train_epoch_start(self, trainer):
         if self._leave:
             self.train_progress_bar = self.init_train_tqdm()
@@ -361,14 +362,14 @@ class TQDMProgressBar(_Bar):
             self._update_n(bar, n)
             bar.set_postfix(self.get_metrics(trainer))
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_train_epoch_end(self, trainer):
         if not self.train_progress_bar.disable:
             self.train_progress_bar.set_postfix(self.get_metrics(trainer))
         if self._leave:
             self.train_progress_bar.close()
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_train_end(self):
         self.train_progress_bar.close()
 
@@ -392,41 +393,41 @@ class TQDMProgressBar(_Bar):
         if self._should_update(n, bar.total):
             self._update_n(bar, n)
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_validation_start(self, trainer):
         if not trainer.sanity_checking:
             self.val_progress_bar = self.init_validation_tqdm()
         self._eval_bar_start("val", self.sanity_check_description if trainer.sanity_checking else
                              self.validation_description)
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_validation_end(self, trainer):
         self.val_progress_bar.close()
         self._current_eval_dataloader_idx = None
         if self._train_progress_bar is not None and trainer.state.fn == "fit":
             self.train_progress_bar.set_postfix(self.get_metrics(trainer))
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_test_start(self):
         self.test_progress_bar = self.init_test_tqdm()
         self._eval_bar_start("test", self.test_description)
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_test_end(self):
         self.test_progress_bar.close()
         self._current_eval_dataloader_idx = None
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_predict_start(self):
         self.predict_progress_bar = self.init_predict_tqdm()
         self._eval_bar_start("predict", self.predict_description)
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_predict_end(self):
         self.predict_progress_bar.close()
         self._current_eval_dataloader_idx = None
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_exception(self):
         for bar in (self._train_progress_bar, self._val_progress_bar, self._test_progress_bar,
                     self._predict_progress_bar):
@@ -552,17 +553,17 @@ class RichProgressBar(_Bar):
 
     # -- training ---------------------------------------------------------------------------
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_sanity_check_start(self):
         self._start_progress()
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_sanity_check_end(self):
         if self.progress is not None and self.val_sanity_progress_bar_id is not None:
             self.progress.update(self.val_sanity_progress_bar_id, advance=0, visible=False)
             self.progress.refresh()
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_train_epoch_start(self, trainer):
         self._start_progress()
         if self.progress is None:
@@ -593,11 +594,11 @@ class RichProgressBar(_Bar):
                 self.progress.update(self.train_progress_bar_id, completed=n)
                 self._show_metrics(trainer)
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_train_epoch_end(self, trainer):
         self._show_metrics(trainer)
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_train_end(self):
         self._stop_progress()
 
@@ -631,14 +632,14 @@ class RichProgressBar(_Bar):
             self.progress.refresh()
         self._current_eval_dataloader_idx = None
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_validation_start(self, trainer):
         if trainer.sanity_checking:
             self._eval_start("val_sanity", self.sanity_check_description)
         else:
             self._eval_start("val", self.validation_description)
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_validation_end(self, trainer):
         if trainer.sanity_checking:
             self._eval_end("val_sanity")
@@ -650,29 +651,29 @@ class RichProgressBar(_Bar):
             self._stop_progress()
             self._current_eval_dataloader_idx = None
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_test_start(self):
         self._eval_start("test", self.test_description)
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_test_end(self):
         self._stop_progress()
         self._current_eval_dataloader_idx = None
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_predict_start(self):
         self._eval_start("predict", self.predict_description)
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_predict_end(self):
         self._stop_progress()
         self._current_eval_dataloader_idx = None
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_exception(self):
         self._stop_progress()
 
-    @hookloop.hookimpl
+    @hookimpl
     def teardown(self, trainer):
         self._stop_progress()
         super().teardown(trainer)

@@ -28,9 +28,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import hookloop
 from hookloop.checkpoint import _write_checkpoint, atomic_copy, atomic_copy_tree, deferred_writes
-from hookloop.plugins import plugin_name
+from hookloop.errors import CheckpointError, ConfigurationError
+from hookloop.hookspecs import hookimpl
+from hookloop.pluginspec import plugin_name
 
 _GROUP = re.compile(r"\{([A-Za-z_][\w.]*)([:}])")
 
@@ -75,22 +76,22 @@ class ModelCheckpoint:
                  every_n_train_steps: int | None = None, auto_insert_metric_name: bool = True,
                  save_on_train_epoch_end: bool | None = None, async_save: bool = False):
         if mode not in ("min", "max"):
-            raise hookloop.ConfigurationError(
+            raise ConfigurationError(
                 f"checkpoint mode={mode!r} must be 'min' (lower {monitor or 'monitored value'} is better) or 'max'")
         if not isinstance(save_top_k, int) or save_top_k < -1:
-            raise hookloop.ConfigurationError(f"checkpoint save_top_k={save_top_k!r} must be -1 (all), 0 or a count")
+            raise ConfigurationError(f"checkpoint save_top_k={save_top_k!r} must be -1 (all), 0 or a count")
         if every_n_epochs is None:  # Lightning's default: by epochs unless by steps
             every_n_epochs = 1 if every_n_train_steps is None else 0
         if not isinstance(every_n_epochs, int) or every_n_epochs < 0:
-            raise hookloop.ConfigurationError(
+            raise ConfigurationError(
                 f"checkpoint every_n_epochs={every_n_epochs!r} must be an integer >= 0 (or None)")
         if save_last not in (None, True, False):
-            raise hookloop.ConfigurationError(f"checkpoint save_last={save_last!r} must be True, False or None")
+            raise ConfigurationError(f"checkpoint save_last={save_last!r} must be True, False or None")
         if save_on_train_epoch_end not in (None, True, False):
-            raise hookloop.ConfigurationError(
+            raise ConfigurationError(
                 f"checkpoint save_on_train_epoch_end={save_on_train_epoch_end!r} must be True, False or None")
         if every_n_train_steps is not None and (not isinstance(every_n_train_steps, int) or every_n_train_steps < 1):
-            raise hookloop.ConfigurationError(
+            raise ConfigurationError(
                 f"checkpoint every_n_train_steps={every_n_train_steps!r} must be None or an integer >= 1")
         self.dirpath, self.filename, self.monitor, self.mode = dirpath, filename, monitor, mode
         self.save_top_k, self.save_last = save_top_k, save_last
@@ -121,12 +122,12 @@ class ModelCheckpoint:
 
     def _check_async_save(self) -> None:
         if self.async_save not in (True, False):
-            raise hookloop.ConfigurationError(
+            raise ConfigurationError(
                 f"checkpoint async_save={self.async_save!r} must be True or False")
 
     # -- the run --------------------------------------------------------------------------
 
-    @hookloop.hookimpl
+    @hookimpl
     def setup(self, trainer, stage):
         if stage != "fit":
             return
@@ -139,7 +140,7 @@ class ModelCheckpoint:
         for last in self._last_paths():
             if last.exists() and last.is_dir() != sharded:
                 # Found now, not after an epoch of training at the first save.
-                raise hookloop.ConfigurationError(
+                raise ConfigurationError(
                     f"{str(last)!r} is a {'directory' if last.is_dir() else 'file'}, and this run's strategy writes "
                     f"{'sharded checkpoint directories' if sharded else 'single-file checkpoints'}: use another "
                     f"checkpoint directory (ModelCheckpoint(dirpath=...)) or remove it"
@@ -171,13 +172,13 @@ class ModelCheckpoint:
                 f"saves synchronously", stacklevel=3)
         return not refusing
 
-    @hookloop.hookimpl
+    @hookimpl
     def teardown(self, trainer):
         # The last background save is finished before the run is over. Its error is
         # raised, unless the run is already ending with one (then it is printed).
         try:
             trainer._checkpoint_writer.wait()
-        except hookloop.CheckpointError as exc:
+        except CheckpointError as exc:
             if trainer.state.status != "interrupted":
                 raise
             warnings.warn(str(exc), stacklevel=2)
@@ -189,14 +190,14 @@ class ModelCheckpoint:
 
     # trylast: as Lightning runs checkpoint callbacks after the others, so what they
     # changed at this event (an early-stopping count) is in the checkpoint.
-    @hookloop.hookimpl(trylast=True)
+    @hookimpl(trylast=True)
     def on_train_epoch_end(self, trainer, epoch):
         if self._saves_at_epoch_end(trainer) and self.every_n_epochs and (epoch + 1) % self.every_n_epochs == 0:
             self.save(trainer)
         elif self.save_last is not False:
             self.save(trainer, top_k=False)  # last.ckpt at every epoch's end (docs/decisions.md)
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_validation_end(self, trainer):
         if trainer.state == "fit" and not trainer.sanity_checking:
             self._validated = True
@@ -225,7 +226,7 @@ class ModelCheckpoint:
         config = trainer.config
         return config.check_val_every_n_epoch == 1 and config.val_check_interval == 1.0
 
-    @hookloop.hookimpl(trylast=True)
+    @hookimpl(trylast=True)
     def on_train_end(self, trainer):
         """Training stopped inside an epoch: save where it stopped, so a resume continues
         at the next batch."""
@@ -259,16 +260,16 @@ class ModelCheckpoint:
                 try:
                     value = None if self.monitor is None else float(metrics[self.monitor])
                     found = ("found", (value, self.format_name(trainer)))
-                except hookloop.ConfigurationError as exc:
+                except ConfigurationError as exc:
                     found = ("error", str(exc))
         if trainer.world_size > 1:
             found = trainer.broadcast(found, 0)
         kind, detail = found
         if kind == "error":
-            raise hookloop.ConfigurationError(detail)
+            raise ConfigurationError(detail)
         if kind == "missing":
             if self._validated:  # a validation ran and did not log it
-                raise hookloop.ConfigurationError(detail)
+                raise ConfigurationError(detail)
             # Nothing has produced it yet (check_val_every_n_epoch > 1): nothing to rank
             # now, as in Lightning, which warns once.
             if quiet:
@@ -289,7 +290,7 @@ class ModelCheckpoint:
         try:
             name = template.format(**{k.replace("/", "_"): v for k, v in values.items()})
         except KeyError as exc:
-            raise hookloop.ConfigurationError(
+            raise ConfigurationError(
                 f"checkpoint filename={self.filename!r} names {exc.args[0]!r}, which was not logged (logged: "
                 f"{', '.join(sorted(trainer.callback_metrics)) or 'none'})"
             ) from None
@@ -420,7 +421,7 @@ class ModelCheckpoint:
 
     # -- state ------------------------------------------------------------------------------
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_save_checkpoint(self, checkpoint):
         checkpoint["plugins"]["checkpoint"] = {
             "dir": str(self.dir) if self.dir else None, "monitor": self.monitor, "mode": self.mode,
@@ -429,7 +430,7 @@ class ModelCheckpoint:
             "latest": list(self.latest), "last_global_step_saved": self._last_global_step_saved,
         }
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_load_checkpoint(self, checkpoint):
         """Continue the bookkeeping of the run the checkpoint came from, when it kept its
         checkpoints where this one does and ranked them by the same metric."""
@@ -484,7 +485,7 @@ class _SaveEverySteps:
     def __init__(self, owner: ModelCheckpoint):
         self.owner = owner
 
-    @hookloop.hookimpl(trylast=True)
+    @hookimpl(trylast=True)
     def on_train_batch_end(self, trainer, batch_idx):
         n = self.owner.every_n_train_steps
         # Once per optimizer step: at the micro-batch that took it (the position moves).

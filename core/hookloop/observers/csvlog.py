@@ -18,7 +18,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-import hookloop
+from hookloop.checkpoint import atomic_write_text
+from hookloop.errors import ConfigurationError
+from hookloop.helpers import run_hparams
+from hookloop.hookspecs import hookimpl
 from hookloop.loggers import (
     DummyExperiment,
     VersionedDirectory,
@@ -58,7 +61,7 @@ class CSVLogger(VersionedDirectory):
         self._init_args = init_args(locals())
         self._init_directory(save_dir, name, version)
         if not isinstance(flush_logs_every_n_steps, int) or isinstance(flush_logs_every_n_steps, bool) or flush_logs_every_n_steps < 1:
-            raise hookloop.ConfigurationError(
+            raise ConfigurationError(
                 f"CSVLogger(flush_logs_every_n_steps={flush_logs_every_n_steps!r}) must be an integer >= 1")
         self.prefix = "" if prefix is None else str(prefix)
         self.flush_logs_every_n_steps = flush_logs_every_n_steps
@@ -108,7 +111,7 @@ class CSVLogger(VersionedDirectory):
     def finalize(self, status: str) -> None:
         """Nothing left to write (``status``: Lightning's "success"/"failed")."""
 
-    @hookloop.hookimpl
+    @hookimpl
     def setup(self, trainer, stage):
         if not trainer.is_global_zero:
             return
@@ -123,7 +126,7 @@ class CSVLogger(VersionedDirectory):
             with open(path, "a"):
                 pass
         except OSError as exc:
-            raise hookloop.ConfigurationError(
+            raise ConfigurationError(
                 f"the csv logger cannot write {str(path)!r} ({exc.strerror or exc}): make "
                 f"default_root_dir (or the CSVLogger's save_dir) writable, or choose another, or "
                 f"turn the CSV log off (Trainer(logger=False) or --plugins no:csv)"
@@ -142,16 +145,16 @@ class CSVLogger(VersionedDirectory):
             self.rows = [dict(row) for row in reader]
 
     def _write_hparams(self, trainer) -> None:
-        document = hookloop.run_hparams(trainer)
+        document = run_hparams(trainer)
         try:
             import yaml
 
             text, name = yaml.safe_dump(document, sort_keys=True), "hparams.yaml"
         except ImportError:  # pragma: no cover - pyyaml is a core dependency
             text, name = json.dumps(document, indent=2, sort_keys=True), "hparams.json"
-        hookloop.atomic_write_text(self.path.parent / name, text)
+        atomic_write_text(self.path.parent / name, text)
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_log_metrics(self, trainer, metrics, step, epoch):
         if not trainer.is_global_zero or self.path is None:
             return
@@ -163,7 +166,7 @@ class CSVLogger(VersionedDirectory):
     def _write(self, metrics: dict, step: int | None) -> None:
         if self.path is None:  # outside a run: where the logger's directory says
             if self.log_dir is None:
-                raise hookloop.ConfigurationError(
+                raise ConfigurationError(
                     "CSVLogger() without save_dir writes into a run's directory: call log_metrics during a "
                     "run, or give it one (CSVLogger(save_dir, name))")
             self.path = Path(self.log_dir) / self.filename
@@ -190,7 +193,7 @@ class CSVLogger(VersionedDirectory):
             writer.writerows(self.rows)
         os.replace(tmp, self.path)
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_save_checkpoint(self, trainer, checkpoint):
         """How many rows the file had at this checkpoint, and which file. A checkpoint
         written in ``on_train_batch_end`` counts the step's row the loop writes right after
@@ -200,7 +203,7 @@ class CSVLogger(VersionedDirectory):
             rows = len(self.rows) + (1 if trainer.step_row_pending else 0)
             checkpoint["plugins"][self.hookloop_name] = {"path": str(self.path), "rows": rows}
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_load_checkpoint(self, trainer, checkpoint):
         """Resuming into the same file (a restart): drop the rows written after the
         checkpoint, which the resumed run writes again."""

@@ -17,7 +17,9 @@ import math
 
 import torch
 
-import hookloop
+from hookloop.errors import ConfigurationError
+from hookloop.hookspecs import hookimpl
+from hookloop.utilities import rank_zero_info, rank_zero_warn
 
 
 class EarlyStopping:
@@ -51,14 +53,14 @@ class EarlyStopping:
                  stopping_threshold: float | None = None, divergence_threshold: float | None = None,
                  check_on_train_epoch_end: bool | None = None, log_rank_zero_only: bool = False):
         if mode not in ("min", "max"):
-            raise hookloop.ConfigurationError(
+            raise ConfigurationError(
                 f"early_stopping mode={mode!r} must be 'min' (lower {monitor} is better) or 'max'")
         if not isinstance(patience, int) or patience < 0:
-            raise hookloop.ConfigurationError(f"early_stopping patience={patience!r} must be an integer >= 0")
+            raise ConfigurationError(f"early_stopping patience={patience!r} must be an integer >= 0")
         self.monitor, self.mode, self.patience, self.min_delta = monitor, mode, patience, abs(min_delta)
         for name, threshold in (("stopping_threshold", stopping_threshold), ("divergence_threshold", divergence_threshold)):
             if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))):
-                raise hookloop.ConfigurationError(f"early_stopping {name}={threshold!r} must be a number or None")
+                raise ConfigurationError(f"early_stopping {name}={threshold!r} must be a number or None")
         self.check_finite, self.stopping_threshold = check_finite, stopping_threshold
         self.divergence_threshold = divergence_threshold
         self.check_on_train_epoch_end = check_on_train_epoch_end
@@ -79,12 +81,12 @@ class EarlyStopping:
             return True  # (Lightning: never, when check_val_every_n_epoch != 1)
         return config.check_val_every_n_epoch == 1 and config.val_check_interval == 1.0
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_validation_end(self, trainer):
         if trainer.state == "fit" and not trainer.sanity_checking and not self._on_epoch_end(trainer):
             self.check(trainer)
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_train_epoch_end(self, trainer):
         if self._on_epoch_end(trainer):
             self.check(trainer)
@@ -111,7 +113,7 @@ class EarlyStopping:
         best = torch.tensor(best if best is not None else (math.inf if lower else -math.inf), dtype=torch.float32)
         if better(current + self.min_delta if lower else current - self.min_delta, best):
             if self.verbose:
-                hookloop.rank_zero_info(f"Metric {self.monitor} improved"
+                rank_zero_info(f"Metric {self.monitor} improved"
                                         + (f" by {abs(float(best) - float(current)):.3f} >= min_delta = {self.min_delta}"
                                            if torch.isfinite(best) else "") + f". New best score: {float(current):.3f}")
             self.best_score, self.wait_count = float(current), 0
@@ -130,7 +132,7 @@ class EarlyStopping:
             metrics = trainer.callback_metrics
             if self.monitor not in metrics and not self.strict:
                 if self.verbose:
-                    hookloop.rank_zero_warn(f"EarlyStopping(monitor={self.monitor!r}, strict=False): no metric of "
+                    rank_zero_warn(f"EarlyStopping(monitor={self.monitor!r}, strict=False): no metric of "
                                             f"that name was logged (logged: {', '.join(sorted(metrics)) or 'none'})")
                 decision = ("go", None)
             elif self.monitor not in metrics:
@@ -142,18 +144,18 @@ class EarlyStopping:
                 decision = ("stop", reason) if reason else ("go", None)
         decision, self.wait_count, self.best_score = trainer.broadcast((decision, self.wait_count, self.best_score), 0)
         if decision[0] == "error":
-            raise hookloop.ConfigurationError(decision[1])
+            raise ConfigurationError(decision[1])
         if decision[0] == "stop":
             trainer.should_stop = True
             self.stopped_epoch, self.reason = trainer.current_epoch, decision[1]
             trainer.print(f"hookloop: early stopping at epoch {trainer.current_epoch}, step {trainer.global_step}: "
                           f"{decision[1]}", flush=True)
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_save_checkpoint(self, checkpoint):
         checkpoint["plugins"]["early_stopping"] = {"wait_count": self.wait_count, "best_score": self.best_score}
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_load_checkpoint(self, checkpoint):
         state = checkpoint.get("plugins", {}).get("early_stopping")
         if state:

@@ -8,7 +8,8 @@ for the j-th optimizer of a class) that the loggers write.
 
 from __future__ import annotations
 
-import hookloop
+from hookloop.errors import ConfigurationError
+from hookloop.hookspecs import hookimpl
 
 
 class LearningRateMonitor:
@@ -24,7 +25,7 @@ class LearningRateMonitor:
 
     def __init__(self, logging_interval: str | None = None, log_momentum: bool = False):
         if logging_interval not in (None, "step", "epoch"):
-            raise hookloop.ConfigurationError(
+            raise ConfigurationError(
                 f"lr_monitor logging_interval={logging_interval!r} must be 'step', 'epoch' or None")
         self.logging_interval, self.log_momentum = logging_interval, log_momentum
         self._logged_step = -1
@@ -53,12 +54,12 @@ class LearningRateMonitor:
                         out[key.replace("lr-", "momentum-", 1)] = float(momentum)
         return out
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_train_epoch_start(self, trainer):
         if self._interval(trainer) == "epoch":
             trainer.log_metrics(self.values(trainer))
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_train_batch_end(self, trainer):
         step = trainer.global_step
         if self._interval(trainer) == "step" and step != self._logged_step and step % trainer.config.log_every_n_steps == 0:

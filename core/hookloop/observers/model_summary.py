@@ -18,7 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-import hookloop
+from hookloop.errors import ConfigurationError
+from hookloop.helpers import move_to_device
+from hookloop.hookspecs import hookimpl
 
 UNKNOWN_SIZE = "?"
 NOT_APPLICABLE = "n/a"
@@ -62,7 +64,7 @@ class Summary:
 
     def __init__(self, model: nn.Module, max_depth: int = 1, precision: str = "32", trainer: Any = None):
         if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < -1:
-            raise hookloop.ConfigurationError(f"ModelSummary max_depth={max_depth!r} must be -1 (all), 0 (none) or > 0")
+            raise ConfigurationError(f"ModelSummary max_depth={max_depth!r} must be -1 (all), 0 (none) or > 0")
         self._model, self._max_depth = model, max_depth
         self._precision_megabytes = _PRECISION_BITS.get(str(precision), 32) / 8.0 * 1e-6
         if max_depth == 0:
@@ -97,7 +99,7 @@ class Summary:
         example = model.example_input_array
         contexts: list = []
         if trainer is not None:
-            example = hookloop.move_to_device(example, trainer.root_device)
+            example = move_to_device(example, trainer.root_device)
             contexts = [c for c in trainer.hook.forward_context(trainer=trainer) if c is not None]
         counter = FlopCounterMode(display=False, depth=self._max_depth + 1)
         modes = {m: m.training for m in model.modules()}
@@ -241,13 +243,13 @@ class ModelSummary:
 
     def __init__(self, max_depth: int = 1, **summarize_kwargs: Any):
         if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < -1:
-            raise hookloop.ConfigurationError(f"ModelSummary(max_depth={max_depth!r}) must be -1 (all), 0 (none) or > 0")
+            raise ConfigurationError(f"ModelSummary(max_depth={max_depth!r}) must be -1 (all), 0 (none) or > 0")
         self._max_depth = max_depth
         self._summarize_kwargs = summarize_kwargs
         #: the summary printed by the last fit (rank 0), for reading its numbers
         self.summary: Summary | None = None
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_fit_start(self, trainer):
         if not self._max_depth:
             return

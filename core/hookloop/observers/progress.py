@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any
 
-import hookloop
+from hookloop.hookspecs import hookimpl
 
 
 def _format(metrics: dict) -> dict[str, str]:
@@ -56,7 +56,7 @@ class ProgressBar:
 
     # -- the run --------------------------------------------------------------------------
 
-    @hookloop.hookimpl
+    @hookimpl
     def setup(self, trainer):
         # Only a bar that redraws pays a call per batch: on other ranks and without a
         # terminal, nothing is registered on the step path.
@@ -64,7 +64,7 @@ class ProgressBar:
             self._updates = _BarUpdates(self)
             trainer.plugin_manager.register(self._updates, name="progress.bar_updates")
 
-    @hookloop.hookimpl
+    @hookimpl
     def teardown(self, trainer):
         updates, self._updates = self._updates, None
         if updates is not None:
@@ -72,7 +72,7 @@ class ProgressBar:
 
     # -- training -------------------------------------------------------------------------
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_train_epoch_start(self, trainer, epoch):
         if not trainer.is_global_zero:
             return
@@ -87,7 +87,7 @@ class ProgressBar:
             self._bar = tqdm(total=total, desc=f"Epoch {epoch + 1}{limit}", file=self._out(), dynamic_ncols=True,
                              leave=True, unit="it")
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_train_epoch_end(self, trainer, epoch, metrics):
         if not trainer.is_global_zero:
             return
@@ -111,7 +111,7 @@ class ProgressBar:
             self._bar.update(self._pending)
         self._pending = 0
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_exception(self, trainer):
         for bar in (self._bar, self._eval_bar):
             if bar is not None:
@@ -134,27 +134,27 @@ class ProgressBar:
         if trainer.is_global_zero and metrics and trainer.state in ("validate", "test") and not self._interactive():
             print(f"{what}: " + " ".join(f"{k}={v}" for k, v in _format(metrics).items()), file=self._out(), flush=True)
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_validation_start(self, trainer):
         self._eval_start(trainer, "Validation")
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_validation_end(self, trainer, metrics):
         self._eval_end(trainer, "Validation", metrics)
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_test_start(self, trainer):
         self._eval_start(trainer, "Testing")
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_test_end(self, trainer, metrics):
         self._eval_end(trainer, "Testing", metrics)
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_predict_start(self, trainer):
         self._eval_start(trainer, "Predicting")
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_predict_end(self, trainer):
         self._eval_end(trainer, "Predicting", None)
 
@@ -167,7 +167,7 @@ class _BarUpdates:
     def __init__(self, bar: ProgressBar):
         self.bar = bar
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_train_batch_end(self, trainer):
         # Counted here, handed to tqdm only when the bar redraws: a step costs this call.
         progress = self.bar
@@ -182,14 +182,14 @@ class _BarUpdates:
         if self.bar._eval_bar is not None:
             self.bar._eval_bar.update(1)
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_validation_batch_end(self):
         self._eval_batch()
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_test_batch_end(self):
         self._eval_batch()
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_predict_batch_end(self):
         self._eval_batch()

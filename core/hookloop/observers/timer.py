@@ -14,7 +14,8 @@ import time
 from datetime import timedelta
 from typing import Any
 
-import hookloop
+from hookloop.errors import ConfigurationError
+from hookloop.hookspecs import hookimpl
 
 #: Lightning's RunningStage values: the stages whose times are kept
 STAGES = ("train", "sanity_check", "validate", "test", "predict")
@@ -27,7 +28,7 @@ def parse_duration(duration: Any) -> float | None:
     if isinstance(duration, str):
         match = re.fullmatch(r"(\d+):(\d\d):(\d\d):(\d\d)", duration.strip())
         if not match:
-            raise hookloop.ConfigurationError(
+            raise ConfigurationError(
                 f"Timer(duration={duration!r}) is not a valid duration: give a string DD:HH:MM:SS "
                 f"(e.g. '00:12:00:00' for 12 hours), a datetime.timedelta or a dict such as {{'hours': 12}}")
         days, hours, minutes, seconds = (int(g) for g in match.groups())
@@ -36,11 +37,11 @@ def parse_duration(duration: Any) -> float | None:
         try:
             duration = timedelta(**duration)
         except TypeError as exc:
-            raise hookloop.ConfigurationError(
+            raise ConfigurationError(
                 f"Timer(duration={duration!r}): {exc}; the keys are datetime.timedelta's (weeks, days, hours, "
                 f"minutes, seconds, milliseconds, microseconds)") from None
     if not isinstance(duration, timedelta):
-        raise hookloop.ConfigurationError(
+        raise ConfigurationError(
             f"Timer(duration={duration!r}) must be a string DD:HH:MM:SS, a datetime.timedelta, a dict of "
             f"timedelta arguments, or None")
     return duration.total_seconds()
@@ -60,7 +61,7 @@ class Timer:
 
     def __init__(self, duration: Any = None, interval: str = "step", verbose: bool = True):
         if interval not in ("step", "epoch"):
-            raise hookloop.ConfigurationError(
+            raise ConfigurationError(
                 f"Timer(interval={interval!r}) is not supported: the choices are 'step' and 'epoch'")
         self._duration = parse_duration(duration)
         self._interval = interval
@@ -103,67 +104,67 @@ class Timer:
 
     # -- the run ----------------------------------------------------------------------------
 
-    @hookloop.hookimpl
+    @hookimpl
     def setup(self, trainer):
         # Only a step-interval timer with a duration pays a call per batch.
         if self._duration is not None and self._interval == "step" and self._per_step is None:
             self._per_step = _StepCheck(self)
             trainer.plugin_manager.register(self._per_step, name="timer.step_check")
 
-    @hookloop.hookimpl
+    @hookimpl
     def teardown(self, trainer):
         per_step, self._per_step = self._per_step, None
         if per_step is not None:
             trainer.plugin_manager.unregister(per_step)
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_fit_start(self, trainer):
         # After a checkpoint's state is restored: a run whose time is up trains nothing.
         if self._duration is not None:
             self._check(trainer)
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_train_start(self):
         self._start_time["train"] = time.monotonic()
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_train_end(self):
         self._end_time["train"] = time.monotonic()
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_train_epoch_end(self, trainer):
         if self._interval == "epoch" and self._duration is not None:
             self._check(trainer)
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_validation_start(self, trainer):
         self._start_time["sanity_check" if trainer.sanity_checking else "validate"] = time.monotonic()
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_validation_end(self, trainer):
         self._end_time["sanity_check" if trainer.sanity_checking else "validate"] = time.monotonic()
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_test_start(self):
         self._start_time["test"] = time.monotonic()
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_test_end(self):
         self._end_time["test"] = time.monotonic()
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_predict_start(self):
         self._start_time["predict"] = time.monotonic()
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_predict_end(self):
         self._end_time["predict"] = time.monotonic()
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_save_checkpoint(self, checkpoint):
         checkpoint["plugins"]["timer"] = self.state_dict()
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_load_checkpoint(self, checkpoint):
         state = checkpoint.get("plugins", {}).get("timer")
         if state:
@@ -187,7 +188,7 @@ class _StepCheck:
     def __init__(self, timer: Timer):
         self.timer = timer
 
-    @hookloop.hookimpl
+    @hookimpl
     def on_train_batch_end(self, trainer):
         self.timer._check(trainer)
 
@@ -195,5 +196,5 @@ class _StepCheck:
 def _stage(stage: Any) -> str:
     stage = getattr(stage, "value", stage)
     if stage not in STAGES:
-        raise hookloop.ConfigurationError(f"Timer: unknown stage {stage!r}; the stages are {', '.join(STAGES)}")
+        raise ConfigurationError(f"Timer: unknown stage {stage!r}; the stages are {', '.join(STAGES)}")
     return stage
