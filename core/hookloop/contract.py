@@ -212,9 +212,9 @@ def check(name: str) -> tuple[Any, list[Problem]]:
 
 
 def name_problems(plugin: Any, name: str) -> list[Problem]:
-    """A plugin whose ``hookloop_name`` is not its entry-point name: typically a subclass
-    (of ``ddp``...) that inherits its base's name. Options given by the entry-point name
-    are then silently unused, and its checkpoint state and errors go by the base's name."""
+    """A plugin whose declared ``hookloop_name`` is not its entry-point name (one copied
+    into a subclass from an example). Options given by the entry-point name are then
+    silently unused, and its checkpoint state and errors go by the other name."""
     declared = getattr(plugin, "hookloop_name", None)
     if declared is None or declared == name:
         return []
