@@ -478,6 +478,7 @@ class $cls:
 
     hookloop_name = "$name"  # the entry-point name: its options and checkpoint state go by it
     hookloop_role = "extension"  # a plain string: `hookloop plugins` reads it unimported
+    hookloop_requires = ">=2,<3"  # the contract versions it is written for (CHANGELOG.md)
 
     def __init__(self, warmup_steps: int = 20):
         self.warmup_steps = warmup_steps
