@@ -93,11 +93,13 @@ class TestProgressConformance(ObserverConformance):
 
 class TestCSVConformance(ObserverConformance):
     plugin = "csv"
+    resume_state = False  # its file and row count: a ckpt_path= resume starts a new run directory
 
 
 class TestCheckpointConformance(ObserverConformance):
     plugin = "checkpoint"
     options = {"monitor": "val_acc", "mode": "max", "save_top_k": 2}
+    resume_state = False  # its files' paths: a ckpt_path= resume starts a new run directory
 
 
 class TestEarlyStoppingConformance(ObserverConformance):

@@ -169,8 +169,8 @@ def test_the_name_of_an_installed_plugin_is_refused(tmp_path):
 
 @pytest.mark.parametrize("role, message", [
     ("strateg", r"role 'strateg' is not one new-plugin writes \(did you mean 'strategy'\?\): "
-                r"use --role strategy\|precision\|observer\|devices"),
-    ("extension", "for an extension start from --role observer"),
+                r"use --role strategy\|precision\|observer\|devices\|extension"),
+    ("extention", r"role 'extention' is not one new-plugin writes \(did you mean 'extension'\?\)"),
 ])
 def test_an_unknown_role_is_refused(role, message, tmp_path):
     with pytest.raises(ConfigurationError, match=message):

@@ -53,6 +53,13 @@ def role_problems(plugin: Any, name: str) -> list[Problem]:
         return [Problem(name, owner, "declares no hookloop_role",
                         f"set hookloop_role to one of {', '.join(ROLES)} (a plain string, so "
                         f"`hookloop plugins` can read it without importing the plugin)")]
+    if type(role) is not str:  # a tuple, an Enum (even a str one): not readable unimported
+        plain = [r for r in ROLES if r == role or (isinstance(role, (tuple, list)) and r in role)
+                 or getattr(role, "value", None) == r]
+        return [Problem(name, owner, f"hookloop_role={role!r} is a {type(role).__name__}, not a plain string",
+                        f"write hookloop_role = {plain[0] if plain else ROLES[0]!r} (one role, a string literal "
+                        f"in the class body, so `hookloop plugins` reads it without importing the plugin); "
+                        f"roles: {', '.join(ROLES)}")]
     if role not in ROLES:
         close = difflib.get_close_matches(str(role), ROLES, n=1)
         return [Problem(name, owner, f"hookloop_role={role!r} is not a role",
@@ -103,4 +110,57 @@ def check(name: str) -> tuple[Any, list[Problem]]:
         return None, problems + [Problem(name, f"entry point {info.value}", f"{type(exc).__name__}: {exc}",
                                          "fix the plugin's import, or its constructor's defaults")]
     problems += role_problems(plugin, name) + hook_problems(plugin, name) + option_problems(plugin, name)
+    problems += name_problems(plugin, name) + option_setting_problems(plugin, name)
     return plugin, problems
+
+
+def name_problems(plugin: Any, name: str) -> list[Problem]:
+    """A plugin whose declared ``hookloop_name`` is not its entry-point name (one copied
+    into a subclass from an example). Options given by the entry-point name are then
+    silently unused, and its checkpoint state and errors go by the other name."""
+    declared = getattr(plugin, "hookloop_name", None)
+    if declared is None or declared == name:
+        return []
+    owner = owner_name(plugin)
+    inherited = next((base.__qualname__ for base in type(plugin).__mro__[1:]
+                      if base.__dict__.get("hookloop_name") == declared), None)
+    return [Problem(name, owner, f"it is installed as {name!r} but calls itself hookloop_name={declared!r}"
+                    + (f" (inherited from {inherited})" if inherited else "")
+                    + f": options given as {name}.<option> are not applied to it, and its checkpoint state "
+                    f"and errors go by {declared!r}",
+                    f"set hookloop_name = {name!r} in the body of {owner}")]
+
+
+def option_setting_problems(plugin: Any, name: str) -> list[Problem]:
+    """Options (constructor arguments) that cannot be given by name: setting each one to
+    its own default through the path ``plugin_options=`` / ``--plugin-option`` /
+    ``HOOKLOOP_PLUGIN_OPTIONS`` take must not fail (e.g. an option ``__init__`` takes but
+    keeps under another attribute name)."""
+    import inspect as _inspect
+
+    from .errors import HookloopError
+    from .plugins import apply_options, plugin_options, resolve
+
+    if isinstance(plugin, (types.ModuleType, type)):
+        return []
+    try:
+        params = _inspect.signature(type(plugin).__init__).parameters
+    except (TypeError, ValueError):
+        return []
+    problems = []
+    for option in plugin_options(plugin):
+        default = params[option].default
+        if default is _inspect.Parameter.empty:
+            continue
+        try:
+            fresh = resolve(name)
+            apply_options(fresh, {getattr(fresh, "hookloop_name", None) or name: {option: default}})
+        except HookloopError as exc:
+            problems.append(Problem(
+                name, owner_name(plugin), f"option {option!r} cannot be given by name "
+                f"(--plugin-option {name}.{option}={default!r} fails: {exc})",
+                f"keep each constructor argument as an attribute of the same name (a property "
+                f"that validates it, as `hookloop new-plugin` generates), or accept it in hookloop_set_option"))
+        except Exception:
+            continue  # the plugin's own validation of its own default: not this check's concern
+    return problems

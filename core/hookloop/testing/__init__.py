@@ -13,7 +13,8 @@
           plugin = "mystrategy"
 
   :class:`StrategyConformance`, :class:`ObserverConformance`,
-  :class:`PrecisionConformance`, :class:`DevicesConformance`, and :class:`ResumeConformance`
+  :class:`PrecisionConformance`, :class:`DevicesConformance`, :class:`ExtensionConformance`
+  (one process and ddp, its checkpoint state, a resume), and :class:`ResumeConformance`
   (SIGKILL a job inside a step, a save, a validation and an accumulation window; the
   restarted job must end bit-identical to an uninterrupted one). See docs/plugin-authors.md.
 
@@ -28,7 +29,7 @@ from .reference import IndexedDataset, TinyClassifier, max_difference, reference
 def __getattr__(name):
     # The suites import pytest; keep `import hookloop.testing` free of it until asked.
     if name in ("StrategyConformance", "ObserverConformance", "PrecisionConformance", "DevicesConformance",
-                "ResumeConformance"):
+                "ResumeConformance", "ExtensionConformance"):
         from . import conformance
 
         return getattr(conformance, name)
@@ -36,7 +37,7 @@ def __getattr__(name):
 
 
 __all__ = [
-    "DevicesConformance", "IndexedDataset", "ObserverConformance", "PrecisionConformance", "ProcessError",
+    "DevicesConformance", "ExtensionConformance", "IndexedDataset", "ObserverConformance", "PrecisionConformance", "ProcessError",
     "ResumeConformance", "StrategyConformance",
     "TinyClassifier", "free_port", "max_difference", "reference_fit", "run_processes", "tiny_dataset", "weights",
 ]

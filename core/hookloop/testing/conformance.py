@@ -28,11 +28,13 @@ from .reference import TinyClassifier, max_difference, reference_fit, tiny_datas
 WORKER = Path(__file__).with_name("worker.py")
 
 
-def _hookloop(*args: str, cwd: Path, timeout: float) -> str:
+def _hookloop(*args: str, cwd: Path, timeout: float, pythonpath: str | None = None) -> str:
     import os
     import subprocess
 
     env = {k: v for k, v in os.environ.items() if k not in ("HOOKLOOP_TRAINER_DEFAULTS", "HOOKLOOP_WORKER", "LOCAL_RANK")}
+    if pythonpath:  # where the workers import a plugin class under test from
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
     proc = subprocess.run([sys.executable, "-m", "hookloop", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
     if proc.returncode != 0:
@@ -61,6 +63,9 @@ class StrategyConformance:
     batch_size = 4
     samples = 64
     epochs = 2
+    # Also train, interrupt (mid-epoch) and resume a ~34 MiB model, reduced by DDP in
+    # several gradient buckets (the tiny model fits in one).
+    wide: bool = True
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -71,12 +76,13 @@ class StrategyConformance:
         out = tmp_path_factory.mktemp(f"conformance-{cls.plugin}")
         spec = {"batch_size": cls.batch_size, "samples": cls.samples, "epochs": cls.epochs,
                 "devices": cls.world_size, "options": {cls.plugin: dict(cls.options)} if cls.options else {},
-                "resume_at": cls.samples // (cls.batch_size * cls.world_size) + 3}
+                "resume_at": cls.samples // (cls.batch_size * cls.world_size) + 3, "wide": cls.wide}
         (out / "spec.json").write_text(json.dumps(spec))
         _hookloop("run", "--plugins", cls.plugin, "--devices", str(cls.world_size), str(WORKER), str(out),
                   str(out / "spec.json"), cwd=out, timeout=cls.timeout)
         found: dict[str, list[dict]] = {}
-        for name in ("fit", "accumulate", "interrupted", "resumed"):
+        for name in ("fit", "accumulate", "interrupted", "resumed") + (("wide", "wide_interrupted", "wide_resumed")
+                                                                          if cls.wide else ()):
             files = sorted(out.glob(f"{name}.rank*.pt"), key=lambda p: int(p.stem.split("rank")[1]))
             found[name] = [torch.load(f, weights_only=False) for f in files]
         return found
@@ -155,6 +161,31 @@ class StrategyConformance:
         for record in self.ranks(runs, "accumulate"):
             assert max_difference(record["final"], reference) <= self.tolerance
 
+    def test_a_model_of_several_ddp_buckets_trains_alike_and_resumes_exactly(self, runs):
+        """The wide model (``wide``): reduced in more than one DDP bucket where the strategy
+        wraps in DistributedDataParallel; the ranks end with the same weights (where the
+        strategy declares a reference ``tolerance``); interrupted after half an epoch and
+        resumed, it ends as the uninterrupted run (exactly, when ``resume_tolerance`` is 0)."""
+        if not self.wide:
+            return
+        straight, resumed = self.ranks(runs, "wide"), self.ranks(runs, "wide_resumed")
+        interrupted = self.ranks(runs, "wide_interrupted")
+        buckets = [r.get("ddp_buckets") for r in straight]
+        if any(b is not None for b in buckets):
+            assert all(b is not None and b > 1 for b in buckets), (
+                f"the wide model was reduced in {buckets} DDP bucket(s) per rank: expected several")
+        if self.tolerance is not None:
+            for rank, record in enumerate(straight[1:], 1):
+                differ = sorted(k for k in record["final"] if record["final"][k] != straight[0]["final"][k])
+                assert not differ, (f"wide model: rank {rank} ended with other weights than rank 0 in {differ}: the "
+                                    f"ranks reduce some gradient buckets differently")
+        assert interrupted[0]["global_step"] < resumed[0]["global_step"] == straight[0]["global_step"]
+        if self.resume_tolerance == 0.0:
+            for rank, (a, b) in enumerate(zip(straight, resumed)):
+                differ = sorted(k for k in a["final"] if a["final"][k] != b["final"][k])
+                assert not differ, (f"wide model, rank {rank}: resumed at step {interrupted[0]['global_step']} "
+                                    f"it ends with other weights than the uninterrupted run in {differ}")
+
     def test_teardown_leaves_no_process_group_and_the_module_unwrapped(self, runs):
         for name in ("fit", "resumed"):
             for record in self.ranks(runs, name):
@@ -209,6 +240,185 @@ def _written_during_sanity_check(plugins: list) -> set[str]:
     assert snapshots.before is not None, "the conformance run's sanity check did not run"
     return {path for path, data in snapshots.after.items() if snapshots.before.get(path) != data}
 
+#: The resume point of the observer and extension suites: 64 samples of 8 (per rank: 4
+#: under 2 ddp ranks), 8 optimizer steps an epoch, 2 epochs; stopped at step 11.
+RESUME_AT = 11
+
+
+def _normalized(relative: str) -> str:
+    """A file's path with its numbers and ids blanked (versions, timestamps, pids, run ids)."""
+    import re
+
+    return re.sub(r"\d+", "#", re.sub(r"[0-9a-f]{32}", "<id>", relative))
+
+
+def _files(root: Path) -> list[str]:
+    return sorted(_normalized(p.relative_to(root).as_posix()) for p in Path(root).rglob("*") if p.is_file())
+
+
+def _fit_in(root: Path, plugins: list, batch_size: int, **kw) -> dict:
+    """Fit TinyClassifier on 64 samples for 2 epochs with the default observers, logs in
+    ``root``; the result: weights, global step, files written, the last checkpoint."""
+    import hookloop
+    from torch.utils.data import DataLoader
+
+    from ..plugins import plugin_name
+    from ..rundir import newest_last_checkpoint
+
+    torch.manual_seed(0)
+    module = TinyClassifier(seed=10)
+    ckpt_path = kw.pop("ckpt_path", None)
+    trainer = hookloop.Trainer(plugins=plugins, max_epochs=2, num_sanity_val_steps=1, default_root_dir=str(root), **kw)
+    trainer.fit(module, DataLoader(tiny_dataset(), batch_size=batch_size),
+                DataLoader(tiny_dataset(16, seed=2), batch_size=batch_size), ckpt_path=ckpt_path)
+    last = newest_last_checkpoint(Path(root))
+    return {"weights": weights(module), "global_step": trainer.global_step, "files": _files(root),
+            "name": plugin_name(plugins[0]) if plugins else None,
+            "last": torch.load(last, map_location="cpu", weights_only=False) if last else None}
+
+
+def _resume_runs(make, root: Path, batch_size: int = 8) -> dict:
+    """An uninterrupted run, one stopped at :data:`RESUME_AT`, and its resume from
+    ``last.ckpt`` by a new Trainer and plugin object."""
+    return {"straight": _fit_in(root / "straight", [make()], batch_size),
+            "interrupted": _fit_in(root / "resume", [make()], batch_size, max_steps=RESUME_AT),
+            "resumed": _fit_in(root / "resume", [make()], batch_size, ckpt_path="last")}
+
+
+def _assert_state_resumed(runs: dict, what: str, tolerance: float = 0.0, weights: bool = True,
+                          state: bool = True) -> None:
+    straight, resumed = runs["straight"], runs["resumed"]
+    name = straight["name"]
+    if weights:
+        assert runs["interrupted"]["global_step"] == RESUME_AT < resumed["global_step"] == straight["global_step"]
+        diff = max_difference(straight["weights"], resumed["weights"])
+        assert diff <= tolerance, (f"{name!r}: resumed at step {RESUME_AT} the {what}'s run ends {diff} from the "
+                                   f"uninterrupted run (its state not restored, or restored late?)")
+    saved = straight["last"]["plugins"] if straight["last"] else {}
+    if name not in saved or not state:
+        return  # saves no state
+    got = (resumed["last"] or {}).get("plugins", {}).get(name)
+    assert got is not None, f"{name!r}: the resumed run saved no state under {name!r}"
+    try:
+        diff = _max_state_difference(saved[name], got)
+    except AssertionError as exc:
+        diff = f"({exc})"
+    assert diff == 0.0, (f"{name!r}: after a resume at step {RESUME_AT} the {what}'s checkpoint state is "
+                         f"{got!r}, the uninterrupted run's {saved[name]!r}: restore it in on_load_checkpoint")
+
+
+def _plugin_ref(plugin: Any) -> tuple[str, str | None]:
+    """How a worker process makes ``plugin``: its installed name, or ``module:Class`` and
+    the folder its module is imported from."""
+    import inspect
+
+    if isinstance(plugin, str):
+        if not plugin:
+            pytest.fail("set plugin = '<name>' (or the plugin class) on the conformance class")
+        return plugin, None
+    cls = plugin if isinstance(plugin, type) else type(plugin)
+    if "<locals>" in cls.__qualname__ or cls.__module__ == "__main__":
+        pytest.fail(f"{cls.__qualname__}: a plugin class run under ddp must be importable (module level of a module)")
+    folder = Path(inspect.getfile(cls)).resolve().parent
+    for _ in range(cls.__module__.count(".")):
+        folder = folder.parent
+    return f"{cls.__module__}:{cls.__qualname__}", str(folder)
+
+
+def _launch_kit(out: Path, kind: str, plugin: Any, options: dict) -> dict:
+    """Run :func:`_kit_worker` on 2 ddp ranks (gloo) and collect what each rank recorded."""
+    ref, folder = _plugin_ref(plugin)
+    (out / "spec.json").write_text(json.dumps({"kind": kind, "plugin": ref, "options": options}))
+    script = out / "kit_worker.py"
+    script.write_text("import sys\nfrom hookloop.testing.conformance import _kit_worker\n"
+                      "_kit_worker(sys.argv[1], sys.argv[2])\n")
+    _hookloop("run", "--plugins", "ddp", "--devices", "2", str(script), str(out), str(out / "spec.json"),
+              cwd=out, timeout=300, pythonpath=folder)
+    ranks = [torch.load(out / f"kit.rank{r}.pt", weights_only=False) for r in (0, 1)]
+    if kind == "observer":
+        return {"ranks": ranks, "files": {run: _files(out / run) for run in ("without", "with")}}
+    from ..rundir import newest_last_checkpoint
+
+    last = {}
+    for run, folder_name in (("straight", "straight"), ("resumed", "resume")):
+        path = newest_last_checkpoint(out / folder_name)
+        last[run] = {"name": ranks[0]["name"], "weights": None,
+                     "last": torch.load(path, map_location="cpu", weights_only=False) if path else None}
+    return {"ranks": ranks, "last": last}
+
+
+class _WriteLog:
+    """An audit hook (:func:`sys.addaudithook`): the files under ``root/<run>`` this process
+    opens for writing, renames or removes."""
+
+    FLAGS = None
+
+    def __init__(self, root: Path):
+        import os
+
+        self.root, self.run, self.paths = str(Path(root).resolve()), None, {}
+        self.flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+
+    def __call__(self, event: str, args: tuple) -> None:
+        if self.run is None or event not in ("open", "os.rename", "os.remove", "os.truncate"):
+            return
+        try:
+            import os
+
+            if event == "open":
+                path, mode, flags = args
+                if not (isinstance(flags, int) and flags & self.flags) and not (mode and any(c in str(mode) for c in "wax+")):
+                    return
+            else:
+                path = args[1] if event == "os.rename" else args[0]
+            if not isinstance(path, (str, bytes, os.PathLike)):
+                return
+            path = os.path.abspath(os.fsdecode(path))
+            base = os.path.join(self.root, self.run) + os.sep
+            if path.startswith(base):
+                self.paths[self.run].add(_normalized(path[len(base):]))
+        except Exception:
+            return
+
+
+def _kit_worker(out: str, spec_path: str) -> None:
+    """One rank of :func:`_launch_kit`'s job (started by ``hookloop run``)."""
+    import os
+    import sys
+
+    spec = json.loads(Path(spec_path).read_text())
+    rank = int(os.environ.get("RANK", "0"))
+    ref, options = spec["plugin"], spec["options"]
+    if ":" in ref:
+        import importlib
+
+        module, _, qualname = ref.partition(":")
+        obj = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+        plugin: Any = obj
+    else:
+        plugin = ref
+
+    def make():
+        return _make(plugin, options)
+
+    root = Path(out)
+    if spec["kind"] == "observer":
+        log = _WriteLog(root)
+        sys.addaudithook(log)
+        record: dict = {"rank": rank}
+        for run, plugins in (("without", []), ("with", [make()])):
+            log.run, log.paths[run] = run, set()
+            _fit_in(root / run, plugins, batch_size=4)
+            log.run = None
+            record[run] = sorted(log.paths[run])
+    else:
+        runs = _resume_runs(make, root, batch_size=4)
+        record = {"rank": rank, "name": runs["straight"]["name"],
+                  **{run: {"weights": r["weights"], "global_step": r["global_step"]} for run, r in runs.items()}}
+    torch.save(record, root / f"kit.rank{rank}.pt")
+
 
 def _make(plugin: Any, options: dict) -> Any:
     """The plugin object: by installed name, or from a class (or an object) under test."""
@@ -226,11 +436,15 @@ class ObserverConformance:
     documented order (docs/hooks.md's ``fit`` sequence, restricted to its hooks), and
     write nothing during the sanity check.
 
-    Set ``plugin`` (its installed name, or its class) and optionally ``options``.
+    Set ``plugin`` (its installed name, or its class) and optionally ``options``, and
+    ``resume_state = False`` for an observer whose checkpoint state belongs to its run
+    directory (a logger's file and row count, a list of checkpoint files): a
+    ``ckpt_path=`` resume starts a new run directory, so that state starts afresh.
     """
 
     plugin: Any = ""
     options: dict = {}
+    resume_state: bool = True
 
     def make(self):
         return _make(self.plugin, self.options)
@@ -265,6 +479,102 @@ class ObserverConformance:
             f"the observer wrote {', '.join(extra)} (under the run's root) during the sanity check: "
             f"on_validation_end gets sanity_checking=True then (trainer.sanity_checking in the other "
             f"hooks); return without writing")
+
+    # -- under ddp, and across a resume ------------------------------------------------
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def ddp_runs(cls, tmp_path_factory) -> dict:
+        """One ``hookloop run --plugins ddp --devices 2`` job fitting twice, without and with
+        the observer; what each rank opened for writing, and the one-process run's files."""
+        pytest.importorskip("hookloop_ddp")
+        out = tmp_path_factory.mktemp("observer-ddp")
+        single = out / "single"
+        _fit_in(single, [_make(cls.plugin, cls.options)], batch_size=8)
+        return {"single": _files(single), **_launch_kit(out, "observer", cls.plugin, cls.options)}
+
+    def test_under_ddp_only_global_rank_zero_writes_files(self, ddp_runs):
+        """2 ddp ranks (gloo): rank 1 opens no file for writing that it does not open without
+        the observer, and the run directory holds the files of the one-process run (names
+        compared with their numbers and ids blanked: timestamps, pids, versions)."""
+        with_it = ddp_runs["ranks"][1]["with"]
+        without = ddp_runs["ranks"][1]["without"]
+        extra = sorted(set(with_it) - set(without))
+        assert not extra, (f"{self.plugin!r}: global rank 1 wrote {extra} under ddp: an observer writes files on "
+                           f"global rank 0 only (if trainer.is_global_zero / trainer.global_rank == 0)")
+        assert ddp_runs["files"]["with"] == ddp_runs["single"], (
+            f"{self.plugin!r}: under 2 ddp ranks the run directory holds "
+            f"{sorted(set(ddp_runs['files']['with']) - set(ddp_runs['single']))} beyond the one-process run's files "
+            f"and lacks {sorted(set(ddp_runs['single']) - set(ddp_runs['files']['with']))}")
+
+    def test_its_checkpoint_state_comes_back_after_a_resume(self, tmp_path):
+        """One process: an uninterrupted run, and one stopped mid-epoch (``max_steps``) then
+        resumed from its ``last.ckpt`` by a new observer object. The observer's state
+        (``on_save_checkpoint``) is under its name only, and the resumed run's last
+        checkpoint holds the same state as the uninterrupted run's. An observer that
+        saves nothing, or declares ``resume_state = False``, passes."""
+        runs = _resume_runs(lambda: _make(self.plugin, self.options), tmp_path)
+        # The state only: an observer's effect on the weights is test_weights_are_unchanged_by_the_observer's.
+        _assert_state_resumed(runs, what="observer", weights=False, state=self.resume_state)
+
+
+class ExtensionConformance:
+    """What every extension (role ``"extension"``: a plugin that changes training, e.g. SWA,
+    EMA, an accumulation or learning-rate schedule) must do: train with the default
+    observers (checkpoint, CSV logger) in one process and under ddp (2 processes, gloo),
+    keep its checkpoint state under its own name, and make a resumed run end exactly as an
+    uninterrupted one. The resume point: 64 samples, 8 optimizer steps an epoch, 2 epochs;
+    the run is stopped by ``max_steps=11`` (epoch 1, 3 steps in), and a new Trainer and a
+    new plugin object resume from its ``last.ckpt``.
+
+    Set ``plugin`` (its installed name; or its class, which the ddp workers import from
+    the class's module), optionally ``options`` and ``resume_tolerance`` (0.0).
+    """
+
+    plugin: Any = ""
+    options: dict = {}
+    resume_tolerance: float = 0.0
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def single(cls, tmp_path_factory) -> dict:
+        root = tmp_path_factory.mktemp("extension-single")
+        runs = _resume_runs(lambda: _make(cls.plugin, cls.options), root)
+        runs["baseline"] = _fit_in(root / "baseline", [], batch_size=8)
+        return runs
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def ddp(cls, tmp_path_factory) -> dict:
+        pytest.importorskip("hookloop_ddp")
+        return _launch_kit(tmp_path_factory.mktemp("extension-ddp"), "extension", cls.plugin, cls.options)
+
+    def test_trains_with_the_default_observers(self, single):
+        straight = single["straight"]
+        assert straight["global_step"] == 16, f"an uninterrupted run made {straight['global_step']} steps, not 16"
+        assert all(torch.isfinite(t).all() for t in straight["weights"].values()), "non-finite weights"
+        assert straight["files"].count("logs/version_#/metrics.csv") == 1, (
+            f"the CSV logger wrote no metrics.csv alongside the extension: {straight['files']}")
+        assert straight["last"] is not None, f"no last.ckpt alongside the extension: {straight['files']}"
+        extra = sorted(set(straight["last"]["plugins"]) - set(single["baseline"]["last"]["plugins"]) - {straight["name"]})
+        assert not extra, (f"{straight['name']!r} saved checkpoint state under {extra}, not under its own name "
+                           f"(checkpoint['plugins'][{straight['name']!r}])")
+
+    def test_resumed_in_one_process_it_ends_as_an_uninterrupted_run(self, single):
+        _assert_state_resumed(single, what="extension", tolerance=self.resume_tolerance)
+
+    def test_under_ddp_the_ranks_agree_and_a_resume_ends_as_an_uninterrupted_run(self, ddp):
+        ranks = ddp["ranks"]
+        assert [r["rank"] for r in ranks] == [0, 1], "one record per rank expected"
+        diff = max_difference(ranks[0]["straight"]["weights"], ranks[1]["straight"]["weights"])
+        assert diff == 0.0, f"under ddp the ranks end {diff} apart: the extension changed one rank's training only"
+        for record in ranks:
+            assert record["straight"]["global_step"] == 16
+            diff = max_difference(record["straight"]["weights"], record["resumed"]["weights"])
+            assert diff <= self.resume_tolerance, (
+                f"rank {record['rank']}: resumed at step 11 under ddp it ends {diff} from the uninterrupted run")
+        _assert_state_resumed({"straight": ddp["last"]["straight"], "resumed": ddp["last"]["resumed"]},
+                              what="extension", weights=False)
 
 
 class PrecisionConformance:
