@@ -176,12 +176,15 @@ def clip_gradients(trainer: Any, optimizer: torch.optim.Optimizer, value: float 
     ``clip_gradients`` hook's (a sharded strategy computes the norm over all shards);
     its default is :func:`clip_parameters`. Precision plugins unscale gradients first.
     """
-    if value is None and algorithm is None:
-        value, algorithm = trainer.gradient_clip_val, trainer.config.gradient_clip_algorithm
-    if not value:
+    if algorithm is None:
+        if value is None:
+            value = trainer.gradient_clip_val
+        if not value:
+            return  # the per-step path without clipping: no config read, no hook call
+        algorithm = trainer.config.gradient_clip_algorithm
+    elif not value:
         return
-    trainer.hook.clip_gradients(trainer=trainer, optimizer=optimizer, clip_val=value,
-                                algorithm=algorithm or "norm")
+    trainer.hook.clip_gradients(trainer=trainer, optimizer=optimizer, clip_val=value, algorithm=algorithm)
 
 
 def clip_parameters(optimizer: torch.optim.Optimizer, clip_val: float, algorithm: str) -> None:
