@@ -199,3 +199,52 @@ def test_deepspeed_resume_with_another_number_of_schedulers_is_refused(tmp_path)
     assert path.is_dir()
     with pytest.raises(hookloop.CheckpointError, match=r"holds 2 LR scheduler\(s\) and configure_optimizers returned 1"):
         trainer(4, tmp_path / "second").fit(_Schedules(1), loader, ckpt_path=str(path))
+
+
+def test_the_scaler_and_clipping_hooks_are_where_the_contract_says():
+    """fp16 with clipping: ``configure_grad_scaler`` once, at ``setup``; ``clip_gradients``
+    at every optimizer step, right after ``on_before_optimizer_step`` (observers see the
+    unclipped gradients), with the Trainer's value and algorithm; and the weights are
+    those of a hand-written GradScaler loop that clips the unscaled gradients."""
+    from hookloop_amp import AMP
+
+    calls = []
+
+    class Tracer:
+        hookloop_name, hookloop_role = "tracer", "observer"
+
+        @hookloop.hookimpl
+        def configure_grad_scaler(self, device, options):
+            calls.append(("configure_grad_scaler", device.type, dict(options)))
+
+        @hookloop.hookimpl
+        def on_before_optimizer_step(self):
+            calls.append(("on_before_optimizer_step",))
+
+        @hookloop.hookimpl
+        def clip_gradients(self, clip_val, algorithm):
+            calls.append(("clip_gradients", clip_val, algorithm))
+
+    loader = DataLoader(tiny_data(32), batch_size=8)
+    module = TinyModule()
+    reference = TinyModule()
+    trainer = hookloop.Trainer(plugins=[AMP(allow_cpu_fp16=True, init_scale=2.0**8), Tracer()], precision="16-mixed",
+                               max_epochs=1, gradient_clip_val=0.05, enable_checkpointing=False, logger=False,
+                               enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(module, loader)
+    assert calls[0] == ("configure_grad_scaler", "cpu", {"init_scale": 2.0**8, "growth_interval": 2000})
+    assert calls[1:] == [("on_before_optimizer_step",), ("clip_gradients", 0.05, "norm")] * 4
+
+    opt = torch.optim.SGD(reference.parameters(), lr=reference.lr, momentum=reference.momentum)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    for x, y in loader:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.cross_entropy(reference(x), y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+        scaler.step(opt)
+        scaler.update()
+    for (name, a), b in zip(module.state_dict().items(), reference.state_dict().values()):
+        assert torch.equal(a, b), name
