@@ -35,7 +35,7 @@ LAYERS: list[list[str]] = [
     ["unpickling", "config", "pluginspec"],
     ["launch", "dist"],
     ["faults", "checkpoint"],
-    ["loggers", "helpers", "data", "loader_state"],
+    ["loggers", "helpers", "distributed", "data", "loader_state"],
     ["state"],
     ["metrics"],
     ["optim"],

@@ -39,6 +39,7 @@ from .helpers import (
     apply_to_tensors,
     batch_size_of,
     clip_gradients,
+    clip_parameters,
     cpu_process_group,
     distributed_sampler,
     gather_per_rank,
@@ -51,6 +52,7 @@ from .helpers import (
     run_hparams,
     seed_everything,
 )
+from .distributed import DistributedSampling, TorchCollectives, TorchDistributed, check_sampler_seed
 from .hookspecs import hookimpl, hookspec
 from .launch import as_launcher, die_with_launcher, elastic_command, in_worker
 from .module import Module
@@ -62,7 +64,7 @@ from .observers.bars import RichProgressBar, RichProgressBarTheme, TQDMProgressB
 from .observers.model_summary import ModelSummary
 from .observers.progress import ProgressBar
 from .observers.timer import Timer
-from .optim import SchedulerConfig, before_optimizer_step, schedulers_of
+from .optim import SchedulerConfig, before_optimizer_step, GradScaling, load_scheduler_states, schedulers_of
 from .plugins import installed_plugins, resolve as plugin
 from .trainer import Trainer, default
 from .unpickling import refused_object, unsafe_checkpoint_error, weights_only_loads
@@ -123,6 +125,13 @@ __all__ = [
     "before_optimizer_step",
     "check_state_dict",
     "clip_gradients",
+    "clip_parameters",
+    "check_sampler_seed",
+    "DistributedSampling",
+    "TorchCollectives",
+    "TorchDistributed",
+    "load_scheduler_states",
+    "GradScaling",
     "cpu_process_group",
     "default",
     "defer",

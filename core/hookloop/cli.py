@@ -17,7 +17,7 @@ import sys
 from . import contract, plot, scaffold, versioning
 from . import plugins as registry
 from .config import TrainerConfig, env_defaults
-from .errors import HookloopError
+from .errors import CheckpointError, HookloopError
 from .launch import is_plain_interpreter, run_command
 from .sourcescan import declared_role
 
@@ -213,6 +213,34 @@ def cmd_run(args) -> int:
     else:
         cmd = pm.hook.launch_command(config=config, script=args.script, script_args=list(args.script_args))
     return run_command(cmd, settings, workers=not is_plain_interpreter(cmd, args.script))
+
+
+def collate_command(strategy: str, collate, argv: list[str] | None, *, help: str, description: str,
+                    tag_help: str, kind: str = "") -> int:
+    """``hookloop STRATEGY collate CHECKPOINT_DIR OUTPUT [--tag TAG]``: the sub-command of a
+    strategy whose checkpoints are directories of shards (deepspeed, fsdp).
+
+    A plugin's ``hookloop.commands`` entry point calls it with its own
+    ``collate(checkpoint_dir, output, tag=None) -> state dict``; a ``CheckpointError`` is
+    printed as ``hookloop STRATEGY: error: ...`` with exit status 2. ``kind`` is added to
+    the summary line (e.g. ``", fp32"``). Returns the exit status.
+    """
+    parser = argparse.ArgumentParser(prog=f"hookloop {strategy}",
+                                     description=f"Tools for checkpoints written by the {strategy} strategy.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    c = sub.add_parser("collate", help=help, description=description)
+    c.add_argument("checkpoint_dir", help="the checkpoint directory (e.g. checkpoints/last.ckpt)")
+    c.add_argument("output", help="the .pt file to write")
+    c.add_argument("--tag", default=None, help=tag_help)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        state = collate(args.checkpoint_dir, args.output, tag=args.tag)
+    except CheckpointError as exc:
+        print(f"hookloop {strategy}: error: {exc}", file=sys.stderr)
+        return 2
+    n = sum(v.numel() for v in state.values() if hasattr(v, "numel"))
+    print(f"wrote {args.output}: {len(state)} tensors, {n} elements{kind} (optimizer state dropped)")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

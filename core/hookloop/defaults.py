@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 
 from . import checkpoint as ckpt
 from .config import TrainerConfig
 from .errors import CheckpointError
-from .helpers import local_rank_device
+from .helpers import clip_parameters, local_rank_device
 from .hookspecs import hookimpl
 from .launch import elastic_command
-from .optim import before_optimizer_step
+from .optim import before_optimizer_step, load_scheduler_states
 
 
 class Defaults:
@@ -71,6 +72,15 @@ class Defaults:
         optimizer.zero_grad(set_to_none=True)
         return True
 
+    @hookimpl(trylast=True)
+    def configure_grad_scaler(self, device, options):
+        return torch.amp.GradScaler(device.type, **options)
+
+    @hookimpl(trylast=True)
+    def clip_gradients(self, optimizer, clip_val, algorithm):
+        clip_parameters(optimizer, clip_val, algorithm)
+        return True
+
     # -- collectives --------------------------------------------------------------------
 
     @hookimpl(trylast=True)
@@ -114,14 +124,5 @@ class Defaults:
                 )
             for optimizer, state in zip(trainer.optimizers, optimizer_states):
                 optimizer.load_state_dict(state)
-        configs = trainer.lr_scheduler_configs
-        if configs and scheduler_states:
-            if len(scheduler_states) != len(configs):
-                raise CheckpointError(
-                    f"the checkpoint holds {len(scheduler_states)} LR scheduler(s) and "
-                    f"configure_optimizers returned {len(configs)}: resume with the schedulers it "
-                    f"was saved with"
-                )
-            for config, state in zip(configs, scheduler_states):
-                config.scheduler.load_state_dict(state)
+        load_scheduler_states(trainer, scheduler_states)
         return True

@@ -167,21 +167,35 @@ def optimizer_parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def clip_gradients(trainer: Any, optimizer: torch.optim.Optimizer) -> None:
+def clip_gradients(trainer: Any, optimizer: torch.optim.Optimizer, value: float | None = None,
+                   algorithm: str | None = None) -> None:
     """Clip the gradients of ``optimizer``'s parameters as the trainer is configured.
 
     ``gradient_clip_algorithm="norm"`` clips the total 2-norm to ``gradient_clip_val``;
-    ``"value"`` clamps each element. Does nothing when ``gradient_clip_val`` is None.
-    Precision plugins unscale gradients before calling this.
+    ``"value"`` clamps each element (``value``/``algorithm`` given: those instead).
+    Does nothing when the value is None or 0. The clipping itself is the
+    ``clip_gradients`` hook's (a sharded strategy computes the norm over all shards);
+    its default is :func:`clip_parameters`. Precision plugins unscale gradients first.
     """
-    value = trainer.gradient_clip_val
-    if not value:
+    if algorithm is None:
+        if value is None:
+            value = trainer.gradient_clip_val
+        if not value:
+            return  # the per-step path without clipping: no config read, no hook call
+        algorithm = trainer.config.gradient_clip_algorithm
+    elif not value:
         return
+    trainer.hook.clip_gradients(trainer=trainer, optimizer=optimizer, clip_val=value, algorithm=algorithm)
+
+
+def clip_parameters(optimizer: torch.optim.Optimizer, clip_val: float, algorithm: str) -> None:
+    """``torch.nn.utils.clip_grad_norm_`` (``algorithm="norm"``) or ``clip_grad_value_``
+    (``"value"``) over ``optimizer``'s parameters: the default ``clip_gradients`` hook."""
     params = optimizer_parameters(optimizer)
-    if trainer.config.gradient_clip_algorithm == "value":
-        torch.nn.utils.clip_grad_value_(params, value)
+    if algorithm == "value":
+        torch.nn.utils.clip_grad_value_(params, clip_val)
     else:
-        torch.nn.utils.clip_grad_norm_(params, value)
+        torch.nn.utils.clip_grad_norm_(params, clip_val)
 
 
 def repoint_lr_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:

@@ -339,6 +339,43 @@ def training_step_end(trainer, outputs):
     """
 
 
+@hookspec(firstresult=True)
+def configure_grad_scaler(trainer, device, options):
+    """Return the loss scaler for ``precision="16-mixed"``.
+
+    Called by the precision plugin (hookloop-amp) in its ``setup`` for ``fit``, and by a
+    strategy that owns precision (fsdp) for its own: ``device`` is
+    ``trainer.root_device`` and ``options`` holds ``torch.amp.GradScaler``'s keyword
+    arguments (``init_scale``, ``growth_interval``...). The default is
+    ``torch.amp.GradScaler(device.type, **options)``; a sharded strategy returns a
+    scaler whose inf/nan verdict is agreed by every rank (fairscale's and torch's
+    ``ShardedGradScaler``), so all ranks skip the same steps. Whatever it returns is
+    stepped by :class:`hookloop.GradScaling`: it must have ``GradScaler``'s
+    ``scale``, ``unscale_``, ``step``, ``update``, ``get_scale`` and ``state_dict``.
+    Called once per run, not per step.
+
+    Stops at first non-None result.
+    """
+
+
+@hookspec(firstresult=True)
+def clip_gradients(trainer, optimizer, clip_val, algorithm):
+    """Clip the gradients of ``optimizer``'s parameters to ``clip_val``.
+
+    Called by :func:`hookloop.before_optimizer_step` (after unscaling, right before the
+    step) when ``gradient_clip_val`` is set, or for a module's
+    ``self.clip_gradients(...)`` under manual optimization; never when there is nothing
+    to clip. ``algorithm`` is ``"norm"`` (the total 2-norm of all the gradients) or
+    ``"value"`` (each element). The default clips the optimizer's parameters with
+    ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_``
+    (:func:`hookloop.clip_parameters`); a strategy whose gradients are sharded across
+    ranks returns ``True`` after clipping by the norm over all shards (fairscale's
+    ``OSS.clip_grad_norm``).
+
+    :returns: ``True`` when handled. Stops at first non-None result.
+    """
+
+
 # ---------------------------------------------------------------------------------------
 # 5. Collectives
 # ---------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 steps each scheduler, and the optimizers of manual optimization.
 
 Public helpers for plugin authors: :func:`before_optimizer_step` (call it in your
-``optimizer_step`` right before stepping) and :func:`schedulers_of`.
+``optimizer_step`` right before stepping), :class:`GradScaling` (backward and step
+through a loss scaler), :func:`load_scheduler_states` and :func:`schedulers_of`.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigurationError
-from .helpers import clip_gradients, optimizer_parameters
+from .errors import CheckpointError, ConfigurationError
+from .helpers import clip_gradients
 
 _SCHEDULER_KEYS = ("scheduler", "interval", "frequency", "monitor", "strict", "name")
 
@@ -211,14 +212,81 @@ def before_optimizer_step(trainer: Any, optimizer: Any, clip: bool = True) -> No
     request = requests.pop(id(optimizer), None) if requests else None
     if request is None:
         clip_gradients(trainer, optimizer)
+    else:
+        clip_gradients(trainer, optimizer, *request)
+
+
+class GradScaling:
+    """Loss scaling for ``precision="16-mixed"``: backward of the scaled loss, and the
+    optimizer step through the scaler, with skipped-step detection in one place.
+
+    ``scaler`` is what the ``configure_grad_scaler`` hook returned (``torch.amp.GradScaler``
+    or a shard-aware subclass). A precision plugin (hookloop-amp) or a strategy that owns
+    precision (fsdp) keeps one and calls :meth:`backward` from its ``backward`` hook and
+    :meth:`step` from its ``optimizer_step`` hook. ``skipped_steps`` counts the steps
+    skipped because a gradient held inf/nan, in this run (or restored with the scaler).
+    """
+
+    def __init__(self, scaler: Any):
+        self.scaler = scaler
+        self.skipped_steps = 0
+        # The scale before the next step: a fresh scaler answers without a device sync.
+        self._last_scale = scaler.get_scale()
+
+    def backward(self, trainer: Any, loss: torch.Tensor) -> bool:
+        """Backpropagate the scaled loss with ``trainer.backward_kwargs``; returns True."""
+        self.scaler.scale(loss).backward(**trainer.backward_kwargs)
+        return True
+
+    def step(self, trainer: Any, optimizer: Any) -> bool:
+        """Unscale the gradients (clipping thresholds are in true units), call
+        :func:`before_optimizer_step` (the event, then clipping), step unless a gradient
+        holds inf/nan, update the scale; returns whether the step was taken.
+
+        The scale drops exactly when inf/nan was found; ``scaler.step`` already waited for
+        the device to decide, so reading the scale costs no extra synchronisation.
+        """
+        scaler = self.scaler
+        scaler.unscale_(optimizer)
+        before_optimizer_step(trainer, optimizer)
+        scaler.step(optimizer)  # skips optimizer.step() when a gradient is inf/nan
+        scaler.update()
+        scale = scaler.get_scale()
+        took_step = scale >= self._last_scale
+        self._last_scale = scale
+        if not took_step:
+            self.skipped_steps += 1
+        return took_step
+
+    def load_state_dict(self, scaler_state: dict, skipped_steps: int | None = None) -> None:
+        """Restore the scaler's state (``scaler.state_dict()`` of a checkpoint) and, when
+        given, the count of skipped steps."""
+        self.scaler.load_state_dict(scaler_state)
+        if skipped_steps is not None:
+            self.skipped_steps = int(skipped_steps)
+        self._last_scale = self.scaler.get_scale()
+
+
+def load_scheduler_states(trainer: Any, scheduler_states: list) -> None:
+    """Restore the LR schedulers of ``configure_optimizers`` from a checkpoint's states
+    (the second list of :func:`hookloop.optimizer_and_scheduler_states`), in order.
+
+    ``CheckpointError`` when the checkpoint holds another number of schedulers than this
+    run has: zipped, the extra ones would be dropped silently, or a schedule would be
+    restored into another scheduler. Nothing happens when either side has none. For a
+    strategy's ``load_model_state`` that restores the model and optimizers itself.
+    """
+    configs = trainer.lr_scheduler_configs
+    if not configs or not scheduler_states:
         return
-    value, algorithm = request
-    if value:
-        params = optimizer_parameters(optimizer)
-        if algorithm == "value":
-            torch.nn.utils.clip_grad_value_(params, value)
-        else:
-            torch.nn.utils.clip_grad_norm_(params, value)
+    if len(scheduler_states) != len(configs):
+        raise CheckpointError(
+            f"the checkpoint holds {len(scheduler_states)} LR scheduler(s) and "
+            f"configure_optimizers returned {len(configs)}: resume with the schedulers it "
+            f"was saved with"
+        )
+    for config, state in zip(configs, scheduler_states):
+        config.scheduler.load_state_dict(state)
 
 
 class LoopOptimizer:

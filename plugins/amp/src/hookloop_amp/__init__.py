@@ -1,8 +1,10 @@
 """hookloop-amp: automatic mixed precision as a hookloop precision plugin.
 
 ``precision="16-mixed"``: every forward runs under ``torch.autocast(dtype=float16)``,
-the loss is scaled before backward by a ``torch.amp.GradScaler``, gradients are unscaled
-before clipping, a step whose gradients hold inf/nan is skipped and the scale lowered.
+the loss is scaled before backward by the loss scaler of the ``configure_grad_scaler``
+hook (a ``torch.amp.GradScaler``, or a strategy's shard-aware one), gradients are
+unscaled before clipping, a step whose gradients hold inf/nan is skipped and the scale
+lowered (:class:`hookloop.GradScaling`).
 ``precision="bf16-mixed"``: bf16 autocast only (bf16 has fp32's range: no scaler).
 ``precision="32"``: nothing to do.
 
@@ -43,20 +45,27 @@ class AMP:
         self.allow_cpu_fp16 = allow_cpu_fp16
         self.init_scale = init_scale
         self.growth_interval = growth_interval
-        self.scaler: torch.amp.GradScaler | None = None
+        self.scaling: hookloop.GradScaling | None = None
         self.dtype: torch.dtype | None = None
         self.device_type: str | None = None
-        #: optimizer steps skipped because of inf/nan gradients, in this run
-        self.skipped_steps = 0
-        self._last_scale = 0.0
         self._told_handover = False
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """The loss scaler of an fp16 run (``None`` otherwise)."""
+        return self.scaling.scaler if self.scaling is not None else None
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped because of inf/nan gradients, in this run."""
+        return self.scaling.skipped_steps if self.scaling is not None else 0
 
     # -- setup ----------------------------------------------------------------------------
 
     @hookloop.hookimpl
     def setup(self, trainer, stage):
         """Choose the autocast dtype for ``trainer.precision`` and build the scaler."""
-        self.scaler, self.dtype, self.device_type, self.skipped_steps = None, None, None, 0
+        self.scaling, self.dtype, self.device_type = None, None, None
         self._trainer = trainer  # for backward's trainer.backward_kwargs
         precision = trainer.precision
         if precision == "32":
@@ -96,10 +105,11 @@ class AMP:
             )
         self.dtype, self.device_type = dtype, device.type
         if dtype is torch.float16 and stage == "fit":
-            self.scaler = torch.amp.GradScaler(
-                device.type, init_scale=self.init_scale, growth_interval=self.growth_interval
-            )
-            self._last_scale = self.scaler.get_scale()  # no device sync: nothing scaled yet
+            # The strategy may give a shard-aware scaler (ddp_sharded); the default is
+            # torch.amp.GradScaler(device.type, **options).
+            options = {"init_scale": self.init_scale, "growth_interval": self.growth_interval}
+            self.scaling = hookloop.GradScaling(
+                trainer.hook.configure_grad_scaler(trainer=trainer, device=device, options=options))
 
     @hookloop.hookimpl
     def teardown(self):
@@ -118,41 +128,29 @@ class AMP:
     def backward(self, loss):
         """fp16: backward of the scaled loss (with ``trainer.backward_kwargs``, e.g.
         ``manual_backward``'s ``retain_graph``). bf16/32: defer to the strategy/default."""
-        if self.scaler is None:
+        scaling = self.scaling
+        if scaling is None:
             return None
-        trainer = self.__dict__.get("_trainer")
-        self.scaler.scale(loss).backward(**(trainer.backward_kwargs if trainer is not None else {}))
-        return True
+        return scaling.backward(self._trainer, loss)
 
     @hookloop.hookimpl
     def optimizer_step(self, trainer, optimizer):
-        """fp16: unscale, clip, step unless inf/nan, update the scale.
+        """fp16: unscale, clip, step unless inf/nan, update the scale
+        (:meth:`hookloop.GradScaling.step`).
 
         Returns ``False`` when the step was skipped. bf16/32: defer (``None``).
         """
-        scaler = self.scaler
-        if scaler is None:
+        scaling = self.scaling
+        if scaling is None:
             return None
-        # Clipping thresholds are in true gradient units, so unscale first.
-        scaler.unscale_(optimizer)
-        hookloop.before_optimizer_step(trainer, optimizer)  # event, then clipping in true units
-        scaler.step(optimizer)  # skips optimizer.step() when a gradient is inf/nan
-        scaler.update()
-        # The scale drops exactly when inf/nan was found; step() already synchronised
-        # with the device to decide, so reading the scale costs no extra wait.
-        scale = scaler.get_scale()
-        took_step = scale >= self._last_scale
-        self._last_scale = scale
-        if not took_step:
-            self.skipped_steps += 1
-        return took_step
+        return scaling.step(trainer, optimizer)
 
     # -- checkpoints ----------------------------------------------------------------------
 
     @hookloop.hookimpl
     def on_save_checkpoint(self, trainer, checkpoint):
         """Store the scaler's state (scale, growth tracker) so a resume continues it."""
-        if self.scaler is not None:
+        if self.scaling is not None:
             checkpoint["plugins"]["amp"] = {
                 "precision": trainer.precision,
                 "scaler": self.scaler.state_dict(),
@@ -163,8 +161,6 @@ class AMP:
     def on_load_checkpoint(self, checkpoint):
         """Restore the scaler's state when both the checkpoint and this run use one."""
         state = checkpoint.get("plugins", {}).get("amp")
-        if state is None or self.scaler is None:
+        if state is None or self.scaling is None:
             return  # fp32/bf16 on one side: there is no scale to carry over
-        self.scaler.load_state_dict(state["scaler"])
-        self.skipped_steps = int(state.get("skipped_steps", 0))
-        self._last_scale = self.scaler.get_scale()
+        self.scaling.load_state_dict(state["scaler"], state.get("skipped_steps", 0))

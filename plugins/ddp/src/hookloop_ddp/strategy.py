@@ -65,7 +65,7 @@ def _check_type(name: str, value: Any, kinds: tuple, rule: str, ok: bool = True)
         raise hookloop.ConfigurationError(f"ddp option {name}={value!r}: {rule}")
 
 
-class DDP:
+class DDP(hookloop.TorchDistributed):
     """Distributed data parallel training with ``torch.nn.parallel.DistributedDataParallel``.
 
     Options (constructor arguments, or ``plugin_options={"ddp": {...}}``):
@@ -132,7 +132,6 @@ class DDP:
             setattr(self, name, options[name])
         self.cluster: ClusterEnvironment | None = None
         self.comm_hook_state: Any = None
-        self._owns_process_group = False
         self._wrapped: tuple[nn.Module, nn.Module] | None = None  # (inner, DDP wrapper)
         self._manual_backward: Any = None  # registered for manual optimization only
 
@@ -175,7 +174,7 @@ class DDP:
             if value is not None:
                 _check_type(name, value, (int,), "must be None or an integer >= 1", ok=isinstance(value, int) and value >= 1)
         elif name == "sampler_seed":
-            _check_type(name, value, (int, type(None)), "must be an integer, or None for the seed of hookloop.seed_everything")
+            hookloop.check_sampler_seed("ddp", value)
 
     # -- extension points: override in a subclass --------------------------------------
 
@@ -251,8 +250,9 @@ class DDP:
         """Read ranks from the launcher, pick this rank's device, initialise the process group.
 
         First the generators are seeded again from ``seed_everything``'s seed
-        (:func:`hookloop.reset_seed`), as Lightning's DDP strategy does there."""
-        hookloop.reset_seed()
+        (:func:`hookloop.reset_seed`), as Lightning's DDP strategy does there; the group is
+        made by :meth:`init_process_group` unless one exists
+        (:meth:`hookloop.TorchDistributed.start_process_group`)."""
         check_backend(self.process_group_backend)
         cluster = self.cluster = ClusterEnvironment.detect()
         self.check_process_count(trainer, cluster)
@@ -262,13 +262,9 @@ class DDP:
         trainer.world_size, trainer.global_rank = cluster.world_size, cluster.global_rank
         trainer.local_rank, trainer.node_rank = cluster.local_rank, cluster.node_rank
         trainer.root_device = device
-        if dist.is_initialized():
-            # The user (or a launcher of theirs) made the group; it is theirs to destroy.
-            self._owns_process_group = False
-        else:
-            excepthook = sys.excepthook
-            self.init_process_group(trainer)
-            self._owns_process_group = True
+        excepthook = sys.excepthook
+        # A group the user (or a launcher of theirs) made is theirs to destroy.
+        if self.start_process_group(None, 0, 0, init=lambda: self.init_process_group(trainer)):
             if getattr(excepthook, "__name__", "") == "_distributed_excepthook":
                 # torch prefixes tracebacks with "[rankN]:" by wrapping the excepthook at
                 # every init; keep one prefix however often this process trains.
@@ -302,11 +298,9 @@ class DDP:
         if manual is not None:
             trainer.plugin_manager.unregister(manual)
         wrapped, self._wrapped = self._wrapped, None
-        owned, self._owns_process_group = self._owns_process_group, False
         if wrapped is not None and trainer.model is wrapped[1]:
             trainer.model = wrapped[0]
-        if owned:
-            hookloop.release_process_group()
+        self.release_owned_process_group()
 
     # -- model, optimizer, data ---------------------------------------------------------
 
@@ -326,19 +320,6 @@ class DDP:
             return comm.model_averaging_optimizer(self, optimizer)
         return None
 
-    @hookloop.hookimpl
-    def configure_sampler(self, trainer, dataloader, training):
-        """Give this rank its share of ``dataloader`` (see ``hookloop.distributed_sampler``).
-
-        Iterable datasets, loaders that already shard, and runs with
-        ``use_distributed_sampler=False`` are left alone.
-        """
-        if trainer.world_size == 1 or not trainer.config.use_distributed_sampler:
-            return None
-        return hookloop.distributed_sampler(
-            dataloader, trainer.world_size, trainer.global_rank, training, seed=self.sampler_seed
-        )
-
     # -- the step -----------------------------------------------------------------------
 
     @hookloop.hookimpl
@@ -347,44 +328,7 @@ class DDP:
         no_sync = getattr(model, "no_sync", None)
         return no_sync() if callable(no_sync) else contextlib.nullcontext()
 
-    # -- collectives --------------------------------------------------------------------
-
-    @hookloop.hookimpl
-    def reduce(self, trainer, tensor, op):
-        """All-reduce ``tensor`` with ``op``; ``"mean"`` is a sum divided by the world size."""
-        if trainer.world_size == 1 or not dist.is_initialized():
-            return tensor
-        original = tensor.device
-        value = tensor.detach().to(trainer.root_device).clone()
-        if op == "mean" and not value.is_floating_point():
-            value = value.double()
-        dist.all_reduce(value, op=hookloop.torch_reduce_op(op))
-        if op == "mean":
-            value /= trainer.world_size
-        return value.to(original)
-
-    @hookloop.hookimpl
-    def barrier(self, trainer):
-        """``torch.distributed.barrier()`` across all ranks."""
-        if trainer.world_size > 1 and dist.is_initialized():
-            if dist.get_backend() == "nccl":
-                dist.barrier(device_ids=[trainer.root_device.index])
-            else:
-                dist.barrier()
-        return True
-
-    @hookloop.hookimpl
-    def broadcast(self, trainer, obj, src):
-        """Every rank gets global rank ``src``'s ``obj`` (``broadcast_object_list``).
-
-        ``trainer.broadcast`` hands the object in a one-element list, so a broadcast
-        ``None`` comes back as ``[None]``, never mistaken for "not handled".
-        """
-        if trainer.world_size == 1 or not dist.is_initialized():
-            return None  # the default returns obj as it is
-        box = [obj]
-        dist.broadcast_object_list(box, src=src)
-        return box[0]
+    # reduce, barrier, broadcast and configure_sampler: hookloop.TorchDistributed's.
 
     # -- checkpoints --------------------------------------------------------------------
 

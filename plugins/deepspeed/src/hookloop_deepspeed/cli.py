@@ -6,9 +6,7 @@ imports this module only when the sub-command runs.
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 from pathlib import Path
 
 import torch
@@ -78,13 +76,10 @@ def collate(checkpoint_dir: str | os.PathLike, output: str | os.PathLike, tag: s
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``hookloop deepspeed ...``."""
-    parser = argparse.ArgumentParser(
-        prog="hookloop deepspeed",
-        description="Tools for checkpoints written by the deepspeed strategy.",
-    )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    c = sub.add_parser(
-        "collate",
+    from hookloop.cli import collate_command
+
+    return collate_command(
+        "deepspeed", collate, argv,
         help="gather a sharded checkpoint into one fp32 state dict (optimizer state is dropped)",
         description=(
             "Gather the shards of a DeepSpeed checkpoint directory into one fp32 state dict "
@@ -92,19 +87,9 @@ def main(argv: list[str] | None = None) -> int:
             "module.load_state_dict(torch.load(OUT, weights_only=True)). Optimizer state is "
             "dropped: use the directory itself to resume training."
         ),
+        tag_help="the checkpoint tag to read (default: the 'latest' one)",
+        kind=", fp32",
     )
-    c.add_argument("checkpoint_dir", help="the checkpoint directory (e.g. checkpoints/last.ckpt)")
-    c.add_argument("output", help="the .pt file to write")
-    c.add_argument("--tag", default=None, help="the checkpoint tag to read (default: the 'latest' one)")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        state = collate(args.checkpoint_dir, args.output, tag=args.tag)
-    except CheckpointError as exc:
-        print(f"hookloop deepspeed: error: {exc}", file=sys.stderr)
-        return 2
-    n = sum(v.numel() for v in state.values())
-    print(f"wrote {args.output}: {len(state)} tensors, {n} elements, fp32 (optimizer state dropped)")
-    return 0
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ _CLIENT_KEY = "hookloop_checkpoint"
 _ENGINE_OWNED = ("state_dict", "optimizer_states", "optimizer")
 
 
-class DeepSpeedStrategy:
+class DeepSpeedStrategy(hookloop.TorchDistributed):
     """Train with DeepSpeed's engine: ZeRO stages 0-3, CPU/NVMe offload, sharded checkpoints.
 
     The engine wraps the loop's step module; the user's ``configure_optimizers``
@@ -66,6 +66,11 @@ class DeepSpeedStrategy:
     :param config: a full DeepSpeed config (dict or JSON path) that replaces the options
         above; ``HOOKLOOP_DEEPSPEED_CONFIG`` names one when ``config`` is not given.
     :param logging_level: the level of DeepSpeed's own logger (default: warnings).
+    :param sampler_seed: seed of the distributed samplers (the same on every rank);
+        ``None``: the seed ``hookloop.seed_everything`` set, as ddp's.
+
+    The samplers, ``sync_dist`` reductions, barriers, broadcasts and the process group
+    are :class:`hookloop.TorchDistributed`'s (shared with ddp and fsdp).
     """
 
     hookloop_name = "deepspeed"
@@ -107,6 +112,7 @@ class DeepSpeedStrategy:
         synchronize_checkpoint_boundary: bool = False,
         config: dict | str | os.PathLike | None = None,
         logging_level: int = logging.WARNING,
+        sampler_seed: int | None = None,
     ):
         self.stage = stage
         self.offload_optimizer = offload_optimizer
@@ -124,6 +130,7 @@ class DeepSpeedStrategy:
         self.synchronize_checkpoint_boundary = synchronize_checkpoint_boundary
         self.config = config
         self.logging_level = logging_level
+        self.sampler_seed = sampler_seed
         # nvme_path may still arrive through plugin_options: it is required from launch on.
         self.check(final=False)
         # Run state, set by the hooks.
@@ -147,6 +154,7 @@ class DeepSpeedStrategy:
         ``plugin_options`` may still set; from launch on it is required.
         """
         check_options(self.options, require_nvme_path=final)
+        hookloop.check_sampler_seed(self.hookloop_name, self.sampler_seed)
         load_custom_config(self.config)
 
     # -- launching -----------------------------------------------------------------------
@@ -172,7 +180,6 @@ class DeepSpeedStrategy:
         (``DS_ACCELERATOR=cpu``) before deepspeed is imported, and the backend is gloo.
         """
         self.check()
-        hookloop.reset_seed()  # as Lightning's DeepSpeed strategy, before its process group
         want_cuda = trainer.config.accelerator in ("cuda", "gpu") or (
             trainer.config.accelerator == "auto" and torch.cuda.is_available()
         )
@@ -183,12 +190,11 @@ class DeepSpeedStrategy:
         import torch.distributed as dist
 
         backend = "nccl" if want_cuda else "gloo"
-        self._owns_process_group = not dist.is_initialized()
-        if self._owns_process_group:
-            # env:// from torchrun, with keys of its own per group (a world of one: none).
-            hookloop.init_process_group(backend, hookloop.env_int("RANK", default=0),
-                                        hookloop.env_int("WORLD_SIZE", default=1),
-                                        timeout=trainer.config.process_group_timeout)
+        # reset_seed first (as Lightning's DeepSpeed strategy); env:// from torchrun, with
+        # keys of its own per group (a world of one: none).
+        self.start_process_group(backend, hookloop.env_int("RANK", default=0),
+                                 hookloop.env_int("WORLD_SIZE", default=1),
+                                 timeout=trainer.config.process_group_timeout)
         if "LOCAL_RANK" not in os.environ:
             # DeepSpeed reads LOCAL_RANK, which only launchers set; for the length of this
             # run only (hookloop reads it to tell a launched worker from a user's process).
@@ -279,12 +285,11 @@ class DeepSpeedStrategy:
                 trainer.model = engine.module
             with contextlib.suppress(Exception):
                 engine.destroy()
-        if getattr(self, "_owns_process_group", False):
-            self._owns_process_group = False
+        if self._owns_process_group:
             import deepspeed.comm
 
             # DeepSpeed's own destroy also drops the groups it caches (world, data parallel).
-            hookloop.release_process_group(deepspeed.comm.destroy_process_group)
+            self.release_owned_process_group(deepspeed.comm.destroy_process_group)
 
     # -- model and data ------------------------------------------------------------------
 
@@ -417,13 +422,6 @@ class DeepSpeedStrategy:
             return None
         return self.engine.optimizer
 
-    @hookloop.hookimpl
-    def configure_sampler(self, trainer, dataloader, training):
-        """Each rank gets its share of the data (:func:`hookloop.distributed_sampler`)."""
-        if trainer.world_size == 1:
-            return None
-        return hookloop.distributed_sampler(dataloader, trainer.world_size, trainer.global_rank, training)
-
     # -- the step ------------------------------------------------------------------------
 
     @hookloop.hookimpl
@@ -462,43 +460,8 @@ class DeepSpeedStrategy:
         """Nothing to do: ``engine.step()`` zeroes the gradients itself."""
         return True
 
-    # -- collectives ---------------------------------------------------------------------
-
-    @hookloop.hookimpl
-    def reduce(self, trainer, tensor, op):
-        """All-reduce ``tensor`` across ranks (mean = sum / world size)."""
-        if trainer.world_size == 1:
-            return tensor
-        import torch.distributed as dist
-
-        result = tensor.detach().clone()
-        low = result.dtype in (torch.bfloat16, torch.float16)
-        if low:
-            result = result.float()  # gloo does not reduce half-precision tensors
-        dist.all_reduce(result, op=hookloop.torch_reduce_op(op))
-        if op == "mean":
-            result = result / trainer.world_size
-        return result.to(tensor.dtype) if low else result
-
-    @hookloop.hookimpl
-    def barrier(self, trainer):
-        """``torch.distributed.barrier()``."""
-        import torch.distributed as dist
-
-        if dist.is_initialized() and trainer.world_size > 1:
-            dist.barrier()
-        return True
-
-    @hookloop.hookimpl
-    def broadcast(self, trainer, obj, src):
-        """``obj`` as held by rank ``src``, on every rank."""
-        if trainer.world_size == 1:
-            return obj
-        import torch.distributed as dist
-
-        holder = [obj]
-        dist.broadcast_object_list(holder, src=src)
-        return holder[0]
+    # reduce (half precision in float32), barrier, broadcast and configure_sampler:
+    # hookloop.TorchDistributed's.
 
     # -- checkpoints ---------------------------------------------------------------------
 
@@ -615,8 +578,7 @@ class DeepSpeedStrategy:
         if self.engine is None:
             return None
         _, scheduler_states = hookloop.optimizer_and_scheduler_states(checkpoint)
-        for config, state in zip(trainer.lr_scheduler_configs, scheduler_states):
-            config.scheduler.load_state_dict(state)
+        hookloop.load_scheduler_states(trainer, scheduler_states)
         return True
 
 

@@ -417,14 +417,7 @@ class DDPSequential(DDP):
                 params = [p for group in optimizer.param_groups for p in group["params"]]
                 keep = {i for i, p in enumerate(params) if id(p) in mine}
                 optimizer.load_state_dict({**state, "state": {i: s for i, s in state["state"].items() if i in keep}})
-        configs = trainer.lr_scheduler_configs
-        if configs and scheduler_states:
-            if len(scheduler_states) != len(configs):
-                raise hookloop.CheckpointError(
-                    f"the checkpoint holds {len(scheduler_states)} LR scheduler(s) and "
-                    f"configure_optimizers returned {len(configs)}")
-            for config, state in zip(configs, scheduler_states):
-                config.scheduler.load_state_dict(state)
+        hookloop.load_scheduler_states(trainer, scheduler_states)
         return True
 
 

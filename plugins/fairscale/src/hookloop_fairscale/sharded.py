@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -54,9 +53,9 @@ class DDPSharded(DDP):
 
     DistributedDataParallel's own options (``comm_hook``, ``find_unused_parameters``,
     ``static_graph``, ``bucket_cap_mb``...) do not apply and are refused when set.
-    Gradient clipping is by the global norm across the shards (``OSS.clip_grad_norm``);
-    under ``precision="16-mixed"`` the precision plugin's scaler is replaced by
-    fairscale's ``ShardedGradScaler``; checkpoints hold the consolidated optimizer state
+    Gradient clipping is by the global norm across the shards (``OSS.clip_grad_norm``,
+    through the ``clip_gradients`` hook); under ``precision="16-mixed"`` the loss scaler
+    is fairscale's ``ShardedGradScaler`` (the ``configure_grad_scaler`` hook); checkpoints hold the consolidated optimizer state
     in the plain optimizer's format.
     """
 
@@ -141,12 +140,9 @@ class DDPSharded(DDP):
 
     # -- environment --------------------------------------------------------------------
 
-    @hookloop.hookimpl(trylast=True)
+    @hookloop.hookimpl
     def setup(self, trainer, stage):
-        """Refuse what sharding cannot do, and give fp16 runs a shard-aware loss scaler.
-
-        ``trylast``: after the precision plugin made its scaler.
-        """
+        """Refuse what sharding cannot do."""
         self._failed = False
         if not trainer.automatic_optimization:
             raise hookloop.ConfigurationError(
@@ -156,42 +152,22 @@ class DDPSharded(DDP):
                 f"training_step would leave gradients unreduced. Use ddp for manual "
                 f"optimization, or return the loss from training_step"
             )
-        if stage == "fit" and trainer.precision == "16-mixed":
-            self._use_sharded_scaler(trainer)
 
-    def _use_sharded_scaler(self, trainer) -> None:
-        # WORKAROUND (needs a hook in the core or hookloop-amp, see README "Decisions"): the
-        # precision plugin builds a plain torch.amp.GradScaler in its setup; there is no way
-        # for a strategy to ask for another scaler class, so it is replaced here, with the
-        # same scale and growth settings (read through GradScaler.state_dict()).
+    @hookloop.hookimpl
+    def configure_grad_scaler(self, trainer, device, options):
+        """``precision="16-mixed"``: fairscale's shard-aware ``ShardedGradScaler`` (inf/nan
+        found by any rank skips the step on every rank: each rank unscales and checks the
+        gradients of its own partition only), with the precision plugin's settings."""
         from ._scaler import ShardedGradScaler
 
-        precision = next((p for p in trainer.plugins if getattr(p, "hookloop_role", None) == "precision"), None)
-        scaler = getattr(precision, "scaler", None)
-        if isinstance(scaler, ShardedGradScaler):
-            return
-        if not isinstance(scaler, torch.amp.GradScaler):
-            name = getattr(precision, "hookloop_name", type(precision).__name__) if precision is not None else "none"
-            raise hookloop.ConfigurationError(
-                f"precision='16-mixed' under {self.hookloop_name} needs a shard-aware loss scaler "
-                f"(fairscale's ShardedGradScaler: every rank must agree to skip a step), and the "
-                f"precision plugin ({name}) keeps no torch.amp.GradScaler in .scaler for "
-                f"{self.hookloop_name} to replace: use hookloop-amp (--plugins amp), or "
-                f"precision='bf16-mixed', which needs no scaler"
-            )
-        settings = scaler.state_dict()
-        precision.scaler = ShardedGradScaler(
-            trainer.root_device.type,
-            init_scale=settings["scale"],
-            growth_factor=settings["growth_factor"],
-            backoff_factor=settings["backoff_factor"],
-            growth_interval=settings["growth_interval"],
-        )
+        settings = {"init_scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000, **options}
+        scaler = ShardedGradScaler(device.type, **settings)
         if trainer.global_rank == 0 and not self._told_scaler:
             print(f"hookloop-fairscale: precision='16-mixed' under {self.hookloop_name}: the loss "
                   f"scaler is fairscale's ShardedGradScaler (inf/nan on any rank skips the step "
                   f"on every rank)", flush=True)
         self._told_scaler = True
+        return scaler
 
     @hookloop.hookimpl
     def on_exception(self, trainer):
@@ -304,35 +280,21 @@ class DDPSharded(DDP):
             model._flush_reduce_calls()
         return result
 
-    @hookloop.hookimpl(trylast=True)
-    def on_before_optimizer_step(self, trainer, optimizer):
+    @hookloop.hookimpl
+    def clip_gradients(self, optimizer, clip_val, algorithm):
         """Clip by the norm of all the gradients across the shards (``OSS.clip_grad_norm``).
 
         Each rank holds the reduced gradients of its own parameters only, so the norm is
         a sum over ranks (one all-reduce) and the coefficient is what unsharded clipping
-        computes. ``trylast``: other observers see the gradients before clipping, as the
-        contract says. The gradients of parameters other ranks own are zeroed: the loop's
-        own clipping (``hookloop.before_optimizer_step``, right after this event) then
-        sees this rank's clipped share only, whose norm is below the threshold, and
-        multiplies by 1.
+        computes. ``"value"`` clipping is per element: the default clamps every shard
+        correctly, and so do optimizers that are not OSS's.
         """
-        value = trainer.gradient_clip_val
-        if not value or trainer.config.gradient_clip_algorithm != "norm":
-            return  # "value" clipping is per element: the loop's clamps every shard correctly
         from ._oss import ShardedOptimizer
 
-        if not isinstance(optimizer, ShardedOptimizer):
-            return
-        # WORKAROUND (needs a hook in the core, see README "Decisions"): the core clips with
-        # torch.nn.utils.clip_grad_norm_ over the optimizer's parameters, a per-rank norm
-        # under sharding; there is no hook through which a strategy replaces it.
-        optimizer.clip_grad_norm(value)
-        owned = {id(p) for p in optimizer.owned_parameters()}
-        with torch.no_grad():
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    if id(p) not in owned and p.grad is not None:
-                        p.grad.zero_()
+        if algorithm != "norm" or not isinstance(optimizer, ShardedOptimizer):
+            return None
+        optimizer.clip_grad_norm(clip_val)
+        return True
 
     # -- checkpoints --------------------------------------------------------------------
 

@@ -247,14 +247,7 @@ def load_model_state(strategy, trainer, checkpoint: dict) -> None:
         _load_sharded(strategy, trainer, Path(checkpoint.pop(SHARDS_KEY)), checkpoint)
     else:
         _load_full(strategy, trainer, checkpoint, optimizer_states)
-    configs = trainer.lr_scheduler_configs
-    if configs and scheduler_states:
-        if len(scheduler_states) != len(configs):
-            raise CheckpointError(
-                f"the checkpoint holds {len(scheduler_states)} LR scheduler(s) and configure_optimizers "
-                f"returned {len(configs)}: resume with the schedulers it was saved with")
-        for config, state in zip(configs, scheduler_states):
-            config.scheduler.load_state_dict(state)
+    hookloop.load_scheduler_states(trainer, scheduler_states)
 
 
 def _load_full(strategy, trainer, checkpoint: dict, optimizer_states: list) -> None:

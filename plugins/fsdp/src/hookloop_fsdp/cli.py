@@ -9,9 +9,7 @@ needs no process group, with the metadata reader of :mod:`hookloop_fsdp.safe_dcp
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 from pathlib import Path
 
 import torch
@@ -50,10 +48,10 @@ def collate(checkpoint_dir: str | os.PathLike, output: str | os.PathLike, tag: s
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``hookloop fsdp ...``."""
-    parser = argparse.ArgumentParser(prog="hookloop fsdp", description="Tools for checkpoints written by the fsdp strategy.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    c = sub.add_parser(
-        "collate",
+    from hookloop.cli import collate_command
+
+    return collate_command(
+        "fsdp", collate, argv,
         help="merge a sharded checkpoint's model shards into one plain state dict (optimizer state is dropped)",
         description=(
             "Merge the model shards of a checkpoint directory written with state_dict_type='sharded' "
@@ -61,19 +59,8 @@ def main(argv: list[str] | None = None) -> int:
             "converter; load it with module.load_state_dict(torch.load(OUT, weights_only=True)). "
             "Optimizer state is dropped: resume training from the directory itself."
         ),
+        tag_help=f"the tag to read (default: the one named in '{LATEST}')",
     )
-    c.add_argument("checkpoint_dir", help="the checkpoint directory (e.g. checkpoints/last.ckpt)")
-    c.add_argument("output", help="the .pt file to write")
-    c.add_argument("--tag", default=None, help=f"the tag to read (default: the one named in '{LATEST}')")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        state = collate(args.checkpoint_dir, args.output, tag=args.tag)
-    except CheckpointError as exc:
-        print(f"hookloop fsdp: error: {exc}", file=sys.stderr)
-        return 2
-    n = sum(v.numel() for v in state.values() if isinstance(v, torch.Tensor))
-    print(f"wrote {args.output}: {len(state)} tensors, {n} elements (optimizer state dropped)")
-    return 0
 
 
 if __name__ == "__main__":

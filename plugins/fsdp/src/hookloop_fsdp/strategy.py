@@ -193,7 +193,8 @@ class FSDP(DDP):
         opts.check_precision(trainer.precision, trainer.root_device, self.allow_cpu_fp16)
         shape = self.make_mesh(trainer)
         if trainer.precision == "16-mixed" and stage == "fit":
-            self._scaling = _GradScaling(trainer.root_device)
+            scaler = trainer.hook.configure_grad_scaler(trainer=trainer, device=trainer.root_device, options={})
+            self._scaling = _GradScaling(scaler)
             trainer.plugin_manager.register(self._scaling, name=f"{self.hookloop_name}.grad_scaling")
         if trainer.global_rank == 0:
             dims = " x ".join(map(str, shape))
@@ -211,6 +212,14 @@ class FSDP(DDP):
         names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
         self.mesh = init_device_mesh(trainer.root_device.type, shape, mesh_dim_names=names)
         return shape
+
+    @hookloop.hookimpl
+    def configure_grad_scaler(self, device, options):
+        """torch's ``ShardedGradScaler``: each rank checks its gradient shards for inf/nan
+        and the verdict is all-reduced, so every rank skips the same steps."""
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device=device.type, **options)
 
     @hookloop.hookimpl
     def on_exception(self, trainer):
@@ -360,12 +369,7 @@ class FSDP(DDP):
         them: ``set_requires_gradient_sync(False)`` on every unit, for that micro-batch."""
         return _no_gradient_sync(model)
 
-    @hookloop.hookimpl
-    def reduce(self, trainer, tensor, op):
-        """ddp's all-reduce, in float32 for half-precision values (gloo reduces neither)."""
-        if tensor.dtype in (torch.bfloat16, torch.float16):
-            return super().reduce(trainer, tensor.float(), op).to(tensor.dtype)
-        return super().reduce(trainer, tensor, op)
+    # reduce (half precision in float32), barrier, broadcast: hookloop.TorchDistributed's.
 
     # -- checkpoints ----------------------------------------------------------------------
 
@@ -423,51 +427,44 @@ def _no_gradient_sync(model: nn.Module):
 
 
 class _GradScaling:
-    """``precision="16-mixed"``: torch's ``ShardedGradScaler`` (each rank checks its
-    gradient shards for inf/nan; the verdict is all-reduced, so every rank skips the
-    same steps). Registered by :meth:`FSDP.setup` for fp16 runs only."""
+    """``precision="16-mixed"``: the scaled backward and step of
+    :class:`hookloop.GradScaling`, with the scaler of the ``configure_grad_scaler`` hook
+    (fsdp's own: torch's ``ShardedGradScaler``). Registered by :meth:`FSDP.setup` for
+    fp16 runs only."""
 
     hookloop_role = "extension"
     hookloop_requires = ">=2,<3"  # the plugin contract versions it is written for
 
-    def __init__(self, device: torch.device):
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    def __init__(self, scaler: Any):
+        self.scaling = hookloop.GradScaling(scaler)
 
-        self.scaler = ShardedGradScaler(device=device.type)
-        self.skipped_steps = 0
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped because a rank found inf/nan, in this run."""
+        return self.scaling.skipped_steps
 
     @hookloop.hookimpl
     def backward(self, trainer, loss):
         """Backpropagate the scaled loss."""
-        self.scaler.scale(loss).backward(**trainer.backward_kwargs)
-        return True
+        return self.scaling.backward(trainer, loss)
 
     @hookloop.hookimpl
     def optimizer_step(self, trainer, optimizer):
-        """Unscale the gradient shards, clip (``before_optimizer_step``), step unless a
-        rank found inf/nan, update the scale; returns whether the step was taken."""
+        """Unscale the gradient shards, clip, step unless a rank found inf/nan, update the
+        scale; returns whether the step was taken."""
         with warnings.catch_warnings():
             # found_inf, a one-element tensor, meets the DTensor gradients as a replica.
             warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1")
-            self.scaler.unscale_(optimizer)
-            hookloop.before_optimizer_step(trainer, optimizer)
-            scale = self.scaler.get_scale()
-            self.scaler.step(optimizer)
-            self.scaler.update()
-        stepped = self.scaler.get_scale() >= scale
-        self.skipped_steps += not stepped
-        return stepped
+            return self.scaling.step(trainer, optimizer)
 
     @hookloop.hookimpl
     def on_save_checkpoint(self, checkpoint):
         """The scaler's state, under ``checkpoint["plugins"]["fsdp"]["scaler"]``."""
-        checkpoint["plugins"].setdefault(CHECKPOINT_KEY, {})["scaler"] = self.scaler.state_dict()
+        checkpoint["plugins"].setdefault(CHECKPOINT_KEY, {})["scaler"] = self.scaling.scaler.state_dict()
 
     @hookloop.hookimpl
     def on_load_checkpoint(self, checkpoint):
         """Restore the scaler's state, if the checkpoint has one."""
         saved = checkpoint.get("plugins", {}).get(CHECKPOINT_KEY, {}).get("scaler")
         if saved:
-            self.scaler.load_state_dict(saved)
-
-
+            self.scaling.load_state_dict(saved)

@@ -25,7 +25,7 @@ from .launcher import HOSTS_ENV, horovodrun_command
 COMPRESSIONS = ("none", "fp16")
 
 
-class Horovod:
+class Horovod(hookloop.DistributedSampling):
     """Data-parallel training with Horovod over Gloo (CPU) or its GPU operations.
 
     Options (``Trainer(plugin_options={"horovod": {...}})`` or ``hookloop.plugin("horovod",
@@ -45,6 +45,12 @@ class Horovod:
         ``"--network-interface eth0 --start-timeout 120"``.
     ``gradient_predivide_factor`` (``1.0``)
         Horovod's split of the averaging before and after the sum (fp16 overflow control).
+    ``sampler_seed`` (``None``)
+        seed of the distributed samplers (the same on every rank); ``None``: the seed
+        ``hookloop.seed_everything`` set, as ddp's.
+
+    The samplers are :class:`hookloop.DistributedSampling`'s (shared with every strategy);
+    the collectives are Horovod's own.
     """
 
     hookloop_name = "horovod"
@@ -60,12 +66,14 @@ class Horovod:
         hosts: str | None = None,
         launcher_args: list[str] | str | None = None,
         gradient_predivide_factor: float = 1.0,
+        sampler_seed: int | None = None,
     ):
         self.scale_lr = scale_lr
         self.compression = compression
         self.hosts = hosts
         self.launcher_args = launcher_args
         self.gradient_predivide_factor = gradient_predivide_factor
+        self.sampler_seed = sampler_seed
         self.check_options()
         self._hvd: Any = None
         self._optimizers: list = []  # this run's DistributedOptimizers
@@ -96,6 +104,7 @@ class Horovod:
             raise hookloop.ConfigurationError(
                 f"horovod gradient_predivide_factor={factor!r} must be a positive number"
             )
+        hookloop.check_sampler_seed("horovod", self.sampler_seed)
 
     # -- launching ----------------------------------------------------------------------
 
@@ -132,8 +141,14 @@ class Horovod:
 
     @hookloop.hookimpl
     def setup_environment(self, trainer):
-        """``hvd.init()``; ranks from Horovod; this rank's device (CPU, or its local GPU)."""
+        """``hvd.init()``; ranks from Horovod; this rank's device (CPU, or its local GPU).
+
+        First the generators are seeded again from ``seed_everything``'s seed
+        (:func:`hookloop.reset_seed`), as ddp and deepspeed do when they start their
+        process group, so what a run draws from here on is the same under every strategy.
+        """
         self.check_options()
+        hookloop.reset_seed()
         hvd = import_horovod()
         hvd.init()
         self._hvd = hvd
@@ -221,13 +236,6 @@ class Horovod:
             hookloop.repoint_lr_scheduler(scheduler, distributed)
         self._optimizers.append(distributed)
         return distributed
-
-    @hookloop.hookimpl
-    def configure_sampler(self, trainer, dataloader, training):
-        """This rank's share of the data (:func:`hookloop.distributed_sampler`)."""
-        if trainer.world_size == 1:
-            return None
-        return hookloop.distributed_sampler(dataloader, trainer.world_size, trainer.global_rank, training)
 
     # -- the step -----------------------------------------------------------------------
 

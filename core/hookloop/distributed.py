@@ -1,0 +1,152 @@
+"""Shared pieces for strategies built on ``torch.distributed`` (and samplers for any).
+
+Public helpers for plugin authors; a strategy inherits what it needs instead of
+writing its own copy:
+
+* :class:`DistributedSampling`: the ``configure_sampler`` hook: each rank its share of
+  the data, shuffled with the seed of ``hookloop.seed_everything`` (or the strategy's
+  ``sampler_seed`` option). For any multi-process strategy (ddp, deepspeed, horovod).
+* :class:`TorchCollectives`: the ``reduce``, ``barrier`` and ``broadcast`` hooks over
+  ``torch.distributed`` (half-precision values reduced in float32: gloo reduces
+  neither; an integer mean in float64).
+* :class:`TorchDistributed`: both, plus process-group ownership: :meth:`start_process_group`
+  (``hookloop.reset_seed()``, then a group unless one exists) and
+  :meth:`release_owned_process_group` (only the group this plugin made).
+
+Strategies whose collectives are not ``torch.distributed``'s (Horovod) take
+:class:`DistributedSampling` only.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from .errors import ConfigurationError
+from .dist import init_process_group, release_process_group, torch_reduce_op
+from .helpers import distributed_sampler, reset_seed
+from .hookspecs import hookimpl
+
+__all__ = ["DistributedSampling", "TorchCollectives", "TorchDistributed", "check_sampler_seed"]
+
+
+def check_sampler_seed(owner: str, value: Any) -> None:
+    """Raise ``ConfigurationError`` unless ``value`` is a ``sampler_seed`` option: an
+    integer, or ``None`` for the seed of ``hookloop.seed_everything``."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigurationError(
+            f"{owner} option sampler_seed={value!r}: must be an integer, or None for the seed of "
+            f"hookloop.seed_everything")
+
+
+class DistributedSampling:
+    """``configure_sampler``: rank ``trainer.global_rank`` of ``trainer.world_size`` gets
+    its share of each loader (:func:`hookloop.distributed_sampler`), with the samplers
+    seeded by ``self.sampler_seed`` when the strategy has that option and it is set,
+    else by the seed ``hookloop.seed_everything`` recorded (0 when none was), the same
+    on every rank, as Lightning's samplers are.
+
+    A world of one, ``use_distributed_sampler=False``, iterable datasets and loaders
+    that already shard are left alone.
+    """
+
+    #: seed of the distributed samplers; ``None``: ``seed_everything``'s
+    sampler_seed: int | None = None
+
+    @hookimpl
+    def configure_sampler(self, trainer, dataloader, training):
+        """This rank's share of ``dataloader`` (see :class:`DistributedSampling`)."""
+        if trainer.world_size == 1 or not trainer.config.use_distributed_sampler:
+            return None
+        return distributed_sampler(dataloader, trainer.world_size, trainer.global_rank, training,
+                                   seed=self.sampler_seed)
+
+
+class TorchCollectives:
+    """``reduce``, ``barrier`` and ``broadcast`` over ``torch.distributed``'s default group.
+
+    Each defers (returns the value unchanged, or ``None``) in a world of one or when no
+    process group is initialised, so the single-process default answers.
+    """
+
+    @hookimpl
+    def reduce(self, trainer, tensor, op):
+        """All-reduce ``tensor`` with ``op`` on ``trainer.root_device``; ``"mean"`` is a sum
+        divided by the world size (in float64 for an integer tensor). Half-precision values
+        are reduced in float32 and come back in their own dtype."""
+        if trainer.world_size == 1 or not dist.is_initialized():
+            return tensor
+        original = tensor.device
+        value = tensor.detach().to(trainer.root_device).clone()
+        low = value.dtype in (torch.bfloat16, torch.float16)
+        if low:
+            value = value.float()
+        elif op == "mean" and not value.is_floating_point():
+            value = value.double()
+        dist.all_reduce(value, op=torch_reduce_op(op))
+        if op == "mean":
+            value /= trainer.world_size
+        return (value.to(tensor.dtype) if low else value).to(original)
+
+    @hookimpl
+    def barrier(self, trainer):
+        """``torch.distributed.barrier()`` across all ranks (on this rank's GPU under nccl)."""
+        if trainer.world_size > 1 and dist.is_initialized():
+            if dist.get_backend() == "nccl":
+                dist.barrier(device_ids=[trainer.root_device.index])
+            else:
+                dist.barrier()
+        return True
+
+    @hookimpl
+    def broadcast(self, trainer, obj, src):
+        """Every rank gets global rank ``src``'s ``obj`` (``broadcast_object_list``).
+
+        ``trainer.broadcast`` hands the object in a one-element list, so a broadcast
+        ``None`` comes back as ``[None]``, never mistaken for "not handled".
+        """
+        if trainer.world_size == 1 or not dist.is_initialized():
+            return None  # the default returns obj as it is
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+
+class TorchDistributed(DistributedSampling, TorchCollectives):
+    """:class:`DistributedSampling` and :class:`TorchCollectives`, and the process group.
+
+    Call :meth:`start_process_group` from ``setup_environment`` and
+    :meth:`release_owned_process_group` from ``teardown``: a group the user (or a
+    launcher of theirs) made is theirs, and is left alone.
+    """
+
+    _owns_process_group: bool = False
+
+    def start_process_group(self, backend: str, rank: int, world_size: int, timeout: float | None = None,
+                            init: Callable[[], None] | None = None, **kwargs: Any) -> bool:
+        """Seed the generators again from ``seed_everything``'s seed
+        (:func:`hookloop.reset_seed`, as Lightning's strategies do when they set up their
+        process group), then initialise the default process group unless one exists:
+        ``init()`` when given (a strategy's own rendezvous), else
+        :func:`hookloop.init_process_group` with these arguments. Returns whether this
+        plugin made the group (and so destroys it in :meth:`release_owned_process_group`)."""
+        reset_seed()
+        if dist.is_initialized():
+            self._owns_process_group = False
+        else:
+            if init is not None:
+                init()
+            else:
+                init_process_group(backend, rank, world_size, timeout=timeout, **kwargs)
+            self._owns_process_group = True
+        return self._owns_process_group
+
+    def release_owned_process_group(self, destroy: Any = None) -> None:
+        """Destroy the process group :meth:`start_process_group` made (nothing for one the
+        user made); ``destroy``: a backend's own destroy function
+        (see :func:`hookloop.release_process_group`)."""
+        owned, self._owns_process_group = self._owns_process_group, False
+        if owned:
+            release_process_group(destroy)
