@@ -190,7 +190,7 @@ class deferred_writes:
 
 class AsyncCheckpointWriter:
     """Runs one checkpoint job at a time in a background thread (the trainer's:
-    ``trainer._checkpoint_writer``).
+    ``trainer.state.checkpoint_writer``).
 
     :meth:`submit` first waits for the job in flight, so at most one is; an error of a
     job (a failed write, a full disk) is raised by the next :meth:`submit` or

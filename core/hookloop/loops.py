@@ -101,14 +101,14 @@ def session(trainer, stage: str):
             trainer.plugin_manager.unregister(callbacks)
             trainer.plugin_manager.register(callbacks, name=callbacks.hookloop_name)
     _resolve_events(trainer)
-    trainer._metrics.eval_logged_steps = {}
+    trainer.state.metrics.eval_logged_steps = {}
     datamodule = trainer.datamodule
     setup_stage = SETUP_STAGE[stage]
     set_up = False
     state = trainer.state
     state.fn, state.status = SETUP_STAGE[stage], "running"
-    trainer._logged_metrics = {}
-    trainer._metrics.reset_run()  # Lightning: every run starts with no metrics
+    trainer.state.logged_metrics = {}
+    trainer.state.metrics.reset_run()  # Lightning: every run starts with no metrics
     try:
         hook.setup_environment(trainer=trainer)
         rank_zero_only.rank = trainer.global_rank
@@ -145,7 +145,7 @@ def session(trainer, stage: str):
             if module_hooks is not None:
                 trainer.plugin_manager.unregister(module_hooks)
             module.__dict__.pop("_hookloop_trainer", None)
-            trainer._backward_events = None
+            trainer.state.backward_events = None
             if state.status == "running":
                 state.status = "finished"
 
@@ -180,14 +180,14 @@ def claim_run_dirs(trainer) -> list[str]:
     for logger in trainer.loggers:
         root = getattr(logger, "hookloop_run_root", None)
         root = root() if callable(root) else None
-        dirs.append(None if root is None else str(rundir.claim_in(root[0], token, trainer._run_index, root[1])))
-    run_dir = dirs[0] if dirs and dirs[0] is not None else str(rundir.claim(trainer.default_root_dir, token, trainer._run_index))
+        dirs.append(None if root is None else str(rundir.claim_in(root[0], token, trainer.state.run_index, root[1])))
+    run_dir = dirs[0] if dirs and dirs[0] is not None else str(rundir.claim(trainer.default_root_dir, token, trainer.state.run_index))
     return [run_dir, *dirs]
 
 
 def adopt_run_dirs(trainer, dirs: list[str]) -> None:
     """Every rank: the run directory, and each logger's (``hookloop_use_run_dir``)."""
-    trainer._log_dir = Path(dirs[0])
+    trainer.state.log_dir = Path(dirs[0])
     for logger, path in zip(trainer.loggers, dirs[1:]):
         if path is not None:
             logger.hookloop_use_run_dir(path)
@@ -196,7 +196,7 @@ def adopt_run_dirs(trainer, dirs: list[str]) -> None:
 def _resolve_run_dir(trainer) -> None:
     """``trainer.log_dir`` and the loggers' directories: decided by global rank 0 (once
     per Trainer) and broadcast."""
-    if trainer._log_dir is None:
+    if trainer.state.log_dir is None:
         chosen = None
         if trainer.global_rank == 0:
             try:
@@ -255,10 +255,10 @@ def _direct_caller(name: str, argnames: tuple[str, ...], impls: list) -> Callabl
 
 def _resolve_events(trainer) -> None:
     # Read by public helpers on the step path (hookloop.before_optimizer_step).
-    trainer._on_before_optimizer_step = _event(trainer, "on_before_optimizer_step")
-    trainer._on_before_zero_grad = _event(trainer, "on_before_zero_grad")
-    trainer._on_log_metrics = _event(trainer, "on_log_metrics")
-    trainer._module_epoch_end = next((impl for impl in trainer.hook.on_train_epoch_end.get_hookimpls()
+    trainer.state.on_before_optimizer_step = _event(trainer, "on_before_optimizer_step")
+    trainer.state.on_before_zero_grad = _event(trainer, "on_before_zero_grad")
+    trainer.state.on_log_metrics = _event(trainer, "on_log_metrics")
+    trainer.state.module_epoch_end = next((impl for impl in trainer.hook.on_train_epoch_end.get_hookimpls()
                                       if impl.plugin_name.startswith("module:")), None)
 
 
@@ -268,13 +268,13 @@ _CURRENT_EPOCH = object()
 def log_row(trainer, metrics: dict, step: int | None = None, epoch: Any = _CURRENT_EPOCH) -> None:
     """Hand a row of metrics to the loggers (``on_log_metrics``), without the ones logged
     with ``logger=False``. Nothing happens when no logger is enabled."""
-    event = trainer._on_log_metrics
+    event = trainer.state.on_log_metrics
     if event is None or not metrics:
         return
-    hidden = trainer._metrics.not_for_logger
+    hidden = trainer.state.metrics.not_for_logger
     row = {k: float(v) for k, v in metrics.items() if k not in hidden}
     if row:
-        trainer._logged_metrics.update(row)
+        trainer.state.logged_metrics.update(row)
         event(trainer=trainer, metrics=row, step=trainer.global_step if step is None else step,
               epoch=trainer.current_epoch if epoch is _CURRENT_EPOCH else epoch)
 
@@ -282,8 +282,8 @@ def log_row(trainer, metrics: dict, step: int | None = None, epoch: Any = _CURRE
 def log_epoch_row(trainer, extra: dict | None = None) -> None:
     """The training epoch's row for the loggers, with ``extra`` (what the module logged in
     its ``on_train_epoch_end``)."""
-    row = trainer._epoch_row
-    trainer._epoch_row = None
+    row = trainer.state.epoch_row
+    trainer.state.epoch_row = None
     if row is not None:
         log_row(trainer, epoch_row_values(trainer, {**row, **(extra or {})}))
 
@@ -291,7 +291,7 @@ def log_epoch_row(trainer, extra: dict | None = None) -> None:
 def epoch_row_values(trainer, row: dict) -> dict:
     """What of the training epoch's ``row`` goes to the loggers: a step metric was logged
     at its steps, a forked one goes as name_epoch."""
-    metrics = trainer._metrics
+    metrics = trainer.state.metrics
     return {k: v for k, v in row.items() if k not in metrics.step_values and k not in metrics.forked}
 
 
@@ -299,7 +299,7 @@ def _log_step_metrics(trainer) -> None:
     """The step metrics, every ``log_every_n_steps`` optimizer steps (reads the device).
     A name logged with both ``on_step`` and ``on_epoch`` goes to the loggers as
     ``name_step`` only (its plain name is in ``callback_metrics``), as in Lightning."""
-    m = trainer._metrics
+    m = trainer.state.metrics
     values = m.latest_step_values()
     m.callback_metrics.update(values)
     log_row(trainer, {k: v for k, v in values.items() if k not in m.forked} if m.forked else values)
@@ -333,7 +333,7 @@ def _resolve_loaders(trainer, stage: str) -> None:
     ]
     config = trainer.config
     isolate = (stage == "fit" and config.num_sanity_val_steps != 0 and config.limit_val_batches != 0
-               and trainer._ckpt_path is None)
+               and trainer.state.ckpt_path is None)
     if isolate:
         order[0], order[1] = order[1], order[0]
     for attr, method, wanted in order:
@@ -586,23 +586,23 @@ def fit(trainer) -> None:
             train_loader = _overfit_loader(trainer, train_loader)
         train_loader = prepare_loader(trainer, train_loader, training=True)
         # skippable by index, with per-batch worker seeds (hookloop.loader_state)
-        train_loader = trainer._fit_train_loader = loader_state.resumable_loader(train_loader)
+        train_loader = trainer.state.fit_train_loader = loader_state.resumable_loader(train_loader)
         # with workers: per-batch worker seeds, the same after a resume (hookloop.loader_state)
         val_loaders = [loader_state.resumable_loader(prepare_loader(trainer, v, training=False))
                        if getattr(v, "num_workers", 0) else prepare_loader(trainer, v, training=False)
                        for v in trainer.val_dataloaders or []]
-        trainer._fit_val_loaders = val_loaders
+        trainer.state.fit_val_loaders = val_loaders
         warn_repeated_samples(trainer, val_loaders, "validation")
         if val_loaders and not callable(getattr(trainer.module, "validation_step", None)):
             raise ConfigurationError(
                 f"val_dataloaders were given but {type(trainer.module).__name__} has no "
                 f"validation_step(batch, batch_idx)"
             )
-        trainer._train_batch_size = _per_device_batch(train_loader)  # saved in checkpoints' loop state
+        trainer.state.train_batch_size = _per_device_batch(train_loader)  # saved in checkpoints' loop state
         # Lightning's: known from setup on (progress bars read it at on_train_start)
         trainer.num_training_batches = batch_limit(train_loader, config.limit_train_batches, "limit_train_batches")
-        if trainer._ckpt_path is not None:
-            restore(trainer, trainer._ckpt_path, train_loader=train_loader)
+        if trainer.state.ckpt_path is not None:
+            restore(trainer, trainer.state.ckpt_path, train_loader=train_loader)
         else:
             resume_after_restart(trainer, train_loader=train_loader)
         _print_effective_batch(trainer, train_loader)
@@ -615,12 +615,12 @@ def fit(trainer) -> None:
             # start): no training events, no epoch.
             hook.on_fit_end(trainer=trainer)
             return
-        metrics = trainer._metrics
-        fresh_epoch = not trainer.batch_idx and trainer._loop_stage != "epoch_end"
+        metrics = trainer.state.metrics
+        fresh_epoch = not trainer.batch_idx and trainer.state.loop_stage != "epoch_end"
         if fresh_epoch:
             # what on_train_start logs belongs to the first epoch's values (Lightning)
             metrics.start("train")
-            trainer._epoch_val_metrics = {}
+            trainer.state.epoch_val_metrics = {}
         metrics.stage, metrics.epoch_level = "train", True
         try:
             hook.on_train_start(trainer=trainer)
@@ -631,7 +631,7 @@ def fit(trainer) -> None:
             max_epochs = 1000 if config.max_steps is None else sys.maxsize
         step = make_training_step(trainer)
         # SIGTERM: stop at the next optimizer-step boundary with a checkpoint (hookloop.faults).
-        preemption = trainer._preemption = faults.Preemption().install()
+        preemption = trainer.state.preemption = faults.Preemption().install()
         try:
             preemption.prepare(trainer)
             _fit_epochs(trainer, train_loader, step, validation, max_epochs, started=fresh_epoch)
@@ -642,7 +642,7 @@ def fit(trainer) -> None:
             preemption.uninstall(pass_on=False)
             raise
         finally:
-            trainer._preemption = None
+            trainer.state.preemption = None
             loader_state.release(trainer)  # persistent workers end with fit, as before
         # A SIGTERM after the last step boundary goes to the handler from before fit.
         preemption.uninstall()
@@ -654,16 +654,16 @@ def _fit_epochs(trainer, train_loader, step, validation, max_epochs: int, starte
     hook = trainer.hook
     while trainer.current_epoch < max_epochs and not _done(trainer):
         epoch = trainer.current_epoch
-        resumed_stage = trainer._loop_stage
+        resumed_stage = trainer.state.loop_stage
         if resumed_stage != "epoch_end":
             sampler = getattr(train_loader, "sampler", None)
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(epoch)
             if not trainer.batch_idx and not started:
-                trainer._metrics.start("train")  # a mid-epoch resume keeps the restored sums
-                trainer._epoch_val_metrics = {}
+                trainer.state.metrics.start("train")  # a mid-epoch resume keeps the restored sums
+                trainer.state.epoch_val_metrics = {}
             started = False
-            metrics = trainer._metrics
+            metrics = trainer.state.metrics
             metrics.stage = "train"
             trainer.model.train()
             metrics.epoch_level = True  # self.log here is per epoch (Lightning's defaults)
@@ -768,16 +768,16 @@ class _ValidationSchedule:
         if self.batches is None:
             return is_last
         # across epochs: the batches trained so far, this one included
-        done = batch_idx + 1 if self.every_n_epochs is not None else trainer._total_batch_idx
+        done = batch_idx + 1 if self.every_n_epochs is not None else trainer.state.total_batch_idx
         return done % self.batches == 0
 
     def run(self) -> None:
         trainer = self.trainer
         results = evaluate(trainer, VALIDATE, self.val_loaders, limit=trainer.config.limit_val_batches)
-        trainer._epoch_val_metrics = {k: v for r in results for k, v in r.items()}
-        log_row(trainer, trainer._epoch_val_metrics)
-        trainer._loop_stage = "validated"
-        for after in trainer._after_validation:
+        trainer.state.epoch_val_metrics = {k: v for r in results for k, v in r.items()}
+        log_row(trainer, trainer.state.epoch_val_metrics)
+        trainer.state.loop_stage = "validated"
+        for after in trainer.state.after_validation:
             after(trainer)
 
 
@@ -806,7 +806,7 @@ def _pending_state(trainer, loader) -> Callable:
     """Remember a stateful loader's state before the loop reads ahead: a checkpoint
     written after the current batch resumes at the next one, not the one after."""
     def remember() -> None:
-        trainer._loader_state_pending = loader.state_dict()
+        trainer.state.loader_state_pending = loader.state_dict()
     return remember
 
 
@@ -823,7 +823,7 @@ def _train_epoch(trainer, loader: DataLoader, step, validation: _ValidationSched
     set_accumulate = getattr(step, "set_accumulate", None)
     if set_accumulate is not None:
         set_accumulate(accumulate)  # a callback may change it at the epoch's start
-    skip, resumed_stage = trainer.batch_idx, trainer._loop_stage
+    skip, resumed_stage = trainer.batch_idx, trainer.state.loop_stage
     if skip and n is not None and skip >= n:
         # The checkpoint was written after the epoch's last batch: nothing left to train.
         if resumed_stage == "train" and validation.due(skip - 1, True):
@@ -835,9 +835,9 @@ def _train_epoch(trainer, loader: DataLoader, step, validation: _ValidationSched
     if skip:
         # the epoch's shuffle is drawn as it was at its start
         resume_rng = ckpt.rng_state()
-        ckpt.set_rng_state(trainer._epoch_rng)
+        ckpt.set_rng_state(trainer.state.epoch_rng)
     else:
-        trainer._epoch_rng = ckpt.rng_state()
+        trainer.state.epoch_rng = ckpt.rng_state()
     iterator = loader_state.iterate(loader, trainer.current_epoch)
     if skip:
         if replay:
@@ -847,7 +847,7 @@ def _train_epoch(trainer, loader: DataLoader, step, validation: _ValidationSched
         if resumed_stage == "train" and validation.due(skip - 1, False):
             validation.run()  # it came after the checkpoint in the interrupted run
     batch_start = _event(trainer, "on_train_batch_start")
-    preemption = getattr(trainer, "_preemption", None)
+    preemption = trainer.state.preemption
     single = trainer.world_size == 1  # one process: the SIGTERM flag is read, no call per step
     # Sized loaders (the common case) need no look-ahead; is_last is a comparison.
     if n is not None:
@@ -866,7 +866,7 @@ def _train_epoch(trainer, loader: DataLoader, step, validation: _ValidationSched
             is_last = batch_idx + 1 == n
         else:
             batch_idx, batch, is_last = item
-        trainer.batch_idx = trainer._fetched_batch_idx = batch_idx
+        trainer.batch_idx = trainer.state.fetched_batch_idx = batch_idx
         trainer.is_last_batch = is_last
         if batch_start is not None and -1 in batch_start(trainer=trainer, batch=batch, batch_idx=batch_idx):
             # Lightning: on_train_batch_start returning -1 ends the epoch (inside a window:
@@ -907,17 +907,17 @@ def _end_epoch(trainer, epoch: int, resumed_stage: str, stopped: bool = False, c
     any checkpoint written meanwhile: a resume continues at the next batch and reports
     the whole epoch's metrics.
     """
-    metrics = trainer._metrics
+    metrics = trainer.state.metrics
     if resumed_stage != "epoch_end":
         metrics.stage = "train"
         partial = metrics.kept_train_sums = metrics.epoch_sums.get("train", {}) if stopped else None
         try:
             train_metrics = metrics.finish_epoch("train")
-            trainer._epoch_row = train_metrics
-            epoch_metrics = {**train_metrics, **trainer._epoch_val_metrics}
+            trainer.state.epoch_row = train_metrics
+            epoch_metrics = {**train_metrics, **trainer.state.epoch_val_metrics}
             if not stopped:
-                trainer._loop_stage = "epoch_end"
-            if trainer._module_epoch_end is None:
+                trainer.state.loop_stage = "epoch_end"
+            if trainer.state.module_epoch_end is None:
                 log_epoch_row(trainer)
             # else the module's on_train_epoch_end (first of all implementations) logs the row
             # with what the module logs there, before any plugin (a checkpoint) sees the event
@@ -934,7 +934,7 @@ def _end_epoch(trainer, epoch: int, resumed_stage: str, stopped: bool = False, c
         step_schedulers(trainer, "epoch", plateau=True, count=epoch + 1)
     trainer.current_epoch = epoch + 1
     trainer.batch_idx = 0
-    trainer._loop_stage = "train"
+    trainer.state.loop_stage = "train"
 
 
 # ---------------------------------------------------------------------------------------
@@ -960,12 +960,12 @@ def _step_functions(trainer, model, optimizer):
     else:
         def backward(loss):
             hook.backward(trainer=trainer, loss=loss, model=model, optimizer=optimizer)
-    if only_default("optimizer_step") and not trainer.gradient_clip_val and trainer._on_before_optimizer_step is None:
+    if only_default("optimizer_step") and not trainer.gradient_clip_val and trainer.state.on_before_optimizer_step is None:
         optimizer_step = optimizer.step
     else:
         def optimizer_step():
             hook.optimizer_step(trainer=trainer, optimizer=optimizer, model=model)
-    before_zero_grad = trainer._on_before_zero_grad
+    before_zero_grad = trainer.state.on_before_zero_grad
     if only_default("zero_grad") and before_zero_grad is None:
         def zero_grad():
             optimizer.zero_grad(set_to_none=True)
@@ -980,7 +980,7 @@ def _step_functions(trainer, model, optimizer):
 def make_training_step(trainer):
     """Build the per-micro-batch function once, with everything that can be decided
     before the first step decided. It returns True when training should stop."""
-    hook, model, module, metrics = trainer.hook, trainer.model, trainer.module, trainer._metrics
+    hook, model, module, metrics = trainer.hook, trainer.model, trainer.module, trainer.state.metrics
     manual = not trainer.automatic_optimization
     contexts = [c for c in hook.forward_context(trainer=trainer) if c is not None]
     forward = _forward(trainer, TRAIN)
@@ -992,15 +992,15 @@ def make_training_step(trainer):
     max_steps = trainer.config.max_steps
     device = trainer.root_device
     move = device.type != "cpu"
-    log_rows = trainer._on_log_metrics is not None
+    log_rows = trainer.state.on_log_metrics is not None
     every = trainer.config.log_every_n_steps
     if manual:
-        trainer._backward_events = (before_backward, after_backward)  # for manual_backward
+        trainer.state.backward_events = (before_backward, after_backward)  # for manual_backward
 
         def step(batch, batch_idx: int, boundary: bool, is_last: bool = False) -> bool:
             if move:
                 batch = move_to_device(batch, device)
-            trainer._current_batch = batch
+            trainer.state.current_batch = batch
             metrics.step_token += 1
             with _enter(contexts):
                 out = forward(batch, batch_idx)
@@ -1011,13 +1011,13 @@ def make_training_step(trainer):
             loss = _manual_loss(out)
             _batch_done(trainer, batch_idx)
             logged = trainer.step_row_pending = (
-                log_rows and trainer.global_step // every > trainer._logged_step // every)
+                log_rows and trainer.global_step // every > trainer.state.logged_step // every)
             if batch_end is not None:
                 outputs = apply_to_tensors(out, torch.Tensor.detach)
                 batch_end(trainer=trainer, outputs=outputs, loss=loss, batch=batch, batch_idx=batch_idx)
             if logged:
                 trainer.step_row_pending = False
-                trainer._logged_step = trainer.global_step
+                trainer.state.logged_step = trainer.global_step
                 _log_step_metrics(trainer)
             return trainer.should_stop or (max_steps is not None and trainer.global_step >= max_steps)
 
@@ -1043,7 +1043,7 @@ def make_training_step(trainer):
         ones step after the epoch's last batch, before ``on_train_batch_end`` and validation."""
         if move:
             batch = move_to_device(batch, device)
-        trainer._current_batch = batch  # for self.log's batch size, computed only if asked
+        trainer.state.current_batch = batch  # for self.log's batch size, computed only if asked
         metrics.step_token += 1
         if batch_idx % accumulate == 0:
             # before the forward: a strategy may run the backward inside it (a pipeline)
@@ -1090,8 +1090,8 @@ def make_training_step(trainer):
         # The loop's position after the batch, set before on_train_batch_end: a checkpoint
         # written there resumes at the next batch (inline: this is the per-step path).
         trainer.batch_idx = batch_idx + 1
-        trainer._loop_stage = "train"
-        trainer._total_batch_idx += 1
+        trainer.state.loop_stage = "train"
+        trainer.state.total_batch_idx += 1
         if batch_end is not None:
             detached = loss.detach()
             outputs = detached if out is loss else apply_to_tensors(out, torch.Tensor.detach)
@@ -1114,8 +1114,8 @@ def _batch_done(trainer, batch_idx: int) -> None:
     """The loop's position after a batch, set before on_train_batch_end: a checkpoint
     written there resumes at the next batch."""
     trainer.batch_idx = batch_idx + 1
-    trainer._loop_stage = "train"
-    trainer._total_batch_idx += 1
+    trainer.state.loop_stage = "train"
+    trainer.state.total_batch_idx += 1
 
 
 def _step_end(callers, trainer, out):
@@ -1151,9 +1151,9 @@ def loop_optimizers(trainer) -> list[LoopOptimizer]:
             "self.optimizers() is for manual optimization: set self.automatic_optimization = "
             "False in your module's __init__ (the loop steps the optimizer otherwise)"
         )
-    if trainer._loop_optimizer_cache is None or [o.optimizer for o in trainer._loop_optimizer_cache] != trainer.optimizers:
-        trainer._loop_optimizer_cache = [LoopOptimizer(trainer, o) for o in trainer.optimizers]
-    return trainer._loop_optimizer_cache
+    if trainer.state.loop_optimizer_cache is None or [o.optimizer for o in trainer.state.loop_optimizer_cache] != trainer.optimizers:
+        trainer.state.loop_optimizer_cache = [LoopOptimizer(trainer, o) for o in trainer.optimizers]
+    return trainer.state.loop_optimizer_cache
 
 
 _BACKWARD_ARGS = ("gradient", "retain_graph", "create_graph", "inputs")
@@ -1167,7 +1167,7 @@ def manual_backward(trainer, loss: torch.Tensor, *args: Any, **kwargs: Any) -> N
         )
     # Resolved once per fit by make_training_step (as the automatic path's); resolved
     # here only when called outside fit's steps.
-    events = trainer._backward_events
+    events = trainer.state.backward_events
     before, after = events if events is not None else (_event(trainer, "on_before_backward"),
                                                        _event(trainer, "on_after_backward"))
     if before is not None:
@@ -1204,12 +1204,12 @@ def run_evaluation(trainer, stage: str) -> list[dict]:
         attr = "val_dataloaders" if stage == VALIDATE else "test_dataloaders"
         loaders = [prepare_loader(trainer, loader, training=False) for loader in getattr(trainer, attr)]
         warn_repeated_samples(trainer, loaders, "validation" if stage == VALIDATE else "test")
-        if trainer._ckpt_path is not None:
-            restore(trainer, trainer._ckpt_path)
+        if trainer.state.ckpt_path is not None:
+            restore(trainer, trainer.state.ckpt_path)
         limit = trainer.config.limit_val_batches if stage == VALIDATE else trainer.config.limit_test_batches
         results = evaluate(trainer, stage, loaders, limit=limit)
         log_row(trainer, {k: v for r in results for k, v in r.items()})
-        if trainer._verbose and trainer.global_rank == 0:
+        if trainer.state.verbose and trainer.global_rank == 0:
             _print_results(stage, results)
         return results
 
@@ -1222,7 +1222,7 @@ def evaluate(trainer, stage: str, loaders: list, limit: Any, publish: bool = Tru
     afterwards, so validating never changes what training draws. ``publish=False`` (the
     sanity check) keeps the metrics out of ``trainer.callback_metrics``.
     """
-    hook, model, metrics = trainer.hook, trainer.model, trainer._metrics
+    hook, model, metrics = trainer.hook, trainer.model, trainer.state.metrics
     prefix = EVENT_PREFIX[stage]
     saved = (metrics.stage, metrics.suffix, metrics.epoch_level)
     was_training = model.training
@@ -1252,7 +1252,7 @@ def evaluate(trainer, stage: str, loaders: list, limit: Any, publish: bool = Tru
                 for batch_idx, batch in enumerate(loader_state.iterate_validation(loader)):
                     if move:
                         batch = move_to_device(batch, device)
-                    trainer._current_batch = batch
+                    trainer.state.current_batch = batch
                     if batch_start is not None:
                         batch_start(trainer=trainer, batch=batch, batch_idx=batch_idx, dataloader_idx=dataloader_idx)
                     out = forward(batch, batch_idx, dataloader_idx)
@@ -1282,7 +1282,7 @@ def _log_eval_step(trainer, stage: str, publish: bool) -> None:
     """An evaluation batch's step values as a row of their own, with Lightning's ``step``:
     the number of ``stage`` batches logged so far in this run, and no epoch. Nothing in the
     sanity check."""
-    metrics = trainer._metrics
+    metrics = trainer.state.metrics
     row, metrics.eval_step_row = metrics.eval_step_row, {}
     if publish:
         count = metrics.eval_logged_steps.get(stage, 0)
@@ -1291,7 +1291,7 @@ def _log_eval_step(trainer, stage: str, publish: bool) -> None:
 
 
 def _epoch_level_event(trainer, name: str) -> None:
-    metrics = trainer._metrics
+    metrics = trainer.state.metrics
     metrics.epoch_level = True
     try:
         getattr(trainer.hook, name)(trainer=trainer)
@@ -1337,10 +1337,10 @@ def run_predict(trainer) -> Any:
     with session(trainer, PREDICT):
         build_model(trainer, PREDICT)
         loaders = [prepare_loader(trainer, loader, training=False) for loader in trainer.predict_dataloaders]
-        if trainer._ckpt_path is not None:
-            restore(trainer, trainer._ckpt_path)
-        hook, model, metrics = trainer.hook, trainer.model, trainer._metrics
-        keep = trainer._return_predictions
+        if trainer.state.ckpt_path is not None:
+            restore(trainer, trainer.state.ckpt_path)
+        hook, model, metrics = trainer.hook, trainer.model, trainer.state.metrics
+        keep = trainer.state.return_predictions
         batch_start = _event(trainer, "on_predict_batch_start")
         batch_end = _event(trainer, "on_predict_batch_end")
         contexts = [c for c in hook.forward_context(trainer=trainer) if c is not None]
@@ -1355,7 +1355,7 @@ def run_predict(trainer) -> Any:
                                        for loader in loaders]
         # Lightning's BasePredictionWriter callbacks: each batch's sample indices, and this
         # rank's predictions for write_on_epoch_end
-        writing = trainer._prediction_writing = _prediction_writing(trainer, len(loaders))
+        writing = trainer.state.prediction_writing = _prediction_writing(trainer, len(loaders))
         try:
             hook.on_predict_start(trainer=trainer)
             _epoch_level_event(trainer, "on_predict_epoch_start")
@@ -1370,7 +1370,7 @@ def run_predict(trainer) -> Any:
                             writing.batch_seen(dataloader_idx, batch_idx)
                         if move:
                             batch = move_to_device(batch, device)
-                        trainer._current_batch = batch
+                        trainer.state.current_batch = batch
                         if batch_start is not None:
                             batch_start(trainer=trainer, batch=batch, batch_idx=batch_idx, dataloader_idx=dataloader_idx)
                         out = forward(batch, batch_idx, dataloader_idx)
@@ -1530,7 +1530,7 @@ def checkpoint_dict(trainer) -> dict:
     # This rank's generators (and its CUDA devices'); global rank 0's are the file's "rng"
     # and "epoch_rng" (what a checkpoint of one process, or an older reader, has).
     rng = ckpt.rng_state(ckpt.rank_cuda_devices(trainer))
-    epoch_rng = trainer._epoch_rng if trainer.batch_idx else None
+    epoch_rng = trainer.state.epoch_rng if trainer.batch_idx else None
     checkpoint = {
         "hookloop": {"version": hookloop.__version__, "format": ckpt.FORMAT_VERSION},
         "state_dict": module.state_dict(),
@@ -1540,18 +1540,18 @@ def checkpoint_dict(trainer) -> dict:
             "epoch": trainer.current_epoch,
             "global_step": trainer.global_step,
             "batch_idx": trainer.batch_idx,
-            "stage": trainer._loop_stage,
-            "total_batch_idx": trainer._total_batch_idx,
-            "epoch_val_metrics": dict(trainer._epoch_val_metrics),
+            "stage": trainer.state.loop_stage,
+            "total_batch_idx": trainer.state.total_batch_idx,
+            "epoch_val_metrics": dict(trainer.state.epoch_val_metrics),
             # What the position means in samples, for a resume on another world size
             # (see _adapt_position); checkpoints without them are taken as written on
             # the world size that resumes them.
             "world_size": trainer.world_size,
-            "batch_size": getattr(trainer, "_train_batch_size", None),
+            "batch_size": trainer.state.train_batch_size,
             "accumulate_grad_batches": trainer.accumulate_grad_batches,
             "epoch_batches": getattr(trainer, "num_training_batches", None),
         },
-        "metrics": trainer._metrics.state_dict(),
+        "metrics": trainer.state.metrics.state_dict(),
         "rng": rng,
         "epoch_rng": epoch_rng,
         "plugins": {},
@@ -1560,7 +1560,7 @@ def checkpoint_dict(trainer) -> dict:
     # a stateful loader's state_dict, or the RNG state the epoch's order was drawn from.
     # One gather, in rank order, on the CPU; rank r resumes with entry r (see _rank_rng).
     # Every rank builds the checkpoint, whichever rank writes it.
-    loader = loader_state.loader_state(trainer, trainer._fit_train_loader) if trainer.batch_idx else None
+    loader = loader_state.loader_state(trainer, trainer.state.fit_train_loader) if trainer.batch_idx else None
     if trainer.world_size > 1:
         per_rank = gather_per_rank(trainer, {"rng": rng, "epoch_rng": epoch_rng, "loader": loader})
         # (an entry is None where a strategy's broadcast has no process group any more: after fit)
@@ -1668,18 +1668,18 @@ def restore(trainer, ckpt_path: Any, fall_back: bool = False, train_loader: Any 
     trainer.current_epoch = int(loop["epoch"])
     trainer.global_step = int(loop["global_step"])
     trainer.batch_idx = int(loop.get("batch_idx", 0))
-    trainer._loop_stage = loop.get("stage", "train")
-    trainer._total_batch_idx = int(loop.get("total_batch_idx", 0))
-    trainer._epoch_val_metrics = dict(loop.get("epoch_val_metrics") or {})
-    rng, trainer._epoch_rng, derive = _rank_rng(trainer, checkpoint, loop)
-    trainer._loader_resume_state = own_entry(checkpoint.get("loader_per_rank"), trainer)
-    if trainer.batch_idx and trainer._loop_stage == "train" and trainer._epoch_rng is None:
+    trainer.state.loop_stage = loop.get("stage", "train")
+    trainer.state.total_batch_idx = int(loop.get("total_batch_idx", 0))
+    trainer.state.epoch_val_metrics = dict(loop.get("epoch_val_metrics") or {})
+    rng, trainer.state.epoch_rng, derive = _rank_rng(trainer, checkpoint, loop)
+    trainer.state.loader_resume_state = own_entry(checkpoint.get("loader_per_rank"), trainer)
+    if trainer.batch_idx and trainer.state.loop_stage == "train" and trainer.state.epoch_rng is None:
         raise CheckpointError(f"{str(path)!r} was saved mid-epoch without the epoch's RNG state")
     if train_loader is not None:
         _adapt_position(trainer, loop, train_loader)
         loader_state.resumed(train_loader)
     if checkpoint.get("metrics"):
-        trainer._metrics.load_state_dict(checkpoint["metrics"])
+        trainer.state.metrics.load_state_dict(checkpoint["metrics"])
     if rng is not None:
         ckpt.set_rng_state(rng)
         if derive:
@@ -1754,7 +1754,7 @@ def _adapt_position(trainer, loop: dict, train_loader: Any) -> None:
     old_world, new_world = int(old_world), trainer.world_size
     old_batch, new_batch = loop.get("batch_size"), _per_device_batch(train_loader)
     old_acc, new_acc = int(loop.get("accumulate_grad_batches") or 1), trainer.accumulate_grad_batches
-    batch_idx, stage = trainer.batch_idx, trainer._loop_stage
+    batch_idx, stage = trainer.batch_idx, trainer.state.loop_stage
     epoch = trainer.current_epoch
     if not batch_idx or stage == "epoch_end":
         where = "start" if not batch_idx else "end"
@@ -1774,7 +1774,7 @@ def _adapt_position(trainer, loop: dict, train_loader: Any) -> None:
             converted = min(converted, new_n)
         trainer.batch_idx = converted
         if not converted:
-            trainer._loop_stage = "train"
+            trainer.state.loop_stage = "train"
         position = (f"the mid-epoch position ({batch_idx} batches per process{unit} of epoch {epoch}) becomes "
                     f"{converted} batches per process of the epoch's new sharding, by samples seen")
         if old_world > 1 and new_world > 1 and old_batch and new_batch and converted * new_batch * new_world == seen:

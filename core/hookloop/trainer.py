@@ -17,13 +17,12 @@ from . import loggers as loggers_module
 from . import loops
 from . import plugins as plugin_registry
 from . import rundir, strategies
-from .checkpoint import AsyncCheckpointWriter
 from .config import TrainerConfig, env_defaults
 from .datamodule import DataModule
 from .defaults import Defaults
 from .errors import ConfigurationError
 from .launch import in_worker, run_command
-from .module import Metrics
+from .state import LoopState
 
 _UNSET: Any = object()
 
@@ -44,59 +43,8 @@ class default:
         return f"hookloop.default({self.value!r})"
 
 
-class TrainerState:
-    """``trainer.state``, as Lightning's: ``fn`` (``"fit"``, ``"validate"``, ``"test"``,
-    ``"predict"``; kept after the run), ``stage`` (``"train"``, ``"sanity_check"``,
-    ``"validate"``, ``"test"``, ``"predict"``; ``None`` outside a run), ``status``
-    (``"initializing"``, ``"running"``, ``"finished"``, ``"interrupted"``) and
-    ``finished``. It compares equal to what ``trainer.state`` was before it was an object:
-    the running entry point's name during a run, ``None`` outside one
-    (``trainer.state == "fit"``)."""
-
-    __slots__ = ("_trainer", "fn", "status")
-
-    def __init__(self, trainer: Any):
-        self._trainer, self.fn, self.status = trainer, None, "initializing"
-
-    @property
-    def stage(self) -> str | None:
-        if self.status != "running":
-            return None
-        if self.fn != "fit":
-            return self.fn
-        trainer = self._trainer
-        if trainer.sanity_checking:
-            return "sanity_check"
-        return "validate" if trainer._metrics.stage == "validate" else "train"
-
-    @property
-    def finished(self) -> bool:
-        return self.status == "finished"
-
-    @property
-    def stopped(self) -> bool:
-        return self.status == "interrupted"
-
-    def _running(self) -> str | None:
-        return self.fn if self.status == "running" else None
-
-    def __eq__(self, other: Any) -> bool:
-        if isinstance(other, TrainerState):
-            return other is self
-        return self._running() == other
-
-    def __hash__(self) -> int:
-        return hash(self._running())
-
-    def __repr__(self) -> str:
-        return f"TrainerState(fn={self.fn!r}, stage={self.stage!r}, status={self.status!r})"
-
-    def __getstate__(self) -> dict:
-        return {"_trainer": self._trainer, "fn": self.fn, "status": self.status}
-
-    def __setstate__(self, state: dict) -> None:
-        for key, value in state.items():
-            object.__setattr__(self, key, value)
+#: Lightning's name for ``trainer.state``'s class (now the loop's whole state)
+TrainerState = LoopState
 
 
 class FitLoopView:
@@ -108,7 +56,7 @@ class FitLoopView:
 
     @property
     def batch_idx(self) -> int:
-        return self._trainer._fetched_batch_idx
+        return self._trainer.state.fetched_batch_idx
 
     @property
     def max_epochs(self) -> int | None:
@@ -266,11 +214,11 @@ class Trainer:
         self.current_epoch = 0
         self.global_step = 0
         self.batch_idx = 0
-        self._fetched_batch_idx = 0  # the last training batch fetched (fit_loop.batch_idx)
         #: batches of a training epoch (after limit_train_batches), known from fit's setup;
         #: None before, or for an unsized loader
         self.num_training_batches: int | None = None
-        self.state = TrainerState(self)
+        #: the loop's state (hookloop.state.LoopState), also Lightning's trainer.state
+        self.state = LoopState(self, rundir.next_index())
         #: whether the training batch being run is the epoch's last (Lightning's)
         self.is_last_batch = False
         self.sanity_checking = False
@@ -283,41 +231,8 @@ class Trainer:
         self.val_dataloaders: list[DataLoader] | None = None
         self.test_dataloaders: list[DataLoader] | None = None
         self.predict_dataloaders: list[DataLoader] | None = None
-        self._metrics = Metrics(self)
-        self._current_batch: Any = None
-        self._epoch_rng: dict | None = None
-        # the training loader fit iterates, and its saved / pending position (loader_state)
-        self._fit_train_loader: Any = None
-        self._loader_resume_state: dict | None = None
-        self._loader_state_pending: Any = None
-        self._loop_stage = "train"
-        self._prediction_writing = None  # what BasePredictionWriter callbacks read (loops.run_predict)
-        self._total_batch_idx = 0
-        self._epoch_row: dict | None = None  # the epoch row for the loggers, until logged
-        self._module_epoch_end = None
-        self._epoch_val_metrics: dict[str, float] = {}
-        # Called after each validation run of fit, once its position is "validated" (the
-        # checkpoint observer saves there, so a resume goes on with the next batch).
-        self._after_validation: list = []
-        self._ckpt_path: Any = None
-        self._verbose = True
-        self._return_predictions = True
-        self._loop_optimizer_cache: list | None = None
-        self._clip_requests: dict[int, tuple] = {}
-        # ModelCheckpoint(async_save=True)'s background writes: one at a time, waited for by
-        # every synchronous save (save_checkpoint) so files are written in the order asked
-        self._checkpoint_writer = AsyncCheckpointWriter()
-        self._on_before_optimizer_step = None
-        self._on_before_zero_grad = None
-        self._on_log_metrics = None
-        self._backward_events: tuple | None = None  # manual_backward's, resolved per fit
-        self._logged_step = 0
         #: keyword arguments of ``Tensor.backward`` for the backward hook (manual_backward's)
         self.backward_kwargs: dict = {}
-        self._logged_metrics: dict[str, float] = {}  # what went to the loggers, for logged_metrics
-        # This Trainer's run directory (rundir.py): decided in its first run, kept after.
-        self._log_dir: Path | None = None
-        self._run_index = rundir.next_index()
 
     # -- plain attributes plugins read ---------------------------------------------------
 
@@ -386,13 +301,13 @@ class Trainer:
     def callback_metrics(self) -> dict[str, float]:
         """The last value of every logged metric, as floats (reads step values from the
         device when asked)."""
-        return self._metrics.read()
+        return self.state.metrics.read()
 
     @property
     def progress_bar_metrics(self) -> dict[str, float]:
         metrics = self.callback_metrics
         # a forked metric (on_step and on_epoch) shows as name_step / name_epoch only
-        shown, forked = self._metrics.prog_bar, self._metrics.forked
+        shown, forked = self.state.metrics.prog_bar, self.state.metrics.forked
         return {k: v for k, v in metrics.items() if k in shown and k not in forked}
 
     @property
@@ -400,12 +315,12 @@ class Trainer:
         """The last value of every metric handed to the loggers in this run (what
         Lightning's ``trainer.logged_metrics`` holds; empty without a logger). In
         ``on_train_epoch_end`` it has the epoch's values already, as Lightning's."""
-        row = self._epoch_row
-        if row is None or self._on_log_metrics is None:
-            return self._logged_metrics
-        hidden = self._metrics.not_for_logger
+        row = self.state.epoch_row
+        if row is None or self.state.on_log_metrics is None:
+            return self.state.logged_metrics
+        hidden = self.state.metrics.not_for_logger
         pending = {k: float(v) for k, v in loops.epoch_row_values(self, row).items() if k not in hidden}
-        return {**self._logged_metrics, **pending}
+        return {**self.state.logged_metrics, **pending}
 
     @property
     def loggers(self) -> list:
@@ -437,9 +352,9 @@ class Trainer:
         logger's version directory when it has one (``CSVLogger(save_dir, name)``:
         ``save_dir/name/version_N``, as Lightning): its logs and checkpoints. The same on
         every rank and after every elastic restart."""
-        if self._log_dir is None:  # outside a run (one process): as rank 0 decides in one
+        if self.state.log_dir is None:  # outside a run (one process): as rank 0 decides in one
             loops.adopt_run_dirs(self, loops.claim_run_dirs(self))
-        return self._log_dir
+        return self.state.log_dir
 
     @property
     def checkpoint_callback(self) -> Any:
@@ -452,7 +367,7 @@ class Trainer:
         measure something themselves (learning rates, device statistics); ``step``
         defaults to ``global_step``. Also in ``callback_metrics``."""
         floats = {k: float(v) for k, v in metrics.items()}
-        self._metrics.callback_metrics.update(floats)
+        self.state.metrics.callback_metrics.update(floats)
         loops.log_row(self, floats, step)
 
     def has_plugin(self, role: str) -> bool:
@@ -527,8 +442,7 @@ class Trainer:
         # pluggy's hook callers hold the hook-spec module, which cannot be pickled: the
         # plugin manager is rebuilt from the (pickled) plugins on arrival.
         state = self.__dict__.copy()
-        for key in ("plugin_manager", "hook", "_on_before_optimizer_step", "_on_before_zero_grad", "_on_log_metrics",
-                    "_loop_optimizer_cache", "_backward_events", "_fit_train_loader"):
+        for key in ("plugin_manager", "hook"):
             state.pop(key, None)
         return state
 
@@ -536,8 +450,6 @@ class Trainer:
         self.__dict__.update(state)
         self.plugin_manager = plugin_registry.make_plugin_manager(self.plugins, Defaults())
         self.hook = self.plugin_manager.hook
-        self._on_before_optimizer_step = self._on_before_zero_grad = self._loop_optimizer_cache = None
-        self._on_log_metrics = self._backward_events = self._fit_train_loader = self._fit_val_loaders = None
 
     # -- entry points -------------------------------------------------------------------
 
@@ -601,7 +513,7 @@ class Trainer:
             datamodule, dataloaders = dataloaders, None
         model = self._model_for("predict", model)
         self._start(model, datamodule, ckpt_path, predict=loops.as_loader_list(dataloaders, "dataloaders"))
-        self._return_predictions = return_predictions is not False
+        self.state.return_predictions = return_predictions is not False
         result = self._launch_or_run(loops.run_predict)
         return None if result is True else result
 
@@ -610,7 +522,7 @@ class Trainer:
 
         Synchronous: it first waits for a background save in flight
         (``ModelCheckpoint(async_save=True)``), whose error it then raises."""
-        self._checkpoint_writer.wait()
+        self.state.checkpoint_writer.wait()
         checkpoint = loops.checkpoint_dict(self)
         return self.hook.save_checkpoint(trainer=self, checkpoint=checkpoint, path=Path(path))
 
@@ -627,7 +539,7 @@ class Trainer:
             self._start(model, datamodule, ckpt_path, val=loaders)
         else:
             self._start(model, datamodule, ckpt_path, test=loaders)
-        self._verbose = verbose
+        self.state.verbose = verbose
         result = self._launch_or_run(_run_validate if stage == loops.VALIDATE else _run_test)
         return result if isinstance(result, list) else [dict(self.callback_metrics)]
 
@@ -639,11 +551,11 @@ class Trainer:
         return model
 
     def _start(self, model, datamodule, ckpt_path, train=None, val=None, test=None, predict=None) -> None:
-        self.module, self.datamodule, self._ckpt_path = model, datamodule, ckpt_path
+        self.module, self.datamodule, self.state.ckpt_path = model, datamodule, ckpt_path
         self.train_dataloader, self.val_dataloaders = train, val
         self.test_dataloaders, self.predict_dataloaders = test, predict
         self.should_stop = False
-        self._loop_optimizer_cache = None
+        self.state.loop_optimizer_cache = None
 
     # Manual optimization: called by the module's optimizers()/manual_backward().
 
@@ -666,7 +578,7 @@ class Trainer:
         if algorithm not in ("norm", "value"):
             raise ConfigurationError(f"gradient_clip_algorithm={algorithm!r} must be 'norm' or 'value'")
         real = getattr(optimizer, "optimizer", optimizer) if isinstance(optimizer, loops.LoopOptimizer) else optimizer
-        self._clip_requests[id(real)] = (value if value is not None else self.gradient_clip_val, algorithm)
+        self.state.clip_requests[id(real)] = (value if value is not None else self.gradient_clip_val, algorithm)
 
     # -- launching ----------------------------------------------------------------------
 
