@@ -22,8 +22,9 @@ from torch import nn
 
 from .errors import ConfigurationError
 from .helpers import REDUCE_OPS
-from .hookspecs import MODULE_HOOKS, hookimpl
+from .hookspecs import MODULE_HOOKS
 from .metrics import _STEP_BATCH, Metrics, _is_torchmetrics  # noqa: F401 - Metrics, _STEP_BATCH: their old home
+from .session import defines_hook as _defines_hook
 
 # ---------------------------------------------------------------------------------------
 # Hyperparameters (shared with DataModule)
@@ -381,6 +382,7 @@ def _noop_hook(name: str, args: tuple[str, ...]):
         """Does nothing; override it (Lightning's module hook of the same name)."""
 
     hook.__name__ = hook.__qualname__ = name
+    hook.hookloop_placeholder = True  # not the user's: hookloop.session.defines_hook
     hook.__signature__ = inspect.Signature(
         [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
         + [inspect.Parameter(a, inspect.Parameter.POSITIONAL_OR_KEYWORD) for a in args]
@@ -417,64 +419,3 @@ def _reduce_op(fx: Any) -> str:
     if name not in REDUCE_OPS:
         raise ConfigurationError(f"reduce_fx={fx!r} must be one of {', '.join(REDUCE_OPS)} (or torch.mean, torch.sum, torch.max, torch.min)")
     return name
-
-
-
-
-# ---------------------------------------------------------------------------------------
-# The module's hooks as a plugin
-# ---------------------------------------------------------------------------------------
-
-
-def _defines_hook(module: Any, name: str) -> bool:
-    method = getattr(type(module), name, None)
-    return callable(method) and method is not getattr(Module, name, None)
-
-
-def module_hooks_plugin(module: nn.Module) -> Any:
-    """A plugin calling the hooks ``module`` defines, or ``None`` when it defines none.
-
-    Its implementations are ``tryfirst``: the module's hook runs before the plugins'
-    (a metric it logs in ``on_train_epoch_end`` is in their ``metrics``). Only defined
-    hooks become implementations, so undefined ones cost nothing per step.
-    """
-    # setup is not among them: the session calls it before the module's *_dataloader()
-    defined = [name for name in MODULE_HOOKS if name != "setup" and _defines_hook(module, name)]
-    if not defined:
-        return None
-    namespace: dict[str, Any] = {"hookloop_name": f"module:{type(module).__name__}", "hookloop_role": "observer"}
-    for name in defined:
-        namespace[name] = _module_hook_impl(module, name, MODULE_HOOKS[name])
-    return type("ModuleHooks", (), namespace)()
-
-
-def _module_hook_impl(module: nn.Module, name: str, args: tuple[str, ...]):
-    method = getattr(module, name)
-    if name == "on_train_epoch_end":
-        # Values the module logs here are reduced at once and handed to the plugins
-        # that see the same event after it.
-        def impl(self, trainer, metrics):
-            metrics_store = trainer.state.metrics
-            metrics_store.epoch_level = True
-            try:
-                method()
-            finally:
-                metrics_store.epoch_level = False
-            finished = metrics_store.finish_epoch("train")
-            metrics.update(finished)
-            from .loops import log_epoch_row
-
-            log_epoch_row(trainer, finished)
-
-    else:
-        impl = _forwarding_function(name, args, method)
-    return hookimpl(tryfirst=True)(impl)
-
-
-def _forwarding_function(name: str, args: tuple[str, ...], target: Any):
-    """``def name(self, <args>): return target(<args>)`` with those parameter names:
-    pluggy passes each hook argument by the name the implementation's code declares."""
-    params = ", ".join(args)
-    namespace = {"_target": target}
-    exec(f"def {name}(self{', ' if args else ''}{params}):\n    return _target({params})\n", namespace)
-    return namespace[name]

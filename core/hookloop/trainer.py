@@ -1,4 +1,10 @@
-"""``Trainer``: the configuration and the public API. The loops live in ``loops.py``."""
+"""``Trainer``: the configuration and the public API.
+
+What runs inside a worker is below it: :mod:`hookloop.session` (set-up, loaders,
+teardown) around :mod:`hookloop.loop` (the epochs) and :mod:`hookloop.step` (one
+batch), with the run's state in ``trainer.state`` (:mod:`hookloop.state`) and
+checkpoints in :mod:`hookloop.resume`. Nothing in hookloop imports this module but the
+package root."""
 
 from __future__ import annotations
 
@@ -14,15 +20,18 @@ from torch.utils.data import DataLoader
 
 from . import callbacks as callbacks_module
 from . import loggers as loggers_module
-from . import loops
 from . import plugins as plugin_registry
-from . import rundir, strategies
+from . import rundir, session, strategies
 from .config import TrainerConfig, env_defaults
 from .datamodule import DataModule
 from .defaults import Defaults
 from .errors import ConfigurationError
 from .launch import in_worker, run_command
+from .optim import LoopOptimizer
+from .resume import checkpoint_dict
+from .session import adopt_run_dirs, as_loader_list, check_loader, claim_run_dirs, run_evaluation, run_predict
 from .state import LoopState
+from .step import STEP_METHODS, TEST, VALIDATE, epoch_row_values, log_row, loop_optimizers, manual_backward, manual_optimizer_step
 
 _UNSET: Any = object()
 
@@ -49,7 +58,7 @@ TrainerState = LoopState
 
 class FitLoopView:
     """Read-only view of the training loop's position under Lightning's names (the
-    loop itself is :mod:`hookloop.loops`, not an object)."""
+    loop itself is :mod:`hookloop.loop`, not an object)."""
 
     def __init__(self, trainer: "Trainer"):
         self._trainer = trainer
@@ -319,7 +328,7 @@ class Trainer:
         if row is None or self.state.on_log_metrics is None:
             return self.state.logged_metrics
         hidden = self.state.metrics.not_for_logger
-        pending = {k: float(v) for k, v in loops.epoch_row_values(self, row).items() if k not in hidden}
+        pending = {k: float(v) for k, v in epoch_row_values(self, row).items() if k not in hidden}
         return {**self.state.logged_metrics, **pending}
 
     @property
@@ -353,7 +362,7 @@ class Trainer:
         ``save_dir/name/version_N``, as Lightning): its logs and checkpoints. The same on
         every rank and after every elastic restart."""
         if self.state.log_dir is None:  # outside a run (one process): as rank 0 decides in one
-            loops.adopt_run_dirs(self, loops.claim_run_dirs(self))
+            adopt_run_dirs(self, claim_run_dirs(self))
         return self.state.log_dir
 
     @property
@@ -368,7 +377,7 @@ class Trainer:
         defaults to ``global_step``. Also in ``callback_metrics``."""
         floats = {k: float(v) for k, v in metrics.items()}
         self.state.metrics.callback_metrics.update(floats)
-        loops.log_row(self, floats, step)
+        log_row(self, floats, step)
 
     def has_plugin(self, role: str) -> bool:
         """Whether a plugin of ``role`` (``"strategy"``, ``"precision"``...) is enabled."""
@@ -479,8 +488,8 @@ class Trainer:
         if datamodule is not None and (train_dataloaders is not None or val_dataloaders is not None):
             raise ConfigurationError("fit got both dataloaders and a datamodule: pass one or the other")
         if train_dataloaders is not None:
-            loops.check_loader(train_dataloaders, "train_dataloaders")
-        val = loops.as_loader_list(val_dataloaders, "val_dataloaders")
+            check_loader(train_dataloaders, "train_dataloaders")
+        val = as_loader_list(val_dataloaders, "val_dataloaders")
         if val and not callable(getattr(model, "validation_step", None)):
             raise ConfigurationError(
                 f"val_dataloaders were given but {type(model).__name__} has no "
@@ -488,17 +497,17 @@ class Trainer:
             )
         _check_training_step(model)
         self._start(model, datamodule, ckpt_path, train=train_dataloaders, val=val)
-        self._launch_or_run(loops.fit)
+        self._launch_or_run(session.fit)
 
     def validate(self, model: nn.Module | None = None, dataloaders: Any = None, ckpt_path: Any = None,
                  verbose: bool = True, datamodule: Any = None) -> list[dict]:
         """Run ``validation_step`` over ``dataloaders``; one dict of metrics per loader."""
-        return self._evaluate(loops.VALIDATE, model, dataloaders, ckpt_path, verbose, datamodule)
+        return self._evaluate(VALIDATE, model, dataloaders, ckpt_path, verbose, datamodule)
 
     def test(self, model: nn.Module | None = None, dataloaders: Any = None, ckpt_path: Any = None,
              verbose: bool = True, datamodule: Any = None) -> list[dict]:
         """Run ``test_step`` over ``dataloaders``; one dict of metrics per loader."""
-        return self._evaluate(loops.TEST, model, dataloaders, ckpt_path, verbose, datamodule)
+        return self._evaluate(TEST, model, dataloaders, ckpt_path, verbose, datamodule)
 
     def predict(self, model: nn.Module | None = None, dataloaders: Any = None, datamodule: Any = None,
                 return_predictions: bool | None = None, ckpt_path: Any = None) -> Any:
@@ -512,9 +521,9 @@ class Trainer:
         if isinstance(dataloaders, DataModule) or _is_datamodule(dataloaders):
             datamodule, dataloaders = dataloaders, None
         model = self._model_for("predict", model)
-        self._start(model, datamodule, ckpt_path, predict=loops.as_loader_list(dataloaders, "dataloaders"))
+        self._start(model, datamodule, ckpt_path, predict=as_loader_list(dataloaders, "dataloaders"))
         self.state.return_predictions = return_predictions is not False
-        result = self._launch_or_run(loops.run_predict)
+        result = self._launch_or_run(run_predict)
         return None if result is True else result
 
     def save_checkpoint(self, path: str | os.PathLike) -> Path:
@@ -523,7 +532,7 @@ class Trainer:
         Synchronous: it first waits for a background save in flight
         (``ModelCheckpoint(async_save=True)``), whose error it then raises."""
         self.state.checkpoint_writer.wait()
-        checkpoint = loops.checkpoint_dict(self)
+        checkpoint = checkpoint_dict(self)
         return self.hook.save_checkpoint(trainer=self, checkpoint=checkpoint, path=Path(path))
 
     # -- helpers of the entry points ----------------------------------------------------
@@ -532,15 +541,14 @@ class Trainer:
         if isinstance(dataloaders, DataModule) or _is_datamodule(dataloaders):
             datamodule, dataloaders = dataloaders, None
         model = self._model_for(stage, model)
-        step = loops.STEP_METHODS[stage]
-        _check_module(model, needs=(step,))
-        loaders = loops.as_loader_list(dataloaders, "dataloaders")
-        if stage == loops.VALIDATE:
+        _check_module(model, needs=(STEP_METHODS[stage],))
+        loaders = as_loader_list(dataloaders, "dataloaders")
+        if stage == VALIDATE:
             self._start(model, datamodule, ckpt_path, val=loaders)
         else:
             self._start(model, datamodule, ckpt_path, test=loaders)
         self.state.verbose = verbose
-        result = self._launch_or_run(_run_validate if stage == loops.VALIDATE else _run_test)
+        result = self._launch_or_run(_run_validate if stage == VALIDATE else _run_test)
         return result if isinstance(result, list) else [dict(self.callback_metrics)]
 
     def _model_for(self, stage: str, model: nn.Module | None) -> nn.Module:
@@ -560,13 +568,13 @@ class Trainer:
     # Manual optimization: called by the module's optimizers()/manual_backward().
 
     def _loop_optimizers(self) -> list:
-        return loops.loop_optimizers(self)
+        return loop_optimizers(self)
 
     def _manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        loops.manual_backward(self, loss, *args, **kwargs)
+        manual_backward(self, loss, *args, **kwargs)
 
     def _manual_optimizer_step(self, optimizer: Any) -> None:
-        loops.manual_optimizer_step(self, optimizer)
+        manual_optimizer_step(self, optimizer)
 
     def _request_clip(self, optimizer: Any, value: float | None, algorithm: str | None) -> None:
         if self.strategy_owns("gradient_clipping"):
@@ -577,7 +585,7 @@ class Trainer:
         algorithm = algorithm or self.config.gradient_clip_algorithm
         if algorithm not in ("norm", "value"):
             raise ConfigurationError(f"gradient_clip_algorithm={algorithm!r} must be 'norm' or 'value'")
-        real = getattr(optimizer, "optimizer", optimizer) if isinstance(optimizer, loops.LoopOptimizer) else optimizer
+        real = getattr(optimizer, "optimizer", optimizer) if isinstance(optimizer, LoopOptimizer) else optimizer
         self.state.clip_requests[id(real)] = (value if value is not None else self.gradient_clip_val, algorithm)
 
     # -- launching ----------------------------------------------------------------------
@@ -659,11 +667,11 @@ def _name_loggers_apart(objects: list) -> None:
 
 # Module-level (not lambdas): a spawn-based strategy pickles the function it runs.
 def _run_validate(trainer) -> list[dict]:
-    return loops.run_evaluation(trainer, loops.VALIDATE)
+    return run_evaluation(trainer, VALIDATE)
 
 
 def _run_test(trainer) -> list[dict]:
-    return loops.run_evaluation(trainer, loops.TEST)
+    return run_evaluation(trainer, TEST)
 
 
 _CONFIG_FIELDS = {f.name for f in fields(TrainerConfig)}
