@@ -383,6 +383,12 @@ class CallbackHooks:
     def of_type(self, cls: type) -> list:
         return [cb for cb in self.callbacks if isinstance(cb, cls)]
 
+    def prediction_writing(self, n_loaders: int) -> "PredictionWriting | None":
+        """The state the run's prediction writers read, or ``None`` when it has none
+        (hookloop.loop.predict asks; the loop does not import this module)."""
+        writers = self.of_type(BasePredictionWriter)
+        return PredictionWriting(writers, n_loaders) if writers else None
+
 
 def _event_function(event: str, args: tuple[str, ...], methods: list):
     """``def event(trainer, <args>)`` calling every method with ``(trainer, module, <args>)``;

@@ -534,11 +534,8 @@ def predict(trainer, loaders: list) -> Any:
 
 def _prediction_writing(trainer, n_loaders: int):
     """The state the run's prediction writers read, or ``None`` when it has none."""
-    from .callbacks import BasePredictionWriter, PredictionWriting
-
-    callbacks = trainer._callback_hooks
-    writers = callbacks.of_type(BasePredictionWriter) if callbacks is not None else []
-    return PredictionWriting(writers, n_loaders) if writers else None
+    callbacks = trainer._callback_hooks  # the Lightning-style callbacks' adapter
+    return callbacks.prediction_writing(n_loaders) if callbacks is not None else None
 
 
 def _gather_predictions(trainer, loader: DataLoader, outputs: list) -> list:
