@@ -201,7 +201,7 @@ def stall_table(rounds: int, saves: int = 3) -> None:
                         start = time.perf_counter()
                         callback.save(trainer)
                         stalled = time.perf_counter() - start
-                        trainer._checkpoint_writer.wait()
+                        trainer.state.checkpoint_writer.wait()
                         written = time.perf_counter() - start
                         stalls[(m, a)].append(stalled)
                         if a:

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 
 import hookloop
 from conftest import TinyModule, fit_profiled, tiny_data
-from hookloop import loops
+from hookloop import step as loops
 
 
 class ManualTiny(TinyModule):

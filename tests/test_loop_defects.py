@@ -27,10 +27,10 @@ def test_sync_dist_mean_keeps_every_tensor_on_the_run_device():
     meta device stands in for an accelerator here: any host tensor mixed in fails."""
     trainer = hookloop.Trainer()
     trainer.root_device = torch.device("meta")
-    metrics = trainer._metrics
+    metrics = trainer.state.metrics
     metrics.start("validate")
     metrics.stage = "validate"
-    trainer._current_batch = torch.zeros(4, 2, device="meta")
+    trainer.state.current_batch = torch.zeros(4, 2, device="meta")
     for op in ("mean", "sum", "max", "min"):
         metrics.log(f"v_{op}", torch.ones((), device="meta"), False, True, None, None, op, True, True, None)
     metrics.log("from_host", 3.0, False, True, None, None, "mean", True, True, 2)

@@ -100,7 +100,7 @@ def test_a_mid_epoch_resume_with_workers_yields_the_uninterrupted_batches(tmp_pa
     straight, resumed, _, trainer = stopped_and_resumed(tmp_path, make_loader)
     assert_same_run(straight, resumed)
     # the workers ended with each fit, although the trainer keeps the loader it iterated
-    assert trainer._fit_train_loader is not None and not multiprocessing.active_children()
+    assert trainer.state.fit_train_loader is not None and not multiprocessing.active_children()
 
 
 @pytest.mark.parametrize("stop", [10, 20], ids=["end-of-epoch-0", "end-of-epoch-1"])

@@ -167,7 +167,7 @@ def rank_view(tmp_path, rank: int, world: int) -> hookloop.Trainer:
 
 
 def test_a_checkpoint_of_fewer_processes_gives_the_extra_ranks_derived_streams_with_one_warning(tmp_path):
-    from hookloop import loops
+    from hookloop import resume as loops
 
     state = ckpt.rng_state()
     one = {"rng": state, "epoch_rng": None, "loop": {"world_size": 1}}

@@ -388,6 +388,12 @@ class CallbackHooks:
     def of_type(self, cls: type) -> list:
         return [cb for cb in self.callbacks if isinstance(cb, cls)]
 
+    def prediction_writing(self, n_loaders: int) -> "PredictionWriting | None":
+        """The state the run's prediction writers read, or ``None`` when it has none
+        (hookloop.loop.predict asks; the loop does not import this module)."""
+        writers = self.of_type(BasePredictionWriter)
+        return PredictionWriting(writers, n_loaders) if writers else None
+
 
 def _event_function(event: str, args: tuple[str, ...], methods: list):
     """``def event(trainer, <args>)`` calling every method with ``(trainer, module, <args>)``;
@@ -526,11 +532,11 @@ class GradientAccumulationScheduler(Callback):
             raise ConfigurationError(
                 "the deepspeed strategy cannot change accumulate_grad_batches between epochs: "
                 "remove GradientAccumulationScheduler")
-        if trainer.config.accumulate_grad_batches != 1 and not getattr(trainer, "_accumulation_scheduled", False):
+        if trainer.config.accumulate_grad_batches != 1 and not trainer.state.accumulation_scheduled:
             raise ConfigurationError(
                 "Trainer(accumulate_grad_batches=...) and GradientAccumulationScheduler are both set: "
                 "remove accumulate_grad_batches from the Trainer or remove the callback")
-        trainer._accumulation_scheduled = True
+        trainer.state.accumulation_scheduled = True
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         trainer.accumulate_grad_batches = self.get_accumulate_grad_batches(trainer.current_epoch)
@@ -753,14 +759,14 @@ class BasePredictionWriter(Callback):
                              dataloader_idx: int = 0) -> None:
         if not self.interval.on_batch:
             return
-        state = trainer._prediction_writing
+        state = trainer.state.prediction_writing
         self.write_on_batch_end(trainer, pl_module, outputs, state.current_batch_indices, batch, batch_idx,
                                 dataloader_idx)
 
     def on_predict_epoch_end(self, trainer, pl_module) -> None:
         if not self.interval.on_epoch:
             return
-        state = trainer._prediction_writing
+        state = trainer.state.prediction_writing
         self.write_on_epoch_end(trainer, pl_module, state.predictions, state.epoch_batch_indices)
 
 

@@ -212,7 +212,7 @@ def defer(step: Callable[[], Any]) -> None:
 
 class AsyncCheckpointWriter:
     """Runs one checkpoint job at a time in a background thread (the trainer's:
-    ``trainer._checkpoint_writer``).
+    ``trainer.state.checkpoint_writer``).
 
     :meth:`submit` first waits for the job in flight, so at most one is; an error of a
     job (a failed write, a full disk) is raised by the next :meth:`submit` or
@@ -316,7 +316,7 @@ def atomic_copy_tree(source: str | os.PathLike, path: str | os.PathLike, keep_pr
     a ``last.ckpt`` and ``keep_previous``; the prev it replaces is removed), then the copy
     is renamed into place. A kill between the
     two renames leaves ``last.prev.ckpt`` alone, which the restart resume and
-    ``ckpt_path="last"`` load (:func:`hookloop.loops.restore`'s fall-back). Hard links
+    ``ckpt_path="last"`` load (:func:`hookloop.resume.restore`'s fall-back). Hard links
     share the files' bytes: strategies must write a new shard file rather than rewrite one
     in place (the in-tree ones write every save into a new tag). An ``OSError`` becomes a
     :class:`CheckpointError` and leaves ``path`` as it was.

@@ -206,8 +206,8 @@ def resumable_loader(loader: Any) -> Any:
 def release(trainer) -> None:
     """End the workers of the loader copies ``fit`` iterated (the trainer keeps the training
     one, for a checkpoint saved after ``fit``, but not its persistent workers)."""
-    loaders = [getattr(trainer, "_fit_train_loader", None), *(getattr(trainer, "_fit_val_loaders", None) or [])]
-    trainer._fit_val_loaders = None
+    loaders = [trainer.state.fit_train_loader, *(trainer.state.fit_val_loaders or [])]
+    trainer.state.fit_val_loaders = None
     for loader in loaders:
         if loader is None or not isinstance(getattr(loader, "batch_sampler", None), ResumableBatchSampler):
             continue
@@ -269,7 +269,7 @@ def loader_state(trainer, loader: Any) -> dict | None:
     if not trainer.batch_idx or loader is None:
         return None
     if is_stateful(loader):
-        pending = getattr(trainer, "_loader_state_pending", None)
+        pending = trainer.state.loader_state_pending
         return {"state_dict": pending if pending is not None else loader.state_dict()}
     batch_sampler = getattr(loader, "batch_sampler", None)
     if isinstance(batch_sampler, ResumableBatchSampler) and batch_sampler.drawn_from is not None:
@@ -283,9 +283,9 @@ def loader_state(trainer, loader: Any) -> dict | None:
 def start_epoch(trainer, loader: Any, skip: int) -> bool:
     """Prepare ``loader`` for this epoch's iteration, resuming at batch ``skip``; whether
     the done batches still have to be read and discarded (the fallback)."""
-    trainer._loader_state_pending = None
-    state = getattr(trainer, "_loader_resume_state", None)
-    trainer._loader_resume_state = None
+    trainer.state.loader_state_pending = None
+    state = trainer.state.loader_resume_state
+    trainer.state.loader_resume_state = None
     if not skip:
         return False
     if is_stateful(loader) and state is not None and "state_dict" in state:
@@ -296,7 +296,7 @@ def start_epoch(trainer, loader: Any, skip: int) -> bool:
         # without a saved draw (older checkpoints): the epoch's start, exact for loaders
         # that drew no base seed before it (persistent_workers=False)
         drawn_from = state.get("drawn_from") if state else None
-        batch_sampler.resume_at(skip, drawn_from if drawn_from is not None else trainer._epoch_rng,
+        batch_sampler.resume_at(skip, drawn_from if drawn_from is not None else trainer.state.epoch_rng,
                                 state.get("generator") if state else None)
         return False
     if trainer.global_rank == 0:  # once: only the resumed epoch starts with a skip

@@ -203,12 +203,12 @@ def before_optimizer_step(trainer: Any, optimizer: Any, clip: bool = True) -> No
     optimizer with ``self.clip_gradients(...)`` under manual optimization. A strategy
     whose backend clips by itself (DeepSpeed) passes ``clip=False``.
     """
-    event = trainer._on_before_optimizer_step
+    event = trainer.state.on_before_optimizer_step
     if event is not None:
         event(trainer=trainer, optimizer=optimizer)
     if not clip:
         return
-    requests = trainer._clip_requests
+    requests = trainer.state.clip_requests
     request = requests.pop(id(optimizer), None) if requests else None
     if request is None:
         clip_gradients(trainer, optimizer)
@@ -311,7 +311,7 @@ class LoopOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         trainer = self._trainer
-        event = trainer._on_before_zero_grad
+        event = trainer.state.on_before_zero_grad
         if event is not None:
             event(trainer=trainer, optimizer=self.optimizer)
         trainer.hook.zero_grad(trainer=trainer, optimizer=self.optimizer, model=trainer.model)

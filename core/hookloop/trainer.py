@@ -1,4 +1,10 @@
-"""``Trainer``: the configuration and the public API. The loops live in ``loops.py``."""
+"""``Trainer``: the configuration and the public API.
+
+What runs inside a worker is below it: :mod:`hookloop.session` (set-up, loaders,
+teardown) around :mod:`hookloop.loop` (the epochs) and :mod:`hookloop.step` (one
+batch), with the run's state in ``trainer.state`` (:mod:`hookloop.state`) and
+checkpoints in :mod:`hookloop.resume`. Nothing in hookloop imports this module but the
+package root."""
 
 from __future__ import annotations
 
@@ -14,16 +20,18 @@ from torch.utils.data import DataLoader
 
 from . import callbacks as callbacks_module
 from . import loggers as loggers_module
-from . import loops
 from . import plugins as plugin_registry
-from . import rundir, strategies
-from .checkpoint import AsyncCheckpointWriter
+from . import rundir, session, strategies
 from .config import TrainerConfig, env_defaults
 from .datamodule import DataModule
 from .defaults import Defaults
 from .errors import ConfigurationError
 from .launch import in_worker, run_command
-from .module import Metrics
+from .optim import LoopOptimizer
+from .resume import checkpoint_dict
+from .session import adopt_run_dirs, as_loader_list, check_loader, claim_run_dirs, run_evaluation, run_predict
+from .state import LoopState
+from .step import STEP_METHODS, TEST, VALIDATE, epoch_row_values, log_row, loop_optimizers, manual_backward, manual_optimizer_step
 
 _UNSET: Any = object()
 
@@ -44,71 +52,20 @@ class default:
         return f"hookloop.default({self.value!r})"
 
 
-class TrainerState:
-    """``trainer.state``, as Lightning's: ``fn`` (``"fit"``, ``"validate"``, ``"test"``,
-    ``"predict"``; kept after the run), ``stage`` (``"train"``, ``"sanity_check"``,
-    ``"validate"``, ``"test"``, ``"predict"``; ``None`` outside a run), ``status``
-    (``"initializing"``, ``"running"``, ``"finished"``, ``"interrupted"``) and
-    ``finished``. It compares equal to what ``trainer.state`` was before it was an object:
-    the running entry point's name during a run, ``None`` outside one
-    (``trainer.state == "fit"``)."""
-
-    __slots__ = ("_trainer", "fn", "status")
-
-    def __init__(self, trainer: Any):
-        self._trainer, self.fn, self.status = trainer, None, "initializing"
-
-    @property
-    def stage(self) -> str | None:
-        if self.status != "running":
-            return None
-        if self.fn != "fit":
-            return self.fn
-        trainer = self._trainer
-        if trainer.sanity_checking:
-            return "sanity_check"
-        return "validate" if trainer._metrics.stage == "validate" else "train"
-
-    @property
-    def finished(self) -> bool:
-        return self.status == "finished"
-
-    @property
-    def stopped(self) -> bool:
-        return self.status == "interrupted"
-
-    def _running(self) -> str | None:
-        return self.fn if self.status == "running" else None
-
-    def __eq__(self, other: Any) -> bool:
-        if isinstance(other, TrainerState):
-            return other is self
-        return self._running() == other
-
-    def __hash__(self) -> int:
-        return hash(self._running())
-
-    def __repr__(self) -> str:
-        return f"TrainerState(fn={self.fn!r}, stage={self.stage!r}, status={self.status!r})"
-
-    def __getstate__(self) -> dict:
-        return {"_trainer": self._trainer, "fn": self.fn, "status": self.status}
-
-    def __setstate__(self, state: dict) -> None:
-        for key, value in state.items():
-            object.__setattr__(self, key, value)
+#: Lightning's name for ``trainer.state``'s class (now the loop's whole state)
+TrainerState = LoopState
 
 
 class FitLoopView:
     """Read-only view of the training loop's position under Lightning's names (the
-    loop itself is :mod:`hookloop.loops`, not an object)."""
+    loop itself is :mod:`hookloop.loop`, not an object)."""
 
     def __init__(self, trainer: "Trainer"):
         self._trainer = trainer
 
     @property
     def batch_idx(self) -> int:
-        return self._trainer._fetched_batch_idx
+        return self._trainer.state.fetched_batch_idx
 
     @property
     def max_epochs(self) -> int | None:
@@ -266,11 +223,11 @@ class Trainer:
         self.current_epoch = 0
         self.global_step = 0
         self.batch_idx = 0
-        self._fetched_batch_idx = 0  # the last training batch fetched (fit_loop.batch_idx)
         #: batches of a training epoch (after limit_train_batches), known from fit's setup;
         #: None before, or for an unsized loader
         self.num_training_batches: int | None = None
-        self.state = TrainerState(self)
+        #: the loop's state (hookloop.state.LoopState), also Lightning's trainer.state
+        self.state = LoopState(self, rundir.next_index())
         #: whether the training batch being run is the epoch's last (Lightning's)
         self.is_last_batch = False
         self.sanity_checking = False
@@ -283,41 +240,8 @@ class Trainer:
         self.val_dataloaders: list[DataLoader] | None = None
         self.test_dataloaders: list[DataLoader] | None = None
         self.predict_dataloaders: list[DataLoader] | None = None
-        self._metrics = Metrics(self)
-        self._current_batch: Any = None
-        self._epoch_rng: dict | None = None
-        # the training loader fit iterates, and its saved / pending position (loader_state)
-        self._fit_train_loader: Any = None
-        self._loader_resume_state: dict | None = None
-        self._loader_state_pending: Any = None
-        self._loop_stage = "train"
-        self._prediction_writing = None  # what BasePredictionWriter callbacks read (loops.run_predict)
-        self._total_batch_idx = 0
-        self._epoch_row: dict | None = None  # the epoch row for the loggers, until logged
-        self._module_epoch_end = None
-        self._epoch_val_metrics: dict[str, float] = {}
-        # Called after each validation run of fit, once its position is "validated" (the
-        # checkpoint observer saves there, so a resume goes on with the next batch).
-        self._after_validation: list = []
-        self._ckpt_path: Any = None
-        self._verbose = True
-        self._return_predictions = True
-        self._loop_optimizer_cache: list | None = None
-        self._clip_requests: dict[int, tuple] = {}
-        # ModelCheckpoint(async_save=True)'s background writes: one at a time, waited for by
-        # every synchronous save (save_checkpoint) so files are written in the order asked
-        self._checkpoint_writer = AsyncCheckpointWriter()
-        self._on_before_optimizer_step = None
-        self._on_before_zero_grad = None
-        self._on_log_metrics = None
-        self._backward_events: tuple | None = None  # manual_backward's, resolved per fit
-        self._logged_step = 0
         #: keyword arguments of ``Tensor.backward`` for the backward hook (manual_backward's)
         self.backward_kwargs: dict = {}
-        self._logged_metrics: dict[str, float] = {}  # what went to the loggers, for logged_metrics
-        # This Trainer's run directory (rundir.py): decided in its first run, kept after.
-        self._log_dir: Path | None = None
-        self._run_index = rundir.next_index()
 
     # -- plain attributes plugins read ---------------------------------------------------
 
@@ -386,13 +310,13 @@ class Trainer:
     def callback_metrics(self) -> dict[str, float]:
         """The last value of every logged metric, as floats (reads step values from the
         device when asked)."""
-        return self._metrics.read()
+        return self.state.metrics.read()
 
     @property
     def progress_bar_metrics(self) -> dict[str, float]:
         metrics = self.callback_metrics
         # a forked metric (on_step and on_epoch) shows as name_step / name_epoch only
-        shown, forked = self._metrics.prog_bar, self._metrics.forked
+        shown, forked = self.state.metrics.prog_bar, self.state.metrics.forked
         return {k: v for k, v in metrics.items() if k in shown and k not in forked}
 
     @property
@@ -400,12 +324,12 @@ class Trainer:
         """The last value of every metric handed to the loggers in this run (what
         Lightning's ``trainer.logged_metrics`` holds; empty without a logger). In
         ``on_train_epoch_end`` it has the epoch's values already, as Lightning's."""
-        row = self._epoch_row
-        if row is None or self._on_log_metrics is None:
-            return self._logged_metrics
-        hidden = self._metrics.not_for_logger
-        pending = {k: float(v) for k, v in loops.epoch_row_values(self, row).items() if k not in hidden}
-        return {**self._logged_metrics, **pending}
+        row = self.state.epoch_row
+        if row is None or self.state.on_log_metrics is None:
+            return self.state.logged_metrics
+        hidden = self.state.metrics.not_for_logger
+        pending = {k: float(v) for k, v in epoch_row_values(self, row).items() if k not in hidden}
+        return {**self.state.logged_metrics, **pending}
 
     @property
     def loggers(self) -> list:
@@ -437,9 +361,9 @@ class Trainer:
         logger's version directory when it has one (``CSVLogger(save_dir, name)``:
         ``save_dir/name/version_N``, as Lightning): its logs and checkpoints. The same on
         every rank and after every elastic restart."""
-        if self._log_dir is None:  # outside a run (one process): as rank 0 decides in one
-            loops.adopt_run_dirs(self, loops.claim_run_dirs(self))
-        return self._log_dir
+        if self.state.log_dir is None:  # outside a run (one process): as rank 0 decides in one
+            adopt_run_dirs(self, claim_run_dirs(self))
+        return self.state.log_dir
 
     @property
     def checkpoint_callback(self) -> Any:
@@ -452,8 +376,8 @@ class Trainer:
         measure something themselves (learning rates, device statistics); ``step``
         defaults to ``global_step``. Also in ``callback_metrics``."""
         floats = {k: float(v) for k, v in metrics.items()}
-        self._metrics.callback_metrics.update(floats)
-        loops.log_row(self, floats, step)
+        self.state.metrics.callback_metrics.update(floats)
+        log_row(self, floats, step)
 
     def has_plugin(self, role: str) -> bool:
         """Whether a plugin of ``role`` (``"strategy"``, ``"precision"``...) is enabled."""
@@ -527,8 +451,7 @@ class Trainer:
         # pluggy's hook callers hold the hook-spec module, which cannot be pickled: the
         # plugin manager is rebuilt from the (pickled) plugins on arrival.
         state = self.__dict__.copy()
-        for key in ("plugin_manager", "hook", "_on_before_optimizer_step", "_on_before_zero_grad", "_on_log_metrics",
-                    "_loop_optimizer_cache", "_backward_events", "_fit_train_loader"):
+        for key in ("plugin_manager", "hook"):
             state.pop(key, None)
         return state
 
@@ -536,8 +459,6 @@ class Trainer:
         self.__dict__.update(state)
         self.plugin_manager = plugin_registry.make_plugin_manager(self.plugins, Defaults())
         self.hook = self.plugin_manager.hook
-        self._on_before_optimizer_step = self._on_before_zero_grad = self._loop_optimizer_cache = None
-        self._on_log_metrics = self._backward_events = self._fit_train_loader = self._fit_val_loaders = None
 
     # -- entry points -------------------------------------------------------------------
 
@@ -567,8 +488,8 @@ class Trainer:
         if datamodule is not None and (train_dataloaders is not None or val_dataloaders is not None):
             raise ConfigurationError("fit got both dataloaders and a datamodule: pass one or the other")
         if train_dataloaders is not None:
-            loops.check_loader(train_dataloaders, "train_dataloaders")
-        val = loops.as_loader_list(val_dataloaders, "val_dataloaders")
+            check_loader(train_dataloaders, "train_dataloaders")
+        val = as_loader_list(val_dataloaders, "val_dataloaders")
         if val and not callable(getattr(model, "validation_step", None)):
             raise ConfigurationError(
                 f"val_dataloaders were given but {type(model).__name__} has no "
@@ -576,17 +497,17 @@ class Trainer:
             )
         _check_training_step(model)
         self._start(model, datamodule, ckpt_path, train=train_dataloaders, val=val)
-        self._launch_or_run(loops.fit)
+        self._launch_or_run(session.fit)
 
     def validate(self, model: nn.Module | None = None, dataloaders: Any = None, ckpt_path: Any = None,
                  verbose: bool = True, datamodule: Any = None) -> list[dict]:
         """Run ``validation_step`` over ``dataloaders``; one dict of metrics per loader."""
-        return self._evaluate(loops.VALIDATE, model, dataloaders, ckpt_path, verbose, datamodule)
+        return self._evaluate(VALIDATE, model, dataloaders, ckpt_path, verbose, datamodule)
 
     def test(self, model: nn.Module | None = None, dataloaders: Any = None, ckpt_path: Any = None,
              verbose: bool = True, datamodule: Any = None) -> list[dict]:
         """Run ``test_step`` over ``dataloaders``; one dict of metrics per loader."""
-        return self._evaluate(loops.TEST, model, dataloaders, ckpt_path, verbose, datamodule)
+        return self._evaluate(TEST, model, dataloaders, ckpt_path, verbose, datamodule)
 
     def predict(self, model: nn.Module | None = None, dataloaders: Any = None, datamodule: Any = None,
                 return_predictions: bool | None = None, ckpt_path: Any = None) -> Any:
@@ -600,9 +521,9 @@ class Trainer:
         if isinstance(dataloaders, DataModule) or _is_datamodule(dataloaders):
             datamodule, dataloaders = dataloaders, None
         model = self._model_for("predict", model)
-        self._start(model, datamodule, ckpt_path, predict=loops.as_loader_list(dataloaders, "dataloaders"))
-        self._return_predictions = return_predictions is not False
-        result = self._launch_or_run(loops.run_predict)
+        self._start(model, datamodule, ckpt_path, predict=as_loader_list(dataloaders, "dataloaders"))
+        self.state.return_predictions = return_predictions is not False
+        result = self._launch_or_run(run_predict)
         return None if result is True else result
 
     def save_checkpoint(self, path: str | os.PathLike) -> Path:
@@ -610,8 +531,8 @@ class Trainer:
 
         Synchronous: it first waits for a background save in flight
         (``ModelCheckpoint(async_save=True)``), whose error it then raises."""
-        self._checkpoint_writer.wait()
-        checkpoint = loops.checkpoint_dict(self)
+        self.state.checkpoint_writer.wait()
+        checkpoint = checkpoint_dict(self)
         return self.hook.save_checkpoint(trainer=self, checkpoint=checkpoint, path=Path(path))
 
     # -- helpers of the entry points ----------------------------------------------------
@@ -620,15 +541,14 @@ class Trainer:
         if isinstance(dataloaders, DataModule) or _is_datamodule(dataloaders):
             datamodule, dataloaders = dataloaders, None
         model = self._model_for(stage, model)
-        step = loops.STEP_METHODS[stage]
-        _check_module(model, needs=(step,))
-        loaders = loops.as_loader_list(dataloaders, "dataloaders")
-        if stage == loops.VALIDATE:
+        _check_module(model, needs=(STEP_METHODS[stage],))
+        loaders = as_loader_list(dataloaders, "dataloaders")
+        if stage == VALIDATE:
             self._start(model, datamodule, ckpt_path, val=loaders)
         else:
             self._start(model, datamodule, ckpt_path, test=loaders)
-        self._verbose = verbose
-        result = self._launch_or_run(_run_validate if stage == loops.VALIDATE else _run_test)
+        self.state.verbose = verbose
+        result = self._launch_or_run(_run_validate if stage == VALIDATE else _run_test)
         return result if isinstance(result, list) else [dict(self.callback_metrics)]
 
     def _model_for(self, stage: str, model: nn.Module | None) -> nn.Module:
@@ -639,22 +559,22 @@ class Trainer:
         return model
 
     def _start(self, model, datamodule, ckpt_path, train=None, val=None, test=None, predict=None) -> None:
-        self.module, self.datamodule, self._ckpt_path = model, datamodule, ckpt_path
+        self.module, self.datamodule, self.state.ckpt_path = model, datamodule, ckpt_path
         self.train_dataloader, self.val_dataloaders = train, val
         self.test_dataloaders, self.predict_dataloaders = test, predict
         self.should_stop = False
-        self._loop_optimizer_cache = None
+        self.state.loop_optimizer_cache = None
 
     # Manual optimization: called by the module's optimizers()/manual_backward().
 
     def _loop_optimizers(self) -> list:
-        return loops.loop_optimizers(self)
+        return loop_optimizers(self)
 
     def _manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        loops.manual_backward(self, loss, *args, **kwargs)
+        manual_backward(self, loss, *args, **kwargs)
 
     def _manual_optimizer_step(self, optimizer: Any) -> None:
-        loops.manual_optimizer_step(self, optimizer)
+        manual_optimizer_step(self, optimizer)
 
     def _request_clip(self, optimizer: Any, value: float | None, algorithm: str | None) -> None:
         if self.strategy_owns("gradient_clipping"):
@@ -665,8 +585,8 @@ class Trainer:
         algorithm = algorithm or self.config.gradient_clip_algorithm
         if algorithm not in ("norm", "value"):
             raise ConfigurationError(f"gradient_clip_algorithm={algorithm!r} must be 'norm' or 'value'")
-        real = getattr(optimizer, "optimizer", optimizer) if isinstance(optimizer, loops.LoopOptimizer) else optimizer
-        self._clip_requests[id(real)] = (value if value is not None else self.gradient_clip_val, algorithm)
+        real = getattr(optimizer, "optimizer", optimizer) if isinstance(optimizer, LoopOptimizer) else optimizer
+        self.state.clip_requests[id(real)] = (value if value is not None else self.gradient_clip_val, algorithm)
 
     # -- launching ----------------------------------------------------------------------
 
@@ -747,11 +667,11 @@ def _name_loggers_apart(objects: list) -> None:
 
 # Module-level (not lambdas): a spawn-based strategy pickles the function it runs.
 def _run_validate(trainer) -> list[dict]:
-    return loops.run_evaluation(trainer, loops.VALIDATE)
+    return run_evaluation(trainer, VALIDATE)
 
 
 def _run_test(trainer) -> list[dict]:
-    return loops.run_evaluation(trainer, loops.TEST)
+    return run_evaluation(trainer, TEST)
 
 
 _CONFIG_FIELDS = {f.name for f in fields(TrainerConfig)}

@@ -56,7 +56,7 @@ class LimitFileSize:
     @hookloop.hookimpl(tryfirst=True)
     def on_train_batch_end(self, trainer):
         if trainer.global_step == int(os.environ["FSIZE_AT"]):
-            trainer._checkpoint_writer.wait()  # the save before this one is complete: it is not the one to fail
+            trainer.state.checkpoint_writer.wait()  # the save before this one is complete: it is not the one to fail
             size = (Path(trainer.log_dir) / "checkpoints" / "last.ckpt").stat().st_size
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
             resource.setrlimit(resource.RLIMIT_FSIZE, (size // 2, size // 2))

@@ -133,7 +133,7 @@ class ModelCheckpoint:
             return
         self._validated = self._deferred = False
         self._last_global_step_saved = None  # a new fit; a resume restores it after this
-        trainer._after_validation.append(self._after_validation)
+        trainer.state.after_validation.append(self._after_validation)
         self.resume_dir = Path(trainer.log_dir) / "checkpoints"
         self.dir = Path(self.dirpath) if self.dirpath else self.resume_dir
         sharded = self._sharded = getattr(trainer.strategy, "hookloop_checkpoint_format", "file") == "directory"
@@ -177,13 +177,13 @@ class ModelCheckpoint:
         # The last background save is finished before the run is over. Its error is
         # raised, unless the run is already ending with one (then it is printed).
         try:
-            trainer._checkpoint_writer.wait()
+            trainer.state.checkpoint_writer.wait()
         except CheckpointError as exc:
             if trainer.state.status != "interrupted":
                 raise
             warnings.warn(str(exc), stacklevel=2)
-        if self._after_validation in trainer._after_validation:
-            trainer._after_validation.remove(self._after_validation)
+        if self._after_validation in trainer.state.after_validation:
+            trainer.state.after_validation.remove(self._after_validation)
         steps, self._steps = self._steps, None
         if steps is not None:
             trainer.plugin_manager.unregister(steps)
@@ -233,14 +233,14 @@ class ModelCheckpoint:
         if trainer.batch_idx and self._position(trainer) != self._last_saved:
             self.save(trainer)
         if self._async:  # the end of fit waits for the last background save (and its error)
-            trainer._checkpoint_writer.wait()
+            trainer.state.checkpoint_writer.wait()
             if self._sharded:  # every rank's: then rank 0's commit of the directory is done too
                 trainer.barrier("checkpoint_async_committed")
 
     # -- saving ---------------------------------------------------------------------------
 
     def _position(self, trainer) -> tuple:
-        return trainer.current_epoch, trainer.global_step, trainer.batch_idx, trainer._loop_stage
+        return trainer.current_epoch, trainer.global_step, trainer.batch_idx, trainer.state.loop_stage
 
     def _candidate(self, trainer, quiet: bool = False) -> tuple[float | None, str] | None:
         """The monitored value and the file name as global rank 0 sees them, on every rank:
@@ -335,7 +335,7 @@ class ModelCheckpoint:
                 writes = self._write(trainer, str(last))
                 written = str(last)
         if background is not None and written is not None and (writes or background):
-            trainer._checkpoint_writer.submit(_Job(writes, background, trainer._checkpoint_writer.spare), written)
+            trainer.state.checkpoint_writer.submit(_Job(writes, background, trainer.state.checkpoint_writer.spare), written)
 
     def _write(self, trainer, path: str) -> list:
         """``trainer.save_checkpoint(path)``; with async_save, the ``atomic_save`` calls
@@ -343,7 +343,7 @@ class ModelCheckpoint:
         if not self._async:
             trainer.save_checkpoint(path)
             return []
-        with deferred_writes(trainer._checkpoint_writer.spare) as writes:
+        with deferred_writes(trainer.state.checkpoint_writer.spare) as writes:
             trainer.save_checkpoint(path)
         return writes
 

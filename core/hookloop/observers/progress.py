@@ -51,7 +51,7 @@ class ProgressBar:
     def _postfix(self, trainer, extra: dict | None = None) -> dict[str, str]:
         metrics = dict(trainer.progress_bar_metrics)  # reads the device: only when redrawing
         if extra:
-            metrics.update({k: v for k, v in extra.items() if k in trainer._metrics.prog_bar})
+            metrics.update({k: v for k, v in extra.items() if k in trainer.state.metrics.prog_bar})
         return _format(metrics)
 
     # -- the run --------------------------------------------------------------------------
@@ -77,7 +77,7 @@ class ProgressBar:
         if not trainer.is_global_zero:
             return
         self._epoch_start = self._last_refresh = time.monotonic()
-        self._first_batch = trainer._total_batch_idx
+        self._first_batch = trainer.state.total_batch_idx
         self._pending = 0
         if self._interactive():
             from tqdm import tqdm
@@ -99,7 +99,7 @@ class ProgressBar:
             self._bar = None
             return
         elapsed = time.monotonic() - self._epoch_start
-        batches = trainer._total_batch_idx - self._first_batch
+        batches = trainer.state.total_batch_idx - self._first_batch
         rate = batches / elapsed if elapsed > 0 else float("inf")
         limit = f"/{trainer.max_epochs}" if trainer.max_epochs and trainer.max_epochs < 10**6 else ""
         values = " ".join(f"{k}={v}" for k, v in shown.items())
