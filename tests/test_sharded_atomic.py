@@ -76,15 +76,23 @@ def test_a_kill_between_the_renames_of_last_ckpt_resumes_from_last_prev_ckpt(job
     assert not [p.name for p in checkpoints.iterdir() if p.name.startswith(".")]
 
 
-def test_a_rank_killed_inside_its_deepspeed_shard_resumes_from_the_previous_tag(jobs):
-    out, stdout, stderr = jobs["shard_write"]
+def resumed_from_global_step2(job, straight):
+    """A deepspeed job whose rank 1 was killed inside its shard of step 4 (rank 0 done,
+    at the barrier after): the restart loaded the committed step-2 tag, with the warning,
+    redid steps 3-8 and ended bit-identical to ``straight``. Its ``last.ckpt``."""
+    out, stdout, stderr = job
     assert (out / "killed_in_shard").exists() and (out / "rank0_at_barrier").exists()
     assert steps(out, 1, 0) == [1, 2, 3, 4]
     last = out / "root" / "logs" / "version_0" / "checkpoints" / "last.ckpt"
     assert f"resumed from {last} at epoch 0, global step 2" in stdout
     assert "a save was interrupted, leaving global_step4 incomplete; loading the committed tag 'global_step2'" in stderr
     assert steps(out, 0, 1) == steps(out, 1, 1) == [3, 4, 5, 6, 7, 8]
-    same_weights(out, jobs["straight"][0])
+    same_weights(out, straight[0])
+    return last
+
+
+def test_a_rank_killed_inside_its_deepspeed_shard_resumes_from_the_previous_tag(jobs):
+    last = resumed_from_global_step2(jobs["shard_write"], jobs["straight"])
     # The later saves pruned the interrupted tag: one complete tag, the one latest names.
     tags = [p.name for p in last.iterdir() if p.is_dir()]
     assert tags == [(last / "latest").read_text().strip()] and (last / tags[0] / COMPLETE_MARKER).is_file()
@@ -97,16 +105,10 @@ def test_saved_asynchronously_a_rank_killed_inside_its_background_shard_write_re
     (rank 0's shards done, waiting at that barrier): ``latest`` still names step 2, and the
     restart ends bit-identical to the synchronous job never interrupted. Before, deepspeed
     warned and saved synchronously."""
-    out, stdout, stderr = jobs["async_shard_write"]
+    out, _, stderr = jobs["async_shard_write"]
     assert "writes its checkpoints itself and does not declare" not in stderr
     assert "hookloop checkpoint writer" in (out / "killed_in_shard").read_text()  # the background thread
-    assert (out / "rank0_at_barrier").exists()
-    assert steps(out, 1, 0) == [1, 2, 3, 4]
-    last = out / "root" / "logs" / "version_0" / "checkpoints" / "last.ckpt"
-    assert f"resumed from {last} at epoch 0, global step 2" in stdout
-    assert "a save was interrupted, leaving global_step4 incomplete; loading the committed tag 'global_step2'" in stderr
-    assert steps(out, 0, 1) == steps(out, 1, 1) == [3, 4, 5, 6, 7, 8]
-    same_weights(out, jobs["straight"][0])
+    resumed_from_global_step2(jobs["async_shard_write"], jobs["straight"])
 
 
 def test_the_uninterrupted_job_keeps_last_and_prev_as_complete_tags(jobs):
