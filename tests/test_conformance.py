@@ -26,31 +26,41 @@ import hookloop
 from conftest import install_fake_distribution
 
 
+#: The several-bucket model (three more fits of ~34 MiB in each strategy's launch) runs
+#: for ddp in `make test`, for every strategy in `make test-full`.
+FULL = os.environ.get("HOOKLOOP_TEST_FULL") == "1"
+
+
 class TestDDPConformance(StrategyConformance):
     plugin = "ddp"
 
 
 class TestDDPSpawnConformance(StrategyConformance):
     plugin = "ddp_spawn"
+    wide = FULL
 
 
 class TestDDP2Conformance(StrategyConformance):
     plugin = "ddp2"
+    wide = FULL
     world_size = 1
 
 
 class TestDPConformance(StrategyConformance):
     plugin = "dp"
+    wide = FULL
     world_size = 1
 
 
 class TestHorovodConformance(StrategyConformance):
     plugin = "horovod"
+    wide = FULL
     options = {"scale_lr": False}  # the reference trains at the unscaled rate
 
 
 class TestDeepSpeedConformance(StrategyConformance):
     plugin = "deepspeed_stage_2"
+    wide = FULL
     checkpoint = "directory"
 
 

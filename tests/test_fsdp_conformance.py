@@ -5,10 +5,13 @@
 ddp's. The sharded format is checked against references in tests/test_fsdp.py.
 """
 
+import os
+
 from hookloop.testing import StrategyConformance
 
 
 class TestFSDPConformance(StrategyConformance):
     plugin = "fsdp"
+    wide = os.environ.get("HOOKLOOP_TEST_FULL") == "1"  # the several-bucket model: make test-full
     checkpoint = "file"
     options = {"auto_wrap_policy": ["Linear"]}  # two units under the root: the common layout

@@ -167,7 +167,7 @@ class StrategyConformance:
         strategy declares a reference ``tolerance``); interrupted after half an epoch and
         resumed, it ends as the uninterrupted run (exactly, when ``resume_tolerance`` is 0)."""
         if not self.wide:
-            return
+            pytest.skip(f"{type(self).__name__}.wide is False: the several-bucket model is not run")
         straight, resumed = self.ranks(runs, "wide"), self.ranks(runs, "wide_resumed")
         interrupted = self.ranks(runs, "wide_interrupted")
         buckets = [r.get("ddp_buckets") for r in straight]
