@@ -307,6 +307,7 @@ class Plugin:
     every: count every N batches
     """
     hookloop_role = "observer"
+    hookloop_requires = ">=2,<3"  # a good plugin says which contract it follows
     def __init__(self, every=1):
         self.every = every
     @hookloop.hookimpl
