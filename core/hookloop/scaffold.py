@@ -355,10 +355,12 @@ class $cls:
             print(f"hookloop-$name: {self.batches} batches, {self.epochs} epochs done", flush=True)
 
     # tryfirst: the checkpoint observer saves at this same event; counting first puts
-    # this epoch in the checkpoint it writes.
+    # this epoch in the checkpoint it writes. Set from the trainer, not incremented: a
+    # run stopped inside an epoch (max_steps) ends that epoch too, and its resume ends
+    # the same epoch again.
     @hookloop.hookimpl(tryfirst=True)
-    def on_train_epoch_end(self):
-        self.epochs += 1
+    def on_train_epoch_end(self, trainer):
+        self.epochs = trainer.current_epoch + 1
 
     # -- state in checkpoints -------------------------------------------------------------
     # The counts are the same on every rank, so they go through on_save_checkpoint (written
