@@ -654,7 +654,24 @@ def make_plugin_manager(plugins: list[Any], defaults_plugin: Any) -> pluggy.Plug
             ) from None
         except ValueError as exc:  # already registered
             raise PluginConflictError(f"plugin {name!r} is enabled twice: {exc}") from None
+    _check_transform_order(pm)
     return pm
+
+
+def _check_transform_order(pm: pluggy.PluginManager) -> None:
+    """The mesh plugins' ``wrap_model`` must run in :data:`hookloop.mesh.TRANSFORM_STAGES`
+    order; a ``tryfirst``/``trylast`` that reorders them is refused naming both."""
+    called = [(mesh_module.transform_stage(impl.plugin), impl.plugin_name)
+              for impl in reversed(pm.hook.wrap_model.get_hookimpls())
+              if not (impl.hookwrapper or impl.wrapper) and mesh_module.transform_stage(impl.plugin) is not None]
+    for (a, first), (b, then) in zip(called, called[1:]):
+        if a > b:
+            stages = mesh_module.TRANSFORM_STAGES
+            raise PluginConflictError(
+                f"plugin {first!r}'s wrap_model ({stages[a]}) would run before {then!r}'s ({stages[b]}): "
+                f"the model transforms run {', '.join(stages)} (docs/plugin-authors.md, \"Adding a "
+                f"mesh dimension\"); take tryfirst/trylast off their wrap_model, or mark every "
+                f"transform alike.")
 
 
 OPTIONS_ENV = "HOOKLOOP_PLUGIN_OPTIONS"
