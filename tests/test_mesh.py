@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 import hookloop
 from conftest import REPO, run_python
 from hookloop import mesh
+from hookloop.pluginspec import plugin_name
 
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
 from mesh_models import LR, STEPS, MLP, build, data  # noqa: E402
@@ -120,6 +121,19 @@ def test_each_documented_refusal_is_raised_with_its_message(row):
     assert type(info.value).__name__ == raises
     assert " ".join(str(info.value).split()) == " ".join(message.split())
     assert not torch.distributed.is_initialized()
+
+
+class TpStrategy:
+    hookloop_name, hookloop_role, hookloop_mesh_dims = "tp_s", "strategy", ("tp",)
+
+
+def test_a_mesh_plugin_from_the_command_line_composes_with_one_in_code(monkeypatch):
+    monkeypatch.setenv("HOOKLOOP_PLUGINS", "fsdp")
+    names = [plugin_name(p) for p in hookloop.Trainer(plugins=[TpStrategy()], logger=False).plugins]
+    assert "fsdp" in names and "tp_s" in names
+    # a second data-parallel wrapper in code still replaces it (a run has one)
+    names = [plugin_name(p) for p in hookloop.Trainer(plugins=["ddp"], logger=False).plugins]
+    assert "ddp" in names and "fsdp" not in names
 
 
 def test_two_mesh_plugins_claiming_one_dimension_are_refused_naming_both():

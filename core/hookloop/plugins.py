@@ -463,6 +463,9 @@ def collect(requested: Iterable[Any], defaults: Iterable[Any] = (), autoload: bo
         p = load(spec)
         role, name = plugin_role(p), plugin_name(p)
         if role in EXCLUSIVE_ROLES and role in code_by_role and name not in code_by_role[role]:
+            if role == "strategy" and _composes_beside(p, [c for c in code_plugins if plugin_role(c) == role]):
+                default_plugins.append(p)  # mesh plugins on other dimensions: both run
+                continue
             # Explicit arguments in code win over CLI / environment defaults.
             _say_once(
                 f"hookloop: the {role} {', '.join(map(repr, code_by_role[role]))} named in code "
@@ -571,6 +574,20 @@ def composes(plugin: Any) -> bool:
     A strategy that declares no mesh dimension (deepspeed, horovod, dp, a third party's
     from before issue 21) owns the model/optimizer lifecycle alone."""
     return mesh_module.mesh_dims(plugin) is not None
+
+
+def _composes_beside(plugin: Any, others: list[Any]) -> bool:
+    """Whether mesh plugin ``plugin`` (from --plugins / HOOKLOOP_PLUGINS) runs beside the
+    strategies named in code: all compose, no dimension is claimed twice, at most one
+    data-parallel wrapper."""
+    if not composes(plugin) or not all(composes(o) for o in others):
+        return False
+    try:
+        mesh_module.claims([*others, plugin])
+        mesh_module.check_layout([*others, plugin])
+    except PluginConflictError:
+        return False
+    return True
 
 
 def check_composition(plugins: list[Any]) -> None:
