@@ -94,6 +94,10 @@ class Trainer:
     ``hookloop_tensorboard.TensorBoardLogger``, ``hookloop_mlflow.MLFlowLogger``, or a
     list), which are plugins first in the run (``trainer.logger``, ``trainer.loggers``).
 
+    ``mesh``: the device mesh's sizes, ``{"dp_shard": 2, "tp": 2}`` or ``"dp_shard=2,tp=2"``
+    (:mod:`hookloop.mesh`; ``hookloop run --mesh``, ``HOOKLOOP_MESH``); the mesh over the
+    dimensions the plugins claim is ``trainer.device_mesh`` during a run.
+
     Faults (:mod:`hookloop.faults`): ``process_group_timeout`` (seconds a collective may
     wait; default gloo 300, nccl 600) and ``requeue_on_preemption`` (under SLURM, global
     rank 0 runs ``scontrol requeue`` after the checkpoint a SIGTERM causes).
@@ -105,7 +109,7 @@ class Trainer:
     ``global_step``, ``callback_metrics``, ``datamodule``, ``train_dataloader``,
     ``val_dataloaders``, ``state`` (:class:`TrainerState`: equal to ``"fit"``, ``"validate"``,
     ``"test"`` or ``"predict"`` during a run, with Lightning's ``fn``/``stage``/``finished``),
-    ``sanity_checking``, ``should_stop``, ``plugin_manager``, ``strategy``.
+    ``sanity_checking``, ``should_stop``, ``plugin_manager``, ``strategy``, ``device_mesh``.
     """
 
     def __init__(
