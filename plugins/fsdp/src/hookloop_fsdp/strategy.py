@@ -231,6 +231,10 @@ class FSDP(DDP):
 
         own = hookloop.submesh(trainer, self)
         if own is not None:  # the run's mesh (hookloop.mesh): fsdp's dimensions of it
+            # the options checked against the processes fsdp spans (device_mesh is HSDP's)
+            whole = own.size() == trainer.world_size
+            opts.mesh_shape(opts.sharding_strategy(self.sharding_strategy), opts.device_mesh(self.device_mesh),
+                            own.size(), self.cluster.local_world_size if self.cluster and whole else None)
             self.mesh = own
             return tuple(own.shape)
         shape = opts.mesh_shape(opts.sharding_strategy(self.sharding_strategy), opts.device_mesh(self.device_mesh),
