@@ -78,7 +78,7 @@ def test_hybrid_shard_on_two_nodes(tmp_path):
     assert [(r["global_rank"], r["world_size"], r["node_rank"]) for r in ranks] == [(0, 4, 0), (1, 4, 0), (2, 4, 1), (3, 4, 1)]
     expected = reference()
     for r, record in enumerate(ranks):
-        assert record["mesh"] == (2, 2) and record["mesh_dims"] == ("replicate", "shard")
+        assert record["mesh"] == (2, 2) and record["mesh_dims"] == ("dp_replicate", "dp_shard")  # the core's mesh (hookloop.mesh)
         assert set(record["placements"].values()) == {"(Replicate(), Shard(dim=0))"}
         # sharded within the node (2 ways), replicated across the nodes
         assert record["local_shapes"]["head.weight"] == ((2, 32), (1, 32))[r % 2]

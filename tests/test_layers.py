@@ -35,7 +35,7 @@ LAYERS: list[list[str]] = [
     ["unpickling", "config", "pluginspec"],
     ["launch", "dist"],
     ["faults", "checkpoint"],
-    ["loggers", "helpers", "distributed", "data", "loader_state"],
+    ["loggers", "helpers", "distributed", "data", "loader_state", "mesh"],
     ["metrics"],
     ["state"],
     ["optim"],

@@ -34,6 +34,7 @@ from .errors import (
     PluginValidationError,
 )
 from .dist import init_process_group, release_process_group, torch_reduce_op
+from .mesh import CANONICAL_DIMS, submesh
 from .helpers import (
     DistributedSamplerWrapper,
     apply_to_tensors,
@@ -145,6 +146,8 @@ __all__ = [
     "hookspec",
     "in_worker",
     "init_process_group",
+    "submesh",
+    "CANONICAL_DIMS",
     "installed_plugins",
     "local_rank_device",
     "move_to_device",

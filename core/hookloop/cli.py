@@ -19,6 +19,7 @@ from . import plugins as registry
 from .config import TrainerConfig, env_defaults
 from .errors import CheckpointError, HookloopError
 from .launch import is_plain_interpreter, run_command
+from .mesh import check_sizes, claims, parse_mesh
 from .sourcescan import declared_role
 
 
@@ -87,6 +88,9 @@ def _build_parser(commands: dict) -> argparse.ArgumentParser:
                    help="seconds a collective may wait before the ranks fail (default: gloo 300, nccl 600)")
     r.add_argument("--requeue-on-preemption", action="store_true", default=None,
                    help="under SLURM, requeue the job (scontrol requeue) after a SIGTERM checkpoint")
+    r.add_argument("--mesh", default=None, metavar="DIM=SIZE,...",
+                   help="the device mesh's sizes, e.g. dp_shard=2,tp=2 (product = processes; a claimed "
+                        "dimension left out takes the rest); default: HOOKLOOP_MESH")
     r.add_argument("--plugin-option", action="append", default=[], metavar="PLUGIN.OPTION=VALUE",
                    help="an option of a plugin, e.g. amp.init_scale=1024 (repeatable; values read as JSON)")
     r.add_argument("script", help="the training script")
@@ -187,6 +191,8 @@ def cmd_run(args) -> int:
     settings.update({k: v for k, v in explicit.items() if v is not None})
     if args.plugins is not None:
         settings["plugins"] = registry.split_names(args.plugins)
+    if args.mesh is not None:
+        settings["mesh"] = parse_mesh(args.mesh, "--mesh")
     if args.plugin_option:
         settings["plugin_options"] = registry.merge_plugin_options(
             settings.get("plugin_options"), registry.parse_plugin_options(args.plugin_option))
@@ -199,6 +205,8 @@ def cmd_run(args) -> int:
     options = registry.merge_plugin_options(registry.environment_plugin_options(), config.plugin_options)
     chosen = [registry.apply_options(p, options) for p in registry.collect(names, options=options)]
     registry.check_composition(chosen)
+    if config.mesh and any(registry.plugin_role(p) == "strategy" for p in chosen):
+        check_sizes(config.mesh, claims(chosen))  # a dimension no plugin claims: before launching
     pm = registry.make_plugin_manager(chosen, Defaults())
     # The devices plugin chooses (and may narrow config.devices) before processes are counted.
     pm.hook.select_devices(config=config)

@@ -60,6 +60,9 @@ class TrainerConfig:
     use_distributed_sampler: bool = True
     autoload_plugins: bool = False
     plugin_options: dict = field(default_factory=dict)
+    #: the device mesh's sizes, ``{"dp_shard": 2, "tp": 2}`` (hookloop.mesh; ``--mesh``,
+    #: ``HOOKLOOP_MESH``); a claimed dimension left out takes the rest of the world
+    mesh: dict = field(default_factory=dict)
     #: seconds a collective may wait (None: hookloop.faults.DEFAULT_TIMEOUTS per backend)
     process_group_timeout: float | None = None
     #: after a SIGTERM checkpoint, global rank 0 runs `scontrol requeue $SLURM_JOB_ID`

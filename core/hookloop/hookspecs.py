@@ -153,6 +153,21 @@ def setup_environment(trainer):
 
 
 @hookspec
+def on_device_mesh(trainer, mesh):
+    """The run's device mesh is built; mesh plugins take their part of it.
+
+    Called in every worker right after ``setup_environment`` (the process group exists)
+    and before any ``setup``, only when an enabled plugin claims a mesh dimension
+    (``hookloop_mesh_dims``). ``mesh`` is the ``torch.distributed.device_mesh.DeviceMesh``
+    over the claimed dimensions in the order pp, dp_replicate, dp_shard, cp, tp, then
+    others; it is also ``trainer.device_mesh``. Take a plugin's own part with
+    ``hookloop.submesh(trainer, self)`` (``mesh[self.hookloop_mesh_dims]``).
+
+    :param mesh: the run's ``DeviceMesh``.
+    """
+
+
+@hookspec
 def setup(trainer, stage):
     """Prepare a plugin for a run; every plugin.
 

@@ -14,6 +14,12 @@ pytest does). Each plugin may declare:
     a set of concerns a strategy takes over from other plugins, e.g. ``{"precision"}``
     for DeepSpeed: a precision plugin then hands its setting to the strategy instead of
     applying it itself.
+``hookloop_mesh_dims``
+    the device-mesh dimensions a parallelism plugin uses (``("dp_shard",)``, ``("tp",)``;
+    :mod:`hookloop.mesh`). Mesh plugins compose: any number of them share a run, one
+    owner per dimension. ``hookloop_composes = False``: a strategy that owns the model
+    and optimizer lifecycle alone (deepspeed, horovod, dp; the default for a strategy
+    without mesh dimensions).
 ``hookloop_build_status``
     optional, callable without arguments (a ``staticmethod``): ``None`` when the backend is
     ready, else what is not built and the command that builds it. ``hookloop plugins``
@@ -34,6 +40,7 @@ from typing import Any, Iterable
 import pluggy
 
 from . import hookspecs, pluginspec, sourcescan, versioning
+from . import mesh as mesh_module
 from .errors import (
     ConfigurationError,
     MissingDependencyError,
@@ -456,6 +463,9 @@ def collect(requested: Iterable[Any], defaults: Iterable[Any] = (), autoload: bo
         p = load(spec)
         role, name = plugin_role(p), plugin_name(p)
         if role in EXCLUSIVE_ROLES and role in code_by_role and name not in code_by_role[role]:
+            if role == "strategy" and _composes_beside(p, [c for c in code_plugins if plugin_role(c) == role]):
+                default_plugins.append(p)  # mesh plugins on other dimensions: both run
+                continue
             # Explicit arguments in code win over CLI / environment defaults.
             _say_once(
                 f"hookloop: the {role} {', '.join(map(repr, code_by_role[role]))} named in code "
@@ -558,19 +568,63 @@ def default_precision_plugin(chosen: list[Any], precision: str) -> list[Any]:
     return [_instantiate(_load_entry_point(infos[name]), name, {})]
 
 
+def composes(plugin: Any) -> bool:
+    """Whether a strategy shares the run with others on the device mesh: a mesh plugin
+    (it declares ``hookloop_mesh_dims``) unless it says ``hookloop_composes = False``.
+    A strategy that declares no mesh dimension (deepspeed, horovod, dp, a third party's
+    from before issue 21) owns the model/optimizer lifecycle alone."""
+    return mesh_module.mesh_dims(plugin) is not None
+
+
+def _composes_beside(plugin: Any, others: list[Any]) -> bool:
+    """Whether mesh plugin ``plugin`` (from --plugins / HOOKLOOP_PLUGINS) runs beside the
+    strategies named in code: all compose, no dimension is claimed twice, at most one
+    data-parallel wrapper."""
+    if not composes(plugin) or not all(composes(o) for o in others):
+        return False
+    try:
+        mesh_module.claims([*others, plugin])
+        mesh_module.check_layout([*others, plugin])
+    except PluginConflictError:
+        return False
+    return True
+
+
 def check_composition(plugins: list[Any]) -> None:
-    """Refuse impossible combinations (two strategies, two precision plugins) up front."""
+    """Refuse impossible combinations up front, naming the plugins: two precision or
+    devices plugins; two strategies that cannot compose (one owner of the model/optimizer
+    lifecycle), or one beside a mesh plugin that claims a dimension; two mesh plugins
+    claiming one dimension, or a layout the backends cannot run (two data-parallel
+    wrappers). Any number of mesh plugins compose (docs/configurations.md)."""
     by_role: dict[str, list[str]] = {}
     for p in plugins:
         by_role.setdefault(plugin_role(p), []).append(plugin_name(p))
+    owners = [p for p in plugins if plugin_role(p) == "strategy" and not composes(p)]
     for role in EXCLUSIVE_ROLES:
         names = by_role.get(role, [])
+        if role == "strategy" and not owners:
+            continue  # mesh plugins only: they compose (the claims are checked below)
         if len(names) > 1:
+            why = ""
+            if role == "strategy":
+                why = (f" ({plugin_name(owners[0])!r} owns the model and optimizer lifecycle alone; "
+                       f"only mesh plugins compose, docs/configurations.md)")
             raise PluginConflictError(
                 f"plugins {', '.join(repr(n) for n in names)} are all {role} plugins, and "
-                f"a run can use only one {role}: keep one of them in plugins=[...] / "
+                f"a run can use only one {role}{why}: keep one of them in plugins=[...] / "
                 f"--plugins / HOOKLOOP_PLUGINS."
             )
+    meshed = [p for p in plugins if mesh_module.mesh_dims(p)]
+    if owners and meshed:
+        owner, other = plugin_name(owners[0]), plugin_name(meshed[0])
+        raise PluginConflictError(
+            f"plugins {owner!r} and {other!r} cannot run together: {owner!r} owns the model and "
+            f"optimizer lifecycle alone (it does not compose on a device mesh), and {other!r} "
+            f"claims the mesh dimension(s) {', '.join(mesh_module.mesh_dims(meshed[0]))}. Keep "
+            f"one of them (docs/configurations.md lists the layouts that compose)."
+        )
+    mesh_module.claims(plugins)
+    mesh_module.check_layout(plugins)
 
 
 # ---------------------------------------------------------------------------------------
@@ -597,7 +651,9 @@ def make_plugin_manager(plugins: list[Any], defaults_plugin: Any) -> pluggy.Plug
     pm = HookloopPluginManager("hookloop")
     pm.add_hookspecs(hookspecs)
     pm.register(defaults_plugin, name="hookloop.defaults")
-    for p in plugins:
+    # Mesh plugins in transform order (hookloop.mesh.registration_order): pluggy calls
+    # their wrap_model pipeline split, tp-like, compile, data-parallel wrapping.
+    for p in mesh_module.registration_order(plugins):
         name = plugin_name(p)
         versioning.check_range(p, name)  # a plugin given in code: its declared contract range
         problems = pluginspec.hook_problems(p, name)
@@ -615,7 +671,24 @@ def make_plugin_manager(plugins: list[Any], defaults_plugin: Any) -> pluggy.Plug
             ) from None
         except ValueError as exc:  # already registered
             raise PluginConflictError(f"plugin {name!r} is enabled twice: {exc}") from None
+    _check_transform_order(pm)
     return pm
+
+
+def _check_transform_order(pm: pluggy.PluginManager) -> None:
+    """The mesh plugins' ``wrap_model`` must run in :data:`hookloop.mesh.TRANSFORM_STAGES`
+    order; a ``tryfirst``/``trylast`` that reorders them is refused naming both."""
+    called = [(mesh_module.transform_stage(impl.plugin), impl.plugin_name)
+              for impl in reversed(pm.hook.wrap_model.get_hookimpls())
+              if not (impl.hookwrapper or impl.wrapper) and mesh_module.transform_stage(impl.plugin) is not None]
+    for (a, first), (b, then) in zip(called, called[1:]):
+        if a > b:
+            stages = mesh_module.TRANSFORM_STAGES
+            raise PluginConflictError(
+                f"plugin {first!r}'s wrap_model ({stages[a]}) would run before {then!r}'s ({stages[b]}): "
+                f"the model transforms run {', '.join(stages)} (docs/plugin-authors.md, \"Adding a "
+                f"mesh dimension\"); take tryfirst/trylast off their wrap_model, or mark every "
+                f"transform alike.")
 
 
 OPTIONS_ENV = "HOOKLOOP_PLUGIN_OPTIONS"

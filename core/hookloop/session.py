@@ -34,6 +34,7 @@ from .errors import ConfigurationError
 from .helpers import DistributedSamplerWrapper, OrderedSampler, rebuild_dataloader
 from .hookspecs import MODULE_HOOKS, hookimpl
 from .loop import _per_device_batch, batch_limit
+from .mesh import build_device_mesh
 from .optim import parse_optimizers
 from .resume import restore, resume_after_restart
 from .step import PREDICT, TEST, VALIDATE, _StepModule, log_epoch_row, log_row, resolve_events
@@ -140,6 +141,7 @@ def session(trainer, stage: str):
     try:
         hook.setup_environment(trainer=trainer)
         rank_zero_only.rank = trainer.global_rank
+        build_device_mesh(trainer)  # the process group exists: the run's one mesh, on_device_mesh
         _resolve_run_dir(trainer)
         _prepare_data(trainer)
         if datamodule is not None:
@@ -167,6 +169,7 @@ def session(trainer, stage: str):
     finally:
         try:
             hook.teardown(trainer=trainer, stage=setup_stage)
+            trainer.device_mesh = None
             if datamodule is not None:
                 _datamodule_hook(datamodule, "teardown", setup_stage)
         finally:

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 
 from . import callbacks as callbacks_module
 from . import loggers as loggers_module
+from . import mesh as mesh_module
 from . import plugins as plugin_registry
 from . import rundir, session, strategies
 from .config import TrainerConfig, env_defaults
@@ -93,6 +94,10 @@ class Trainer:
     ``hookloop_tensorboard.TensorBoardLogger``, ``hookloop_mlflow.MLFlowLogger``, or a
     list), which are plugins first in the run (``trainer.logger``, ``trainer.loggers``).
 
+    ``mesh``: the device mesh's sizes, ``{"dp_shard": 2, "tp": 2}`` or ``"dp_shard=2,tp=2"``
+    (:mod:`hookloop.mesh`; ``hookloop run --mesh``, ``HOOKLOOP_MESH``); the mesh over the
+    dimensions the plugins claim is ``trainer.device_mesh`` during a run.
+
     Faults (:mod:`hookloop.faults`): ``process_group_timeout`` (seconds a collective may
     wait; default gloo 300, nccl 600) and ``requeue_on_preemption`` (under SLURM, global
     rank 0 runs ``scontrol requeue`` after the checkpoint a SIGTERM causes).
@@ -104,7 +109,7 @@ class Trainer:
     ``global_step``, ``callback_metrics``, ``datamodule``, ``train_dataloader``,
     ``val_dataloaders``, ``state`` (:class:`TrainerState`: equal to ``"fit"``, ``"validate"``,
     ``"test"`` or ``"predict"`` during a run, with Lightning's ``fn``/``stage``/``finished``),
-    ``sanity_checking``, ``should_stop``, ``plugin_manager``, ``strategy``.
+    ``sanity_checking``, ``should_stop``, ``plugin_manager``, ``strategy``, ``device_mesh``.
     """
 
     def __init__(
@@ -143,6 +148,7 @@ class Trainer:
         use_distributed_sampler: bool = _UNSET,
         autoload_plugins: bool = _UNSET,
         plugin_options: dict = _UNSET,
+        mesh: Any = _UNSET,
         process_group_timeout: float | None = _UNSET,
         requeue_on_preemption: bool = _UNSET,
         benchmark: bool | None = _UNSET,
@@ -183,6 +189,9 @@ class Trainer:
         settings["plugins"] = _as_list(settings.get("plugins"))
         if "autoload_plugins" not in settings:
             settings["autoload_plugins"] = os.environ.get("HOOKLOOP_AUTOLOAD_PLUGINS", "") in ("1", "true", "yes")
+        # The mesh's sizes: code < hookloop run --mesh < HOOKLOOP_MESH (hookloop.mesh).
+        settings["mesh"] = (mesh_module.parse_mesh(settings["mesh"]) if "mesh" in settings
+                            else mesh_module.environment_mesh())
         self.config = TrainerConfig(**settings)
         self.config.validate()
         _check_progress_bars(in_code, self.config)
@@ -207,6 +216,7 @@ class Trainer:
         chosen = [plugin_registry.apply_options(p, options) for p in chosen]
         plugin_registry.check_option_targets(chosen, options)
         plugin_registry.check_composition(chosen)
+        mesh_module.check_sizes(self.config.mesh, mesh_module.claims(chosen))
         self.plugins = chosen
         self.plugin_manager = plugin_registry.make_plugin_manager(chosen, Defaults())
         self.hook = self.plugin_manager.hook
@@ -215,6 +225,9 @@ class Trainer:
         # Run state: written by setup_environment (ranks, device) and by the loops.
         self.world_size, self.global_rank, self.local_rank, self.node_rank = 1, 0, 0, 0
         self.root_device = torch.device("cpu")
+        #: the run's DeviceMesh (hookloop.mesh), built after setup_environment when an
+        #: enabled plugin claims a mesh dimension; None otherwise
+        self.device_mesh: Any = None
         self.module: nn.Module | None = None
         self.datamodule: Any = None
         self.model: nn.Module | None = None

@@ -42,6 +42,8 @@ class DDP2(DDP):
     """
 
     hookloop_name = "ddp2"
+    #: one process per node, not a mesh dimension (ddp's claim not inherited)
+    hookloop_composes = False
 
     def __init__(self, **ddp_options):
         super().__init__(**ddp_options)

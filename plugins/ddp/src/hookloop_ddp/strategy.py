@@ -96,6 +96,9 @@ class DDP(hookloop.TorchDistributed):
     """
 
     hookloop_name = "ddp"
+    #: the device-mesh dimension it replicates over (hookloop.mesh): it composes with
+    #: mesh plugins on other dimensions (tp, pp), one data-parallel wrapper per run
+    hookloop_mesh_dims = ("dp_replicate",)
     hookloop_role = "strategy"
     hookloop_requires = ">=2,<3"  # the plugin contract versions it is written for
 
@@ -226,6 +229,9 @@ class DDP(hookloop.TorchDistributed):
             kwargs["bucket_cap_mb"] = self.bucket_cap_mb
         if self.broadcast_buffers is not None:
             kwargs["broadcast_buffers"] = self.broadcast_buffers
+        mesh = hookloop.submesh(trainer, self)
+        if mesh is not None and mesh.size() != trainer.world_size:
+            kwargs["process_group"] = mesh.get_group()  # replicas on dp_replicate of a larger mesh
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **kwargs)
 
     def check_process_count(self, trainer, cluster: ClusterEnvironment) -> None:

@@ -74,6 +74,8 @@ class DeepSpeedStrategy(hookloop.TorchDistributed):
     """
 
     hookloop_name = "deepspeed"
+    #: owns the model/optimizer lifecycle (its engine) alone: no mesh plugin beside it
+    hookloop_composes = False
     hookloop_role = "strategy"
     hookloop_requires = ">=2,<3"  # the plugin contract versions it is written for
     # Precision plugins hand their setting over: the engine casts the model itself.

@@ -84,6 +84,8 @@ class DP:
     """
 
     hookloop_name = "dp"
+    #: DataParallel in one process: no device mesh, no mesh plugin beside it
+    hookloop_composes = False
     hookloop_role = "strategy"
     hookloop_requires = ">=2,<3"  # the plugin contract versions it is written for
 

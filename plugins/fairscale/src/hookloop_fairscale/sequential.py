@@ -65,6 +65,8 @@ class DDPSequential(DDP):
     """
 
     hookloop_name = "ddp_sequential"
+    #: its own stages x replicas process groups, not the run's mesh (ddp's claim not inherited)
+    hookloop_composes = False
     hookloop_role = "strategy"
     hookloop_requires = ">=2,<3"  # the plugin contract versions it is written for
     # Its save_checkpoint gathers the state and lets the default write it (atomic_save):

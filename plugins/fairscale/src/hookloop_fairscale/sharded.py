@@ -60,6 +60,8 @@ class DDPSharded(DDP):
     """
 
     hookloop_name = "ddp_sharded"
+    #: fairscale's OSS owns the optimizer alone (ddp's dp_replicate claim is not inherited)
+    hookloop_composes = False
     hookloop_role = "strategy"
     hookloop_requires = ">=2,<3"  # the plugin contract versions it is written for
     # Its save_checkpoint gathers the state and lets the default write it (atomic_save):

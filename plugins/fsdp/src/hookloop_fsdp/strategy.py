@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 import warnings
 from pathlib import Path
 from typing import Any
@@ -111,6 +112,27 @@ class FSDP(DDP):
     hookloop_requires = ">=2,<3"  # the plugin contract versions it is written for
     hookloop_owns = frozenset({"precision"})
 
+    @property
+    def hookloop_mesh_dims(self) -> tuple[str, ...]:
+        """The device-mesh dimensions it shards over (:mod:`hookloop.mesh`): ``dp_shard``,
+        and ``dp_replicate`` too under ``HYBRID_SHARD`` (HSDP)."""
+        if opts.sharding_strategy(self.sharding_strategy) in ("HYBRID_SHARD", "NO_SHARD"):
+            return ("dp_replicate", "dp_shard")
+        return ("dp_shard",)
+
+    def hookloop_mesh_sizes(self, trainer) -> dict[str, int]:
+        """Sizes of its own dimensions when the run gives none (``--mesh`` wins):
+        ``HYBRID_SHARD``'s ``device_mesh`` option or (nodes, processes per node), and
+        ``NO_SHARD``'s (world, 1)."""
+        dims = self.hookloop_mesh_dims
+        if len(dims) == 1:
+            return {}
+        data_parallel = trainer.world_size // math.prod(
+            s for d, s in trainer.config.mesh.items() if d not in dims and s)
+        shape = opts.mesh_shape(opts.sharding_strategy(self.sharding_strategy), opts.device_mesh(self.device_mesh),
+                                data_parallel, self.cluster.local_world_size if self.cluster else None)
+        return dict(zip(dims, shape))
+
     _FSDP_OPTIONS = (
         "auto_wrap_policy", "sharding_strategy", "device_mesh", "cpu_offload",
         "activation_checkpointing_policy", "state_dict_type", "meta_init", "allow_cpu_fp16",
@@ -207,6 +229,14 @@ class FSDP(DDP):
         ``trainer.world_size`` processes; returns its shape."""
         from torch.distributed.device_mesh import init_device_mesh
 
+        own = hookloop.submesh(trainer, self)
+        if own is not None:  # the run's mesh (hookloop.mesh): fsdp's dimensions of it
+            # the options checked against the processes fsdp spans (device_mesh is HSDP's)
+            whole = own.size() == trainer.world_size
+            opts.mesh_shape(opts.sharding_strategy(self.sharding_strategy), opts.device_mesh(self.device_mesh),
+                            own.size(), self.cluster.local_world_size if self.cluster and whole else None)
+            self.mesh = own
+            return tuple(own.shape)
         shape = opts.mesh_shape(opts.sharding_strategy(self.sharding_strategy), opts.device_mesh(self.device_mesh),
                                 trainer.world_size, self.cluster.local_world_size if self.cluster else None)
         names = ("shard",) if len(shape) == 1 else ("replicate", "shard")

@@ -54,6 +54,8 @@ class Horovod(hookloop.DistributedSampling):
     """
 
     hookloop_name = "horovod"
+    #: owns the model/optimizer lifecycle (hvd.init, its optimizer) alone: no mesh plugin beside it
+    hookloop_composes = False
     hookloop_role = "strategy"
     hookloop_requires = ">=2,<3"  # the plugin contract versions it is written for
     # `hookloop plugins` shows "not built: ..." until Horovod's PyTorch extension is built.
