@@ -77,6 +77,36 @@ def test_every_tp_rank_sees_the_same_batches_in_the_users_order(battery):
     assert "effective batch size" not in output
 
 
+def test_the_modules_own_plan_with_loss_parallel_equals_one_process_training(battery):
+    ranks, _, _ = battery
+    expected, grads = reference(True, "adam", STEPS)
+    for record in ranks:
+        run = record["planned"]
+        assert run["layouts"]["head.weight"] == ("S(0)",)  # the plan's, not the automatic one
+        assert run["layouts"]["attn.q.weight"] == "plain"
+        assert max_diff(run["final"], expected) <= 1e-5
+        assert max_diff(run["grads"], grads) <= 1e-5
+
+
+def test_configure_tensor_parallel_gets_the_tp_mesh_and_the_module_is_whole_after_fit(battery):
+    ranks, _, out = battery
+    expected, _ = reference(False, "sgd", STEPS)
+    model = Net()
+    model.load_state_dict(expected)
+    for rank, record in enumerate(ranks):
+        run = record["hooked"]
+        assert run["mesh"] == (("tp",), 2)
+        assert run["layouts"]["mlp.fc1.weight"] == ("S(0)",) and run["layouts"]["head.weight"] == "plain"
+        assert max_diff(run["final"], expected) <= 1e-5
+        assert set(run["after_fit"].values()) == {"Parameter"}  # plain tensors again, not DTensors
+        with torch.no_grad():  # the plan's hooks are gone: the whole module runs alone
+            assert float((record["after_fit_output"] - model(data().tensors[0][:2])).abs().max()) <= 1e-5
+    # after fit, trainer.save_checkpoint is the core's single file (rank 0)
+    saved = hookloop.safe_load(out / "after_fit0.ckpt")
+    assert max_diff(saved["state_dict"], expected) <= 1e-5
+    assert [r["after_fit_file"] for r in ranks] == [True, False]
+
+
 def test_a_sharded_checkpoint_resumes_under_tp2_like_an_uninterrupted_run(battery):
     ranks, _, _ = battery
     assert {"latest", "step2/model/.metadata", "step2/model/__0_0.distcp", "step2/model/__1_0.distcp",
@@ -151,3 +181,17 @@ def test_bad_options_are_refused_when_set():
     with pytest.raises(TypeError):
         TP(find_unused_parameters=True)  # DistributedDataParallel's, not tp's
     assert TP.hookloop_mesh_dims == ("tp",) and TP.hookloop_requires == ">=2,<3"
+
+
+def test_a_tp2_checkpoint_resumes_under_one_process_like_an_uninterrupted_run(battery, tmp_path):
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+
+    _, _, out = battery
+    module = Net(attention=True, optimizer="adam", seed=9)  # other weights: the checkpoint's must win
+    trainer = hookloop.Trainer(plugins=["tp"], max_steps=STEPS, enable_checkpointing=False, logger=False,
+                               enable_progress_bar=False, num_sanity_val_steps=0, default_root_dir=tmp_path)
+    trainer.fit(module, DataLoader(data(), batch_size=4), ckpt_path=out / "tp.ckpt")  # DCP reshards 2 -> 1
+    assert not dist.is_initialized()
+    expected, _ = reference(True, "adam", STEPS)
+    assert max_diff({k: v.detach() for k, v in module.state_dict().items()}, expected) <= 1e-5

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hookloop  # noqa: E402
-from tp_models import Net, data  # noqa: E402
+from tp_models import HookedNet, Net, PlannedNet, data  # noqa: E402
 
 faulthandler.enable()
 faulthandler.dump_traceback_later(300, exit=True)  # a hang fails with the stacks
@@ -54,8 +54,8 @@ class Probe:
             trainer.save_checkpoint(self.path)
 
 
-def fit(module, steps: int, probe: Probe, ckpt_path=None):
-    trainer = hookloop.Trainer(max_steps=steps, plugins=[probe], enable_checkpointing=False, logger=False,
+def fit(module, steps: int, probe: Probe, ckpt_path=None, plugins=()):
+    trainer = hookloop.Trainer(max_steps=steps, plugins=[probe, *plugins], enable_checkpointing=False, logger=False,
                                enable_progress_bar=False, num_sanity_val_steps=0)
     trainer.fit(module, DataLoader(data(), batch_size=4), ckpt_path=ckpt_path)
     return trainer
@@ -71,6 +71,24 @@ for attention in (False, True):
         module = Net(attention=attention, optimizer=optimizer)
         fit(module, STEPS, probe)
         record[("parity", attention, optimizer)] = {"final": weights(module), **probe.seen}
+
+# The module's own plan, the loss computed on class-sharded logits (loss_parallel).
+probe = Probe()
+module = PlannedNet(attention=True, optimizer="adam")
+fit(module, STEPS, probe, plugins=[hookloop.plugin("tp", loss_parallel=True)])
+record["planned"] = {"final": weights(module), **probe.seen}
+
+# The module's configure_tensor_parallel hook; after fit the module is whole again, and a
+# checkpoint saved then is the core's single file.
+probe = Probe()
+module = HookedNet(attention=False, optimizer="sgd")
+trainer = fit(module, STEPS, probe)
+record["hooked"] = {"final": weights(module), "mesh": module.mesh_seen, **probe.seen,
+                    "after_fit": {n: type(p).__name__ for n, p in module.named_parameters()}}
+trainer.save_checkpoint(OUT / f"after_fit{RANK}.ckpt")
+record["after_fit_file"] = (OUT / f"after_fit{RANK}.ckpt").is_file()
+with torch.no_grad():
+    record["after_fit_output"] = module(data().tensors[0][:2])
 
 # Checkpoints: a directory saved at step 2 of 4 during the run, resumed to step 4.
 ckpt = OUT / "tp.ckpt"

@@ -96,3 +96,25 @@ def reference(attention: bool, optimizer: str, steps: int, batch_size: int = 4) 
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         opt.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, grads
+
+
+class PlannedNet(Net):
+    """``Net`` with its own plan: the MLP split, and the head colwise with its output left
+    a DTensor sharded on the classes, for ``loss_parallel``."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        self.tensor_parallel_plan = {"mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel(),
+                                     "head": ColwiseParallel(use_local_output=False)}
+
+
+class HookedNet(Net):
+    """``Net`` that parallelizes itself in ``configure_tensor_parallel(mesh)``: only the MLP."""
+
+    def configure_tensor_parallel(self, mesh):
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        self.mesh_seen = (mesh.mesh_dim_names, mesh.size())
+        parallelize_module(self.mlp, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
