@@ -239,11 +239,11 @@ def _adapt_position(trainer, loop: dict, train_loader: Any) -> None:
     """
     # Counted in data-parallel replicas (hookloop.data_parallel_rank): the processes of a
     # tp group share their batches. Checkpoints without "replicas": their world size.
-    old_world = loop.get("replicas", loop.get("world_size"))
-    new_world = data_parallel_rank(trainer)[0]
-    if old_world is None or int(old_world) == new_world:
+    if loop.get("world_size") is None:
+        return  # an older checkpoint: taken as written on this world size
+    old_world, new_world = int(loop.get("replicas", loop["world_size"])), data_parallel_rank(trainer)[0]
+    if old_world == new_world:
         return
-    old_world = int(old_world)
     old_batch, new_batch = loop.get("batch_size"), _per_device_batch(train_loader)
     old_acc, new_acc = int(loop.get("accumulate_grad_batches") or 1), trainer.accumulate_grad_batches
     batch_idx, stage = trainer.batch_idx, trainer.state.loop_stage
