@@ -53,7 +53,7 @@ from .helpers import (
     run_hparams,
     seed_everything,
 )
-from .distributed import DistributedSampling, TorchCollectives, TorchDistributed, check_sampler_seed
+from .distributed import DistributedSampling, TorchCollectives, TorchDistributed, check_sampler_seed, data_parallel_rank
 from .hookspecs import hookimpl, hookspec
 from .launch import as_launcher, die_with_launcher, elastic_command, in_worker
 from .module import Module
@@ -65,7 +65,7 @@ from .observers.bars import RichProgressBar, RichProgressBarTheme, TQDMProgressB
 from .observers.model_summary import ModelSummary
 from .observers.progress import ProgressBar
 from .observers.timer import Timer
-from .optim import SchedulerConfig, before_optimizer_step, GradScaling, load_scheduler_states, schedulers_of
+from .optim import SchedulerConfig, before_optimizer_step, GradScaling, load_scheduler_states, repoint_optimizers, schedulers_of
 from .plugins import installed_plugins, resolve as plugin
 from .trainer import Trainer, default
 from .unpickling import refused_object, unsafe_checkpoint_error, weights_only_loads
@@ -138,6 +138,7 @@ __all__ = [
     "defer",
     "deferring",
     "die_with_launcher",
+    "data_parallel_rank",
     "distributed_sampler",
     "elastic_command",
     "env_int",
@@ -152,6 +153,7 @@ __all__ = [
     "local_rank_device",
     "move_to_device",
     "optimizer_and_scheduler_states",
+    "repoint_optimizers",
     "own_entry",
     "plugin",
     "rank_zero_info",

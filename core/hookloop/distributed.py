@@ -23,13 +23,40 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import SequentialSampler
 
 from .errors import ConfigurationError
 from .dist import init_process_group, release_process_group, torch_reduce_op
 from .helpers import distributed_sampler, reset_seed
 from .hookspecs import hookimpl
 
-__all__ = ["DistributedSampling", "TorchCollectives", "TorchDistributed", "check_sampler_seed"]
+__all__ = ["DistributedSampling", "TorchCollectives", "TorchDistributed", "check_sampler_seed", "data_parallel_rank"]
+
+#: The device-mesh dimensions over which the data is split; every other dimension (tp,
+#: cp, pp, a third party's) sees the same batches as its neighbours on that dimension.
+DATA_PARALLEL_DIMS = ("dp_replicate", "dp_shard")
+
+
+def data_parallel_rank(trainer) -> tuple[int, int]:
+    """``(replicas, rank)`` of this process among the data-parallel replicas: what the
+    distributed samplers split the data by.
+
+    Without a device mesh (``trainer.device_mesh`` absent or ``None``) every process is
+    a replica: ``(trainer.world_size, trainer.global_rank)``. With one, only its
+    :data:`DATA_PARALLEL_DIMS` split the data: the processes of a tensor-parallel (or
+    context/pipeline-parallel) group all get the same batches. ``(1, 0)`` when the mesh
+    has no data-parallel dimension (a tp-only run)."""
+    mesh = getattr(trainer, "device_mesh", None)
+    if mesh is None or not getattr(mesh, "mesh_dim_names", None):
+        return trainer.world_size, trainer.global_rank
+    names = mesh.mesh_dim_names
+    coordinate = mesh.get_coordinate()
+    replicas, rank = 1, 0
+    for i, name in enumerate(names):
+        if name in DATA_PARALLEL_DIMS:
+            size = mesh.size(i)
+            replicas, rank = replicas * size, rank * size + coordinate[i]
+    return replicas, rank
 
 
 def check_sampler_seed(owner: str, value: Any) -> None:
@@ -42,8 +69,9 @@ def check_sampler_seed(owner: str, value: Any) -> None:
 
 
 class DistributedSampling:
-    """``configure_sampler``: rank ``trainer.global_rank`` of ``trainer.world_size`` gets
-    its share of each loader (:func:`hookloop.distributed_sampler`), with the samplers
+    """``configure_sampler``: each data-parallel replica gets its share of each loader
+    (:func:`hookloop.distributed_sampler`; the replicas are the processes, or those of the
+    device mesh's data-parallel dimensions: :func:`data_parallel_rank`), with the samplers
     seeded by ``self.sampler_seed`` when the strategy has that option and it is set,
     else by the seed ``hookloop.seed_everything`` recorded (0 when none was), the same
     on every rank, as Lightning's samplers are.
@@ -60,8 +88,11 @@ class DistributedSampling:
         """This rank's share of ``dataloader`` (see :class:`DistributedSampling`)."""
         if trainer.world_size == 1 or not trainer.config.use_distributed_sampler:
             return None
-        return distributed_sampler(dataloader, trainer.world_size, trainer.global_rank, training,
-                                   seed=self.sampler_seed)
+        replicas, rank = data_parallel_rank(trainer)
+        if replicas == 1 and isinstance(dataloader.sampler, SequentialSampler):
+            return None  # one replica (tp only): every process the user's batches, in order
+        # One replica and a random order: a seeded sampler, so every process draws the same.
+        return distributed_sampler(dataloader, replicas, rank, training, seed=self.sampler_seed)
 
 
 class TorchCollectives:

@@ -321,3 +321,35 @@ class LoopOptimizer:
 
     def __repr__(self) -> str:
         return f"LoopOptimizer({self.optimizer!r})"
+
+
+def repoint_optimizers(optimizers: list, old_names: dict[int, str], model: torch.nn.Module, owner: str) -> None:
+    """Point the optimizers of ``configure_optimizers`` at the parameters that replaced
+    those they were built on (a strategy that shards or distributes the module's
+    parameters: fsdp's ``fully_shard``, tp's ``parallelize_module``), in place: the same
+    optimizer objects and ``param_groups``, so the schedulers keep driving them.
+
+    ``old_names``: ``{id(parameter): name}`` of the module's parameters before they were
+    replaced (``{id(p): n for n, p in module.named_parameters()}``); ``owner`` names the
+    strategy in the errors. Raises ``ConfigurationError`` for an optimizer that already
+    holds state or optimizes a tensor that is not a parameter of the module."""
+    new = dict(model.named_parameters())
+    for optimizer in optimizers:
+        if any(optimizer.state.values()):
+            raise ConfigurationError(
+                f"{type(optimizer).__name__} from configure_optimizers already holds state; the {owner} "
+                f"strategy replaces the parameters after configure_optimizers and cannot carry state "
+                f"over to them. Create the optimizer without state (load state with ckpt_path=...)")
+        for group in optimizer.param_groups:
+            replaced = []
+            for p in group["params"]:
+                name = old_names.get(id(p))
+                if name is None or name not in new:
+                    raise ConfigurationError(
+                        f"{type(optimizer).__name__} from configure_optimizers optimizes a tensor that is "
+                        f"not a parameter of the module ({tuple(p.shape)}): the {owner} strategy replaces "
+                        f"the module's parameters and re-points the optimizer at them, so optimize "
+                        f"self.parameters() (or some of them)")
+                replaced.append(new[name])
+            group["params"][:] = replaced  # in place: LBFGS-like optimizers keep a reference
+        optimizer.state.clear()

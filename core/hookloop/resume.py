@@ -16,6 +16,7 @@ from typing import Any
 
 from . import checkpoint as ckpt
 from . import loader_state
+from .distributed import data_parallel_rank
 from .errors import CheckpointError
 from .helpers import apply_to_tensors, gather_per_rank, own_entry
 from .loop import _per_device_batch, batch_limit
@@ -236,10 +237,13 @@ def _adapt_position(trainer, loop: dict, train_loader: Any) -> None:
     Checkpoints without ``loop["world_size"]`` (older ones) are taken as written on
     this world size.
     """
-    old_world = loop.get("world_size")
-    if old_world is None or int(old_world) == trainer.world_size:
+    # Counted in data-parallel replicas (hookloop.data_parallel_rank): the processes of a
+    # tp group share their batches. Checkpoints without "replicas": their world size.
+    if loop.get("world_size") is None:
+        return  # an older checkpoint: taken as written on this world size
+    old_world, new_world = int(loop.get("replicas", loop["world_size"])), data_parallel_rank(trainer)[0]
+    if old_world == new_world:
         return
-    old_world, new_world = int(old_world), trainer.world_size
     old_batch, new_batch = loop.get("batch_size"), _per_device_batch(train_loader)
     old_acc, new_acc = int(loop.get("accumulate_grad_batches") or 1), trainer.accumulate_grad_batches
     batch_idx, stage = trainer.batch_idx, trainer.state.loop_stage

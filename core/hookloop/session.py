@@ -31,6 +31,7 @@ from . import faults
 from . import loader_state
 from . import loop
 from .errors import ConfigurationError
+from .distributed import data_parallel_rank
 from .helpers import DistributedSamplerWrapper, OrderedSampler, rebuild_dataloader
 from .hookspecs import MODULE_HOOKS, hookimpl
 from .loop import _per_device_batch, batch_limit
@@ -433,14 +434,15 @@ def _overfit_loader(trainer, loader: DataLoader) -> DataLoader:
 
 
 def _print_effective_batch(trainer, loader: DataLoader) -> None:
-    if trainer.global_rank != 0 or trainer.world_size * trainer.accumulate_grad_batches <= 1:
+    replicas = data_parallel_rank(trainer)[0]  # a tp group is one replica: its processes share batches
+    if trainer.global_rank != 0 or replicas * trainer.accumulate_grad_batches <= 1:
         return
     per_device = _per_device_batch(loader)
-    factors = f"{trainer.world_size} processes x {trainer.accumulate_grad_batches} accumulated batches"
+    factors = f"{replicas} processes x {trainer.accumulate_grad_batches} accumulated batches"
     if per_device is None:
         print(f"hookloop: effective batch size = (batch_sampler's batches) x {factors}", flush=True)
         return
-    total = per_device * trainer.world_size * trainer.accumulate_grad_batches
+    total = per_device * replicas * trainer.accumulate_grad_batches
     print(f"hookloop: effective batch size {total} = {per_device} per device x {factors}", flush=True)
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import AsyncCheckpointWriter
+from .distributed import data_parallel_rank
 from .metrics import Metrics
 
 # What does not travel when a spawn-based strategy pickles the trainer: hook callers
@@ -146,7 +147,8 @@ class LoopState:
         """The loop's position, as a checkpoint's ``"loop"`` entry.
 
         ``stage`` says how far the loop got after ``batch_idx`` batches of ``epoch``
-        (``loop_stage``). ``world_size``, ``batch_size``, ``accumulate_grad_batches``
+        (``loop_stage``). ``world_size``, ``replicas`` (data-parallel: a tp group is one),
+        ``batch_size``, ``accumulate_grad_batches``
         and ``epoch_batches`` say what the position means in samples, for a resume on
         another number of processes (checkpoints without them are taken as written on
         the world size that resumes them)."""
@@ -159,6 +161,7 @@ class LoopState:
             "total_batch_idx": self.total_batch_idx,
             "epoch_val_metrics": dict(self.epoch_val_metrics),
             "world_size": trainer.world_size,
+            "replicas": data_parallel_rank(trainer)[0],  # the processes that split the data
             "batch_size": self.train_batch_size,
             "accumulate_grad_batches": trainer.accumulate_grad_batches,
             "epoch_batches": getattr(trainer, "num_training_batches", None),

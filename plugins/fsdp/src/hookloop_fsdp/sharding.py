@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import hookloop
 from hookloop import ConfigurationError
 
 from .options import original_class
@@ -274,29 +275,9 @@ def _where(model: nn.Module, module: nn.Module) -> str:
 
 
 def repoint_optimizers(optimizers: list, old_names: dict[int, str], model: nn.Module) -> None:
-    """Point the optimizers of ``configure_optimizers`` (built on the parameters before
-    sharding) at the sharded parameters that replaced them, in place: the same
-    optimizer objects and ``param_groups``, so schedulers keep driving them."""
-    new = dict(model.named_parameters())
-    for optimizer in optimizers:
-        if any(optimizer.state.values()):
-            raise ConfigurationError(
-                f"{type(optimizer).__name__} from configure_optimizers already holds state; the fsdp "
-                f"strategy shards the parameters after configure_optimizers and cannot carry state "
-                f"over to them. Create the optimizer without state (load state with ckpt_path=...)")
-        for group in optimizer.param_groups:
-            replaced = []
-            for p in group["params"]:
-                name = old_names.get(id(p))
-                if name is None or name not in new:
-                    raise ConfigurationError(
-                        f"{type(optimizer).__name__} from configure_optimizers optimizes a tensor that is "
-                        f"not a parameter of the module ({tuple(p.shape)}): the fsdp strategy shards the "
-                        f"module's parameters and re-points the optimizer at them, so optimize "
-                        f"self.parameters() (or some of them)")
-                replaced.append(new[name])
-            group["params"][:] = replaced  # in place: LBFGS-like optimizers keep a reference
-        optimizer.state.clear()
+    """:func:`hookloop.repoint_optimizers` for the fsdp strategy (the optimizers of
+    ``configure_optimizers`` at the sharded parameters)."""
+    hookloop.repoint_optimizers(optimizers, old_names, model, owner="fsdp")
 
 
 def unshard_module(sharded: Sharded, optimizers: list, gather: bool) -> None:

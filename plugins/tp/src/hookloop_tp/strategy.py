@@ -1,0 +1,313 @@
+"""The ``tp`` strategy: tensor parallelism with DTensor's ``parallelize_module``.
+
+Built on :class:`hookloop_ddp.DDP` (launching, the launcher's environment, the process
+group, the collectives); this class changes the model (its layers split over the ``tp``
+dimension of the device mesh), the samplers (the processes of a tp group see the same
+batches) and checkpoints (``torch.distributed.checkpoint``, through hookloop-fsdp's
+directory format: resumable under another tp size, loadable by one process).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import hookloop
+from hookloop import ConfigurationError
+from hookloop_ddp import DDP
+from hookloop_fsdp import checkpoint as dcp_checkpoint
+
+from . import plan as plans
+
+_DDP_OPTIONS_KEPT = ("process_group_backend", "sampler_seed", "timeout")
+
+
+class _Parallelized:
+    """One run's tensor-parallel module (the shape ``hookloop_fsdp.checkpoint`` reads)."""
+
+    def __init__(self, module: nn.Module, hooks: dict):
+        self.module = module
+        self.hooks = hooks  # {submodule: {hook dict name: keys there before}}
+
+
+class _LossParallel:
+    """torch's ``loss_parallel()`` as a re-entrant context (entered every step)."""
+
+    def __enter__(self):
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        self._context = loss_parallel()
+        return self._context.__enter__()
+
+    def __exit__(self, *exc):
+        return self._context.__exit__(*exc)
+
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+               "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_backward_hooks",
+               "_backward_pre_hooks")
+
+
+class TP(DDP):
+    """Tensor parallelism: each of the ``tp`` processes holds a slice of the split layers
+    and computes its part of every step; all of them see the same batches.
+
+    The plan (which layers are split, and how), in this order of precedence:
+
+    1. the module's ``configure_tensor_parallel(self, mesh)`` hook, which calls
+       ``parallelize_module`` (or anything else) itself on the ``tp`` mesh;
+    2. the module's ``tensor_parallel_plan`` attribute: a dict for
+       ``torch.distributed.tensor.parallel.parallelize_module``
+       (``{"mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}``);
+    3. the automatic plan (:func:`hookloop_tp.auto_plan`): consecutive ``nn.Linear`` pairs
+       colwise then rowwise, attention query/key/value projections colwise and the
+       output projection rowwise, everything else replicated.
+
+    Options (constructor arguments, ``plugin_options={"tp": {...}}`` or
+    ``--plugin-option tp.NAME=VALUE``):
+
+    ``colwise`` / ``rowwise``
+        the automatic plan's attention projection names (fnmatch patterns matched
+        against a ``nn.Linear``'s attribute name): defaults
+        :data:`hookloop_tp.plan.COLWISE` / :data:`hookloop_tp.plan.ROWWISE`.
+    ``loss_parallel``
+        compute the loss inside torch's ``loss_parallel()`` context (step and backward),
+        for a model whose output is a DTensor sharded on the class dimension (a plan
+        whose last layer is ``ColwiseParallel(use_local_output=False)``): the
+        cross-entropy is computed without gathering the logits.
+    ``process_group_backend``, ``sampler_seed``, ``timeout``
+        as for ddp.
+
+    The mesh: the ``tp`` dimension of ``trainer.device_mesh`` when the core made one,
+    else a 1-D mesh over all processes (a tp-only run).
+    """
+
+    hookloop_name = "tp"
+    hookloop_role = "strategy"
+    hookloop_requires = ">=2,<3"  # the plugin contract versions it is written for
+    hookloop_mesh_dims = ("tp",)
+
+    _TP_OPTIONS = ("colwise", "rowwise", "loss_parallel")
+    # ddp's DistributedDataParallel options are not tp's (its constructor does not take them).
+    _OPTIONS = _DDP_OPTIONS_KEPT + _TP_OPTIONS
+
+    def __init__(
+        self,
+        colwise: tuple[str, ...] | list[str] | str = plans.COLWISE,
+        rowwise: tuple[str, ...] | list[str] | str = plans.ROWWISE,
+        loss_parallel: bool = False,
+        process_group_backend: str | None = None,
+        sampler_seed: int | None = None,
+        timeout: float | None = None,
+    ):
+        super().__init__(process_group_backend=process_group_backend, sampler_seed=sampler_seed, timeout=timeout)
+        self.colwise = colwise
+        self.rowwise = rowwise
+        self.loss_parallel = loss_parallel
+        self.mesh: Any = None
+        self.parallel: _Parallelized | None = None
+        self._own_mesh = False
+        self._failed = False
+
+    def _check_option(self, name: str, value: Any) -> None:
+        if name in ("colwise", "rowwise"):
+            _patterns(name, value)
+        elif name == "loss_parallel":
+            if not isinstance(value, bool):
+                raise ConfigurationError(f"tp option loss_parallel={value!r} must be True or False")
+        elif name == "sampler_seed":
+            hookloop.check_sampler_seed("tp", value)
+        else:
+            super()._check_option(name, value)
+
+    # -- environment ----------------------------------------------------------------------
+
+    @hookloop.hookimpl
+    def setup(self, trainer):
+        """Take the ``tp`` mesh: the core's ``trainer.device_mesh["tp"]``, or one made here
+        over all processes (kept as ``trainer.device_mesh`` for the samplers)."""
+        self._failed = False
+        super().setup(trainer)
+        mesh = getattr(trainer, "device_mesh", None)
+        if mesh is not None and "tp" in (mesh.mesh_dim_names or ()):
+            self.mesh, self._own_mesh = mesh["tp"], False
+        else:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self.mesh = init_device_mesh(trainer.root_device.type, (trainer.world_size,), mesh_dim_names=("tp",))
+            trainer.device_mesh, self._own_mesh = self.mesh, True
+        if trainer.global_rank == 0:
+            print(f"hookloop-tp: tensor parallel over {self.mesh.size()} processes", flush=True)
+
+    @hookloop.hookimpl
+    def on_exception(self, trainer):
+        """A failed run gathers nothing at teardown: the other ranks may not be there."""
+        self._failed = True
+
+    @hookloop.hookimpl
+    def teardown(self, trainer):
+        """The module whole again (each split parameter gathered: a collective), the
+        plan's hooks removed, then ddp's teardown (the process group)."""
+        parallel, self.parallel = self.parallel, None
+        try:
+            if parallel is not None:
+                gather = not self._failed and dist.is_initialized()
+                _unparallelize(parallel, list(trainer.optimizers or []), gather)
+        finally:
+            if self._own_mesh:
+                trainer.device_mesh = None
+            self.mesh, self._own_mesh = None, False
+            super().teardown(trainer)
+
+    # -- model ----------------------------------------------------------------------------
+
+    @hookloop.hookimpl
+    def wrap_model(self, trainer, model, optimizers):
+        """Split the user's module over the ``tp`` mesh with its plan (see :class:`TP`);
+        point the optimizers of ``configure_optimizers`` at the distributed parameters.
+        Every process starts from global rank 0's weights."""
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        module = model.module
+        device = trainer.root_device
+        model.to(device)
+        with torch.no_grad():
+            tensors = [t.data for t in (*module.parameters(), *module.buffers())]
+            for t in tensors:
+                dist.broadcast(t, src=0)
+        names = {id(p): n for n, p in module.named_parameters()}
+        hooks = {m: {d: set(getattr(m, d, {}).keys()) for d in _HOOK_DICTS} for m in module.modules()}
+        self.parallel = _Parallelized(module, hooks)
+        self._wrapped = None
+        hook = getattr(module, "configure_tensor_parallel", None)
+        if callable(hook):
+            hook(self.mesh)
+        else:
+            plan = plans.module_plan(module)
+            if plan is None:
+                plan = plans.auto_plan(module, _patterns("colwise", self.colwise), _patterns("rowwise", self.rowwise))
+            if not plan and trainer.global_rank == 0:
+                print(f"hookloop-tp: the automatic plan found nothing to split in {type(module).__name__}: "
+                      f"every process computes the whole model (give it a tensor_parallel_plan)", flush=True)
+            if plan:
+                parallelize_module(module, self.mesh, plan)
+        hookloop.repoint_optimizers(optimizers or [], names, module, owner="tp")
+        return model
+
+    @hookloop.hookimpl
+    def wrap_optimizer(self, optimizer):
+        """Nothing to wrap: ``wrap_model`` pointed the optimizer at the distributed parameters."""
+        return None
+
+    @hookloop.hookimpl
+    def forward_context(self, trainer):
+        """``loss_parallel()`` around each step when the option is on."""
+        return _LossParallel() if self.loss_parallel else None
+
+    @hookloop.hookimpl
+    def backward(self, trainer, loss, model, optimizer):
+        """Under ``loss_parallel``, the backward inside its context too (torch requires it)."""
+        if not self.loss_parallel:
+            return None
+        with _LossParallel():
+            loss.backward(**trainer.backward_kwargs)
+        return True
+
+    @hookloop.hookimpl
+    def accumulation_context(self, model):
+        """Nothing to skip: a tp step has no gradient all-reduce to defer."""
+        return contextlib.nullcontext()
+
+    @hookloop.hookimpl
+    def configure_sampler(self, trainer, dataloader, training):
+        """The data-parallel share (``hookloop.data_parallel_rank``): one for the whole tp group."""
+        return hookloop.DistributedSampling.configure_sampler(self, trainer, dataloader, training)
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    #: checkpoints are ``hookloop_fsdp``'s sharded directories (``torch.distributed.checkpoint``)
+    hookloop_checkpoint_format = "directory"
+
+    @contextlib.contextmanager
+    def sharded_state_dicts(self):
+        """The module's ``state_dict()`` holds DTensors throughout a run (nothing to switch)."""
+        yield
+
+    @property
+    def sharded(self):
+        """The run's module, for ``hookloop_fsdp.checkpoint`` (``None`` outside a run)."""
+        return self.parallel
+
+    @hookloop.hookimpl
+    def save_checkpoint(self, trainer, checkpoint, path):
+        """During a run, a directory of per-process shards written by every process
+        (``torch.distributed.checkpoint``; committed atomically). After ``fit`` the module
+        is whole again: ``None``, so the core writes its single file."""
+        if self.parallel is None:
+            return None
+        return dcp_checkpoint.save_sharded(self, trainer, checkpoint, Path(path))
+
+    @hookloop.hookimpl
+    def load_checkpoint(self, trainer, path):
+        """A sharded directory (of tp or fsdp, any number of processes) or a file."""
+        return dcp_checkpoint.load(trainer, Path(path))
+
+    @hookloop.hookimpl
+    def load_model_state(self, trainer, checkpoint):
+        """The checkpoint's model and optimizer state into this run's split layers
+        (resharded by ``torch.distributed.checkpoint``), then the schedulers."""
+        if self.parallel is None:
+            return None
+        dcp_checkpoint.load_model_state(self, trainer, checkpoint)
+        return True
+
+
+TensorParallel = TP
+
+
+def _patterns(name: str, value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = tuple(v.strip() for v in value.split(",") if v.strip())
+    if not isinstance(value, (tuple, list)) or not all(isinstance(v, str) and v for v in value):
+        raise ConfigurationError(
+            f"tp option {name}={value!r} must be module names (fnmatch patterns): a list of strings "
+            f"or one comma-separated string")
+    return tuple(value)
+
+
+def _unparallelize(parallel: _Parallelized, optimizers: list, gather: bool) -> None:
+    """Take tensor parallelism off the module: the plan's hooks removed, and with
+    ``gather`` every DTensor parameter (and its optimizer state) a plain full tensor
+    again, the optimizers pointed at them (a collective: every rank calls it)."""
+    from torch.distributed.tensor import DTensor
+
+    module = parallel.module
+    for m, before in parallel.hooks.items():
+        for attr, keys in before.items():
+            table = getattr(m, attr, None)
+            if table is None:
+                continue
+            for key in [k for k in table if k not in keys]:
+                del table[key]
+    if not gather:
+        return
+    names = {id(p): n for n, p in module.named_parameters()}
+    states = [[{k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in o.state.get(p, {}).items()}
+               for g in o.param_groups for p in g["params"]] for o in optimizers]
+    for m in module.modules():
+        for key, p in list(m._parameters.items()):
+            if isinstance(p, DTensor):
+                m._parameters[key] = nn.Parameter(p.full_tensor().detach(), requires_grad=p.requires_grad)
+    for o in optimizers:
+        o.state.clear()
+    hookloop.repoint_optimizers(optimizers, names, module, owner="tp")
+    for o, state in zip(optimizers, states):
+        params = [p for g in o.param_groups for p in g["params"]]
+        for p, s in zip(params, state):
+            if s:
+                o.state[p] = s
