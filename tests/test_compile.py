@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import hookloop
+from hookloop.testing import ExtensionConformance
 from conftest import REPO, install_fake_distribution, max_abs_diff, run_python, state_of
 
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
@@ -210,3 +211,20 @@ def test_fsdp_compile_per_block_on_two_processes_equals_one_eager_process(tmp_pa
         assert list(record["final"]) == list(reference)
         assert max_abs_diff(record["final"], reference) <= 1e-5
     assert reports(output) == 1, output
+
+
+# -- the kit's extension suite ------------------------------------------------------------
+
+
+class TestCompileConformance(ExtensionConformance):
+    """The kit's checks of an extension: trains beside the default observers, keeps no
+    checkpoint state outside its name, resumes exactly. Its ddp check (one more 2-process
+    launch; ddp,compile is tested above) runs under make test-full."""
+
+    plugin = Compile
+    options = {"backend": "aot_eager"}
+
+    @pytest.mark.skipif(os.environ.get("HOOKLOOP_TEST_FULL") != "1",
+                        reason="ddp,compile is tested above; the kit's ddp check too: make test-full")
+    def test_under_ddp_the_ranks_agree_and_a_resume_ends_as_an_uninterrupted_run(self, ddp):
+        super().test_under_ddp_the_ranks_agree_and_a_resume_ends_as_an_uninterrupted_run(ddp)
