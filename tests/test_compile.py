@@ -23,7 +23,7 @@ from hookloop.testing import ExtensionConformance
 from conftest import REPO, install_fake_distribution, max_abs_diff, run_python, state_of
 
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
-from compile_models import Block, Net, data, data_parallel_batches, eager_reference  # noqa: E402
+from compile_models import Block, Encoder, Net, data, data_parallel_batches, eager_reference  # noqa: E402
 from hookloop_compile import REPORT_FILE, Compile  # noqa: E402
 
 SCRIPTS = REPO / "tests" / "scripts"
@@ -102,6 +102,17 @@ def test_per_block_compiles_each_block_in_place(tmp_path):
     # by qualified name too, and a block inside a chosen block is not compiled again
     nested = Compile(backend="aot_eager", blocks=[f"{Block.__module__}.Block", "Linear"])
     assert list(nested.targets(Net())) == ["blocks.0", "blocks.1", "head"]
+
+
+def test_per_block_compiles_blocks_whose_forward_is_torchs_own(tmp_path):
+    """nn.TransformerEncoderLayer's forward is torch's code: Dynamo starts no frame in it,
+    so Module.compile() alone compiled nothing there (0 graphs) and it ran eagerly."""
+    module = Encoder()
+    plugin = Compile(backend="aot_eager", blocks=["TransformerEncoderLayer"])
+    _, seen = fit(tmp_path, module, plugin)
+    assert seen.compiled == ["layers.0", "layers.1"]
+    assert plugin.report["graphs"] >= 1, plugin.report
+    assert max_abs_diff(state_of(module), eager_reference(Encoder(), loader(), EPOCHS)) <= 1e-5
 
 
 def test_a_graph_break_is_reported_with_its_reason(tmp_path, capfd):

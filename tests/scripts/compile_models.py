@@ -92,3 +92,27 @@ def data_parallel_batches(dataset, world: int, per_rank: int, seed: int = 0):
             yield dataset[idx]
 
     return batches
+
+
+class Encoder(hookloop.Module):
+    """Two of torch's own ``nn.TransformerEncoderLayer`` (d_model 8, no dropout) over
+    sequences of 4 tokens, mean-pooled into a 3-way head: blocks whose ``forward`` is
+    torch's code, which Dynamo does not start a frame in."""
+
+    def __init__(self, seed: int = 0, lr: float = 0.05):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.layers = nn.Sequential(*[nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
+                                      for _ in range(2)])
+        self.head = nn.Linear(8, 3)
+        self.lr = lr
+
+    def forward(self, x):
+        return self.head(self.layers(x.view(x.shape[0], 1, 8).expand(-1, 4, -1)).mean(1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)

@@ -34,7 +34,7 @@ import hookloop
 
 from . import report as _report
 
-__all__ = ["Compile", "REPORT_FILE"]
+__all__ = ["Compile", "REPORT_FILE", "compile_in_place"]
 
 #: The report's file name in the run directory (``trainer.log_dir``).
 REPORT_FILE = "compile.json"
@@ -43,6 +43,31 @@ MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cu
 
 def _fail(message: str) -> hookloop.ConfigurationError:
     return hookloop.ConfigurationError(f"compile: {message}")
+
+
+def compile_in_place(module, kwargs: dict[str, Any]) -> None:
+    """Route ``module``'s calls through ``torch.compile(**kwargs)``, keeping the module.
+
+    ``nn.Module.compile()`` compiles ``_call_impl``, torch's own code, in which Dynamo
+    starts no frame: it catches the first frame below it, the module's ``forward``, and
+    runs the module's hooks (fsdp's, tp's) outside the graph. A module whose ``forward``
+    is torch's own (``nn.TransformerEncoderLayer``, ``nn.Sequential``) has no such frame,
+    and would run eagerly: for those, as ``torch.compile(module)`` does, the call goes
+    through a small frame of Dynamo's (``wrap_inline``) that it traces into."""
+    import types
+
+    import torch
+
+    try:
+        from torch._dynamo import external_utils, trace_rules
+    except ImportError:  # pragma: no cover - another torch: the plain in-place compile
+        module.compile(**kwargs)
+        return
+    forward = module.forward
+    if isinstance(forward, types.MethodType) and trace_rules.check(forward):
+        module._compiled_call_impl = torch.compile(external_utils.wrap_inline(module._call_impl), **kwargs)
+    else:
+        module.compile(**kwargs)
 
 
 class Compile:
@@ -138,7 +163,7 @@ class Compile:
         for name, target in targets.items():
             self._restore.append((target, target.__dict__.get("_compiled_call_impl")))
             try:
-                target.compile(**kwargs)
+                compile_in_place(target, kwargs)
             except Exception as error:  # torch's InvalidBackend, a bad options key
                 self._undo()
                 raise _fail(f"torch.compile({', '.join(f'{k}={v!r}' for k, v in kwargs.items())}) failed: "
