@@ -126,6 +126,28 @@ def test_a_graph_break_is_reported_with_its_reason(tmp_path, capfd):
     assert max_abs_diff(state_of(module), eager_reference(Net(graph_break=True), loader(), EPOCHS)) <= 1e-5
 
 
+class StepOnly(Net):
+    """A training step that calls its layers, never ``self(x)``."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.head(self.blocks(x)), y)
+
+
+def test_nothing_compiled_is_said_only_when_forward_was_never_compiled(tmp_path):
+    with pytest.warns(UserWarning, match=r"compile: nothing was compiled in the first training epoch: the training "
+                                         r"step never called StepOnly itself \(self\(x\)\); name the modules"):
+        fit(tmp_path / "a", StepOnly(), Compile(backend="aot_eager"), epochs=1)
+    import warnings
+
+    fit(tmp_path / "b", Net(), Compile(backend="aot_eager"), epochs=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second fit of Net reuses the compiled graph: 0 new, no warning
+        plugin = Compile(backend="aot_eager")
+        fit(tmp_path / "c", Net(), plugin, epochs=1)
+    assert plugin.report["graphs"] == 0
+
+
 def test_checkpoints_load_between_compiled_and_uncompiled_runs(tmp_path):
     """Compiled for an epoch -> saved -> resumed uncompiled, and the other way round:
     both equal the uninterrupted eager loop."""
@@ -222,6 +244,20 @@ def test_fsdp_compile_per_block_on_two_processes_equals_one_eager_process(tmp_pa
         assert list(record["final"]) == list(reference)
         assert max_abs_diff(record["final"], reference) <= 1e-5
     assert reports(output) == 1, output
+
+
+@pytest.mark.skipif(os.environ.get("HOOKLOOP_TEST_FULL") != "1",
+                    reason="one more 2-process launch (~30 s): make test-full")
+def test_in_place_compile_of_a_tensor_parallel_mlp_equals_the_eager_mlp(tmp_path):
+    """torch's DTensor tensor parallelism (the transform tp applies before compile) under
+    hookloop-compile's in-place compile, on 2 gloo processes, against the MLP trained whole."""
+    run_python([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                str(SCRIPTS / "compile_tp_job.py"), str(tmp_path)], cwd=tmp_path, timeout=300)
+    for rank in (0, 1):
+        record = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert record["names"] == ["up.weight", "up.bias", "down.weight", "down.bias"]
+        assert record["graphs"] >= 1
+        assert record["diff"] <= 1e-5
 
 
 # -- the kit's extension suite ------------------------------------------------------------

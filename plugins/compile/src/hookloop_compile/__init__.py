@@ -70,6 +70,17 @@ def compile_in_place(module, kwargs: dict[str, Any]) -> None:
         module.compile(**kwargs)
 
 
+def _ever_compiled(module) -> bool:
+    """Whether Dynamo holds a compiled graph for ``module``'s ``forward`` (from this run or
+    an earlier one in this process: a second fit of the same class compiles nothing new)."""
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    except ImportError:  # pragma: no cover - another torch: assume it was
+        return True
+    code = getattr(getattr(type(module), "forward", None), "__code__", None)
+    return code is None or bool(_debug_get_cache_entry_list(code))
+
+
 class Compile:
     """Compiles the model with ``torch.compile``: the whole model or each block.
 
@@ -112,8 +123,9 @@ class Compile:
             blocks = list(blocks)
         self.mode, self.backend, self.fullgraph, self.dynamic = mode, backend, fullgraph, dynamic
         self.blocks, self.options = blocks, options
-        #: the modules compiled by this run, by name in the user's module ("" for itself)
-        self.compiled: dict[str, Any] = {}
+        #: the names of the modules the last wrap compiled, in the user's module (its
+        #: class name for the module itself)
+        self.compiled: list[str] = []
         #: the report of the first training epoch of the last fit (also in compile.json)
         self.report: dict[str, Any] | None = None
         self._restore: list[tuple[Any, Any]] = []
@@ -168,7 +180,7 @@ class Compile:
                 self._undo()
                 raise _fail(f"torch.compile({', '.join(f'{k}={v!r}' for k, v in kwargs.items())}) failed: "
                             f"{type(error).__name__}: {error}") from error
-        self.compiled = {name or type(target).__name__: target for name, target in targets.items()}
+        self.compiled = [name or type(target).__name__ for name, target in targets.items()]
         return None
 
     def _undo(self) -> None:
@@ -196,7 +208,7 @@ class Compile:
         if not trainer.is_global_zero:
             return
         print(_report.describe(self.report), file=sys.stderr, flush=True)
-        if self.report["graphs"] == 0 and self.blocks is None:
+        if self.report["graphs"] == 0 and self.blocks is None and not _ever_compiled(trainer.module):
             hookloop.rank_zero_warn(
                 f"compile: nothing was compiled in the first training epoch: the training step never called "
                 f"{type(trainer.module).__name__} itself (self(x)); name the modules to compile with "
