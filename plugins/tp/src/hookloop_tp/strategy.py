@@ -75,6 +75,14 @@ class TP(DDP):
         the automatic plan's attention projection names (fnmatch patterns matched
         against a ``nn.Linear``'s attribute name): defaults
         :data:`hookloop_tp.plan.COLWISE` / :data:`hookloop_tp.plan.ROWWISE`.
+    ``sequence_parallel``
+        the automatic plan made sequence parallel (:func:`hookloop_tp.plan.sequence_parallel_plan`,
+        torchtitan's Llama plan): the activations between the split blocks, norms and
+        dropouts included, sharded on the sequence dimension (dimension 1) instead of
+        replicated; the module's input split on entry and its output gathered on exit.
+        A module's own plan asks for it with torch's styles itself (``SequenceParallel``,
+        ``input_layouts=Shard(1)``); ``hookloop_tp.auto_plan(self, sequence_parallel=True)``
+        in its ``tensor_parallel_plan`` starts from the automatic one.
     ``loss_parallel``
         compute the loss inside torch's ``loss_parallel()`` context (step and backward),
         for a model whose output is a DTensor sharded on the class dimension (a plan
@@ -92,7 +100,7 @@ class TP(DDP):
     hookloop_requires = ">=2,<3"  # the plugin contract versions it is written for
     hookloop_mesh_dims = ("tp",)
 
-    _TP_OPTIONS = ("colwise", "rowwise", "loss_parallel")
+    _TP_OPTIONS = ("colwise", "rowwise", "loss_parallel", "sequence_parallel")
     # ddp's DistributedDataParallel options are not tp's (its constructor does not take them).
     _OPTIONS = _DDP_OPTIONS_KEPT + _TP_OPTIONS
 
@@ -101,6 +109,7 @@ class TP(DDP):
         colwise: tuple[str, ...] | list[str] | str = plans.COLWISE,
         rowwise: tuple[str, ...] | list[str] | str = plans.ROWWISE,
         loss_parallel: bool = False,
+        sequence_parallel: bool = False,
         process_group_backend: str | None = None,
         sampler_seed: int | None = None,
         timeout: float | None = None,
@@ -109,6 +118,7 @@ class TP(DDP):
         self.colwise = colwise
         self.rowwise = rowwise
         self.loss_parallel = loss_parallel
+        self.sequence_parallel = sequence_parallel
         self.mesh: Any = None
         self.parallel: _Parallelized | None = None
         self._own_mesh = False
@@ -117,9 +127,9 @@ class TP(DDP):
     def _check_option(self, name: str, value: Any) -> None:
         if name in ("colwise", "rowwise"):
             _patterns(name, value)
-        elif name == "loss_parallel":
+        elif name in ("loss_parallel", "sequence_parallel"):
             if not isinstance(value, bool):
-                raise ConfigurationError(f"tp option loss_parallel={value!r} must be True or False")
+                raise ConfigurationError(f"tp option {name}={value!r} must be True or False")
         elif name == "sampler_seed":
             hookloop.check_sampler_seed("tp", value)
         else:
@@ -190,7 +200,8 @@ class TP(DDP):
         else:
             plan = plans.module_plan(module)
             if plan is None:
-                plan = plans.auto_plan(module, _patterns("colwise", self.colwise), _patterns("rowwise", self.rowwise))
+                plan = plans.auto_plan(module, _patterns("colwise", self.colwise), _patterns("rowwise", self.rowwise),
+                                       sequence_parallel=self.sequence_parallel)
             if not plan and trainer.global_rank == 0:
                 print(f"hookloop-tp: the automatic plan found nothing to split in {type(module).__name__}: "
                       f"every process computes the whole model (give it a tensor_parallel_plan)", flush=True)

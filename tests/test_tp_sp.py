@@ -1,0 +1,144 @@
+"""Sequence parallelism in hookloop-tp (``sequence_parallel=True``), 2 processes, gloo, CPU.
+
+One run of tests/scripts/tp_sp_battery.py trains a two-block transformer (LayerNorm,
+causal attention, dropout, MLP, a final LayerNorm and a per-position head) with SGD
+(momentum) and Adam under ``tp`` with ``sequence_parallel=True``, and once more with the
+module's own sequence-parallel plan; the tests compare what the ranks recorded with the
+same model and batches trained by a hand-written PyTorch loop in this process
+(tp_sp_models.reference). The plan's shape and bad input are checked in this process.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+import hookloop
+from conftest import REPO, run_python
+
+sys.path.insert(0, str(REPO / "tests" / "scripts"))
+from tp_models import SEQ  # noqa: E402
+from tp_sp_models import Transformer, reference  # noqa: E402
+
+SCRIPTS = REPO / "tests" / "scripts"
+STEPS = 4
+NORMS = {"blocks.0.norm1", "blocks.0.norm2", "blocks.1.norm1", "blocks.1.norm2", "norm"}
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+@pytest.fixture(scope="module")
+def battery(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp_sp_battery")
+    run_python([sys.executable, "-m", "hookloop", "run", "--plugins", "tp", "--devices", "2",
+                str(SCRIPTS / "tp_sp_battery.py"), str(out)], cwd=out, timeout=600)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_two_process_sequence_parallel_equals_one_process_training(battery, optimizer):
+    expected, grads = reference(optimizer, STEPS)
+    for record in battery:
+        run = record[optimizer]
+        assert max_diff(run["final"], expected) <= 1e-5
+        # the last step's gradients: the replicated norms' and head's summed over the ranks
+        assert max_diff(run["grads"], grads) <= 1e-5
+    assert max_diff(battery[0][optimizer]["final"], battery[1][optimizer]["final"]) == 0.0
+
+
+def test_the_activations_between_the_blocks_are_sharded_on_the_sequence(battery):
+    for record in battery:
+        seen = record["sgd"]["norm_inputs"]
+        assert {name for name, _, _ in seen} == NORMS
+        assert len(seen) == len(NORMS) * STEPS
+        for name, local, placements in seen:
+            # batch 4, half of the sequence of 6 on each process, the whole width
+            assert local == (4, SEQ // 2, 8), (name, local)
+            assert placements == ("S(1)",), (name, placements)
+
+
+def test_the_plan_splits_the_blocks_and_replicates_the_norms_and_head_as_dtensors(battery):
+    layouts = battery[0]["sgd"]["layouts"]
+    for b in (0, 1):
+        for name in ("attn.q.weight", "attn.k.weight", "attn.v.weight", "mlp.fc1.weight"):
+            assert layouts[f"blocks.{b}.{name}"] == ("S(0)",)
+        assert layouts[f"blocks.{b}.attn.out.weight"] == layouts[f"blocks.{b}.mlp.fc2.weight"] == ("S(1)",)
+    # SequenceParallel: replicated DTensors (gradients reduced over tp), not plain tensors
+    for name in ("blocks.0.norm1.weight", "blocks.1.norm2.bias", "norm.weight", "head.weight", "head.bias"):
+        assert layouts[name] == ("R",), name
+
+
+def test_the_modules_own_sequence_parallel_plan_equals_one_process_training(battery):
+    expected, grads = reference("sgd", STEPS)
+    for record in battery:
+        run = record["planned"]
+        assert {local for _, local, _ in run["norm_inputs"]} == {(4, SEQ // 2, 8)}
+        assert max_diff(run["final"], expected) <= 1e-5
+        assert max_diff(run["grads"], grads) <= 1e-5
+
+
+# -- the plan and bad input, in this process -------------------------------------------
+
+
+def test_the_sequence_parallel_plan_has_torchtitans_layouts():
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
+                                                   RowwiseParallel, SequenceParallel)
+
+    from hookloop_tp import auto_plan
+
+    plan = auto_plan(Transformer(), sequence_parallel=True)
+    root = plan[""]
+    assert isinstance(root, PrepareModuleInputOutput)
+    assert root.prepare_module_input.desired_input_layouts == (Shard(1),)
+    assert root.prepare_module_output.desired_output_layouts == (Replicate(),)
+    attn = plan["blocks.0.attn"]  # gathered once on entry: its forward reads the sequence length
+    assert isinstance(attn, PrepareModuleInput) and attn.input_layouts == (Shard(1),)
+    assert attn.desired_input_layouts == (Replicate(),)
+    assert isinstance(plan["blocks.0.attn.q"], ColwiseParallel) and plan["blocks.0.attn.q"].input_layouts == (Replicate(),)
+    assert plan["blocks.0.mlp.fc1"].input_layouts == (Shard(1),)  # an MLP pair gathers at its colwise layer
+    for name in ("blocks.0.attn.out", "blocks.0.mlp.fc2"):
+        assert isinstance(plan[name], RowwiseParallel) and plan[name].output_layouts == (Shard(1),)
+    for name in (*NORMS, "blocks.0.drop", "head"):
+        assert isinstance(plan[name], SequenceParallel), name
+    assert "blocks.0.mlp.act" not in plan
+    # without the option the plan is the plain one: nothing sequence parallel
+    plain = auto_plan(Transformer())
+    assert "" not in plain and not any(isinstance(s, SequenceParallel) for s in plain.values())
+
+
+def test_a_module_with_parameters_and_children_is_refused_by_the_automatic_plan():
+    from torch import nn
+
+    from hookloop_tp import auto_plan
+
+    class Scaled(nn.Module):  # a parameter of its own beside a child: no position-wise style fits
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(8))
+            self.norm = nn.LayerNorm(8)
+
+    model = Transformer()
+    model.extra = Scaled()
+    with pytest.raises(hookloop.ConfigurationError, match="sequence_parallel.*'extra'.*tensor_parallel_plan"):
+        auto_plan(model, sequence_parallel=True)
+
+
+def test_a_bad_sequence_parallel_option_is_refused():
+    from hookloop_tp import TP
+
+    with pytest.raises(hookloop.ConfigurationError, match="sequence_parallel='yes' must be True or False"):
+        TP(sequence_parallel="yes")
+    assert TP(sequence_parallel=True).sequence_parallel is True
+
+
+def test_a_sequence_that_does_not_split_evenly_is_refused_on_every_rank(battery):
+    for record in battery:
+        assert record["uneven"] is not None
+        assert "sequence length is a multiple of the tp size 2" in record["uneven"]
+        assert "(4, 5, 8)" in record["uneven"]
