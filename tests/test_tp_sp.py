@@ -20,7 +20,7 @@ from conftest import REPO, run_python
 
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
 from tp_models import SEQ  # noqa: E402
-from tp_sp_models import Transformer, reference  # noqa: E402
+from tp_sp_models import Transformer, data, reference  # noqa: E402
 
 SCRIPTS = REPO / "tests" / "scripts"
 STEPS = 4
@@ -142,3 +142,16 @@ def test_a_sequence_that_does_not_split_evenly_is_refused_on_every_rank(battery)
         assert record["uneven"] is not None
         assert "sequence length is a multiple of the tp size 2" in record["uneven"]
         assert "(4, 5, 8)" in record["uneven"]
+
+
+def test_after_fit_the_module_is_whole_and_runs_alone(battery):
+    expected, _ = reference("adam", STEPS)
+    model = Transformer()
+    model.load_state_dict(expected)
+    with torch.no_grad():
+        whole = model(data().tensors[0][:2])
+    for record in battery:
+        run = record["adam"]
+        assert set(run["after_fit"].values()) == {"Parameter"}  # no DTensor left
+        assert run["after_fit_output"].shape == (2, SEQ, 4)  # the whole sequence: no split on entry
+        assert float((run["after_fit_output"] - whole).abs().max()) <= 1e-5

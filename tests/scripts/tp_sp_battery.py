@@ -75,6 +75,10 @@ for optimizer in ("sgd", "adam"):
                                num_sanity_val_steps=0)
     trainer.fit(module, DataLoader(data(), batch_size=4))
     record[optimizer] = {"final": {k: v.detach().clone() for k, v in module.state_dict().items()}, **probe.seen}
+    # after fit: plain parameters again, the plan's hooks (the root's split and gather) gone
+    record[optimizer]["after_fit"] = {n: type(p).__name__ for n, p in module.named_parameters()}
+    with torch.no_grad():
+        record[optimizer]["after_fit_output"] = module(data().tensors[0][:2])
 
 # The module's own plan asks for sequence parallelism: the automatic one, made in __init__.
 probe = Probe()
