@@ -155,3 +155,13 @@ def test_after_fit_the_module_is_whole_and_runs_alone(battery):
         assert set(run["after_fit"].values()) == {"Parameter"}  # no DTensor left
         assert run["after_fit_output"].shape == (2, SEQ, 4)  # the whole sequence: no split on entry
         assert float((run["after_fit_output"] - whole).abs().max()) <= 1e-5
+
+
+def test_an_attention_that_is_the_module_itself_is_refused_by_the_automatic_plan():
+    from cp_models import CausalNet  # its qkv and out projections are the module's own children
+
+    from hookloop_tp import auto_plan
+
+    assert set(auto_plan(CausalNet())) == {"qkv", "out"}  # plain tp splits it
+    with pytest.raises(hookloop.ConfigurationError, match="CausalNet's attention projections are its own children"):
+        auto_plan(CausalNet(), sequence_parallel=True)

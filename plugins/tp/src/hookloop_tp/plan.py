@@ -137,6 +137,12 @@ def sequence_parallel_plan(module: nn.Module, plan: dict[str, Any], attention: l
     out: dict[str, Any] = {"": SplitSequence(
         input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_input=True,
         output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True)}
+    if "" in attention:
+        raise hookloop.ConfigurationError(
+            f"tp option sequence_parallel: {type(module).__name__}'s attention projections are its own children; "
+            f"the automatic sequence-parallel plan splits the sequence where the module is entered and gathers it "
+            f"where an attention submodule is, so the attention must be a submodule (or give "
+            f"{type(module).__name__} a tensor_parallel_plan)")
     gathered = tuple(a + "." for a in attention if a)
     for a in attention:
         if a:
