@@ -25,6 +25,8 @@ TORCH   ?= torch==2.13.0
 # The reference for Lightning semantics (tests/oracle): a test dependency only, installed
 # with torch pinned beside it so that it cannot pull another torch. hookloop never imports it.
 ORACLE  ?= pytorch-lightning==2.6.6
+# torchao: the float8 plugin's equality test runs on the CPU (its wheel declares no torch requirement)
+TORCHAO ?= torchao==0.18.0
 PLUGINS := $(sort $(dir $(wildcard plugins/*/pyproject.toml)))
 DEMO_PLUGINS := $(sort $(dir $(wildcard plugins/ddp/pyproject.toml plugins/amp/pyproject.toml)))
 PYTEST_ARGS ?=
@@ -64,7 +66,7 @@ $(BACKENDS_STAMP): $(DEMO_STAMP) $(wildcard plugins/*/build_*.sh plugins/deepspe
 # Every other in-tree plugin (the demo's and the backends' are already in).
 install: $(STAMP)
 $(STAMP): $(BACKENDS_STAMP) pyproject.toml $(wildcard plugins/*/pyproject.toml) Makefile
-	$(PIP) -e '.[plot,cli,rich]' $(foreach p,$(filter-out $(DEMO_PLUGINS),$(PLUGINS)),-e $(p)) pytest scikit-learn $(ORACLE) $(TORCH)
+	$(PIP) -e '.[plot,cli,rich]' $(foreach p,$(filter-out $(DEMO_PLUGINS),$(PLUGINS)),-e $(p)) pytest scikit-learn $(ORACLE) $(TORCHAO) $(TORCH)
 	$(COMPILE)
 	touch $@
 
