@@ -1,0 +1,79 @@
+"""The pipeline checks in one multi-process run (starting processes is the expensive part).
+
+Run by tests/test_pipeline.py as ``hookloop run --plugins pipeline --devices 2
+pipeline_battery.py OUT CASES``. Every rank writes ``OUT/rank<R>.pt`` with what it
+observed; the test compares it with a hand-written one-process loop (pipeline_models.reference).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import hookloop  # noqa: E402
+from pipeline_models import BATCH, Net, data  # noqa: E402
+
+faulthandler.enable()
+faulthandler.dump_traceback_later(240, exit=True)  # a hang fails with the stacks
+OUT = Path(sys.argv[1])
+CASES = sys.argv[2].split(",")
+RANK = int(os.environ["RANK"])
+STEPS = 3
+torch.set_num_threads(1)
+record: dict = {}
+
+
+class Probe:
+    """Records the loss the loop saw at each step, and saves a checkpoint when asked."""
+
+    hookloop_name, hookloop_role = "probe", "observer"
+
+    def __init__(self, save_at: int | None = None, path: Path | None = None):
+        self.save_at, self.path = save_at, path
+        self.losses: list[float] = []
+
+    @hookloop.hookimpl
+    def on_train_batch_end(self, trainer, outputs, loss, batch, batch_idx):
+        self.losses.append(float(loss))
+        if self.save_at is not None and trainer.global_step == self.save_at:
+            trainer.save_checkpoint(self.path)
+
+
+def fit(module, steps: int, probe: Probe, options: dict, ckpt_path=None):
+    trainer = hookloop.Trainer(max_steps=steps, plugins=[probe], plugin_options={"pipeline": options},
+                               enable_checkpointing=False, logger=False, enable_progress_bar=False,
+                               num_sanity_val_steps=0, enable_model_summary=False)
+    trainer.fit(module, DataLoader(data(), batch_size=BATCH), ckpt_path=ckpt_path)
+    return trainer
+
+
+def weights(module) -> dict:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+for case in CASES:
+    kind, _, rest = case.partition(":")
+    if kind == "parity":  # parity:SCHEDULE:OPTIMIZER
+        schedule, optimizer = rest.split(":")
+        probe = Probe()
+        module = Net(optimizer)
+        fit(module, STEPS, probe, {"schedule": schedule, "microbatches": 4})
+        record[case] = {"final": weights(module), "losses": probe.losses}
+    elif kind == "resume":  # resume:SCHEDULE: save at step 2 under pp=2, resume to step 4
+        schedule = rest
+        path = OUT / "pp.ckpt"
+        module = Net("adam", seed=0)
+        fit(module, 2, Probe(save_at=2, path=path), {"schedule": schedule, "microbatches": 4})
+        record["saved_files"] = sorted(p.name for p in OUT.iterdir())
+        resumed = Net("adam", seed=5)  # other initial weights: the checkpoint must replace them
+        probe = Probe()
+        fit(resumed, 4, probe, {"schedule": schedule, "microbatches": 4}, ckpt_path=path)
+        record[case] = {"final": weights(resumed), "losses": probe.losses}
+
+torch.save(record, OUT / f"rank{RANK}.pt")
