@@ -37,6 +37,11 @@ class Probe:
     def __init__(self, save_at: int | None = None, path: Path | None = None):
         self.save_at, self.path = save_at, path
         self.losses: list[float] = []
+        self.batches: list[torch.Tensor] = []
+
+    @hookloop.hookimpl
+    def on_train_batch_start(self, trainer, batch, batch_idx):
+        self.batches.append(batch[0].clone())
 
     @hookloop.hookimpl
     def on_train_batch_end(self, trainer, outputs, loss, batch, batch_idx):
@@ -45,8 +50,9 @@ class Probe:
             trainer.save_checkpoint(self.path)
 
 
-def fit(module, steps: int, probe: Probe, options: dict, ckpt_path=None):
+def fit(module, steps: int, probe: Probe, options: dict, ckpt_path=None, accumulate: int = 1):
     trainer = hookloop.Trainer(max_steps=steps, plugins=[probe], plugin_options={"pipeline": options},
+                               accumulate_grad_batches=accumulate,
                                enable_checkpointing=False, logger=False, enable_progress_bar=False,
                                num_sanity_val_steps=0, enable_model_summary=False)
     trainer.fit(module, DataLoader(data(), batch_size=BATCH), ckpt_path=ckpt_path)
@@ -64,7 +70,12 @@ for case in CASES:
         probe = Probe()
         module = Net(optimizer)
         fit(module, STEPS, probe, {"schedule": schedule, "microbatches": 4})
-        record[case] = {"final": weights(module), "losses": probe.losses}
+        record[case] = {"final": weights(module), "losses": probe.losses, "batches": probe.batches}
+    elif kind == "accumulate":  # accumulate:SCHEDULE: 2 batches per optimizer step
+        probe = Probe()
+        module = Net("adam")
+        fit(module, STEPS, probe, {"schedule": rest, "microbatches": 4}, accumulate=2)
+        record[case] = {"final": weights(module), "losses": probe.losses, "batches": probe.batches}
     elif kind == "resume":  # resume:SCHEDULE: save at step 2 under pp=2, resume to step 4
         schedule = rest
         path = OUT / "pp.ckpt"

@@ -60,18 +60,27 @@ class Net(hookloop.Module):
         return make_optimizer(self.optimizer_name, self.parameters())
 
 
-def reference(optimizer: str, steps: int, seed: int = 0) -> tuple[dict, list[float]]:
+def reference(optimizer: str, steps: int, seed: int = 0, batches: list | None = None) -> tuple[dict, list[float]]:
     """The same model trained by a plain loop in one process: one full-batch step per
-    batch (the pipeline's micro-batches accumulate to it). ``(state_dict, losses)``."""
+    batch (the pipeline's micro-batches accumulate to it). ``batches``: the sample
+    indices of each step (under pp x ddp the replicas' batches together, the global
+    batch); default: the loader's order, ``BATCH`` at a time. ``(state_dict, losses)``."""
     model = blocks(seed)
     opt = make_optimizer(optimizer, model.parameters())
     x, y = data().tensors
     losses = []
     for step in range(steps):
-        xb, yb = x[step * BATCH:(step + 1) * BATCH], y[step * BATCH:(step + 1) * BATCH]
+        index = batches[step] if batches is not None else list(range(step * BATCH, (step + 1) * BATCH))
+        xb, yb = x[index], y[index]
         opt.zero_grad()
         loss = F.cross_entropy(model(xb), yb)
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
     return {f"blocks.{k}": v.detach().clone() for k, v in model.state_dict().items()}, losses
+
+
+def indices(inputs: torch.Tensor) -> list[int]:
+    """The dataset indices of a batch's input rows."""
+    x = data().tensors[0]
+    return [int(((x - row).abs().sum(1) == 0).nonzero()) for row in inputs]
