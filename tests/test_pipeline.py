@@ -48,7 +48,7 @@ def battery(tmp_path_factory, name: str, args: list[str], cases: list[str], rank
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
-    cases = [f"parity:{s}:{o}" for s, o in PARITY] + ["accumulate:1f1b", "resume:1f1b"]
+    cases = [f"parity:{s}:{o}" for s, o in PARITY] + ["accumulate:1f1b", "validate:gpipe", "resume:1f1b"]
     return battery(tmp_path_factory, "pp2", ["--plugins", "pipeline", "--devices", "2"], cases, 2)
 
 
@@ -75,6 +75,17 @@ def test_accumulating_two_batches_is_one_step_on_both(two):
     expected, _ = reference("adam", STEPS, batches=batches)
     for record in two:
         assert max_diff(record["accumulate:1f1b"]["final"], expected) <= 1e-5
+
+
+def test_validation_runs_the_users_step_on_the_whole_trained_module(two):
+    expected, _ = reference("sgd", STEPS)
+    model = Net()
+    model.load_state_dict(expected)
+    x, y = data().tensors
+    with torch.no_grad():  # the mean of the batch means (the logged val_loss's reduction)
+        want = torch.stack([model.pipeline_loss(model(x[i:i + BATCH]), y[i:i + BATCH]) for i in range(0, len(x), BATCH)]).mean()
+    for record in two:
+        assert abs(record["validate:gpipe"]["val_loss"] - float(want)) <= 1e-5
 
 
 def test_a_checkpoint_saved_under_pp2_resumes_under_pp2_like_an_uninterrupted_run(two):

@@ -76,6 +76,14 @@ for case in CASES:
         module = Net("adam")
         fit(module, STEPS, probe, {"schedule": rest, "microbatches": 4}, accumulate=2)
         record[case] = {"final": weights(module), "losses": probe.losses, "batches": probe.batches}
+    elif kind == "validate":  # validate:SCHEDULE: validation at the epoch's end, inside fit
+        module = Net("sgd")
+        trainer = hookloop.Trainer(max_epochs=1, plugins=[Probe()], plugin_options={"pipeline": {"schedule": rest}},
+                                   enable_checkpointing=False, logger=False, enable_progress_bar=False,
+                                   num_sanity_val_steps=0, enable_model_summary=False)
+        train = torch.utils.data.Subset(data(), range(STEPS * BATCH))  # one epoch of STEPS batches
+        trainer.fit(module, DataLoader(train, batch_size=BATCH), DataLoader(data(), batch_size=BATCH))
+        record[case] = {"val_loss": float(trainer.callback_metrics["val_loss"])}
     elif kind == "resume":  # resume:SCHEDULE: save at step 2 under pp=2, resume to step 4
         schedule = rest
         path = OUT / "pp.ckpt"
