@@ -3,7 +3,8 @@
 One 2-process run of tests/scripts/pipeline_battery.py (`hookloop run --plugins pipeline
 --devices 2`) trains a 4-block MLP under every schedule with SGD (momentum) and Adam,
 accumulates over batches, and saves a checkpoint under pp=2 that a second run resumes;
-one 4-process run trains under `--plugins pipeline,ddp --mesh pp=2,dp_replicate=2`.
+4-process runs train under `--plugins pipeline,ddp --mesh pp=2,dp_replicate=2` and
+`--plugins pipeline,tp --mesh pp=2,tp=2` (with a resume through tp's DCP checkpoint).
 Each is compared with the same model and batches trained by a plain loop in this
 process (pipeline_models.reference): the micro-batches of a step add up to the one
 full-batch step. The refusals (docs/configurations.md, "Pipeline schedules") are raised
@@ -90,7 +91,7 @@ def test_validation_runs_the_users_step_on_the_whole_trained_module(two):
 
 def test_a_checkpoint_saved_under_pp2_resumes_under_pp2_like_an_uninterrupted_run(two):
     expected, losses = reference("adam", 4)  # 4 steps without interruption, one process
-    assert "pp.ckpt" in two[0]["saved_files"]  # one whole-model file (rank 0's)
+    assert "resume.ckpt" in two[0]["resume_files"] and not two[0]["resume_is_dir"]  # one whole-model file
     for record in two:
         run = record["resume:1f1b"]
         assert max_diff(run["final"], expected) <= 1e-5
@@ -99,7 +100,7 @@ def test_a_checkpoint_saved_under_pp2_resumes_under_pp2_like_an_uninterrupted_ru
 
 def test_the_pp2_checkpoint_loads_into_one_process(two, tmp_path_factory):
     """The file holds every stage's weights and both stages' Adam state (2 steps)."""
-    path = next(p for p in tmp_path_factory.getbasetemp().glob("pp2*/pp.ckpt"))
+    path = next(p for p in tmp_path_factory.getbasetemp().glob("pp2*/resume.ckpt"))
     saved = hookloop.safe_load(path)
     expected, _ = reference("adam", 2)
     assert max_diff(saved["state_dict"], expected) <= 1e-5
@@ -121,6 +122,22 @@ def test_pipeline_x_ddp_on_a_2x2_mesh_equals_the_global_batch_loop(tmp_path_fact
         assert max_diff(run["final"], expected) <= 1e-5
 
 
+def test_pipeline_x_tp_on_a_2x2_mesh_equals_one_process_and_resumes(tmp_path_factory):
+    ranks = battery(tmp_path_factory, "pptp", ["--plugins", "pipeline,tp", "--mesh", "pp=2,tp=2", "--devices", "4"],
+                    ["tp:1f1b:adam", "tp:interleaved_1f1b:sgd", "tpresume:1f1b"], 4)
+    for case in ("tp:1f1b:adam", "tp:interleaved_1f1b:sgd"):
+        expected, losses = reference(case.split(":")[2], STEPS)
+        for record in ranks:
+            run = record[case]
+            assert run["layouts"]["blocks.0.0.weight"] == ("S(0)",) and run["layouts"]["blocks.1.0.weight"] == ("S(1)",)
+            assert max_diff(run["final"], expected) <= 1e-5  # whole, plain tensors after fit
+            assert max(abs(a - b) for a, b in zip(run["losses"], losses)) <= 1e-5
+    expected, _ = reference("adam", 4)
+    for record in ranks:
+        assert "tpresume.ckpt" in record["tpresume_files"] and record["tpresume_is_dir"]  # tp's DCP directory
+        assert max_diff(record["tpresume:1f1b"]["final"], expected) <= 1e-5
+
+
 # -- refusals and the split, in this process ------------------------------------------------
 
 
@@ -139,7 +156,7 @@ def refusal_rows() -> list[tuple]:
 
 
 def test_the_table_has_the_pipeline_refusals():
-    assert [r[0] for r in refusal_rows()] == [f"P0{i}" for i in range(1, 10)]
+    assert [r[0] for r in refusal_rows()] == [f"P0{i}" for i in range(1, 9)]
 
 
 @pytest.mark.parametrize("row", refusal_rows(), ids=lambda r: r[0])

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hookloop  # noqa: E402
-from pipeline_models import BATCH, Net, data  # noqa: E402
+from pipeline_models import BATCH, Net, PlannedNet, data  # noqa: E402
 
 faulthandler.enable()
 faulthandler.dump_traceback_later(240, exit=True)  # a hang fails with the stacks
@@ -38,10 +38,16 @@ class Probe:
         self.save_at, self.path = save_at, path
         self.losses: list[float] = []
         self.batches: list[torch.Tensor] = []
+        self.layouts: dict = {}
 
     @hookloop.hookimpl
     def on_train_batch_start(self, trainer, batch, batch_idx):
         self.batches.append(batch[0].clone())
+
+    @hookloop.hookimpl
+    def on_before_optimizer_step(self, trainer, optimizer):
+        self.layouts = {n: (tuple(map(str, p.placements)) if hasattr(p, "placements") else "plain")
+                        for n, p in trainer.module.named_parameters()}
 
     @hookloop.hookimpl
     def on_train_batch_end(self, trainer, outputs, loss, batch, batch_idx):
@@ -65,12 +71,13 @@ def weights(module) -> dict:
 
 for case in CASES:
     kind, _, rest = case.partition(":")
-    if kind == "parity":  # parity:SCHEDULE:OPTIMIZER
+    if kind in ("parity", "tp"):  # parity:SCHEDULE:OPTIMIZER (tp: the module with a tp plan)
         schedule, optimizer = rest.split(":")
         probe = Probe()
-        module = Net(optimizer)
+        module = (PlannedNet if kind == "tp" else Net)(optimizer)
         fit(module, STEPS, probe, {"schedule": schedule, "microbatches": 4})
-        record[case] = {"final": weights(module), "losses": probe.losses, "batches": probe.batches}
+        record[case] = {"final": weights(module), "losses": probe.losses, "batches": probe.batches,
+                        "layouts": probe.layouts}
     elif kind == "accumulate":  # accumulate:SCHEDULE: 2 batches per optimizer step
         probe = Probe()
         module = Net("adam")
@@ -84,13 +91,14 @@ for case in CASES:
         train = torch.utils.data.Subset(data(), range(STEPS * BATCH))  # one epoch of STEPS batches
         trainer.fit(module, DataLoader(train, batch_size=BATCH), DataLoader(data(), batch_size=BATCH))
         record[case] = {"val_loss": float(trainer.callback_metrics["val_loss"])}
-    elif kind == "resume":  # resume:SCHEDULE: save at step 2 under pp=2, resume to step 4
-        schedule = rest
-        path = OUT / "pp.ckpt"
-        module = Net("adam", seed=0)
+    elif kind in ("resume", "tpresume"):  # resume:SCHEDULE: save at step 2 under pp=2, resume to step 4
+        schedule, cls = rest, (PlannedNet if kind == "tpresume" else Net)
+        path = OUT / f"{kind}.ckpt"
+        module = cls("adam", seed=0)
         fit(module, 2, Probe(save_at=2, path=path), {"schedule": schedule, "microbatches": 4})
-        record["saved_files"] = sorted(p.name for p in OUT.iterdir())
-        resumed = Net("adam", seed=5)  # other initial weights: the checkpoint must replace them
+        record[f"{kind}_files"] = sorted(p.name for p in OUT.iterdir())
+        record[f"{kind}_is_dir"] = path.is_dir()
+        resumed = cls("adam", seed=5)  # other initial weights: the checkpoint must replace them
         probe = Probe()
         fit(resumed, 4, probe, {"schedule": schedule, "microbatches": 4}, ckpt_path=path)
         record[case] = {"final": weights(resumed), "losses": probe.losses}

@@ -60,6 +60,19 @@ class Net(hookloop.Module):
         return make_optimizer(self.optimizer_name, self.parameters())
 
 
+class PlannedNet(Net):
+    """Net with a tensor-parallel plan for hookloop-tp: blocks 0-1 and 2-3 are
+    colwise/rowwise pairs (under 4 pipeline stages a pair spans two stages: the colwise
+    block's output shard is what goes to the next stage)."""
+
+    @property
+    def tensor_parallel_plan(self):
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        return {"blocks.0.0": ColwiseParallel(), "blocks.1.0": RowwiseParallel(),
+                "blocks.2.0": ColwiseParallel(), "blocks.3.0": RowwiseParallel()}
+
+
 def reference(optimizer: str, steps: int, seed: int = 0, batches: list | None = None) -> tuple[dict, list[float]]:
     """The same model trained by a plain loop in one process: one full-batch step per
     batch (the pipeline's micro-batches accumulate to it). ``batches``: the sample

@@ -130,7 +130,6 @@ class Pipeline(DDP):
         self.pp_ranks: list[int] = [0]
         self.stages: list[nn.Module] = []       # every stage of the pipeline, in order
         self.own: list[int] = []                # the indices of this rank's stages
-        self._own_parameters: list[nn.Parameter] = []
         self._schedules: dict[int, Any] = {}
         self._module = None
         self._dp_group = None
@@ -204,12 +203,12 @@ class Pipeline(DDP):
                 "every stage's gradients, spread over the pp processes. Leave gradient_clip_val unset")
         for p in trainer.plugins:
             dims = set(mesh_dims(p) or ())
-            if p is not self and dims & {"dp_shard", "tp", "cp"}:
+            if p is not self and dims & {"dp_shard", "cp"}:
                 name = getattr(p, "hookloop_name", None) or type(p).__name__
                 raise ConfigurationError(
                     f"the pipeline plugin does not compose with {name!r} (mesh "
-                    f"dimension(s) {', '.join(sorted(dims))}) yet: it composes with ddp "
-                    f"(--mesh pp=P,dp_replicate=R). See plugins/pipeline/README.md")
+                    f"dimension(s) {', '.join(sorted(dims))}) yet: it composes with ddp and tp "
+                    f"(--mesh pp=P,dp_replicate=R or pp=P,tp=T). See plugins/pipeline/README.md")
         super().setup(trainer)
         mesh = getattr(trainer, "device_mesh", None)
         if mesh is not None and "pp" in (mesh.mesh_dim_names or ()):
@@ -229,10 +228,13 @@ class Pipeline(DDP):
         """A failed run gathers nothing at teardown: the other ranks may not be there."""
         self._failed = True
 
-    @hookloop.hookimpl
+    @hookloop.hookimpl(trylast=True)
     def teardown(self, trainer):
         """The module whole on every rank again (each stage broadcast from its rank), the
-        user's ``training_step`` back, then ddp's teardown (the process group)."""
+        user's ``training_step`` back, then ddp's teardown (the process group, which this
+        plugin made: its ``setup_environment`` is called first, as its ``wrap_model``).
+        ``trylast``: after the other mesh plugins' teardowns, which may need the group
+        (tp gathers its DTensors)."""
         try:
             if self._module is not None and not self._failed and dist.is_initialized():
                 self._sync_stages()
@@ -251,6 +253,11 @@ class Pipeline(DDP):
             return index if index < self.pp else 2 * self.pp - 1 - index
         return index % self.pp
 
+    def own_parameters(self) -> list[nn.Parameter]:
+        """The parameters of this rank's stages, as they are now (a later transform, such
+        as a tensor-parallel one, may replace them)."""
+        return [p for s in self.own for p in self.stages[s].parameters()]
+
     @hookloop.hookimpl
     def wrap_model(self, trainer, model):
         """Split the module into ``pp x virtual_stages`` stages and route ``training_step``
@@ -266,7 +273,6 @@ class Pipeline(DDP):
                 for t in (*module.parameters(), *module.buffers()):
                     dist.broadcast(t.data, src=0)
         self.own = [s for s in range(n_stages) if self.stage_rank(s) == self.pp_rank]
-        self._own_parameters = [p for s in self.own for p in self.stages[s].parameters()]
         m = self.microbatches or 2 * self.pp
         size = getattr(trainer.train_dataloader, "batch_size", None)
         if isinstance(size, int) and size % m:
@@ -355,7 +361,7 @@ class Pipeline(DDP):
         then step (the other stages' parameters have no gradient: the optimizer skips them)."""
         if self._dp_group is not None:
             size = dist.get_world_size(self._dp_group)
-            for p in self._own_parameters:
+            for p in self.own_parameters():
                 if p.grad is not None:
                     dist.all_reduce(p.grad, group=self._dp_group)
                     p.grad.div_(size)
@@ -375,7 +381,8 @@ class Pipeline(DDP):
             for index, stage in enumerate(self.stages):
                 src = self.pp_ranks[self.stage_rank(index)]
                 for t in (*stage.parameters(), *stage.buffers()):
-                    dist.broadcast(t.data, src=src, group=self.pp_group)
+                    local = t.to_local() if hasattr(t, "to_local") else t.data  # a DTensor: this rank's shard
+                    dist.broadcast(local, src=src, group=self.pp_group)
         self._synced = self._version
 
     @hookloop.hookimpl
@@ -400,7 +407,7 @@ class Pipeline(DDP):
         current = trainer.module.state_dict()
         checkpoint["state_dict"] = {k: current[k].detach().cpu().clone() if isinstance(current[k], torch.Tensor)
                                     else current[k] for k in checkpoint["state_dict"]}
-        own = {id(p) for p in self._own_parameters}
+        own = {id(p) for p in self.own_parameters()}
         mine = []
         for optimizer in trainer.optimizers:
             params = [p for g in optimizer.param_groups for p in g["params"]]
