@@ -27,6 +27,7 @@ from conftest import REPO, run_python
 
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
 from pipeline_models import BATCH, Net, data, indices, reference  # noqa: E402
+from hookloop_pipeline import Pipeline  # noqa: E402
 
 SCRIPT = REPO / "tests" / "scripts" / "pipeline_battery.py"
 CONFIGURATIONS = REPO / "docs" / "configurations.md"
@@ -163,7 +164,7 @@ def test_the_table_has_the_pipeline_refusals():
 def test_each_documented_pipeline_refusal_is_raised_with_its_message(row):
     _, plugins, options, mesh, when, raises, message = row
     with pytest.raises(hookloop.HookloopError) as info:
-        made = [hookloop.plugin(p, **options) if p == "pipeline" else p for p in plugins]
+        made = [Pipeline(**options) if p == "pipeline" else p for p in plugins]  # the object, in code
         trainer = hookloop.Trainer(plugins=made, mesh=mesh or None, max_steps=1, enable_checkpointing=False,
                                    logger=False, enable_progress_bar=False, enable_model_summary=False)
         assert when == "at start", f"{row[0]} was not refused at construction"
@@ -171,6 +172,19 @@ def test_each_documented_pipeline_refusal_is_raised_with_its_message(row):
     assert type(info.value).__name__ == raises
     assert " ".join(str(info.value).split()) == " ".join(message.split())
     assert not torch.distributed.is_initialized()
+
+
+def test_one_process_is_one_stage_the_users_own_step_and_the_name_resolves():
+    """pp = 1: no pipeline to run; the user's training_step trains as without the plugin."""
+    assert isinstance(hookloop.plugin("pipeline"), Pipeline)  # the entry point (make install)
+    module = Net("adam")
+    trainer = hookloop.Trainer(plugins=[Pipeline(schedule="gpipe", microbatches=4)], max_steps=STEPS,
+                               enable_checkpointing=False, logger=False, enable_progress_bar=False,
+                               enable_model_summary=False)
+    trainer.fit(module, DataLoader(data(), batch_size=BATCH))
+    expected, _ = reference("adam", STEPS)
+    assert max_diff(module.state_dict(), expected) <= 1e-6
+    assert "training_step" not in module.__dict__
 
 
 def test_the_automatic_split_and_the_modules_own_stages():
