@@ -187,6 +187,28 @@ def test_one_process_is_one_stage_the_users_own_step_and_the_name_resolves():
     assert "training_step" not in module.__dict__
 
 
+def test_one_process_leaves_clipping_to_the_default():
+    """What pp > 1 refuses (clipping across stages) is the core's as usual with one stage:
+    the plugin's optimizer_step steps aside (an autoloaded pipeline must not change a run)."""
+    from pipeline_models import blocks, make_optimizer
+    from torch.nn import functional as F
+
+    module = Net("sgd")
+    trainer = hookloop.Trainer(plugins=[Pipeline()], max_steps=STEPS, gradient_clip_val=0.05,
+                               enable_checkpointing=False, logger=False, enable_progress_bar=False,
+                               enable_model_summary=False)
+    trainer.fit(module, DataLoader(data(), batch_size=BATCH))
+    model = blocks(0)
+    opt = make_optimizer("sgd", model.parameters())
+    x, y = data().tensors
+    for step in range(STEPS):
+        opt.zero_grad()
+        F.cross_entropy(model(x[step * BATCH:(step + 1) * BATCH]), y[step * BATCH:(step + 1) * BATCH]).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step()
+    assert max_diff(module.state_dict(), {f"blocks.{k}": v for k, v in model.state_dict().items()}) <= 1e-6
+
+
 def test_the_automatic_split_and_the_modules_own_stages():
     from hookloop_pipeline import split_blocks, stage_modules
 

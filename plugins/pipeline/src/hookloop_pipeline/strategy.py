@@ -189,18 +189,6 @@ class Pipeline(DDP):
         ``trainer.device_mesh["pp"]``, or all processes (a pipeline-only run)."""
         self._reset()
         self.trainer = trainer
-        if not trainer.automatic_optimization:
-            raise ConfigurationError(
-                "the pipeline plugin does not support manual optimization: its schedule runs the "
-                "backward pass itself. Return the loss from training_step (automatic optimization)")
-        if trainer.precision == "16-mixed":
-            raise ConfigurationError(
-                "precision='16-mixed' is not supported by the pipeline plugin: the schedule runs the "
-                "backward pass, where a loss scaler cannot scale it. Use 'bf16-mixed' or 32")
-        if trainer.gradient_clip_val:
-            raise ConfigurationError(
-                "gradient_clip_val is not supported by the pipeline plugin yet: the norm is over "
-                "every stage's gradients, spread over the pp processes. Leave gradient_clip_val unset")
         for p in trainer.plugins:
             dims = set(mesh_dims(p) or ())
             if p is not self and dims & {"dp_shard", "cp"}:
@@ -222,6 +210,19 @@ class Pipeline(DDP):
             self.pp_ranks = list(range(trainer.world_size))
         else:
             self.pp_ranks = [trainer.global_rank]
+        # pp = 1 (one process, or pp=1 on the mesh): no pipeline, nothing refused for it
+        if self.pp > 1 and not trainer.automatic_optimization:
+            raise ConfigurationError(
+                "the pipeline plugin does not support manual optimization: its schedule runs the "
+                "backward pass itself. Return the loss from training_step (automatic optimization)")
+        if self.pp > 1 and trainer.precision == "16-mixed":
+            raise ConfigurationError(
+                "precision='16-mixed' is not supported by the pipeline plugin: the schedule runs the "
+                "backward pass, where a loss scaler cannot scale it. Use 'bf16-mixed' or 32")
+        if self.pp > 1 and trainer.gradient_clip_val:
+            raise ConfigurationError(
+                "gradient_clip_val is not supported by the pipeline plugin yet: the norm is over "
+                "every stage's gradients, spread over the pp processes. Leave gradient_clip_val unset")
 
     @hookloop.hookimpl
     def on_exception(self, trainer):
@@ -288,7 +289,7 @@ class Pipeline(DDP):
         """Under a data-parallel wrapper (ddp), keep its reducer idle: the backward runs
         inside the wrapped forward; this plugin averages the gradients over the wrapper's
         group before each optimizer step."""
-        if isinstance(model, nn.parallel.DistributedDataParallel):
+        if self._module is not None and isinstance(model, nn.parallel.DistributedDataParallel):
             model.require_backward_grad_sync = False
             self._dp_group = model.process_group
         return None
@@ -358,7 +359,10 @@ class Pipeline(DDP):
     @hookloop.hookimpl
     def optimizer_step(self, trainer, optimizer):
         """Average this rank's stage gradients over the data-parallel group (under ddp),
-        then step (the other stages' parameters have no gradient: the optimizer skips them)."""
+        then step (the other stages' parameters have no gradient: the optimizer skips them).
+        ``None`` without a pipeline (pp = 1): the default steps, and clips."""
+        if self._module is None:
+            return None
         if self._dp_group is not None:
             size = dist.get_world_size(self._dp_group)
             for p in self.own_parameters():
