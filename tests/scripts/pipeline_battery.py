@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hookloop  # noqa: E402
-from pipeline_models import BATCH, Net, PlannedNet, data  # noqa: E402
+from pipeline_models import BATCH, CLIP, Net, PlannedNet, data  # noqa: E402
 
 faulthandler.enable()
 faulthandler.dump_traceback_later(240, exit=True)  # a hang fails with the stacks
@@ -56,9 +56,9 @@ class Probe:
             trainer.save_checkpoint(self.path)
 
 
-def fit(module, steps: int, probe: Probe, options: dict, ckpt_path=None, accumulate: int = 1):
+def fit(module, steps: int, probe: Probe, options: dict, ckpt_path=None, accumulate: int = 1, **kwargs):
     trainer = hookloop.Trainer(max_steps=steps, plugins=[probe], plugin_options={"pipeline": options},
-                               accumulate_grad_batches=accumulate,
+                               accumulate_grad_batches=accumulate, **kwargs,
                                enable_checkpointing=False, logger=False, enable_progress_bar=False,
                                num_sanity_val_steps=0, enable_model_summary=False)
     trainer.fit(module, DataLoader(data(), batch_size=BATCH), ckpt_path=ckpt_path)
@@ -78,6 +78,12 @@ for case in CASES:
         fit(module, STEPS, probe, {"schedule": schedule, "microbatches": 4})
         record[case] = {"final": weights(module), "losses": probe.losses, "batches": probe.batches,
                         "layouts": probe.layouts}
+    elif kind == "clip":  # clip:SCHEDULE:ALGORITHM, gradient_clip_val=CLIP (SGD)
+        schedule, algorithm = rest.split(":")
+        module = Net("sgd")
+        fit(module, STEPS, Probe(), {"schedule": schedule, "microbatches": 4}, gradient_clip_val=CLIP,
+            gradient_clip_algorithm=algorithm)
+        record[case] = {"final": weights(module)}
     elif kind == "accumulate":  # accumulate:SCHEDULE: 2 batches per optimizer step
         probe = Probe()
         module = Net("adam")

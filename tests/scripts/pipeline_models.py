@@ -10,6 +10,7 @@ from torch.utils.data import TensorDataset
 import hookloop
 
 WIDTH, CLASSES, SAMPLES, BATCH, LR = 8, 4, 48, 8, 0.1
+CLIP = 0.05  # gradient_clip_val of the clipping checks: below the gradients' norm and values
 
 
 def data() -> TensorDataset:
@@ -73,7 +74,8 @@ class PlannedNet(Net):
                 "blocks.2.0": ColwiseParallel(), "blocks.3.0": RowwiseParallel()}
 
 
-def reference(optimizer: str, steps: int, seed: int = 0, batches: list | None = None) -> tuple[dict, list[float]]:
+def reference(optimizer: str, steps: int, seed: int = 0, batches: list | None = None,
+              clip: str | None = None) -> tuple[dict, list[float]]:
     """The same model trained by a plain loop in one process: one full-batch step per
     batch (the pipeline's micro-batches accumulate to it). ``batches``: the sample
     indices of each step (under pp x ddp the replicas' batches together, the global
@@ -88,6 +90,10 @@ def reference(optimizer: str, steps: int, seed: int = 0, batches: list | None = 
         opt.zero_grad()
         loss = F.cross_entropy(model(xb), yb)
         loss.backward()
+        if clip == "norm":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        elif clip == "value":
+            torch.nn.utils.clip_grad_value_(model.parameters(), CLIP)
         opt.step()
         losses.append(float(loss.detach()))
     return {f"blocks.{k}": v.detach().clone() for k, v in model.state_dict().items()}, losses

@@ -219,10 +219,6 @@ class Pipeline(DDP):
             raise ConfigurationError(
                 "precision='16-mixed' is not supported by the pipeline plugin: the schedule runs the "
                 "backward pass, where a loss scaler cannot scale it. Use 'bf16-mixed' or 32")
-        if self.pp > 1 and trainer.gradient_clip_val:
-            raise ConfigurationError(
-                "gradient_clip_val is not supported by the pipeline plugin yet: the norm is over "
-                "every stage's gradients, spread over the pp processes. Leave gradient_clip_val unset")
 
     @hookloop.hookimpl
     def on_exception(self, trainer):
@@ -369,9 +365,34 @@ class Pipeline(DDP):
                 if p.grad is not None:
                     dist.all_reduce(p.grad, group=self._dp_group)
                     p.grad.div_(size)
-        hookloop.before_optimizer_step(trainer, optimizer, clip=False)
+        hookloop.before_optimizer_step(trainer, optimizer)  # clips through clip_gradients below
         optimizer.step()
         self._version += 1
+        return True
+
+    @hookloop.hookimpl
+    def clip_gradients(self, trainer, optimizer, clip_val, algorithm):
+        """Clip over the whole model: ``"norm"`` by the 2-norm of every stage's gradients
+        (each rank's share summed over the ``pp`` group), ``"value"`` element-wise, as
+        ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` on one process would."""
+        if self._module is None:
+            return None
+        own = {id(p) for p in self.own_parameters()}
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if id(p) in own and p.grad is not None]
+        if algorithm == "value":
+            for g in grads:
+                g.clamp_(-clip_val, clip_val)
+            return True
+        squares = torch.zeros((), dtype=torch.float64, device=self.trainer.root_device)
+        for g in grads:
+            norm = torch.linalg.vector_norm(g.detach(), 2.0)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a tp-sharded gradient
+            squares += norm.double() ** 2
+        dist.all_reduce(squares, group=self.pp_group)
+        coefficient = min(clip_val / (float(squares.sqrt()) + 1e-6), 1.0)
+        if coefficient < 1.0:
+            for g in grads:
+                g.mul_(coefficient)
         return True
 
     # -- the whole module on every rank ---------------------------------------------------
