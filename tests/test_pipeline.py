@@ -136,7 +136,7 @@ def test_pipeline_x_ddp_on_a_2x2_mesh_equals_the_global_batch_loop(tmp_path_fact
 
 def test_pipeline_x_tp_on_a_2x2_mesh_equals_one_process_and_resumes(tmp_path_factory):
     ranks = battery(tmp_path_factory, "pptp", ["--plugins", "pipeline,tp", "--mesh", "pp=2,tp=2", "--devices", "4"],
-                    ["tp:1f1b:adam", "tp:interleaved_1f1b:sgd", "tpresume:1f1b"], 4)
+                    ["tp:1f1b:adam", "tp:interleaved_1f1b:sgd", "tpclip:1f1b:norm", "tpresume:1f1b"], 4)
     for case in ("tp:1f1b:adam", "tp:interleaved_1f1b:sgd"):
         expected, losses = reference(case.split(":")[2], STEPS)
         for record in ranks:
@@ -144,6 +144,9 @@ def test_pipeline_x_tp_on_a_2x2_mesh_equals_one_process_and_resumes(tmp_path_fac
             assert run["layouts"]["blocks.0.0.weight"] == ("S(0)",) and run["layouts"]["blocks.1.0.weight"] == ("S(1)",)
             assert max_diff(run["final"], expected) <= 1e-5  # whole, plain tensors after fit
             assert max(abs(a - b) for a, b in zip(run["losses"], losses)) <= 1e-5
+    clipped, _ = reference("sgd", STEPS, clip="norm")  # the norm over stages and tp shards
+    for record in ranks:
+        assert max_diff(record["tpclip:1f1b:norm"]["final"], clipped) <= 1e-5
     expected, _ = reference("adam", 4)
     for record in ranks:
         assert "tpresume.ckpt" in record["tpresume_files"] and record["tpresume_is_dir"]  # tp's DCP directory

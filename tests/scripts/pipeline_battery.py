@@ -78,9 +78,9 @@ for case in CASES:
         fit(module, STEPS, probe, {"schedule": schedule, "microbatches": 4})
         record[case] = {"final": weights(module), "losses": probe.losses, "batches": probe.batches,
                         "layouts": probe.layouts}
-    elif kind == "clip":  # clip:SCHEDULE:ALGORITHM, gradient_clip_val=CLIP (SGD)
+    elif kind in ("clip", "tpclip"):  # clip:SCHEDULE:ALGORITHM, gradient_clip_val=CLIP (SGD)
         schedule, algorithm = rest.split(":")
-        module = Net("sgd")
+        module = (PlannedNet if kind == "tpclip" else Net)("sgd")
         fit(module, STEPS, Probe(), {"schedule": schedule, "microbatches": 4}, gradient_clip_val=CLIP,
             gradient_clip_algorithm=algorithm)
         record[case] = {"final": weights(module)}
