@@ -120,9 +120,9 @@ def test_the_pp2_checkpoint_loads_into_one_process(two, tmp_path_factory):
     assert sorted(state) == list(range(8)) and all(int(s["step"]) == 2 for s in state.values())
 
 
-def test_pipeline_x_ddp_on_a_2x2_mesh_equals_the_global_batch_loop(tmp_path_factory):
+def test_pipeline_x_ddp_on_a_2x2_mesh_equals_the_global_batch_loop_and_resumes(tmp_path_factory):
     ranks = battery(tmp_path_factory, "ppdp", ["--plugins", "pipeline,ddp", "--mesh", "pp=2,dp_replicate=2",
-                                               "--devices", "4"], ["parity:1f1b:adam"], 4)
+                                               "--devices", "4"], ["parity:1f1b:adam", "whole:1f1b", "resume:1f1b"], 4)
     runs = [r["parity:1f1b:adam"] for r in ranks]
     # mesh (pp, dp_replicate): ranks 0, 2 are one pipeline (replica 0), ranks 1, 3 the other
     seen = [[indices(b) for b in run["batches"]] for run in runs]
@@ -132,6 +132,14 @@ def test_pipeline_x_ddp_on_a_2x2_mesh_equals_the_global_batch_loop(tmp_path_fact
     expected, _ = reference("adam", STEPS, batches=steps)
     for run in runs:
         assert max_diff(run["final"], expected) <= 1e-5
+    # a checkpoint at step 2 resumes like the uninterrupted run (which crosses into the
+    # next epoch's shuffle; checked against the one-process loop on its batches first)
+    whole = [r["whole:1f1b"] for r in ranks]
+    seen = [[indices(b) for b in run["batches"]] for run in whole]
+    expected, _ = reference("adam", 4, batches=[seen[0][s] + seen[1][s] for s in range(4)])
+    for rank, record in enumerate(ranks):
+        assert max_diff(whole[rank]["final"], expected) <= 1e-5
+        assert max_diff(record["resume:1f1b"]["final"], expected) <= 1e-5
 
 
 def test_pipeline_x_tp_on_a_2x2_mesh_equals_one_process_and_resumes(tmp_path_factory):

@@ -97,6 +97,11 @@ for case in CASES:
         train = torch.utils.data.Subset(data(), range(STEPS * BATCH))  # one epoch of STEPS batches
         trainer.fit(module, DataLoader(train, batch_size=BATCH), DataLoader(data(), batch_size=BATCH))
         record[case] = {"val_loss": float(trainer.callback_metrics["val_loss"])}
+    elif kind == "whole":  # whole:SCHEDULE: 4 uninterrupted Adam steps (the resume's reference)
+        probe = Probe()
+        module = Net("adam")
+        fit(module, 4, probe, {"schedule": rest, "microbatches": 4})
+        record[case] = {"final": weights(module), "losses": probe.losses, "batches": probe.batches}
     elif kind in ("resume", "tpresume"):  # resume:SCHEDULE: save at step 2 under pp=2, resume to step 4
         schedule, cls = rest, (PlannedNet if kind == "tpresume" else Net)
         path = OUT / f"{kind}.ckpt"
