@@ -154,12 +154,12 @@ class Pipeline(DDP):
             hookloop.check_sampler_seed("pipeline", value)
         else:
             super()._check_option(name, value)
-        if name in ("schedule", "virtual_stages") and "_reset" in type(self).__dict__ and hasattr(self, "split_points"):
-            self._check_schedule_and_stages(name, value)
 
-    def _check_schedule_and_stages(self, name: str | None = None, value: Any = None) -> None:
-        schedule = schedule_name(value if name == "schedule" else self.schedule)
-        virtual = value if name == "virtual_stages" else self.virtual_stages
+    def _check_schedule_and_stages(self) -> None:
+        """The schedule and ``virtual_stages`` together (at construction, and again at
+        setup for options changed since: one at a time they may pass through a mismatch)."""
+        schedule = schedule_name(self.schedule)
+        virtual = self.virtual_stages
         _, multi, style = SCHEDULES[schedule]
         if multi and virtual is not None and virtual < 2:
             raise ConfigurationError(
@@ -187,6 +187,7 @@ class Pipeline(DDP):
     def setup(self, trainer, stage):
         """Refuse what the pipeline cannot run, then take the ``pp`` group: the core's
         ``trainer.device_mesh["pp"]``, or all processes (a pipeline-only run)."""
+        self._check_schedule_and_stages()
         self._reset()
         self.trainer = trainer
         for p in trainer.plugins:
