@@ -20,6 +20,19 @@ in one worker thread per device, so two ``"cpu"`` partitions share one thread: i
 no overlap on the CPU and is not timed here.
 
     python benchmarks/pipeline_bubble.py [--rounds 5] [--steps 12]
+
+``--schedules`` measures hookloop-pipeline's schedules instead (GPipe, 1F1B, interleaved
+1F1B, looped BFS, interleaved and ZBV zero-bubble) on ``--procs`` processes (2 or 4),
+``m`` = ``--microbatches`` micro-batches, the same MLP cut into ``procs x v`` stages. For
+each rank it times the compute (every ``forward_one_chunk``, ``backward_one_chunk`` and
+``backward_weight_one_chunk`` of its stages) against the wall time of ``schedule.step``;
+the measured bubble is ``1 - busy / wall`` (the mean over ranks, medians over interleaved
+rounds), printed next to the theoretical fraction of an idle stage: ``(p - 1) / (m + p -
+1)`` for GPipe and 1F1B, the same with ``(p - 1) / v`` for the interleaved ones
+(Narayanan et al. 2021), 0 for the zero-bubble bound (their weight-gradient passes fill
+the idle slots; Qi et al. 2023). Sends and receives that wait count as bubble.
+
+    python benchmarks/pipeline_bubble.py --schedules [--procs 2] [--rounds 3] [--steps 8]
 """
 
 from __future__ import annotations
@@ -163,7 +176,15 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--schedules", action="store_true", help="hookloop-pipeline's schedules, busy vs wall")
+    parser.add_argument("--procs", type=int, default=2, help="--schedules: pipeline ranks (2 or 4)")
+    parser.add_argument("--microbatches", type=int, default=8, help="--schedules: micro-batches per batch")
     args = parser.parse_args()
+    if args.schedules:
+        if args.result is not None:
+            schedules_worker(args)
+            return 0
+        return schedules_main(args)
     if args.result is not None:
         worker(args)
         return 0
@@ -189,6 +210,148 @@ def main() -> int:
         best = single / STAGES / (1 - bubble)
         print(f"{chunks:>6} {measured * 1e3:>12.1f} {bubble:>13.3f} {best * 1e3:>9.1f} {measured / best:>14.2f} "
               f"{single / measured:>12.2f} {raw * 1e3:>18.1f} {ratio:>13.2f}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------
+# --schedules: hookloop-pipeline's schedules, each rank's busy time against the step's
+# ---------------------------------------------------------------------------------------
+
+#: --schedules: the batch (micro-batches of 64 rows at m = 8: compute, not latency, dominates)
+SCHEDULE_BATCH = 512
+#: schedule -> stages per rank (v)
+SCHEDULE_V = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "looped_bfs": 2,
+              "interleaved_zero_bubble": 2, "zbv_zero_bubble": 2}
+
+
+def theoretical_bubble(schedule: str, p: int, m: int) -> float:
+    v = SCHEDULE_V[schedule]
+    if "zero_bubble" in schedule:
+        return 0.0
+    if schedule == "looped_bfs":  # breadth-first: every stage's forwards, then backwards
+        return (p - 1) / (m + p - 1)
+    idle = (p - 1) / v
+    return idle / (m + idle)
+
+
+class _Timer:
+    """Adds up the compute of this rank's stages and the wall time of ``schedule.step``."""
+
+    def __init__(self):
+        self.busy = self.wall = 0.0
+        self._patched: list = []
+
+    def install(self) -> None:
+        from torch.distributed.pipelining import schedules, stage
+
+        def timed(owner, name, attr):
+            original = getattr(owner, name)
+
+            def wrapper(*a, **k):
+                start = time.perf_counter()
+                try:
+                    return original(*a, **k)
+                finally:
+                    setattr(self, attr, getattr(self, attr) + time.perf_counter() - start)
+
+            self._patched.append((owner, name, original))
+            setattr(owner, name, wrapper)
+
+        for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+            if hasattr(stage._PipelineStageBase, name):
+                timed(stage._PipelineStageBase, name, "busy")
+        for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
+            timed(cls, "step", "wall")
+
+
+def schedule_fractions(schedule: str, m: int, steps: int, timer: _Timer) -> float:
+    """This rank's busy fraction of the pipeline steps after the warm-up ones."""
+    import hookloop
+
+    class Net(hookloop.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU()) for _ in range(BLOCKS)])
+
+        def pipeline_loss(self, output, target):
+            return F.mse_loss(output, target)
+
+        def training_step(self, batch, batch_idx):
+            return self.pipeline_loss(self.blocks(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    class Clock:
+        hookloop_name, hookloop_role = "clock", "observer"
+
+        def __init__(self):
+            self.samples: list[tuple[float, float]] = []
+
+        @hookloop.hookimpl
+        def on_train_batch_start(self, batch_idx):
+            timer.busy = timer.wall = 0.0
+
+        @hookloop.hookimpl
+        def on_train_batch_end(self, batch_idx):
+            if batch_idx >= WARMUP:
+                self.samples.append((timer.busy, timer.wall))
+
+    torch.manual_seed(0)
+    clock = Clock()
+    plugin = hookloop.plugin("pipeline", schedule=schedule, microbatches=m)
+    trainer = hookloop.Trainer(plugins=[plugin, clock], max_epochs=1, enable_checkpointing=False, logger=False,
+                               enable_progress_bar=False, num_sanity_val_steps=0, enable_model_summary=False)
+    with contextlib.redirect_stdout(io.StringIO()):
+        g = torch.Generator().manual_seed(0)
+        n = SCHEDULE_BATCH * (steps + WARMUP)
+        data = TensorDataset(torch.randn(n, WIDTH, generator=g), torch.randn(n, WIDTH, generator=g))
+        trainer.fit(Net(), DataLoader(data, batch_size=SCHEDULE_BATCH))
+    busy = sum(b for b, _ in clock.samples)
+    wall = sum(w for _, w in clock.samples)
+    return busy / wall
+
+
+def schedules_worker(args) -> None:
+    torch.set_num_threads(1)
+    timer = _Timer()
+    timer.install()
+    names = list(SCHEDULE_V)
+    results: dict[str, list[list[float]]] = {n: [] for n in names}
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            busy = schedule_fractions(name, args.microbatches, args.steps, timer)
+            gathered = [None] * int(os.environ["WORLD_SIZE"])
+            import hookloop
+
+            hookloop.init_process_group("gloo", int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+            dist.all_gather_object(gathered, busy)
+            dist.destroy_process_group()
+            results[name].append(gathered)
+    if int(os.environ["RANK"]) == 0:
+        Path(args.result).write_text(json.dumps(results))
+
+
+def schedules_main(args) -> int:
+    p, m = args.procs, args.microbatches
+    if BLOCKS % (2 * p):
+        raise SystemExit(f"--procs {p}: the {BLOCKS} blocks must split into {2 * p} stages")
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={p}", __file__,
+               "--schedules", f"--procs={p}", f"--microbatches={m}", f"--rounds={args.rounds}",
+               f"--steps={args.steps}", f"--result={result}"]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HOOKLOOP_")}
+        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+        results = json.loads(result.read_text())
+    print(f"hookloop-pipeline, {p} processes (gloo, CPU, 1 thread each); MLP {BLOCKS} x Linear {WIDTH}; batch "
+          f"{SCHEDULE_BATCH}, m = {m} micro-batches; medians of {args.rounds} interleaved rounds x {args.steps} steps")
+    print(f"{'schedule':>24} {'v':>2} {'busy/wall per rank':>24} {'measured bubble':>16} {'theoretical':>12}")
+    for name, rounds in results.items():
+        per_rank = [statistics.median(r[i] for r in rounds) for i in range(p)]
+        bubble = statistics.median(1 - sum(r) / len(r) for r in rounds)
+        print(f"{name:>24} {SCHEDULE_V[name]:>2} {' '.join(f'{b:.2f}' for b in per_rank):>24} {bubble:>16.3f} "
+              f"{theoretical_bubble(name, p, m):>12.3f}")
     return 0
 
 

@@ -155,7 +155,7 @@ def test_in_tree_plugins_declare_a_range_that_admits_the_contract():
         assert declared is not None, f"in-tree plugin {name!r} ({info.distribution}) declares no hookloop_requires"
         assert SpecifierSet(declared).contains(hookloop.CONTRACT_VERSION), (name, declared)
         checked.append(name)
-    assert {"ddp", "amp", "deepspeed", "fsdp", "tp", "tensorboard", "throughput", "compile", "cp", "float8"} <= set(checked)
+    assert {"ddp", "amp", "deepspeed", "fsdp", "tp", "tensorboard", "throughput", "compile", "cp", "float8", "pipeline"} <= set(checked)
 
 
 def test_a_range_that_excludes_the_running_contract_is_refused_at_load(site):
