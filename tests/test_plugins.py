@@ -82,7 +82,14 @@ def test_enable_through_environment(counter_plugin, monkeypatch):
 
 def test_autoload_and_block(counter_plugin, monkeypatch):
     monkeypatch.setenv("HOOKLOOP_AUTOLOAD_PLUGINS", "1")
-    assert "counter" in [registry.plugin_name(p) for p in fit([], epochs=1).plugins]
+    loaded = [registry.plugin_name(p) for p in fit([], epochs=1).plugins]
+    assert "counter" in loaded
+    # never a strategy, a mesh dimension (a layout the user sizes; cp refuses the CPU) or a
+    # plugin that opted out (compile: a compile's cost; float8: a GPU's numerics)
+    installed = set(hookloop.plugins.installed_plugins())
+    for name in ("ddp", "fsdp", "tp", "pipeline", "cp", "compile", "float8", "early_stopping"):
+        assert name not in loaded, (name, loaded)
+    assert {"tp", "pipeline", "cp", "compile", "float8"} & installed, installed
     assert "counter" not in [registry.plugin_name(p) for p in fit(["no:counter"], epochs=1).plugins]
 
 

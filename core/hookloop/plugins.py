@@ -417,8 +417,9 @@ def collect(requested: Iterable[Any], defaults: Iterable[Any] = (), autoload: bo
     ``requested`` come from code (``Trainer(plugins=...)``), ``defaults`` from the CLI
     (``--plugins``) and ``HOOKLOOP_PLUGINS``. Both are used; where a default plugin
     has the same exclusive role as a requested one, the requested one wins. With
-    ``autoload`` every installed plugin that is not a strategy is loaded too (strategies
-    exclude each other, so they are always chosen by name), except those that declare
+    ``autoload`` every installed plugin that is not a strategy and claims no mesh
+    dimension is loaded too (strategies exclude each other and a mesh dimension is a layout
+    the user sizes, so they are always chosen by name), except those that declare
     ``hookloop_autoload = False`` (they need options to mean anything); ``no:NAME``
     blocks one.
     ``builtin`` names the core's own observers (progress, csv, checkpoint): added last,
@@ -496,8 +497,8 @@ def collect(requested: Iterable[Any], defaults: Iterable[Any] = (), autoload: bo
             if getattr(obj, "hookloop_autoload", True) is False:
                 continue  # only useful configured (early_stopping: which metric): by name only
             p = make(obj, name)
-            if plugin_role(p) == "strategy":
-                continue
+            if plugin_role(p) == "strategy" or getattr(p, "hookloop_mesh_dims", ()):
+                continue  # a strategy or a mesh dimension is a layout the user chooses
             names_seen.add(name)
             chosen.append(p)
     return chosen

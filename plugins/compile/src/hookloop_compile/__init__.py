@@ -94,6 +94,8 @@ class Compile:
 
     hookloop_name = "compile"
     hookloop_role = "extension"
+    #: compiling is a choice with a cost (tens of seconds per model), never made by autoload
+    hookloop_autoload = False
     hookloop_requires = ">=2,<3"
     #: it composes with any mesh plugin: it claims no mesh dimension
     hookloop_mesh_dims: tuple[str, ...] = ()

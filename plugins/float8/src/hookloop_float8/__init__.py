@@ -79,6 +79,8 @@ class Float8:
 
     hookloop_name = "float8"
     hookloop_role = "extension"
+    #: float8 changes the numerics and needs a GPU: chosen by name only
+    hookloop_autoload = False
     hookloop_requires = ">=2,<3"
     #: it composes with the mesh plugins: it claims no mesh dimension
     hookloop_mesh_dims: tuple[str, ...] = ()
