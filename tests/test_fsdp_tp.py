@@ -180,3 +180,79 @@ def test_hsdp_x_tp_from_the_trainer_equals_one_process(tmp_path):
 @pytest.mark.skipif(not FULL, reason="8 processes: HOOKLOOP_TEST_FULL=1 (make test-full)")
 def test_hsdp_x_tp_on_2x2x2_equals_one_process(tmp_path):
     _hsdp(tmp_path, "dp_replicate=2,dp_shard=2,tp=2", 8)
+
+
+# -- refused: docs/configurations.md, "fsdp x tp", in one process (a 1 x 1 mesh) ----------
+
+
+class LateMLP(Net):
+    """``Net`` whose MLP ``configure_model`` creates (fsdp's meta-device creation)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.mlp = None
+
+    def configure_model(self):
+        from tp_models import MLP
+
+        if self.mlp is None:
+            self.mlp = MLP()
+
+
+def _fit_one_process(module, plugins, tmp_path, steps=2):
+    trainer = hookloop.Trainer(plugins=plugins, mesh={"dp_shard": 1, "tp": 1}, max_steps=steps,
+                               enable_checkpointing=False, logger=False, enable_progress_bar=False,
+                               num_sanity_val_steps=0, default_root_dir=tmp_path)
+    trainer.fit(module, DataLoader(data(SAMPLES), batch_size=SAMPLES))
+    return trainer
+
+
+def test_ft1_meta_init_beside_tp_is_refused_at_start_naming_the_fix(tmp_path):
+    import torch.distributed as dist
+
+    with pytest.raises(hookloop.ConfigurationError) as info:
+        _fit_one_process(LateMLP(optimizer="adam"), ["fsdp", "tp"], tmp_path)
+    text = " ".join(str(info.value).split())
+    assert "--plugin-option fsdp.meta_init=false" in text
+    # the documented row, word for word
+    section = (REPO / "docs" / "configurations.md").read_text().split("## fsdp x tp", 1)[1].split("\n## ", 1)[0]
+    row = next(line for line in section.splitlines() if line.startswith("| FT1 |"))
+    cells = [c.strip() for c in row.strip().strip("|").split("|")]
+    assert cells[4] == "`ConfigurationError`" and cells[3] == "at start"
+    assert text == " ".join(cells[5].strip("`").split())
+    assert not dist.is_initialized()
+
+
+def test_with_meta_init_off_configure_model_trains_under_fsdp_x_tp_like_one_process(tmp_path):
+    module = LateMLP(optimizer="adam")
+    _fit_one_process(module, [hookloop.plugin("fsdp", meta_init=False), "tp"], tmp_path, steps=3)
+    expected = LateMLP(optimizer="adam")  # the same construction, then a hand-written loop
+    expected.configure_model()
+    opt = expected.make_optimizer(expected.parameters())
+    for _ in range(3):
+        opt.zero_grad()
+        expected.loss(data(SAMPLES)[:]).backward()
+        opt.step()
+    got = {k: v.detach() for k, v in module.state_dict().items()}
+    assert max_diff(got, expected.state_dict()) <= 1e-5
+
+
+def test_the_data_parallel_plugin_leads_whatever_the_listed_order(tmp_path):
+    """``Trainer(plugins=["tp", "fsdp"])``: fsdp is ``trainer.strategy`` (the checkpoint
+    observer reads the format from it): under fsdp's default ``state_dict_type="full"``
+    ``last.ckpt`` is one file, which a second run into the same directory accepts, and it
+    holds the one-process loop's weights."""
+    from hookloop import mesh
+
+    assert mesh.lifecycle_lead([hookloop.plugin("tp"), hookloop.plugin("fsdp")]).hookloop_name == "fsdp"
+    weights, _ = reference("sgd", 3)
+    for _ in range(2):
+        module = Net(attention=True, optimizer="sgd")
+        trainer = hookloop.Trainer(plugins=["tp", "fsdp", hookloop.ModelCheckpoint(dirpath=tmp_path / "ck", save_last=True)],
+                                   mesh={"dp_shard": 1, "tp": 1}, max_steps=3, logger=False,
+                                   enable_progress_bar=False, num_sanity_val_steps=0, default_root_dir=tmp_path)
+        assert trainer.strategy.hookloop_name == "fsdp"
+        trainer.fit(module, DataLoader(data(SAMPLES), batch_size=SAMPLES))
+        assert (tmp_path / "ck" / "last.ckpt").is_file()
+        saved = hookloop.safe_load(tmp_path / "ck" / "last.ckpt")["state_dict"]
+        assert max_diff({k: saved[k] for k in weights}, weights) <= 1e-5

@@ -304,7 +304,19 @@ class FSDP(DDP):
     @hookloop.hookimpl
     def model_init_context(self, trainer):
         """``configure_model()`` runs on the meta device: no tensor is allocated until the
-        model is sharded (``meta_init=False``: normally)."""
+        model is sharded (``meta_init=False``: normally). Beside a plugin that splits the
+        model before fsdp shards it (tp), ``meta_init=True`` is refused: tp splits real
+        weights, every process starting from rank 0's."""
+        if self.meta_init:
+            splitters = _splitters(trainer, self)
+            if splitters:
+                raise ConfigurationError(
+                    f"fsdp option meta_init=True creates the model of configure_model() on the meta "
+                    f"device, and {', '.join(repr(n) for n in splitters)} splits the model before fsdp "
+                    f"shards it, which needs real weights (every process takes rank 0's, then keeps "
+                    f"its slice): set --plugin-option fsdp.meta_init=false (or "
+                    f"hookloop.plugin('fsdp', meta_init=False)); configure_model then builds the model "
+                    f"whole on every process (docs/configurations.md, 'fsdp x tp', FT1)")
         return torch.device("meta") if self.meta_init else contextlib.nullcontext()
 
     @hookloop.hookimpl
@@ -453,6 +465,16 @@ class FSDPCPUOffload(FSDP):
 
     def __init__(self, **options: Any):
         super().__init__(**{"cpu_offload": True, **options})
+
+
+def _splitters(trainer, fsdp) -> list[str]:
+    """The enabled mesh plugins whose ``wrap_model`` splits the model before fsdp's
+    (tp-like: :func:`hookloop.mesh.transform_stage` 1), by name."""
+    from hookloop.mesh import transform_stage
+    from hookloop.pluginspec import plugin_name
+
+    return [plugin_name(p) for p in getattr(trainer, "plugins", None) or ()
+            if p is not fsdp and transform_stage(p) == 1]
 
 
 @contextlib.contextmanager

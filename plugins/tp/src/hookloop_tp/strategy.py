@@ -29,7 +29,7 @@ import hookloop
 from hookloop import ConfigurationError
 from hookloop_ddp import DDP
 from hookloop import dcp as dcp_checkpoint
-from hookloop.mesh import DATA_PARALLEL_DIMS, mesh_dims
+from hookloop.mesh import lifecycle_lead
 
 from . import plan as plans
 
@@ -138,12 +138,12 @@ class TP(DDP):
     # -- environment ----------------------------------------------------------------------
 
     def _find_lead(self, trainer) -> str | None:
-        """The enabled data-parallel mesh plugin (claiming ``dp_replicate``/``dp_shard``),
-        which leads the lifecycle when present; ``None`` for a tp-only run."""
-        for p in getattr(trainer, "plugins", None) or ():
-            if p is not self and set(mesh_dims(p) or ()) & set(DATA_PARALLEL_DIMS):
-                return getattr(p, "hookloop_name", None) or type(p).__name__
-        return None
+        """The strategy leading the lifecycle when it is not tp (the data-parallel one,
+        :func:`hookloop.mesh.lifecycle_lead`), by name; ``None`` for a tp-only run."""
+        lead = lifecycle_lead(getattr(trainer, "plugins", None) or ())
+        if lead is None or lead is self:
+            return None
+        return getattr(lead, "hookloop_name", None) or type(lead).__name__
 
     @hookloop.hookimpl
     def setup_environment(self, trainer):
