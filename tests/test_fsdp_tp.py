@@ -8,7 +8,8 @@ weights and the optimizer's state after 6 steps within 1e-5.
 
 * 2x2: ``hookloop run --plugins fsdp,tp --devices 4 --mesh dp_shard=2,tp=2`` (the CLI
   path): SGD (fsdp's default ``state_dict_type="full"``: the module whole after fit) and
-  Adam (``"sharded"``), saving a DCP checkpoint at step 2;
+  Adam (``"sharded"``), saving a DCP checkpoint at step 2; Adam with two micro-batches a
+  step and the gradients clipped by norm;
 * 4x1: ``--plugins fsdp --mesh dp_shard=4`` resumes that checkpoint, saves at step 4;
 * 1 process (in this process): resumes the 4x1 checkpoint to step 6;
 * HSDP x tp (the Trainer path: ``Trainer(plugins=[fsdp HYBRID_SHARD, "tp"], devices=4,
@@ -39,15 +40,18 @@ STEPS, SAMPLES = 6, 8
 FULL = os.environ.get("HOOKLOOP_TEST_FULL") == "1"
 
 
-def reference(optimizer: str, steps: int) -> tuple[dict, dict]:
+def reference(optimizer: str, steps: int, clip: float | None = None) -> tuple[dict, dict]:
     """The same model trained by a hand-written loop in one process, full batch:
-    (weights, optimizer state by parameter name) after ``steps`` steps."""
+    (weights, optimizer state by parameter name) after ``steps`` steps; ``clip``: the
+    gradients clipped to that total norm."""
     model = Net(attention=True, optimizer=optimizer)
     opt = model.make_optimizer(model.parameters())
     batch = data(SAMPLES)[:]
     for _ in range(steps):
         opt.zero_grad()
         model.loss(batch).backward()
+        if clip is not None:
+            assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)) > 5 * clip  # it clips
         opt.step()
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     state = {n: {k: v.clone() for k, v in opt.state[p].items() if k != "step"}
@@ -95,6 +99,19 @@ def test_fsdp_x_tp_on_2x2_equals_one_process(runs, optimizer):
         assert run["layouts"]["attn.q.weight"][1] == ("dp_shard", "tp")
         assert run["layouts"]["mlp.fc2.weight"] == (("S(0)", "S(1)"), ("dp_shard", "tp"))
         assert run["layouts"]["head.weight"] == (("S(0)",), ("dp_shard",))
+
+
+def test_accumulation_and_clipping_by_norm_across_the_two_meshes_equal_one_process(runs):
+    """Two micro-batches a step (fsdp's no-sync accumulation, tp following), the gradients
+    clipped by their total norm although they are DTensors on two meshes (split layers'
+    on (dp_shard, tp), the others' on dp_shard): torch's clip_grad_norm_ refuses them."""
+    out, _ = runs
+    weights, state = reference("adam", STEPS, clip=0.05)
+    for record in ranks(out, "2x2"):
+        run = record["clipped"]
+        assert run["global_step"] == STEPS and len(run["batches"]) == 2 * STEPS
+        assert max_diff(run["weights"], weights) <= 1e-5
+        assert state_diff(run["optimizer"], state) <= 1e-5
 
 
 def test_the_tp_processes_of_a_data_parallel_rank_see_its_batches(runs):

@@ -8,6 +8,7 @@ one-process loop (fsdp_tp_reference in the test). Modes:
 * ``2x2`` (``--plugins fsdp,tp --mesh dp_shard=2,tp=2``): SGD with fsdp's default
   ``state_dict_type="full"`` (the module whole again after fit), then Adam with
   ``"sharded"``, saving a DCP checkpoint at step 2 (``OUT/2x2.ckpt``) and going on;
+  Adam with two micro-batches a step and gradients clipped by norm (``clipped``);
 * ``4x1`` (``--plugins fsdp --mesh dp_shard=4``): resumes ``OUT/2x2.ckpt``, saves
   ``OUT/4x1.ckpt`` at step 4 and goes on;
 * ``hsdp``: run as ``python fsdp_tp_job.py OUT hsdp`` (the Trainer path: the first
@@ -92,6 +93,11 @@ if MODE == "2x2":
     module = Net(attention=True, optimizer="adam")
     fit(module, [], probe, GLOBAL_BATCH // 2, plugin_options={"fsdp": {"state_dict_type": "sharded"}})
     record["adam"] = probe.seen
+    # two micro-batches a step (fsdp's no-sync accumulation), the gradients clipped by norm
+    probe = Probe()
+    module = Net(attention=True, optimizer="adam")
+    fit(module, [], probe, GLOBAL_BATCH // 4, accumulate_grad_batches=2, gradient_clip_val=0.05)
+    record["clipped"] = probe.seen
 elif MODE == "4x1":
     probe = Probe(save_at=4, path=OUT / "4x1.ckpt")
     module = Net(attention=True, optimizer="adam", seed=5)  # other weights: the checkpoint's must win
