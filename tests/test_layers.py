@@ -38,7 +38,7 @@ LAYERS: list[list[str]] = [
     ["loggers", "helpers", "distributed", "data", "loader_state", "mesh"],
     ["metrics"],
     ["state"],
-    ["optim"],
+    ["optim", "dcp"],
     ["defaults", "observers", "callbacks"],
     ["step"],
     ["loop"],

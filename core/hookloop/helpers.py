@@ -194,8 +194,54 @@ def clip_parameters(optimizer: torch.optim.Optimizer, clip_val: float, algorithm
     params = optimizer_parameters(optimizer)
     if algorithm == "value":
         torch.nn.utils.clip_grad_value_(params, clip_val)
+    elif _grad_meshes(params) > 1:
+        clip_norm_across_meshes(params, clip_val)
     else:
         torch.nn.utils.clip_grad_norm_(params, clip_val)
+
+
+def _grad_meshes(params: list) -> int:
+    """How many device meshes the gradients of ``params`` live on (plain tensors: one)."""
+    meshes: list = []
+    for p in params:
+        mesh = getattr(p.grad, "device_mesh", None) if p.grad is not None else None
+        if not any(mesh is m for m in meshes):
+            meshes.append(mesh)
+    return len(meshes)
+
+
+def clip_norm_across_meshes(params: list, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """``clip_grad_norm_`` for gradients that are DTensors on several device meshes (fsdp x
+    tp: a split layer's on ``(dp_shard, tp)``, a replicated one's on ``dp_shard``), where
+    torch's own stacks the per-tensor norms and DTensor refuses operands of two meshes.
+    The norm of each mesh's group is computed (DTensor reduces it over that mesh), the
+    groups' norms are combined, and every gradient is scaled by the same
+    ``min(1, max_norm / (total + 1e-6))`` as torch's. Returns the total norm."""
+    groups: list[tuple[Any, list]] = []
+    for p in params:
+        if p.grad is None:
+            continue
+        mesh = getattr(p.grad, "device_mesh", None)
+        for key, grads in groups:
+            if key is mesh:
+                grads.append(p.grad)
+                break
+        else:
+            groups.append((mesh, [p.grad]))
+    if not groups:
+        return torch.tensor(0.0)
+    norms = []
+    for _, grads in groups:
+        norm = torch.nn.utils.get_total_norm(grads, norm_type)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
+    coef = min(1.0, float(max_norm) / (float(total) + 1e-6))
+    if coef < 1.0:
+        with torch.no_grad():
+            for _, grads in groups:
+                for g in grads:
+                    g.mul_(coef)
+    return total
 
 
 def repoint_lr_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:

@@ -91,6 +91,22 @@ def check_layout(plugins: Iterable[Any]) -> None:
             f"one (replicas x shards is fsdp's sharding_strategy='HYBRID_SHARD').")
 
 
+def lifecycle_lead(plugins: Iterable[Any]) -> Any:
+    """The strategy that owns the model/optimizer lifecycle among ``plugins`` (the run's
+    ``trainer.strategy``): a strategy that does not compose (it runs alone), else the one
+    that wraps the model for data parallelism (fsdp, HSDP, ddp: a tp-like mesh plugin
+    beside it only transforms the model; docs/decisions.md, "fsdp x tp"), else the first
+    strategy listed; ``None`` without a strategy."""
+    strategies = [p for p in plugins if getattr(p, "hookloop_role", None) == "strategy"]
+    for p in strategies:
+        if mesh_dims(p) is None:
+            return p
+    for p in strategies:
+        if set(mesh_dims(p) or ()) & set(DATA_PARALLEL_DIMS):
+            return p
+    return strategies[0] if strategies else None
+
+
 def parse_mesh(value: Any, source: str = "mesh") -> dict[str, int | None]:
     """``{"dp_shard": 2, "tp": None}`` from ``None``, a dict, or text such as
     ``"dp_shard=2,tp=2"`` (``tp`` alone or ``tp=-1``: unsized). Sizes are integers >= 1."""

@@ -220,7 +220,8 @@ class Trainer:
         self.plugins = chosen
         self.plugin_manager = plugin_registry.make_plugin_manager(chosen, Defaults())
         self.hook = self.plugin_manager.hook
-        self.strategy = next((p for p in chosen if plugin_registry.plugin_role(p) == "strategy"), None)
+        # the lifecycle's owner: beside tp, the data-parallel strategy (fsdp), whatever the order
+        self.strategy = mesh_module.lifecycle_lead(chosen)
 
         # Run state: written by setup_environment (ranks, device) and by the loops.
         self.world_size, self.global_rank, self.local_rank, self.node_rank = 1, 0, 0, 0

@@ -130,20 +130,35 @@ class _Stale:
     mesh_shape: tuple[int, ...]
 
 
-def detach_stale(model: nn.Module) -> dict[tuple[int, str], _Stale]:
+def detach_stale(model: nn.Module, mesh: Any = None) -> dict[tuple[int, str], _Stale]:
     """Replace the DTensors an earlier run left in ``model`` by meta tensors of the same
-    global shape, remembering this rank's shard of each (see :func:`reattach`)."""
+    global shape, remembering this rank's shard of each (see :func:`reattach`). DTensors
+    on a sub-mesh of this run's ``mesh`` are not stale: tp split them just now (fsdp x tp)."""
     from torch.distributed.tensor import DTensor
 
     stale: dict[tuple[int, str], _Stale] = {}
     for module in model.modules():
         for name, param in list(module._parameters.items()):
-            if isinstance(param, DTensor):
+            if isinstance(param, DTensor) and not of_this_run(param, mesh):
                 stale[(id(module), name)] = _Stale(param.to_local().detach(), tuple(param.placements),
                                                    tuple(param.device_mesh.shape))
                 module._parameters[name] = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
                                                         requires_grad=param.requires_grad)
     return stale
+
+
+def of_this_run(tensor: Any, mesh: Any) -> bool:
+    """Whether DTensor ``tensor`` is another mesh plugin's split of this run (tp's, under
+    fsdp x tp), not an earlier fsdp run's shard: its mesh dimensions are all dimensions
+    of this run's mesh and none is fsdp's own (``mesh``, fsdp's part). By names: torch
+    reuses equal meshes across runs (DTensor's caches), so identity tells nothing."""
+    if mesh is None:
+        return False
+    names = tuple(getattr(tensor.device_mesh, "mesh_dim_names", None) or ())
+    root = getattr(mesh, "_get_root_mesh", None)  # the run's whole mesh (torch 2.x DeviceMesh)
+    everything = set(getattr(root(), "mesh_dim_names", None) or ()) if root is not None else set()
+    own = set(mesh.mesh_dim_names or ())
+    return bool(names) and set(names) <= everything and not set(names) & own
 
 
 def reattach(model: nn.Module, stale: dict[tuple[int, str], _Stale]) -> None:

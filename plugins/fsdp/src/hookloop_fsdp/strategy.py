@@ -125,12 +125,17 @@ class FSDP(DDP):
         ``HYBRID_SHARD``'s ``device_mesh`` option or (nodes, processes per node), and
         ``NO_SHARD``'s (world, 1)."""
         dims = self.hookloop_mesh_dims
-        if len(dims) == 1:
-            return {}
-        data_parallel = trainer.world_size // math.prod(
-            s for d, s in trainer.config.mesh.items() if d not in dims and s)
+        if len(dims) == 1 or all(trainer.config.mesh.get(d) for d in dims):
+            return {}  # the user's sizes win: nothing to propose (nor to check against nodes)
+        others = math.prod(s for d, s in trainer.config.mesh.items() if d not in dims and s)
+        data_parallel = trainer.world_size // others
+        # (nodes, data-parallel processes per node): a node's processes are also split by
+        # the other dimensions (tp inside a node), so its share is local_world_size / others.
+        per_node = self.cluster.local_world_size if self.cluster else None
+        if per_node is not None:
+            per_node = per_node // others if per_node % others == 0 else None
         shape = opts.mesh_shape(opts.sharding_strategy(self.sharding_strategy), opts.device_mesh(self.device_mesh),
-                                data_parallel, self.cluster.local_world_size if self.cluster else None)
+                                data_parallel, per_node)
         return dict(zip(dims, shape))
 
     _FSDP_OPTIONS = (
@@ -299,7 +304,19 @@ class FSDP(DDP):
     @hookloop.hookimpl
     def model_init_context(self, trainer):
         """``configure_model()`` runs on the meta device: no tensor is allocated until the
-        model is sharded (``meta_init=False``: normally)."""
+        model is sharded (``meta_init=False``: normally). Beside a plugin that splits the
+        model before fsdp shards it (tp), ``meta_init=True`` is refused: tp splits real
+        weights, every process starting from rank 0's."""
+        if self.meta_init:
+            splitters = _splitters(trainer, self)
+            if splitters:
+                raise ConfigurationError(
+                    f"fsdp option meta_init=True creates the model of configure_model() on the meta "
+                    f"device, and {', '.join(repr(n) for n in splitters)} splits the model before fsdp "
+                    f"shards it, which needs real weights (every process takes rank 0's, then keeps "
+                    f"its slice): set --plugin-option fsdp.meta_init=false (or "
+                    f"hookloop.plugin('fsdp', meta_init=False)); configure_model then builds the model "
+                    f"whole on every process (docs/configurations.md, 'fsdp x tp', FT1)")
         return torch.device("meta") if self.meta_init else contextlib.nullcontext()
 
     @hookloop.hookimpl
@@ -307,6 +324,7 @@ class FSDP(DDP):
         """Shard the user's module into FSDP units under a root unit; point the optimizers
         of ``configure_optimizers`` at the sharded parameters."""
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+        from torch.distributed.tensor import DTensor
 
         module = model.module
         strategy = opts.sharding_strategy(self.sharding_strategy)
@@ -315,13 +333,15 @@ class FSDP(DDP):
         recomputed = opts.checkpointed_modules(
             opts.module_policy("activation_checkpointing_policy", self.activation_checkpointing_policy, sizes=False), module)
         names = {id(p): n for n, p in module.named_parameters()}
-        stale = detach_stale(module)
+        stale = detach_stale(module, self.mesh)
         real = [t for t in (*module.parameters(), *module.buffers()) if not t.is_meta]
         device = trainer.root_device
         with torch.no_grad():
             for t in real:
                 t.data = t.data.to(device)
-        broadcast_from_rank0([t.data for t in real])
+        # tp's DTensors (fsdp x tp) took rank 0's weights before tp split them: each tp
+        # rank holds another slice, which a broadcast from rank 0 would overwrite.
+        broadcast_from_rank0([t.data for t in real if not isinstance(t, DTensor)])
         stored, computed = opts.PRECISIONS[trainer.precision]
         dtypes = {(id(m), n): t.dtype for m in module.modules()
                   for n, t in (*m._parameters.items(), *m._buffers.items()) if t is not None and t.is_meta}
@@ -445,6 +465,16 @@ class FSDPCPUOffload(FSDP):
 
     def __init__(self, **options: Any):
         super().__init__(**{"cpu_offload": True, **options})
+
+
+def _splitters(trainer, fsdp) -> list[str]:
+    """The enabled mesh plugins whose ``wrap_model`` splits the model before fsdp's
+    (tp-like: :func:`hookloop.mesh.transform_stage` 1), by name."""
+    from hookloop.mesh import transform_stage
+    from hookloop.pluginspec import plugin_name
+
+    return [plugin_name(p) for p in getattr(trainer, "plugins", None) or ()
+            if p is not fsdp and transform_stage(p) == 1]
 
 
 @contextlib.contextmanager

@@ -1,10 +1,18 @@
 """The ``tp`` strategy: tensor parallelism with DTensor's ``parallelize_module``.
 
-Built on :class:`hookloop_ddp.DDP` (launching, the launcher's environment, the process
-group, the collectives); this class changes the model (its layers split over the ``tp``
-dimension of the device mesh), the samplers (the processes of a tp group see the same
-batches) and checkpoints (``torch.distributed.checkpoint``, through hookloop-fsdp's
-directory format: resumable under another tp size, loadable by one process).
+Built on :class:`hookloop_ddp.DDP` for a tp-only run (launching, the launcher's
+environment, the process group, the collectives: ddp's ``ClusterEnvironment`` is what
+reads torchrun's and SLURM's variables); this class changes the model (its layers split
+over the ``tp`` dimension of the device mesh), the samplers (the processes of a tp group
+see the same batches) and checkpoints (``torch.distributed.checkpoint`` in the core's
+format, :mod:`hookloop.dcp`: resumable under another layout, loadable by one process).
+
+Beside a data-parallel mesh plugin (fsdp on ``dp_shard``, HSDP on ``dp_replicate`` x
+``dp_shard``, ddp on ``dp_replicate``) tp only transforms the model: the data-parallel
+plugin leads the lifecycle (process group, samplers, gradient accumulation, backward,
+optimizer, checkpoints, teardown's gathering) and tp's ``wrap_model`` splits the layers
+in place and returns ``None``, so the leader's ``wrap_model`` (called next: the core
+orders the transforms) wraps the already-DTensor model (docs/decisions.md, "fsdp x tp").
 """
 
 from __future__ import annotations
@@ -20,7 +28,8 @@ from torch import nn
 import hookloop
 from hookloop import ConfigurationError
 from hookloop_ddp import DDP
-from hookloop_fsdp import checkpoint as dcp_checkpoint
+from hookloop import dcp as dcp_checkpoint
+from hookloop.mesh import lifecycle_lead
 
 from . import plan as plans
 
@@ -28,7 +37,7 @@ _DDP_OPTIONS_KEPT = ("process_group_backend", "sampler_seed", "timeout")
 
 
 class _Parallelized:
-    """One run's tensor-parallel module (the shape ``hookloop_fsdp.checkpoint`` reads)."""
+    """One run's tensor-parallel module (the shape :mod:`hookloop.dcp` reads)."""
 
     def __init__(self, module: nn.Module, hooks: dict):
         self.module = module
@@ -123,6 +132,7 @@ class TP(DDP):
         self.parallel: _Parallelized | None = None
         self._own_mesh = False
         self._failed = False
+        self.lead: str | None = None  # the data-parallel plugin leading the run, if any
 
     def _check_option(self, name: str, value: Any) -> None:
         if name in ("colwise", "rowwise"):
@@ -137,12 +147,30 @@ class TP(DDP):
 
     # -- environment ----------------------------------------------------------------------
 
+    def _find_lead(self, trainer) -> str | None:
+        """The strategy leading the lifecycle when it is not tp (the data-parallel one,
+        :func:`hookloop.mesh.lifecycle_lead`), by name; ``None`` for a tp-only run."""
+        lead = lifecycle_lead(getattr(trainer, "plugins", None) or ())
+        if lead is None or lead is self:
+            return None
+        return getattr(lead, "hookloop_name", None) or type(lead).__name__
+
+    @hookloop.hookimpl
+    def setup_environment(self, trainer):
+        """ddp's (ranks, device, process group) in a tp-only run; beside a data-parallel
+        plugin, ``None``: that plugin sets the environment up."""
+        self.lead = self._find_lead(trainer)
+        if self.lead is not None:
+            return None
+        return super().setup_environment(trainer)
+
     @hookloop.hookimpl
     def setup(self, trainer):
         """Take the ``tp`` mesh: the core's ``trainer.device_mesh["tp"]``, or one made here
         over all processes (kept as ``trainer.device_mesh`` for the samplers)."""
         self._failed = False
-        super().setup(trainer)
+        if self.lead is None:
+            super().setup(trainer)
         mesh = getattr(trainer, "device_mesh", None)
         if mesh is not None and "tp" in (mesh.mesh_dim_names or ()):
             self.mesh, self._own_mesh = mesh["tp"], False
@@ -152,7 +180,8 @@ class TP(DDP):
             self.mesh = init_device_mesh(trainer.root_device.type, (trainer.world_size,), mesh_dim_names=("tp",))
             trainer.device_mesh, self._own_mesh = self.mesh, True
         if trainer.global_rank == 0:
-            print(f"hookloop-tp: tensor parallel over {self.mesh.size()} processes", flush=True)
+            led = f" (the lifecycle led by {self.lead!r})" if self.lead else ""
+            print(f"hookloop-tp: tensor parallel over {self.mesh.size()} processes{led}", flush=True)
 
     @hookloop.hookimpl
     def on_exception(self, trainer):
@@ -166,13 +195,15 @@ class TP(DDP):
         parallel, self.parallel = self.parallel, None
         try:
             if parallel is not None:
-                gather = not self._failed and dist.is_initialized()
+                # Led: the plan's hooks go, and the leader (teardown next) gathers or keeps the shards.
+                gather = self.lead is None and not self._failed and dist.is_initialized()
                 _unparallelize(parallel, list(trainer.optimizers or []), gather)
         finally:
             if self._own_mesh:
                 trainer.device_mesh = None
             self.mesh, self._own_mesh = None, False
-            super().teardown(trainer)
+            if self.lead is None:
+                super().teardown(trainer)
 
     # -- model ----------------------------------------------------------------------------
 
@@ -180,7 +211,8 @@ class TP(DDP):
     def wrap_model(self, trainer, model, optimizers):
         """Split the user's module over the ``tp`` mesh with its plan (see :class:`TP`);
         point the optimizers of ``configure_optimizers`` at the distributed parameters.
-        Every process starts from global rank 0's weights."""
+        Every process starts from global rank 0's weights. Beside a data-parallel plugin,
+        returns ``None`` (the module is split in place; the leader wraps it next)."""
         from torch.distributed.tensor.parallel import parallelize_module
 
         module = model.module
@@ -208,7 +240,7 @@ class TP(DDP):
             if plan:
                 parallelize_module(module, self.mesh, plan)
         hookloop.repoint_optimizers(optimizers or [], names, module, owner="tp")
-        return model
+        return None if self.lead is not None else model
 
     @hookloop.hookimpl
     def wrap_optimizer(self, optimizer):
@@ -231,17 +263,20 @@ class TP(DDP):
 
     @hookloop.hookimpl
     def accumulation_context(self, model):
-        """Nothing to skip: a tp step has no gradient all-reduce to defer."""
-        return contextlib.nullcontext()
+        """Nothing to skip: a tp step has no gradient all-reduce to defer (the leader's,
+        beside a data-parallel plugin)."""
+        return None if self.lead is not None else contextlib.nullcontext()
 
     @hookloop.hookimpl
     def configure_sampler(self, trainer, dataloader, training):
         """The data-parallel share (``hookloop.data_parallel_rank``): one for the whole tp group."""
+        if self.lead is not None:
+            return None  # the leader's: the same split (data_parallel_rank)
         return hookloop.DistributedSampling.configure_sampler(self, trainer, dataloader, training)
 
     # -- checkpoints ----------------------------------------------------------------------
 
-    #: checkpoints are ``hookloop_fsdp``'s sharded directories (``torch.distributed.checkpoint``)
+    #: checkpoints are the core's sharded directories (:mod:`hookloop.dcp`)
     hookloop_checkpoint_format = "directory"
 
     @contextlib.contextmanager
@@ -251,28 +286,31 @@ class TP(DDP):
 
     @property
     def sharded(self):
-        """The run's module, for ``hookloop_fsdp.checkpoint`` (``None`` outside a run)."""
+        """The run's module, for :mod:`hookloop.dcp` (``None`` outside a run)."""
         return self.parallel
 
     @hookloop.hookimpl
     def save_checkpoint(self, trainer, checkpoint, path):
         """During a run, a directory of per-process shards written by every process
         (``torch.distributed.checkpoint``; committed atomically). After ``fit`` the module
-        is whole again: ``None``, so the core writes its single file."""
-        if self.parallel is None:
+        is whole again: ``None``, so the core writes its single file. Beside a
+        data-parallel plugin: ``None``, the leader writes (the same format)."""
+        if self.parallel is None or self.lead is not None:
             return None
         return dcp_checkpoint.save_sharded(self, trainer, checkpoint, Path(path))
 
     @hookloop.hookimpl
     def load_checkpoint(self, trainer, path):
         """A sharded directory (of tp or fsdp, any number of processes) or a file."""
+        if self.lead is not None:
+            return None
         return dcp_checkpoint.load(trainer, Path(path))
 
     @hookloop.hookimpl
     def load_model_state(self, trainer, checkpoint):
         """The checkpoint's model and optimizer state into this run's split layers
         (resharded by ``torch.distributed.checkpoint``), then the schedulers."""
-        if self.parallel is None:
+        if self.parallel is None or self.lead is not None:
             return None
         dcp_checkpoint.load_model_state(self, trainer, checkpoint)
         return True
