@@ -14,7 +14,11 @@ LM head. It is written so that each parallel layout takes it as it is:
   process, the MLP's hidden features), and the heads are a ``view(b, t, -1, head_dim)``;
 * the blocks are a top-level ``nn.ModuleList`` (``model.blocks``) of the class ``Block``:
   fsdp wraps each (``fsdp.auto_wrap_policy=Block``), compile compiles each
-  (``compile.blocks=Block``), and a pipeline splits the list into stages.
+  (``compile.blocks=Block``);
+* ``configure_pipeline(num_stages)`` cuts the blocks into hookloop-pipeline's stages,
+  the embeddings (``model.embed``) in the first and the final norm and LM head
+  (``model.head``) in the last, and ``pipeline_loss(logits, targets)`` is the loss the
+  last stage computes.
 
 Run it (``hookloop run``'s options become the Trainer's defaults; the script's own
 options, after its path, set the model's size):
@@ -175,9 +179,34 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+class Embeddings(nn.Module):
+    """Token plus position embeddings."""
+
+    def __init__(self, vocab: int, dim: int, seq: int):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(seq, dim)
+
+    def forward(self, idx):
+        return self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+
+
+class LMHead(nn.Module):
+    """The final LayerNorm and the projection to the vocabulary's logits."""
+
+    def __init__(self, dim: int, vocab: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.logits = nn.Linear(dim, vocab)
+
+    def forward(self, x):
+        return self.logits(self.norm(x))
+
+
 class GPT(hookloop.Module):
-    """A character-level GPT (see the module docstring). ``seed`` fixes the initial
-    weights, so every layout starts from the same model."""
+    """A character-level GPT (see the module docstring): ``embed``, ``blocks`` (an
+    ``nn.ModuleList`` of ``Block``), ``head``. ``seed`` fixes the initial weights, so
+    every layout starts from the same model."""
 
     def __init__(self, vocab: int, layers: int = 4, dim: int = 128, heads: int = 4, seq: int = 64,
                  lr: float = 3e-3, seed: int = 0):
@@ -185,23 +214,42 @@ class GPT(hookloop.Module):
         self.save_hyperparameters()
         torch.manual_seed(seed)
         self.vocab, self.seq, self.lr = vocab, seq, lr
-        self.tok_emb = nn.Embedding(vocab, dim)
-        self.pos_emb = nn.Embedding(seq, dim)
+        self.embed = Embeddings(vocab, dim, seq)
         self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab)
+        self.head = LMHead(dim, vocab)
 
     def forward(self, idx):
-        t = idx.shape[1]
-        x = self.tok_emb(idx) + self.pos_emb(torch.arange(t, device=idx.device))
+        x = self.embed(idx)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        return self.head(x)
+
+    def pipeline_loss(self, logits, targets):
+        """The loss of a batch's logits: what a pipeline's last stage computes (and ``loss``)."""
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
     def loss(self, batch):
         x, y = batch
-        logits = self(x)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        return self.pipeline_loss(self(x), y)
+
+    def configure_pipeline(self, num_stages: int) -> list[nn.Module]:
+        """The pipeline's stages (hookloop-pipeline asks for them): the blocks in equal
+        consecutive runs (the first stages one block longer when they do not divide), the
+        embeddings before the first stage's blocks and the head after the last's. The
+        stages hold the module's own layers, so training them trains the module."""
+        if not 1 <= num_stages <= len(self.blocks):
+            raise hookloop.ConfigurationError(
+                f"GPT has {len(self.blocks)} blocks and the pipeline asks for {num_stages} stages: every stage "
+                f"needs at least one block (--layers N, or fewer stages)")
+        base, extra = divmod(len(self.blocks), num_stages)
+        stages, start = [], 0
+        for s in range(num_stages):
+            end = start + base + (1 if s < extra else 0)
+            parts = [*([self.embed] if s == 0 else []), *self.blocks[start:end],
+                     *([self.head] if s == num_stages - 1 else [])]
+            stages.append(nn.Sequential(*parts))
+            start = end
+        return stages
 
     def training_step(self, batch, batch_idx):
         loss = self.loss(batch)

@@ -8,8 +8,8 @@ on the same global batches by a plain PyTorch loop in this process, the batches 
 from ``pydoc_data.topics`` here by hand.
 
 Default tier (``make test``): 1 process, ddp 2, fsdp 2 (per-block units), tp 2.
-``HOOKLOOP_TEST_FULL=1`` adds fsdp with one unit, fsdp x tp on a 2x2 mesh (4 processes)
-and ddp + per-block compile.
+``HOOKLOOP_TEST_FULL=1`` adds fsdp with one unit, fsdp x tp on a 2x2 mesh (4 processes),
+ddp + per-block compile and a 2-stage pipeline.
 """
 
 from __future__ import annotations
@@ -121,6 +121,8 @@ FULL_LAYOUTS = [
     ("fsdp2xtp2", ["--plugins", "fsdp,tp", "--devices", "4", "--mesh", "dp_shard=2,tp=2"], 2, True),
     ("ddp2-compile-blocks", ["--plugins", "ddp,compile", "--devices", "2",
                              "--plugin-option", "compile.blocks=Block"], 2, True),
+    # hookloop-pipeline (branch i21-pipeline): the stages of GPT.configure_pipeline
+    ("pp2", ["--plugins", "pipeline", "--devices", "2"], 1, False),
 ]
 
 
