@@ -27,14 +27,17 @@ options, after its path, set the model's size):
     hookloop run --plugins ddp --devices 2 examples/gpt.py                  # ddp
     hookloop run --plugins fsdp --devices 2 --plugin-option fsdp.auto_wrap_policy=Block examples/gpt.py
     hookloop run --plugins tp --devices 2 examples/gpt.py                   # tensor parallel
+    hookloop run --plugins pipeline --devices 2 examples/gpt.py             # 2 pipeline stages
     hookloop run --plugins fsdp,tp --devices 4 --mesh dp_shard=2,tp=2 examples/gpt.py          # 2-D
     hookloop run --plugins fsdp,tp,pipeline --devices 8 --mesh pp=2,dp_shard=2,tp=2 examples/gpt.py  # 3-D
     hookloop run --plugins ddp,compile --devices 2 --plugin-option compile.blocks=Block examples/gpt.py
 
     hookloop run examples/gpt.py --layers 2 --dim 32 --heads 2 --seq 32 --batch-size 8
 
-(``heads`` must be divisible by the tp size, and ``4 * dim`` too.) It prints the
-validation loss next to ln(vocab), the loss of a uniform guess.
+(``heads`` must be divisible by the tp size, and ``4 * dim`` too; under pipeline the
+micro-batches must divide ``--batch-size``.) It prints the validation loss next to
+ln(vocab), the loss of a uniform guess. Which layouts run today, and how exactly each
+matches one process: README.md, "N-D parallelism".
 """
 
 from __future__ import annotations
