@@ -131,7 +131,7 @@ def test_each_layout_equals_the_hand_written_one_process_loop(tmp_path, options,
     weights = run_layout(tmp_path, options, replicas, shuffle)
     expected = reference(shuffled=shuffle)
     assert max_diff(weights, expected) <= TOLERANCE
-    # the weights moved: 4 AdamW steps of 3e-3 leave no parameter where it started
+    # and they moved: the comparison is not of two untrained models
     initial = gpt.GPT(len(corpus()[1]), layers=LAYERS, dim=DIM, heads=HEADS, seq=SEQ, seed=0).state_dict()
     assert max_diff(weights, initial) > 100 * TOLERANCE
 
