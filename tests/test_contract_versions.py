@@ -331,7 +331,7 @@ def test_a_first_contract_plugin_installed_is_warned_with_what_changed(tmp_path)
     assert old.returncode == 0, old.stderr
     warning = [line for line in old.stderr.splitlines() if "HookloopContractWarning" in line]
     assert len(warning) == 1, old.stderr
-    for needle in ("plugin 'oldcsv' (hookloop-oldcsv) declares no hookloop contract range", "contract 2.0.0",
+    for needle in ("plugin 'oldcsv' (hookloop-oldcsv) declares no hookloop contract range", f"contract {hookloop.CONTRACT_VERSION}",
                    "<log_dir>/checkpoints/", "not <default_root_dir>/checkpoints/",
                    "on_validation_end is also called for the sanity check", "sanity_checking", "CHANGELOG.md"):
         assert needle in warning[0], (needle, warning[0])
