@@ -116,3 +116,29 @@ def test_accumulation_and_clipping_under_pp_x_fsdp(ranks):
     assert max_diff(reference("sgd", STEPS, batches=batches)[0], expected) > 1e-2  # the clipping changes the run
     for final in clipped:
         assert max_diff(final, expected) <= 1e-5
+
+
+def test_meta_init_beside_the_pipeline_is_refused_naming_the_fix(tmp_path):
+    """The pipeline splits real weights (every rank takes rank 0's before fsdp shards its
+    stages): fsdp's meta_init=True is refused beside it, as beside tp (FT1)."""
+    import hookloop
+    from torch.utils.data import DataLoader
+    from pipeline_models import Net
+
+    class Built(Net):
+        def __init__(self):
+            super().__init__()
+            del self.blocks
+
+        def configure_model(self):
+            self.blocks = blocks(0)
+
+    trainer = hookloop.Trainer(plugins=["pipeline", "fsdp"], mesh={"pp": 1, "dp_shard": 1}, max_steps=1,
+                               default_root_dir=tmp_path, enable_checkpointing=False, logger=False,
+                               enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(hookloop.ConfigurationError) as info:
+        trainer.fit(Built(), DataLoader(data(), batch_size=BATCH))
+    text = " ".join(str(info.value).split())
+    assert "'pipeline' splits the model before fsdp shards it" in text
+    assert "--plugin-option fsdp.meta_init=false" in text
+    assert not torch.distributed.is_initialized()
