@@ -127,6 +127,8 @@ FULL_LAYOUTS = [
     ("pp2xfsdp2", ["--plugins", "pipeline,fsdp", "--devices", "4", "--mesh", "pp=2,dp_shard=2",
                    "--plugin-option", "fsdp.meta_init=false", "--plugin-option", "fsdp.auto_wrap_policy=Block"],
      2, True),
+    ("pp2xfsdp2xtp2", ["--plugins", "fsdp,tp,pipeline", "--devices", "8", "--mesh", "pp=2,dp_shard=2,tp=2",
+                       "--plugin-option", "fsdp.meta_init=false"], 2, True),
 ]
 
 
