@@ -65,8 +65,11 @@ def test_pp2_x_dp_shard2_equals_the_one_process_global_batch_loop(ranks, case):
     records, _ = ranks
     runs = [r[case] for r in records]
     # each rank's own stage is fsdp-sharded (Shard(0) on dp_shard), the other stage whole
+    schedule = case.split(":")[1]
     for rank, run in enumerate(runs):
-        mine = ("blocks.0", "blocks.1") if rank < 2 else ("blocks.2", "blocks.3")
+        pp = rank // 2  # the blocks of this rank's stage(s): 2 stages of 2 blocks, or 4 of one
+        own = {"interleaved_1f1b": (pp, pp + 2), "zbv_zero_bubble": (pp, 3 - pp)}.get(schedule, (2 * pp, 2 * pp + 1))
+        mine = tuple(f"blocks.{b}." for b in own)
         assert all((layout == ("S(0)",)) == name.startswith(mine) for name, layout in run["layouts"].items()), run["layouts"]
     expected, losses = reference(case.split(":")[2], STEPS, batches=global_batches(runs))
     for run in runs:
