@@ -123,6 +123,12 @@ FULL_LAYOUTS = [
                              "--plugin-option", "compile.blocks=Block"], 2, True),
     # hookloop-pipeline (branch i21-pipeline): the stages of GPT.configure_pipeline
     ("pp2", ["--plugins", "pipeline", "--devices", "2"], 1, False),
+    # pipeline x fsdp (branch i21-ppfsdp): each rank's stage sharded per Block on dp_shard
+    ("pp2xfsdp2", ["--plugins", "pipeline,fsdp", "--devices", "4", "--mesh", "pp=2,dp_shard=2",
+                   "--plugin-option", "fsdp.meta_init=false", "--plugin-option", "fsdp.auto_wrap_policy=Block"],
+     2, True),
+    ("pp2xfsdp2xtp2", ["--plugins", "fsdp,tp,pipeline", "--devices", "8", "--mesh", "pp=2,dp_shard=2,tp=2",
+                       "--plugin-option", "fsdp.meta_init=false"], 2, True),
 ]
 
 

@@ -368,9 +368,21 @@ class FSDP(DDP):
         # From here on teardown takes FSDP off again, whatever fails.
         self.sharded = Sharded(root=root, module=module, snapshots=snapshots)
         self._wrapped = (model, root)  # ddp's teardown gives trainer.model back
-        for unit in units:
-            fully_shard(unit, **kwargs)
-        fully_shard(root, **{**kwargs, "reshard_after_forward": root_reshard})
+        stages = getattr(trainer, "pipeline_stages", None)
+        if stages:
+            # Under a pipeline (pp > 1) each rank shards its own stage modules only, per
+            # block then each stage as a root (torchtitan's per model part); the schedule
+            # drives them across micro-batches; the other stages stay whole, untrained here.
+            inside = {id(m) for stage in stages for m in stage.modules()}
+            for unit in units:
+                if id(unit) in inside and all(unit is not stage for stage in stages):
+                    fully_shard(unit, **kwargs)
+            for stage in stages:
+                fully_shard(stage, **{**kwargs, "reshard_after_forward": root_reshard})
+        else:
+            for unit in units:
+                fully_shard(unit, **kwargs)
+            fully_shard(root, **{**kwargs, "reshard_after_forward": root_reshard})
         materialise(root, torch.device("cpu") if self.cpu_offload else device, dtypes, keep=set(stale))
         reattach(module, stale)
         repoint_optimizers(optimizers, names, module)
@@ -469,16 +481,19 @@ class FSDPCPUOffload(FSDP):
 
 def _splitters(trainer, fsdp) -> list[str]:
     """The enabled mesh plugins whose ``wrap_model`` splits the model before fsdp's
-    (tp-like: :func:`hookloop.mesh.transform_stage` 1), by name."""
+    (the pipeline and tp-like: :func:`hookloop.mesh.transform_stage` 0 or 1), by name."""
     from hookloop.mesh import transform_stage
     from hookloop.pluginspec import plugin_name
 
     return [plugin_name(p) for p in getattr(trainer, "plugins", None) or ()
-            if p is not fsdp and transform_stage(p) == 1]
+            if p is not fsdp and transform_stage(p) in (0, 1)]
 
 
 @contextlib.contextmanager
 def _no_gradient_sync(model: nn.Module):
+    if not callable(getattr(model, "set_requires_gradient_sync", None)):
+        yield  # the stages of a pipeline: its schedule syncs each stage's last micro-batch
+        return
     model.set_requires_gradient_sync(False)
     try:
         yield

@@ -192,12 +192,13 @@ class Pipeline(DDP):
         self.trainer = trainer
         for p in trainer.plugins:
             dims = set(mesh_dims(p) or ())
-            if p is not self and dims & {"dp_shard", "cp"}:
+            if p is not self and dims & {"cp"}:
                 name = getattr(p, "hookloop_name", None) or type(p).__name__
                 raise ConfigurationError(
                     f"the pipeline plugin does not compose with {name!r} (mesh "
-                    f"dimension(s) {', '.join(sorted(dims))}) yet: it composes with ddp and tp "
-                    f"(--mesh pp=P,dp_replicate=R or pp=P,tp=T). See plugins/pipeline/README.md")
+                    f"dimension(s) {', '.join(sorted(dims))}) yet: it composes with ddp, fsdp and tp "
+                    f"(--mesh pp=P,dp_replicate=R, pp=P,dp_shard=S or pp=P,tp=T). See "
+                    f"plugins/pipeline/README.md")
         super().setup(trainer)
         mesh = getattr(trainer, "device_mesh", None)
         if mesh is not None and "pp" in (mesh.mesh_dim_names or ()):
@@ -239,6 +240,7 @@ class Pipeline(DDP):
         finally:
             if self._module is not None:
                 self._module.__dict__.pop("training_step", None)
+            trainer.__dict__.pop("pipeline_stages", None)
             self._reset()
             super().teardown(trainer)
 
@@ -279,6 +281,9 @@ class Pipeline(DDP):
             return None  # one stage: no pipeline, the user's training_step as it is
         self._module = module
         module.training_step = self._training_step  # on the instance: removed at teardown
+        # This rank's stage modules, for a data-parallel plugin that shards per stage
+        # (fsdp's wrap_model, which runs next, calls fully_shard on each: torchtitan's way).
+        trainer.pipeline_stages = [self.stages[s] for s in self.own]
         return None
 
     @hookloop.hookimpl
@@ -407,8 +412,8 @@ class Pipeline(DDP):
             for index, stage in enumerate(self.stages):
                 src = self.pp_ranks[self.stage_rank(index)]
                 for t in (*stage.parameters(), *stage.buffers()):
-                    local = t.to_local() if hasattr(t, "to_local") else t.data  # a DTensor: this rank's shard
-                    dist.broadcast(local, src=src, group=self.pp_group)
+                    local = _pp_local(t)  # a DTensor: this rank's tp shard (gathered over fsdp's dims)
+                    dist.broadcast(local, src=src, group=self.pp_group)  # the owner's: sent, not written back
         self._synced = self._version
 
     @hookloop.hookimpl
@@ -422,13 +427,21 @@ class Pipeline(DDP):
 
     # -- checkpoints ----------------------------------------------------------------------
 
+    def _fsdp_stages(self) -> bool:
+        """Whether fsdp shards this rank's stages (pp x fsdp): the same on every rank."""
+        return any(_data_parallel_dims(p) for p in self.own_parameters())
+
     @hookloop.hookimpl(tryfirst=True)
-    def save_checkpoint(self, trainer, checkpoint):
+    def save_checkpoint(self, trainer, checkpoint, path):
         """One whole-model checkpoint: every stage's parameters brought to every rank, and
-        the optimizer state of each parameter taken from the rank that trains it. Returns
-        ``None``: the default writes global rank 0's file."""
+        the optimizer state of each parameter taken from the rank that trains it (under
+        fsdp gathered over the stage's data-parallel group first). Returns ``None``: the
+        default (or tp's DCP writer) writes; under pp x fsdp this plugin writes the file
+        itself (global rank 0, atomically) and returns ``path``, so that fsdp's writer,
+        which knows one stage only, does not."""
         if self._module is None or self.pp == 1 or not dist.is_initialized():
             return None
+        sharded = self._fsdp_stages()
         self._sync_stages()
         current = trainer.module.state_dict()
         checkpoint["state_dict"] = {k: current[k].detach().cpu().clone() if isinstance(current[k], torch.Tensor)
@@ -438,7 +451,8 @@ class Pipeline(DDP):
         for optimizer in trainer.optimizers:
             params = [p for g in optimizer.param_groups for p in g["params"]]
             state = optimizer.state_dict()["state"]
-            mine.append({i: s for i, s in state.items() if id(params[i]) in own})
+            mine.append({i: {k: (_pp_local(v).cpu() if hasattr(v, "to_local") and sharded else v)
+                             for k, v in s.items()} for i, s in state.items() if id(params[i]) in own})
         gathered: list = [None] * self.pp
         dist.all_gather_object(gathered, mine, group=self.pp_group)
         for index, saved in enumerate(checkpoint.get("optimizer_states") or []):
@@ -447,7 +461,53 @@ class Pipeline(DDP):
                 if index < len(part):
                     union.update(part[index])
             saved["state"] = dict(sorted(union.items()))
-        return None
+        if not sharded:
+            return None
+        if trainer.global_rank == 0:
+            hookloop.atomic_save(checkpoint, path)
+        trainer.barrier("pipeline_save_checkpoint")
+        return path
+
+    @hookloop.hookimpl(tryfirst=True)
+    def load_model_state(self, trainer, checkpoint):
+        """Under pp x fsdp: the whole-model checkpoint into every rank's module, each
+        fsdp-sharded parameter (and its optimizer state) as this rank's slice of the full
+        tensor (no collective: every rank reads the whole file); the other stages'
+        parameters whole. ``None`` otherwise (the default, or tp's/fsdp's loader)."""
+        if self._module is None or not self._fsdp_stages():
+            return None
+        from torch.distributed.tensor import distribute_tensor
+
+        if "state_dict" not in checkpoint:
+            raise hookloop.CheckpointError("checkpoint has no 'state_dict': it was not written by hookloop")
+        optimizer_states, scheduler_states = hookloop.optimizer_and_scheduler_states(checkpoint)
+        state = checkpoint["state_dict"]
+        hookloop.check_state_dict(trainer.module, state)
+
+        def like(t, value):
+            value = value.to(device=t.device, dtype=t.dtype)
+            if hasattr(t, "to_local"):
+                return distribute_tensor(value, t.device_mesh, t.placements, src_data_rank=None)
+            return value
+
+        with torch.no_grad():
+            for name, t in (*trainer.module.named_parameters(), *trainer.module.named_buffers()):
+                value = like(t, state[name])
+                (t.to_local() if hasattr(t, "to_local") else t).copy_(
+                    value.to_local() if hasattr(value, "to_local") else value)
+        if len(optimizer_states) != len(trainer.optimizers):
+            raise hookloop.CheckpointError(
+                f"the checkpoint holds {len(optimizer_states)} optimizer state(s), and this run has "
+                f"{len(trainer.optimizers)} optimizer(s)")
+        own = {id(p) for p in self.own_parameters()}
+        for optimizer, saved in zip(trainer.optimizers, optimizer_states):
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            mine = {i: {k: (like(params[i], v) if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(params[i].shape)
+                            and k != "step" else v) for k, v in s.items()}
+                    for i, s in (saved.get("state") or {}).items() if id(params[int(i)]) in own}
+            optimizer.load_state_dict({"state": mine, "param_groups": saved["param_groups"]})
+        hookloop.load_scheduler_states(trainer, scheduler_states)
+        return True
 
 
 PipelineParallel = Pipeline
@@ -458,6 +518,28 @@ def _microbatch_error(m: int, batch_size: int) -> ConfigurationError:
         f"the pipeline cuts each batch into microbatches={m} equal micro-batches, and a batch has "
         f"{batch_size} samples: give a batch size that is a multiple of {m} (and drop_last=True "
         f"for a last, smaller batch), or another microbatches")
+
+
+def _data_parallel_dims(t: Any) -> list[int]:
+    """The mesh dimensions of a DTensor that are data-parallel (fsdp's ``dp_shard`` /
+    ``dp_replicate``): a stage sharded by fsdp on this rank."""
+    names = getattr(getattr(t, "device_mesh", None), "mesh_dim_names", None) or ()
+    return [i for i, n in enumerate(names) if n in ("dp_shard", "dp_replicate")]
+
+
+def _pp_local(t: torch.Tensor) -> torch.Tensor:
+    """What stage ``t`` looks like to the other ``pp`` ranks: a plain tensor's data; a
+    DTensor's local shard (tp's), gathered first over fsdp's dimensions (a collective of
+    the stage's data-parallel group) when this rank shards the stage with fsdp."""
+    if not hasattr(t, "to_local"):
+        return t.data
+    dims = _data_parallel_dims(t)
+    if dims:
+        from torch.distributed.tensor import Replicate
+
+        placements = [Replicate() if i in dims else pl for i, pl in enumerate(t.placements)]
+        return t.detach().redistribute(t.device_mesh, placements).to_local()
+    return t.to_local()
 
 
 def _loss_function(module: nn.Module):

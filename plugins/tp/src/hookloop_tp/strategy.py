@@ -169,6 +169,9 @@ class TP(DDP):
         """Take the ``tp`` mesh: the core's ``trainer.device_mesh["tp"]``, or one made here
         over all processes (kept as ``trainer.device_mesh`` for the samplers)."""
         self._failed = False
+        # again here: beside the pipeline (whose ddp setup_environment answers first) tp's
+        # setup_environment is not called, and a stale None would end wrap_model at tp
+        self.lead = self._find_lead(trainer)
         if self.lead is None:
             super().setup(trainer)
         mesh = getattr(trainer, "device_mesh", None)
