@@ -29,7 +29,7 @@ import hookloop
 from hookloop import ConfigurationError
 from hookloop_ddp import DDP
 from hookloop import dcp as dcp_checkpoint
-from hookloop.mesh import lifecycle_lead
+from hookloop.mesh import DATA_PARALLEL_DIMS, lifecycle_lead, mesh_dims
 
 from . import plan as plans
 
@@ -133,6 +133,7 @@ class TP(DDP):
         self._own_mesh = False
         self._failed = False
         self.lead: str | None = None  # the data-parallel plugin leading the run, if any
+        self._leader_gathers = False  # that leader gathers the split parameters at its teardown
 
     def _check_option(self, name: str, value: Any) -> None:
         if name in ("colwise", "rowwise"):
@@ -151,6 +152,9 @@ class TP(DDP):
         """The strategy leading the lifecycle when it is not tp (the data-parallel one,
         :func:`hookloop.mesh.lifecycle_lead`), by name; ``None`` for a tp-only run."""
         lead = lifecycle_lead(getattr(trainer, "plugins", None) or ())
+        # a data-parallel leader (fsdp) shards the split model further and gathers it at its
+        # teardown; any other leader (the pipeline) leaves tp's DTensors to tp
+        self._leader_gathers = bool(set(mesh_dims(lead) or ()) & set(DATA_PARALLEL_DIMS)) if lead is not None else False
         if lead is None or lead is self:
             return None
         return getattr(lead, "hookloop_name", None) or type(lead).__name__
@@ -171,7 +175,10 @@ class TP(DDP):
         self._failed = False
         # again here: beside the pipeline (whose ddp setup_environment answers first) tp's
         # setup_environment is not called, and a stale None would end wrap_model at tp
-        self.lead = self._find_lead(trainer)
+        # before fsdp (fsdp x tp x pipeline). Beside the pipeline alone tp stays a strategy
+        # of its own (its process group, its gather at teardown), as in pp x tp.
+        lead = self._find_lead(trainer)
+        self.lead = lead if self._leader_gathers else None
         if self.lead is None:
             super().setup(trainer)
         mesh = getattr(trainer, "device_mesh", None)
@@ -198,8 +205,9 @@ class TP(DDP):
         parallel, self.parallel = self.parallel, None
         try:
             if parallel is not None:
-                # Led: the plan's hooks go, and the leader (teardown next) gathers or keeps the shards.
-                gather = self.lead is None and not self._failed and dist.is_initialized()
+                # Led by a data-parallel plugin: the plan's hooks go, and the leader (teardown
+                # next) gathers or keeps the shards; alone or beside the pipeline, tp gathers.
+                gather = not self._leader_gathers and not self._failed and dist.is_initialized()
                 _unparallelize(parallel, list(trainer.optimizers or []), gather)
         finally:
             if self._own_mesh:
