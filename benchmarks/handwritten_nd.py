@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -31,6 +30,9 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import gpt  # noqa: E402  (examples/gpt.py)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stepwork import StepWork  # noqa: E402
 
 LAYOUTS = ("one", "ddp", "fsdp", "tp", "fsdp_tp")
 
@@ -102,8 +104,8 @@ def main(argv=None) -> None:
     else:
         sampler = DistributedSampler(data.train, num_replicas=1, rank=0, shuffle=True, seed=0)
     loader = DataLoader(data.train, batch_size=args.batch_size, sampler=sampler, drop_last=True)
-    times, losses = [], []
-    last = time.perf_counter()
+    work, losses = StepWork(), []
+    work.tick(0)
     for step, (x, y) in enumerate(loader):
         if step == args.steps:
             break
@@ -112,12 +114,10 @@ def main(argv=None) -> None:
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
         loss.backward()
         optimizer.step()
-        now = time.perf_counter()
-        times.append(now - last)
+        work.tick(step + 1)
         losses.append(float(loss.detach()))
-        last = now
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / f"hand_rank{rank}.json").write_text(json.dumps({"times": times, "losses": losses, "threads": torch.get_num_threads()}))
+    (Path(args.out) / f"hand_rank{rank}.json").write_text(json.dumps({**work.record(), "losses": losses, "threads": torch.get_num_threads()}))
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -26,12 +26,14 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 import hookloop
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stepwork import StepWork  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples"
@@ -101,19 +103,25 @@ class Probe:
     hookloop_name, hookloop_role = "nd_probe", "observer"
 
     def __init__(self):
-        self.record: dict = {"times": [], "threads": torch.get_num_threads()}
-        self._last = None
+        self.record: dict = {"threads": torch.get_num_threads()}
+        self.work = StepWork()
 
     @hookloop.hookimpl
     def on_before_optimizer_step(self, trainer, optimizer):
-        self.record["gradient_bytes"] = sum(local_bytes(p.grad) for p in trainer.module.parameters())
+        if "gradient_bytes" not in self.record:
+            self.record["gradient_bytes"] = sum(local_bytes(p.grad) for p in trainer.module.parameters())
 
     @hookloop.hookimpl
     def on_train_batch_end(self, trainer):
-        now = time.perf_counter()
-        if self._last is not None:
-            self.record["times"].append(now - self._last)
-        self._last = now
+        if trainer.global_step == 1:
+            self.measure(trainer)  # once, after step 1: in the warm-up, before the first interval starts
+        self.work.tick(trainer.global_step)
+        self.record.update(self.work.record())
+
+    def measure(self, trainer) -> None:
+        """The bytes this rank holds. Counted once: on DTensors each ``to_local()`` is an
+        autograd call, and counting every step put the probe's own Python into tp's step
+        time (the hand-written side counts nothing)."""
         module = trainer.module
         self.record["parameter_bytes"] = sum(local_bytes(p) for p in module.parameters())
         self.record["parameter_count"] = sum(p.numel() for p in module.parameters())  # global numel

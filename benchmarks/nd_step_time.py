@@ -13,8 +13,10 @@ over every round's timed steps. ``hookloop/hand-written`` is in throughput terms
 (hand-written median step time / hookloop's): the issue asks >= 0.98. Start-up (the
 launch, the process group, wrapping the model) is not in the step time.
 
-On a shared CPU machine the spread between rounds is large: read the medians with the
-per-round spread printed beside them.
+On a shared CPU machine the spread between rounds is large (+-20 % for one layout):
+read the medians with the per-round spread printed beside them, and the second table:
+the work of a step (rank 0's CPU time and its Python calls in one steady-state step,
+benchmarks/stepwork.py), which says whether a difference is the code's or the machine's.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import nd_memory  # noqa: E402
 from nd_memory import LABELS, LAYOUTS, add_model_args, launch, run_hookloop  # noqa: E402
+from stepwork import COUNTED_STEP  # noqa: E402
 
 HAND = Path(__file__).resolve().parent / "handwritten_nd.py"
 
@@ -59,16 +62,21 @@ def main(argv=None) -> int:
             p.error(f"unknown layout {x!r}; known: {', '.join(LAYOUTS)}")
     base = Path(tempfile.mkdtemp(prefix="hookloop-nd-step-time-"))
     total = args.warmup + args.steps + 1  # hookloop's first interval starts at the end of step 1
-    times: dict = {(x, side): [] for x in layouts for side in ("hookloop", "hand")}
-    per_round: dict = {(x, side): [] for x in layouts for side in ("hookloop", "hand")}
+    sides = [(x, side) for x in layouts for side in ("hookloop", "hand")]
+    times: dict = {k: [] for k in sides}
+    cpu: dict = {k: [] for k in sides}
+    calls: dict = {k: [] for k in sides}
+    per_round: dict = {k: [] for k in sides}
     for r in range(args.rounds):
         for x in layouts:
             hook_record = run_hookloop(x, base / f"r{r}-{x}-hookloop", total, args)[0]
             hand_record = run_hand(x, base / f"r{r}-{x}-hand", total, args)[0]
-            hook, hand = hook_record["times"], hand_record["times"]
-            hook, hand = hook[len(hook) - args.steps:], hand[len(hand) - args.steps:]
-            for side, t in (("hookloop", hook), ("hand", hand)):
+            hook, hand = hook_record["times"][-args.steps:], hand_record["times"][-args.steps:]
+            for side, record in (("hookloop", hook_record), ("hand", hand_record)):
+                t = record["times"][-args.steps:]
                 times[(x, side)] += t
+                cpu[(x, side)] += record["cpu"][-args.steps:]
+                calls[(x, side)].append(record["calls"])
                 per_round[(x, side)].append(statistics.median(t))
             print(f"round {r + 1}: {LABELS[x]:<14} hookloop {statistics.median(hook) * 1e3:8.1f} ms   "
                   f"hand-written {statistics.median(hand) * 1e3:8.1f} ms   (torch threads per process: "
@@ -86,6 +94,16 @@ def main(argv=None) -> int:
             cells.append(f"{m * 1e3:8.1f} ({lo * 1e3:6.1f}-{hi * 1e3:6.1f})")
         ratio = statistics.median(times[(x, "hand")]) / statistics.median(times[(x, "hookloop")])
         print(f"{LABELS[x]:<16}{cells[0]:>28}{cells[1]:>28}{ratio:>24.3f}")
+    print()
+    print("The work of a step on rank 0 (stepwork.py): the process's CPU time (median over the same steps) and "
+          f"the Python calls of one steady-state step (step {COUNTED_STEP}, median over rounds); "
+          "ratios hand-written/hookloop, as above")
+    print(f"{'layout':<16}{'CPU ms hookloop':>17}{'hand':>10}{'ratio':>8}{'calls hookloop':>17}{'hand':>10}{'ratio':>8}")
+    for x in layouts:
+        c = [statistics.median(cpu[(x, side)]) for side in ("hookloop", "hand")]
+        n = [statistics.median(calls[(x, side)]) for side in ("hookloop", "hand")]
+        print(f"{LABELS[x]:<16}{c[0] * 1e3:>17.1f}{c[1] * 1e3:>10.1f}{c[1] / c[0]:>8.3f}"
+              f"{n[0]:>17.0f}{n[1]:>10.0f}{n[1] / n[0]:>8.3f}")
     return 0
 
 
