@@ -78,9 +78,11 @@ demo: $(DEMO_STAMP)
 	@printf 'metrics report: '
 	@$(VENV)/bin/hookloop plot .demo
 
+# --durations: CI's log names the slowest tests, what to move to test-full when make test
+# grows past its ~40 minutes.
 test: $(STAMP)
 	$(COMPILE_SRC)
-	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -q --durations=40 $(PYTEST_ARGS)
 
 # The long matrices, run before resolving an issue: Lightning's own scripts and tests
 # under ddp too, and its slow examples (tests/lightning_scripts); every strategy x every
