@@ -52,6 +52,7 @@ class Profiler:
     hookloop_name = "profiler"
     hookloop_role = "observer"
     hookloop_requires = ">=2,<3"  # the plugin contract versions it is written for
+    hookloop_autoload = False  # by name only (HOOKLOOP_AUTOLOAD_PLUGINS=1 leaves it out)
 
     def __init__(self, mode: str = "torch", wait: int = 1, warmup: int = 1, active: int = 3, repeat: int = 1,
                  record_shapes: bool = False, profile_memory: bool = False, with_stack: bool = False,

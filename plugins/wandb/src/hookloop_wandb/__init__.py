@@ -76,6 +76,7 @@ class WandbLogger(hookloop.loggers.ConstructorOptions):
     hookloop_name = "wandb"
     hookloop_role = "observer"
     hookloop_requires = ">=2,<3"  # the plugin contract versions it is written for
+    hookloop_autoload = False  # by name only (HOOKLOOP_AUTOLOAD_PLUGINS=1 leaves it out)
 
     def __init__(self, name: str | None = None, save_dir: str | os.PathLike | None = None, version: str | None = None,
                  offline: bool = False, dir: str | os.PathLike | None = None, id: str | None = None,  # noqa: A002
