@@ -105,7 +105,7 @@ def offline_runs(root: Path) -> list[dict]:
                 run["history"].append({_key(i): json.loads(i.value_json) for i in record.history.item
                                        if not _key(i).startswith("_") or _key(i) == "_step"})
             elif kind == "artifact":
-                run["artifacts"].append((record.artifact.name, record.artifact.type, list(record.artifact.aliases)))
+                run["artifacts"].append((record.artifact.name, record.artifact.type, sorted(record.artifact.aliases)))
             elif kind == "exit":
                 run["exit"] = record.exit.exit_code
         runs.append(run)
@@ -153,7 +153,7 @@ def test_offline_run_metrics_config_and_checkpoints(tmp_path):
     # log_model=True: the last (here also the best) checkpoint, once, as a model artifact
     # log_model=True: the best and the last checkpoints (two files here), once each, as versions
     # of the run's model artifact; the best carries the alias "best"
-    assert run["artifacts"] == [(f"model-{run['id']}", "model", ["latest", "best"]),
+    assert run["artifacts"] == [(f"model-{run['id']}", "model", ["best", "latest"]),
                                 (f"model-{run['id']}", "model", ["latest"])]
 
 
