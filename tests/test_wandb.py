@@ -93,7 +93,7 @@ def offline_runs(root: Path) -> list[dict]:
     keys with ``_step``), config (top-level keys, decoded) and artifacts' names."""
     runs = []
     for path in sorted(root.rglob("offline-run-*/run-*.wandb")):
-        run = {"dir": path.parent, "id": None, "history": [], "config": {}, "artifacts": [], "exit": None}
+        run = {"dir": path.parent, "id": None, "history": [], "config": {}, "artifacts": [], "metadata": [], "exit": None}
         for record in finished_records(path):
             kind = record.WhichOneof("record_type")
             if kind == "run":
@@ -106,6 +106,7 @@ def offline_runs(root: Path) -> list[dict]:
                                        if not _key(i).startswith("_") or _key(i) == "_step"})
             elif kind == "artifact":
                 run["artifacts"].append((record.artifact.name, record.artifact.type, sorted(record.artifact.aliases)))
+                run["metadata"].append(json.loads(record.artifact.metadata))
             elif kind == "exit":
                 run["exit"] = record.exit.exit_code
         runs.append(run)
@@ -161,13 +162,17 @@ def test_ckpt_path_resume_logs_into_the_same_run_without_repeating_steps(tmp_pat
     first = wandb_job.fit(tmp_path, plugins=["wandb"], epochs=1)
     ckpt = Path(first.log_dir) / "checkpoints" / "last.ckpt"
     assert torch.load(ckpt, weights_only=True)["plugins"]["wandb"]["last_step"] == STEPS
-    second = wandb_job.fit(tmp_path, plugins=["wandb"], epochs=2, ckpt_path=str(ckpt))
+    # log_model="all": every checkpoint file, each once, as it appears
+    second = wandb_job.fit(tmp_path, plugins=[hookloop.plugin("wandb", log_model="all")], epochs=2, ckpt_path=str(ckpt))
     assert second.log_dir != first.log_dir
     one, two = offline_runs(tmp_path)
     assert one["id"] == two["id"]  # the same W&B run, resumed
     assert by_step(one["history"], "mark") == marks(1)
     assert by_step(two["history"], "mark") == marks(2, first_step=STEPS + 1)
     assert min(r["_step"] for r in two["history"]) > max(r["_step"] for r in one["history"])
+    files = sorted(p.name for p in (Path(second.log_dir) / "checkpoints").glob("*.ckpt") if p.name != "last.prev.ckpt")
+    assert sorted(a["path"] for a in two["metadata"]) == files and not one["metadata"]
+    assert {a[0] for a in two["artifacts"]} == {f"model-{two['id']}"}
 
 
 @FULL
