@@ -35,11 +35,8 @@ _RUN_FILE = "wandb-run.json"  # in the run directory: the run id and the last st
 
 
 def _require_wandb() -> None:
-    try:
-        found = importlib.util.find_spec("wandb") is not None
-    except (ImportError, ValueError):  # a broken or blocked installation
-        found = False
-    if not found:
+    """Refuse, with the pip line, when wandb is missing: checked without importing it."""
+    if importlib.util.find_spec("wandb") is None:
         raise hookloop.MissingDependencyError(
             "the 'wandb' plugin needs the wandb package, which is not installed: pip install wandb "
             "(or pip install hookloop-wandb, which depends on it)"
