@@ -224,6 +224,7 @@ _IMPORT_FIXES = {
     "CSVLogger": "from hookloop import CSVLogger",
     "TensorBoardLogger": "from hookloop_tensorboard import TensorBoardLogger (pip install hookloop-tensorboard)",
     "MLFlowLogger": "from hookloop_mlflow import MLFlowLogger (pip install hookloop-mlflow)",
+    "WandbLogger": "from hookloop_wandb import WandbLogger (pip install hookloop-wandb)",
 }
 
 
