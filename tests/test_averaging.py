@@ -378,3 +378,26 @@ def test_swa_equals_lightnings_stochastic_weight_averaging(tmp_path):
         assert len(compared) == (4 if not bn else 3)
         for k in compared:
             assert torch.allclose(module.state_dict()[k].to(expected[k].dtype), expected[k], atol=1e-6, rtol=0), (bn, k)
+
+
+def bn_rank(root: str) -> dict:
+    module, swa = BNModule(), hookloop.plugin("swa", swa_lrs=0.05, swa_epoch_start=1)
+    t = hookloop.Trainer(plugins=["ddp", swa], max_epochs=2, default_root_dir=root, logger=False,
+                         enable_checkpointing=False, **QUIET)
+    t.fit(module, DataLoader(tiny_data(64), batch_size=4))
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+@FULL
+def test_swa_batchnorm_statistics_under_ddp_are_the_whole_loader_s(hookloop_processes, tmp_path):
+    """``update_bn`` passes over the train loader given to ``fit`` (unsharded) on every rank:
+    the ranks end with the statistics of ``update_bn`` in one process over all the data."""
+    from torch.optim.swa_utils import update_bn
+
+    results = hookloop_processes(bn_rank, nprocs=2, args=(str(tmp_path),), timeout=300)
+    model = BNModule()
+    model.load_state_dict(results[0])
+    update_bn(DataLoader(tiny_data(64), batch_size=4), model)
+    for k in ("net.1.running_mean", "net.1.running_var", "net.1.num_batches_tracked"):
+        assert torch.equal(results[0][k], results[1][k]), k
+        assert torch.allclose(results[0][k], model.state_dict()[k], atol=1e-6, rtol=0), k

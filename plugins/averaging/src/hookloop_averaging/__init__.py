@@ -279,8 +279,9 @@ class SWA(_Averaging):
     and ``SWALR(swa_lrs, annealing_epochs, annealing_strategy)`` steps at each epoch's end
     in place of the module's schedulers (held still). When ``fit`` ends the average is
     copied into the parameters and, if the model has BatchNorm layers, their statistics are
-    recomputed with ``torch.optim.swa_utils.update_bn`` over the train loader (each rank
-    over its own shard of it). One optimizer only.
+    recomputed with ``torch.optim.swa_utils.update_bn`` over the train loader as given to
+    ``fit`` (``trainer.train_dataloader``: under ddp/fsdp every rank passes over all of it,
+    unsharded, so the ranks end with the same statistics). One optimizer only.
 
     swa_lrs: the SWA learning rate, one float or one per parameter group (default None: the optimizer's rates when SWA starts)
     swa_epoch_start: the epoch SWA starts: an int >= 1 (1-based, as Lightning) or a fraction of max_epochs in [0, 1] (default 0.8)
@@ -376,6 +377,9 @@ class SWA(_Averaging):
         self.scheduler = SWALR(optimizer, swa_lr=lrs, anneal_epochs=self.annealing_epochs,
                                anneal_strategy=self.annealing_strategy,
                                last_epoch=self._max_epochs if self.annealing_strategy == "cos" else -1)
+        # the loop's step function may hold the optimizer's step from before SWALR wrapped
+        # it: say the optimizer has stepped (it has), or torch warns "step() before optimizer.step()"
+        optimizer._opt_called = True
         if resumed:
             self.scheduler.load_state_dict(self._scheduler_state)
             for lr, group in zip(restored, groups):
