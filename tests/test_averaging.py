@@ -401,3 +401,28 @@ def test_swa_batchnorm_statistics_under_ddp_are_the_whole_loader_s(hookloop_proc
     for k in ("net.1.running_mean", "net.1.running_var", "net.1.num_batches_tracked"):
         assert torch.equal(results[0][k], results[1][k]), k
         assert torch.allclose(results[0][k], model.state_dict()[k], atol=1e-6, rtol=0), k
+
+
+# -- the kit's extension suite ------------------------------------------------------------
+
+from hookloop.testing import ExtensionConformance  # noqa: E402
+
+
+class _AveragingConformance(ExtensionConformance):
+    """Trains beside the default observers, keeps its checkpoint state under its own name,
+    resumes exactly (the average and the weights). Its ddp check (one more 2-process
+    launch; ddp is tested above) runs under make test-full."""
+
+    @FULL
+    def test_under_ddp_the_ranks_agree_and_a_resume_ends_as_an_uninterrupted_run(self, ddp):
+        super().test_under_ddp_the_ranks_agree_and_a_resume_ends_as_an_uninterrupted_run(ddp)
+
+
+class TestEMAConformance(_AveragingConformance):
+    plugin = "ema"
+    options = {"decay": 0.9, "update_starting_at_step": 3}
+
+
+class TestSWAConformance(_AveragingConformance):
+    plugin = "swa"
+    options = {"swa_lrs": 0.05, "swa_epoch_start": 1}
