@@ -426,3 +426,36 @@ class TestEMAConformance(_AveragingConformance):
 class TestSWAConformance(_AveragingConformance):
     plugin = "swa"
     options = {"swa_lrs": 0.05, "swa_epoch_start": 1}
+
+
+def fsdp_resume_rank(root: str) -> dict:
+    """One rank: ema under fsdp, 3 epochs (8 steps each) uninterrupted, and stopped at step 13
+    then resumed from its checkpoint directory by a new Trainer, module and plugin."""
+    def run(sub, max_steps=None, ckpt_path=None, seed=0):
+        from conftest import TinyModule
+
+        module, plugin = TinyModule(seed=seed), hookloop.plugin("ema", decay=0.7, update_every_n_steps=2)
+        kwargs = {} if max_steps is None else {"max_steps": max_steps}
+        t = hookloop.Trainer(plugins=["fsdp", plugin], max_epochs=3, default_root_dir=os.path.join(root, sub),
+                             logger=False, **QUIET, **kwargs)
+        t.fit(module, DataLoader(tiny_data(64), batch_size=4), ckpt_path=ckpt_path)
+        return {k: v.clone() for k, v in plugin.average.items()}, plugin.n_averaged, params(module), plugin._sharded
+
+    full = run("full")
+    run("cut", max_steps=13)
+    last = glob.glob(os.path.join(root, "cut", "**", "last.ckpt"), recursive=True)
+    resumed = run("resumed", ckpt_path=last[0], seed=5)
+    return full, resumed
+
+
+@FULL
+def test_fsdp_sharded_average_resumes_bit_identical(hookloop_processes, tmp_path):
+    results = hookloop_processes(fsdp_resume_rank, nprocs=2, args=(str(tmp_path),), timeout=400)
+    for rank, (full, resumed) in enumerate(results):
+        assert full[3] and resumed[3]  # the average is of local shards, saved per rank
+        assert full[1] == resumed[1] == 12
+        for k in full[0]:
+            assert torch.equal(full[0][k], resumed[0][k]), (rank, k)
+        for k in full[2]:
+            assert torch.equal(full[2][k], resumed[2][k]), (rank, k)
+    assert not torch.equal(results[0][0][0]["net.0.weight"], results[1][0][0]["net.0.weight"])  # shards differ
