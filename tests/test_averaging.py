@@ -292,13 +292,19 @@ def dp_reference(name, epochs=3, world=2, batch_size=4, n=64):
 
 def dp_rank(strategy: str, root: str) -> dict:
     """One rank: ema then swa under ``strategy``; the model's weights after each fit."""
+    import warnings
+
     out = {}
     for name, options in (("ema", dict(decay=0.8)), ("swa", dict(swa_lrs=0.05, swa_epoch_start=2, annealing_epochs=2))):
         module, plugin = _tiny(), hookloop.plugin(name, **options)
         t = hookloop.Trainer(plugins=[strategy, plugin], max_epochs=3, default_root_dir=os.path.join(root, name),
                              logger=False, enable_checkpointing=False, **QUIET)
-        t.fit(module, DataLoader(tiny_data(64), batch_size=4))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            t.fit(module, DataLoader(tiny_data(64), batch_size=4))
         out[name] = (params(module), plugin._sharded)
+        # SWALR starts mid-training; torch's "lr_scheduler.step() before optimizer.step()" is wrong
+        out[name + "_warned"] = [str(w.message)[:60] for w in caught if "optimizer.step()" in str(w.message)]
     return out
 
 
@@ -309,6 +315,7 @@ def test_averages_under_data_parallel_equal_one_process_reference(hookloop_proce
         expected = dp_reference(name)
         for rank, result in enumerate(results):
             weights, sharded = result[name]
+            assert result[name + "_warned"] == [], (name, rank)
             # fsdp: each rank averaged its own shards of the DTensor parameters
             assert sharded == (strategy == "fsdp")
             for k, v in expected.items():
