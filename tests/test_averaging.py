@@ -369,8 +369,8 @@ def test_swa_equals_lightnings_stochastic_weight_averaging(tmp_path):
     """The same module under pytorch_lightning 2.6.6 with its StochasticWeightAveraging and
     under hookloop with ``swa``: without BatchNorm every final weight; with BatchNorm the
     statistics that Lightning's extra epoch recomputes on the average (its weights are
-    not compared there: after that epoch Lightning's optimizer has moved them off the
-    average, here by up to 0.03; the hand-written swa_utils loop above agrees with ours)."""
+    not compared there: during that epoch Lightning's weights move off the average, here
+    by up to 0.03; the hand-written swa_utils loop above agrees with ours)."""
     (tmp_path / "light.py").write_text(LIGHTNING_SCRIPT.format(tests=str(REPO / "tests")))
     run_python([sys.executable, "light.py"], cwd=tmp_path, env={"PYTHONWARNINGS": "ignore"})
     for bn in (False, True):
