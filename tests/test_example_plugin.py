@@ -15,7 +15,7 @@ SCRIPT = textwrap.dedent(
     from conftest import TinyModule, tiny_data
     from torch.nn import functional as F
 
-    assert "ema" in hookloop.installed_plugins()
+    assert "example_ema" in hookloop.installed_plugins()
     data = tiny_data(64)
 
     # Reference: a hand-written loop keeping the EMA after every optimizer step.
@@ -32,16 +32,16 @@ SCRIPT = textwrap.dedent(
 
     module = TinyModule()
     torch.manual_seed(0)
-    trainer = hookloop.Trainer(plugins=[hookloop.plugin("ema", decay=0.8)], max_epochs=2, default_root_dir="run")
+    trainer = hookloop.Trainer(plugins=[hookloop.plugin("example_ema", decay=0.8)], max_epochs=2, default_root_dir="run")
     trainer.fit(module, DataLoader(data, batch_size=8, shuffle=True))
     for k, v in module.state_dict().items():
         assert torch.allclose(v, ema[k], atol=1e-7), k
     # Its state went into the checkpoint, loadable with weights_only=True.
     ckpt = torch.load("run/logs/version_0/checkpoints/last.ckpt", weights_only=True)
-    assert set(ckpt["plugins"]["ema"]["shadow"]) == set(ema)
+    assert set(ckpt["plugins"]["example_ema"]["shadow"]) == set(ema)
 
-    # And by plain name, as `--plugins ema` / HOOKLOOP_PLUGINS would do.
-    named = hookloop.Trainer(plugins=["ema"], max_epochs=1, enable_checkpointing=False,
+    # And by plain name, as `--plugins example_ema` / HOOKLOOP_PLUGINS would do.
+    named = hookloop.Trainer(plugins=["example_ema"], max_epochs=1, enable_checkpointing=False,
                              enable_progress_bar=False, logger=False)
     assert [type(p).__name__ for p in named.plugins] == ["EMA", "ModelSummary"]
     print("EMA-OK")
@@ -61,5 +61,5 @@ def test_pip_install_and_enable_by_name(tmp_path):
     out = run_python([sys.executable, "check.py"], cwd=tmp_path, env={"PYTHONPATH": str(target)})
     assert "EMA-OK" in out.stdout
     # The worked example passes the contract check it teaches.
-    checked = run_python([sys.executable, "-m", "hookloop", "check", "ema"], cwd=tmp_path, env={"PYTHONPATH": str(target)})
-    assert checked.stdout.strip() == "ema: ok"
+    checked = run_python([sys.executable, "-m", "hookloop", "check", "example_ema"], cwd=tmp_path, env={"PYTHONPATH": str(target)})
+    assert checked.stdout.strip() == "example_ema: ok"

@@ -24,7 +24,7 @@ class EMA:
         copy the averaged weights into the model when ``fit`` ends.
     """
 
-    hookloop_name = "ema"
+    hookloop_name = "example_ema"  # its entry-point name (`ema` is hookloop-averaging's)
     hookloop_role = "extension"  # composes with any strategy and precision plugin
     hookloop_requires = ">=2,<3"  # the hookloop plugin contract versions it is written for
 
@@ -63,10 +63,10 @@ class EMA:
 
     @hookloop.hookimpl
     def on_save_checkpoint(self, checkpoint):
-        checkpoint["plugins"]["ema"] = {"decay": self.decay, "shadow": dict(self.shadow)}
+        checkpoint["plugins"]["example_ema"] = {"decay": self.decay, "shadow": dict(self.shadow)}
 
     @hookloop.hookimpl
     def on_load_checkpoint(self, checkpoint):
-        state = checkpoint["plugins"].get("ema")
+        state = checkpoint["plugins"].get("example_ema")
         if state is not None:
             self.shadow = {k: v.clone() for k, v in state["shadow"].items()}
