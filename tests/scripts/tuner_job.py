@@ -1,9 +1,11 @@
 """The learning-rate and batch-size finders' module and data (tests/test_tuner.py).
 
-Run as a script (``hookloop run --plugins ddp --devices 2 tuner_job.py OUT MODE``): each
-rank writes what ``Tuner`` returned to ``OUT/rank<R>.json``. ``MODE``: ``lr`` (the lr
-finder on BATCH samples per rank) or ``bs`` (the batch-size finder, with rank 1 running
-out of memory above OOM_ABOVE samples per batch)."""
+Run as a script (``hookloop run --plugins ddp --devices 2 tuner_job.py OUT``): each rank
+writes what ``Tuner`` returned to ``OUT/rank<R>.json``: the lr finder on BATCH samples per
+rank, then the batch-size finder with rank 1 alone running out of memory above OOM_ABOVE
+samples per batch. Under several processes rank R trains on samples R, R + W, R + 2W, ...
+in order (``use_distributed_sampler=False``), so the ranks' batch k together are the
+sequential batch k of W * BATCH samples."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import json
 import sys
 
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Subset, TensorDataset
 
 import hookloop
 
@@ -48,27 +50,27 @@ class Regression(hookloop.Module):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
     def train_dataloader(self):
-        return DataLoader(data(), batch_size=self.batch_size, shuffle=False)
+        world, rank = self.trainer.world_size, self.trainer.global_rank
+        return DataLoader(Subset(data(), range(rank, N, world)), batch_size=self.batch_size, shuffle=False)
 
 
-def main(out: str, mode: str) -> None:
-    trainer = hookloop.Trainer(max_epochs=1, enable_progress_bar=False, enable_model_summary=False)
-    rank = int(__import__("os").environ.get("RANK", "0"))
-    if mode == "lr":
-        model = Regression()
-        found = hookloop.Tuner(trainer).lr_find(model, num_training=NUM_TRAINING, min_lr=1e-4, max_lr=1.0)
-        result = {"lr": found.results["lr"], "loss": found.results["loss"], "suggestion": found.suggestion(),
-                  "model_lr": model.lr}
-    else:
-        model = Regression(oom_rank=1)
-        size = hookloop.Tuner(trainer).scale_batch_size(model, mode="power", init_val=2, steps_per_trial=2)
-        result = {"batch_size": size, "model_batch_size": model.batch_size}
-    # the run after the search trains from step 0 with the found settings
+def main(out: str) -> None:
+    trainer = hookloop.Trainer(max_epochs=1, enable_progress_bar=False, enable_model_summary=False,
+                               use_distributed_sampler=False)
+    tuner = hookloop.Tuner(trainer)
+    model = Regression()
+    found = tuner.lr_find(model, num_training=NUM_TRAINING, min_lr=1e-4, max_lr=1.0)
+    result = {"lr": found.results["lr"], "loss": found.results["loss"], "suggestion": found.suggestion(),
+              "model_lr": model.lr}
+    # the run after the search trains from step 0 with the suggested lr
     trainer.fit(model)
     result["global_step_after_fit"] = trainer.global_step
-    with open(f"{out}/rank{rank}.json", "w") as f:
+    oom = Regression(oom_rank=1)
+    result["batch_size"] = tuner.scale_batch_size(oom, mode="power", init_val=2, steps_per_trial=2)
+    result["model_batch_size"] = oom.batch_size
+    with open(f"{out}/rank{trainer.global_rank}.json", "w") as f:
         json.dump(result, f)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1])
