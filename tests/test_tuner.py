@@ -7,6 +7,8 @@ The module and data are tests/scripts/tuner_job.py's (also the ddp job)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -204,3 +206,31 @@ def test_finders_under_ddp_agree_on_every_rank(tmp_path):
     assert result["suggestion"] == lrs[hand_suggestion(lrs, result["loss"])] == result["model_lr"]
     assert result["global_step_after_fit"] == job.N // (2 * job.BATCH)
     assert result["batch_size"] == result["model_batch_size"] == job.OOM_ABOVE
+
+
+@pytest.mark.skipif(os.environ.get("HOOKLOOP_TEST_FULL") != "1",
+                    reason="two launched runs (~80 s on 2 busy cores): HOOKLOOP_TEST_FULL=1 (make test-full)")
+def test_hookloop_tune_prints_the_suggestion_and_the_table(tmp_path):
+    """``hookloop tune lr SCRIPT`` runs the finder at the script's fit, prints the table
+    and the suggestion (the hand loop's), and ends the script there; ``hookloop tune
+    batch-size`` prints each trial and the size found."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "HOOKLOOP_"))}
+    lr = subprocess.run([sys.executable, "-m", "hookloop", "tune", "lr", "--num-training", str(job.NUM_TRAINING),
+                         "--min-lr", "1e-4", "--max-lr", "1", "--default-root-dir", str(tmp_path),
+                         str(SCRIPTS / "tuner_cli_script.py")], cwd=tmp_path, env=env, capture_output=True,
+                        text=True, timeout=300)
+    assert lr.returncode == 0, lr.stdout + lr.stderr
+    lrs, losses = hand_lr_find(job.BATCH, job.NUM_TRAINING, 1e-4, 1.0)
+    assert f"hookloop tune lr: suggested learning rate {lrs[hand_suggestion(lrs, losses)]!r} (24 of 24 steps)" \
+        in lr.stdout
+    rows = [line.split() for line in lr.stdout.splitlines() if line.split()[:1] and line.split()[0].isdigit()]
+    assert [float(r[2]) for r in rows] == pytest.approx(losses, rel=1e-5)
+    assert "trained" not in lr.stdout
+    bs = subprocess.run([sys.executable, "-m", "hookloop", "tune", "batch-size", "--steps-per-trial", "1",
+                         "--default-root-dir", str(tmp_path), str(SCRIPTS / "tuner_cli_script.py"), "--oom"],
+                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert bs.returncode == 0, bs.stdout + bs.stderr
+    assert "hookloop tune batch-size: batch size 8" in bs.stdout
+    assert [line.split()[:2] for line in bs.stdout.splitlines() if line.strip()[:1].isdigit()] == \
+        [["2", "fits"], ["4", "fits"], ["8", "fits"], ["16", "out"]]
+    assert "trained" not in bs.stdout

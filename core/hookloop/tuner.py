@@ -33,7 +33,9 @@ neither the trainer nor a plugin).
 from __future__ import annotations
 
 import copy
+import json
 import math
+import os
 from typing import Any
 
 import torch
@@ -281,6 +283,7 @@ class _SearchRun:
         t.state.log_dir = old_state.log_dir
         t.global_step, t.current_epoch, t.should_stop = 0, 0, False
         t.config.max_steps = self.max_steps
+        t.__dict__["_hookloop_tuning"] = True  # its fit is the search's, not a `hookloop tune` request
         t.config.limit_val_batches = 0
         t.config.num_sanity_val_steps = 0
         return self
@@ -288,6 +291,7 @@ class _SearchRun:
     def __exit__(self, *exc: Any) -> None:
         t = self.trainer
         search_state = t.state
+        t.__dict__.pop("_hookloop_tuning", None)
         for a, v in self.saved.items():
             setattr(t, a, v)
         for a, v in self.saved_config.items():
@@ -329,6 +333,8 @@ class Tuner:
 
     def __init__(self, trainer: Any):
         self._trainer = trainer
+        #: the batch-size finder's trials, in order: (batch size, whether it fitted)
+        self.trials: list[tuple[int, bool]] = []
 
     def lr_find(self, model: torch.nn.Module, train_dataloaders: Any = None, val_dataloaders: Any = None,
                 dataloaders: Any = None, datamodule: Any = None, method: str = "fit", min_lr: float = 1e-8,
@@ -429,14 +435,17 @@ class Tuner:
         def trial() -> bool:
             """True: fitted; False: out of memory (on some rank: the same answer on all)."""
             agreement = _OOMAgreement(model)
+            size = _getattr(target, batch_arg_name)[1]
             try:
                 with _SearchRun(trainer, [agreement], max_steps=steps_per_trial):
                     _fit(trainer, model, None, datamodule)
                     dataset = getattr(trainer.train_dataloader, "dataset", None)
                     seen["length"] = len(dataset) if hasattr(dataset, "__len__") else None
+                self.trials.append((size, True))
                 return True
             except RuntimeError as exc:
                 if is_oom_error(exc) or isinstance(exc, _TrialOutOfMemory):
+                    self.trials.append((size, False))
                     return False
                 raise
             finally:
@@ -495,6 +504,34 @@ class Tuner:
         _setattr(target, batch_arg_name, new_size)
         rank_zero_info(f"Finished batch size finder, will continue with full run using batch size {new_size}")
         return new_size
+
+
+#: set by ``hookloop tune``: ``{"finder": "lr"|"batch-size", "options": {...}}`` (JSON)
+TUNE_ENV = "HOOKLOOP_TUNE"
+
+
+def tune_from_environment(trainer: Any, model: Any, train_dataloaders: Any, datamodule: Any) -> None:
+    """``hookloop tune``'s end of a script's first ``fit``: run the finder that
+    ``HOOKLOOP_TUNE`` names on every rank, print the suggestion and the table on global
+    rank 0, and end the process (status 0) instead of training."""
+    request = json.loads(os.environ[TUNE_ENV])
+    tuner = Tuner(trainer)
+    options = request["options"]
+    if request["finder"] == "lr":
+        found = tuner.lr_find(model, train_dataloaders, datamodule=datamodule, update_attr=False, **options)
+        if trainer.global_rank == 0 and found is not None:
+            suggestion = found.suggestion()
+            print(found.table())
+            print(f"hookloop tune lr: suggested learning rate {suggestion!r} "
+                  f"({len(found.results['loss'])} of {options['num_training']} steps)", flush=True)
+    else:
+        size = tuner.scale_batch_size(model, train_dataloaders, datamodule=datamodule, **options)
+        if trainer.global_rank == 0:
+            print(f"{'batch size':>10}  result")
+            for value, fitted in tuner.trials:
+                print(f"{value:>10}  {'fits' if fitted else 'out of memory'}")
+            print(f"hookloop tune batch-size: batch size {size!r}", flush=True)
+    raise SystemExit(0)
 
 
 def _lr_attr_name(model: Any, attr_name: str) -> str:
