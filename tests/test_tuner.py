@@ -118,7 +118,8 @@ def test_lr_find_refuses_bad_input(tmp_path):
         tuner.lr_find(model)
 
 
-def test_lr_find_matches_lightning(tmp_path):
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_lr_find_matches_lightning(tmp_path, accumulate):
     pl = pytest.importorskip("pytorch_lightning")
     from pytorch_lightning.tuner import Tuner as LightningTuner
 
@@ -138,16 +139,29 @@ def test_lr_find_matches_lightning(tmp_path):
     loader = DataLoader(job.data(), batch_size=job.BATCH, shuffle=False)
     lit = LitRegression()
     lt = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                    accumulate_grad_batches=accumulate,
                     enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path / "pl"))
     expected = LightningTuner(lt).lr_find(lit, train_dataloaders=loader, num_training=job.NUM_TRAINING,
                                           min_lr=1e-4, max_lr=1.0)
     model = job.Regression()
-    found = hookloop.Tuner(_trainer(tmp_path)).lr_find(model, loader, num_training=job.NUM_TRAINING,
+    found = hookloop.Tuner(_trainer(tmp_path, accumulate_grad_batches=accumulate)).lr_find(
+        model, loader, num_training=job.NUM_TRAINING,
                                                        min_lr=1e-4, max_lr=1.0)
     assert found.results["lr"] == pytest.approx(expected.results["lr"], rel=1e-12)
     assert found.results["loss"] == pytest.approx(expected.results["loss"], rel=1e-6)
     assert found.suggestion() == pytest.approx(expected.suggestion(), rel=1e-12)
     assert model.lr == pytest.approx(lit.lr, rel=1e-12)
+    assert len(found.results["loss"]) == job.NUM_TRAINING
+
+
+def test_scale_batch_size_refuses_what_it_cannot_scale(tmp_path):
+    tuner = hookloop.Tuner(_trainer(tmp_path))
+    with pytest.raises(hookloop.ConfigurationError, match="train_dataloader"):
+        tuner.scale_batch_size(job.Regression(), DataLoader(job.data(), batch_size=2))
+    with pytest.raises(hookloop.ConfigurationError, match="'bs'"):
+        tuner.scale_batch_size(job.Regression(), batch_arg_name="bs")
+    with pytest.raises(hookloop.ConfigurationError, match="mode"):
+        tuner.scale_batch_size(job.Regression(), mode="linear")
 
 
 class _OOMAbove(job.Regression):

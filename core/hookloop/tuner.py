@@ -171,7 +171,9 @@ class _LRFinderHooks:
         if loss is None:
             self.losses.append(float("nan"))
             return
-        value = loss.detach().float().reshape(())
+        # Lightning records the window's last micro-batch loss as backpropagated, divided by
+        # accumulate_grad_batches (a scale: the suggestion and the stop rule are the same)
+        value = loss.detach().float().reshape(()) / trainer.accumulate_grad_batches
         if trainer.world_size > 1:
             # every rank records (and decides on) the mean over the ranks
             value = trainer.reduce(value.clone(), "mean")
