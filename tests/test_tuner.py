@@ -248,3 +248,20 @@ def test_hookloop_tune_prints_the_suggestion_and_the_table(tmp_path):
     assert [line.split()[:2] for line in bs.stdout.splitlines() if line.strip()[:1].isdigit()] == \
         [["2", "fits"], ["4", "fits"], ["8", "fits"], ["16", "out"]]
     assert "trained" not in bs.stdout
+
+
+def test_scale_batch_size_sets_the_datamodule_and_the_model(tmp_path):
+    """The loaders come from the DataModule's batch size; like Lightning's
+    ``lightning_setattr``, every holder of ``batch_arg_name`` gets the size found."""
+
+    class Data(hookloop.DataModule):
+        def __init__(self):
+            super().__init__()
+            self.batch_size = 1
+
+        def train_dataloader(self):
+            return DataLoader(job.data(), batch_size=self.batch_size)
+
+    model, dm = _OOMAbove(12), Data()
+    size = hookloop.Tuner(_trainer(tmp_path)).scale_batch_size(model, datamodule=dm, init_val=3, steps_per_trial=1)
+    assert size == dm.batch_size == model.batch_size == 12  # 3, 6, 12 fit; 24 does not

@@ -409,17 +409,20 @@ class Tuner:
         if trainer.config.fast_dev_run:
             rank_zero_warn("Skipping batch size scaler since `fast_dev_run` is enabled.")
             return None
-        target = None
-        for candidate in (datamodule, model):
-            if _getattr(candidate, batch_arg_name)[0]:
-                target = candidate
-                break
+        # Lightning's lightning_setattr: every holder of the attribute gets the new value
+        holders = [c for c in (datamodule, model) if _getattr(c, batch_arg_name)[0]]
+        target = holders[0] if holders else None
         if target is None:
             raise ConfigurationError(
                 f"scale_batch_size: neither the datamodule nor the model has the attribute {batch_arg_name!r} "
                 f"(batch_arg_name) that train_dataloader() reads")
         saved = copy.deepcopy(model.state_dict())
-        _setattr(target, batch_arg_name, init_val)
+
+        def set_size(value: int) -> None:
+            for holder in holders:
+                _setattr(holder, batch_arg_name, value)
+
+        set_size(init_val)
         new_size = init_val
 
         seen = {"length": None}
@@ -431,7 +434,7 @@ class Tuner:
                 rank_zero_info(f"The batch size {current} is greater or equal than the length of your dataset: {length}.")
                 return current, False
             new = min(int(value), max_val)
-            _setattr(target, batch_arg_name, new)
+            set_size(new)
             return new, new != current
 
         def trial() -> bool:
@@ -503,7 +506,7 @@ class Tuner:
                     new_size = max(1, int(new_size * (1 - margin)))
         finally:
             model.load_state_dict(saved)
-        _setattr(target, batch_arg_name, new_size)
+        set_size(new_size)
         rank_zero_info(f"Finished batch size finder, will continue with full run using batch size {new_size}")
         return new_size
 
