@@ -96,6 +96,17 @@ def test_lr_find_equals_a_hand_written_loop_and_restores_the_weights(tmp_path, m
     assert trainer.global_step == len(job.data()) // job.BATCH
 
 
+def test_lr_find_plot_draws_the_results_and_the_suggestion(tmp_path):
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    found = hookloop.Tuner(_trainer(tmp_path)).lr_find(job.Regression(), num_training=job.NUM_TRAINING,
+                                                       min_lr=1e-4, max_lr=1.0)
+    ax = found.plot(suggest=True).axes[0]
+    curve, point = ax.lines
+    assert list(curve.get_xdata()) == found.results["lr"] and list(curve.get_ydata()) == found.results["loss"]
+    assert list(point.get_xdata()) == [found.suggestion()] and ax.get_xscale() == "log"
+
+
 def test_lr_find_stops_on_divergence_as_the_hand_loop_does(tmp_path):
     model = job.Regression()
     found = hookloop.Tuner(trainer := _trainer(tmp_path)).lr_find(

@@ -42,7 +42,7 @@ import torch
 
 from . import plugins as plugin_registry
 from .defaults import Defaults
-from .errors import ConfigurationError
+from .errors import ConfigurationError, MissingDependencyError
 from .hookspecs import hookimpl
 from .state import LoopState
 from .utilities import rank_zero_info, rank_zero_warn
@@ -106,7 +106,9 @@ class LRFinder:
         try:
             import matplotlib.pyplot as plt
         except ImportError:
-            raise ConfigurationError("LRFinder.plot needs matplotlib: pip install matplotlib") from None
+            raise MissingDependencyError(
+                "LRFinder.plot draws with matplotlib, which is not installed: pip install 'hookloop[plot]' "
+                "(or pip install matplotlib)") from None
         lrs, losses = self.results["lr"], self.results["loss"]
         if ax is None:
             fig, ax = plt.subplots()
