@@ -127,6 +127,12 @@ def test_lr_find_refuses_bad_input(tmp_path):
     del model.lr
     with pytest.raises(hookloop.ConfigurationError, match="learning_rate"):
         tuner.lr_find(model)
+    # ddp_spawn would run the search in workers it spawns and lose its results there
+    spawning = hookloop.Tuner(_trainer(tmp_path, plugins=["ddp_spawn"], devices=2))
+    with pytest.raises(hookloop.ConfigurationError, match="'ddp_spawn' spawns its workers"):
+        spawning.lr_find(job.Regression())
+    with pytest.raises(hookloop.ConfigurationError, match="'ddp_spawn' spawns its workers"):
+        spawning.scale_batch_size(job.Regression())
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])

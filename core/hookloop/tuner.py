@@ -304,6 +304,18 @@ class _SearchRun:
             t.state.log_dir = search_state.log_dir
 
 
+def _check_not_spawning(trainer: Any, finder: str) -> None:
+    """A strategy that spawns its workers from this process (``ddp_spawn``) would run the
+    search in them and lose what it found there: refused, with the alternative."""
+    spawners = [impl.plugin_name for impl in trainer.plugin_manager.hook.spawn.get_hookimpls()
+                if impl.plugin_name != "hookloop.defaults"]
+    if spawners:
+        raise ConfigurationError(
+            f"{finder} runs in the process that calls it, and {spawners[0]!r} spawns its workers from "
+            f"there (the search's results would stay in them): use the 'ddp' strategy with `hookloop run` "
+            f"(or `hookloop tune`), whose every worker runs the script and the finder")
+
+
 def _fit(trainer: Any, model: Any, train_dataloaders: Any, datamodule: Any) -> None:
     if datamodule is not None:
         trainer.fit(model, datamodule=datamodule)
@@ -364,6 +376,7 @@ class Tuner:
         if trainer.config.fast_dev_run:
             rank_zero_warn("Skipping learning rate finder since `fast_dev_run` is enabled.")
             return None
+        _check_not_spawning(trainer, "lr_find")
         if update_attr:
             attr_name = _lr_attr_name(model, attr_name)
         saved = copy.deepcopy(model.state_dict())
@@ -411,6 +424,7 @@ class Tuner:
         if trainer.config.fast_dev_run:
             rank_zero_warn("Skipping batch size scaler since `fast_dev_run` is enabled.")
             return None
+        _check_not_spawning(trainer, "scale_batch_size")
         # Lightning's lightning_setattr: every holder of the attribute gets the new value
         holders = [c for c in (datamodule, model) if _getattr(c, batch_arg_name)[0]]
         target = holders[0] if holders else None
