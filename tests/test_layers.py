@@ -47,7 +47,7 @@ LAYERS: list[list[str]] = [
     ["module", "datamodule"],
     ["plugins"],
     ["contract", "strategies"],
-    ["trainer"],
+    ["trainer", "tuner"],
     ["cli", "lightning_cli", "scaffold", "plot", "__main__"],
     ["hookloop"],
     ["testing"],

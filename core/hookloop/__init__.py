@@ -68,6 +68,7 @@ from .observers.timer import Timer
 from .optim import SchedulerConfig, before_optimizer_step, GradScaling, load_scheduler_states, repoint_optimizers, schedulers_of
 from .plugins import installed_plugins, resolve as plugin
 from .trainer import Trainer, default
+from .tuner import LRFinder, Tuner
 from .unpickling import refused_object, unsafe_checkpoint_error, weights_only_loads
 from .utilities import env_int, rank_zero_info, rank_zero_only, rank_zero_warn
 from .versioning import CONTRACT_VERSION, HookloopContractWarning, HookloopDeprecationWarning
@@ -116,6 +117,8 @@ __all__ = [
     "TaggedCheckpointDir",
     "Timer",
     "Trainer",
+    "Tuner",
+    "LRFinder",
     "TrainerConfig",
     "apply_to_tensors",
     "as_launcher",

@@ -1,4 +1,4 @@
-"""The ``hookloop`` command: ``plugins``, ``run``, and sub-commands that plugins add.
+"""The ``hookloop`` command: ``plugins``, ``run``, ``tune``, and sub-commands that plugins add.
 
 ``hookloop.cli.LightningCLI`` (Lightning's ``LightningCLI``, for scripts) lives in
 :mod:`hookloop.lightning_cli` and is imported from here on first use.
@@ -96,9 +96,55 @@ def _build_parser(commands: dict) -> argparse.ArgumentParser:
     r.add_argument("script", help="the training script")
     r.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
+    _add_tune_parser(sub, r)
+
     for name in sorted(commands):
         sub.add_parser(name, help=f"sub-command from {commands[name].value.split(':')[0]}", add_help=False)
     return parser
+
+
+def _add_tune_parser(sub, run_parser: argparse.ArgumentParser) -> None:
+    """``hookloop tune lr|batch-size [finder options] [run options] SCRIPT``: ``hookloop run``
+    whose Trainer's first ``fit`` runs the finder (:mod:`hookloop.tuner`) instead of
+    training, prints the suggestion and the table on global rank 0, and ends the script."""
+    t = sub.add_parser(
+        "tune", help="find a learning rate or a batch size for SCRIPT (its first fit), on 1 or N processes",
+        description=("Run SCRIPT as `hookloop run` does; its first Trainer.fit runs hookloop.Tuner's "
+                     "lr_find or scale_batch_size (every rank agreeing) instead of training, prints the "
+                     "suggestion and the table, and the script ends there."))
+    finders = t.add_subparsers(dest="finder", metavar="FINDER", required=True)
+    lr = finders.add_parser("lr", help="the learning-rate range test (Tuner.lr_find)")
+    lr.add_argument("--min-lr", type=float, default=1e-8)
+    lr.add_argument("--max-lr", type=float, default=1.0)
+    lr.add_argument("--num-training", type=int, default=100, help="steps of the range test")
+    lr.add_argument("--mode", choices=["exponential", "linear"], default="exponential")
+    lr.add_argument("--early-stop-threshold", type=float, default=4.0,
+                    help="stop when the smoothed loss passes this times the best (0: never)")
+    bs = finders.add_parser("batch-size", help="the largest batch size that fits (Tuner.scale_batch_size)")
+    bs.add_argument("--mode", choices=["power", "binsearch"], default="power")
+    bs.add_argument("--steps-per-trial", type=int, default=3)
+    bs.add_argument("--init-val", type=int, default=2)
+    bs.add_argument("--max-trials", type=int, default=25)
+    bs.add_argument("--max-val", type=int, default=8192, help="the largest size tried (on the CPU nothing runs out of memory)")
+    bs.add_argument("--batch-arg-name", default="batch_size")
+    for parser in (lr, bs):
+        for action in run_parser._actions:  # hookloop run's options, then SCRIPT and its arguments
+            if not isinstance(action, argparse._HelpAction):
+                parser._add_action(action)
+
+
+def cmd_tune(args) -> int:
+    import json
+    import os
+
+    if args.finder == "lr":
+        options = {"min_lr": args.min_lr, "max_lr": args.max_lr, "num_training": args.num_training,
+                   "mode": args.mode, "early_stop_threshold": args.early_stop_threshold or None}
+    else:
+        options = {"mode": args.mode, "steps_per_trial": args.steps_per_trial, "init_val": args.init_val,
+                   "max_trials": args.max_trials, "max_val": args.max_val, "batch_arg_name": args.batch_arg_name}
+    os.environ["HOOKLOOP_TUNE"] = json.dumps({"finder": args.finder, "options": options})
+    return cmd_run(args)
 
 
 def _parse_devices(text: str | None):
@@ -273,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_new_plugin(args)
         if args.command == "run":
             return cmd_run(args)
+        if args.command == "tune":
+            return cmd_tune(args)
         if args.command == "plot":
             return plot.command(args)
     except HookloopError as exc:

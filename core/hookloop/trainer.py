@@ -22,7 +22,7 @@ from . import callbacks as callbacks_module
 from . import loggers as loggers_module
 from . import mesh as mesh_module
 from . import plugins as plugin_registry
-from . import rundir, session, strategies
+from . import rundir, session, strategies, tuner
 from .config import TrainerConfig, env_defaults
 from .datamodule import DataModule
 from .defaults import Defaults
@@ -510,6 +510,8 @@ class Trainer:
                 f"validation_step(batch, batch_idx): define one, or leave val_dataloaders out"
             )
         _check_training_step(model)
+        if os.environ.get(tuner.TUNE_ENV) and not self.__dict__.get("_hookloop_tuning"):
+            tuner.tune_from_environment(self, model, train_dataloaders, datamodule)  # `hookloop tune`: ends here
         self._start(model, datamodule, ckpt_path, train=train_dataloaders, val=val)
         self._launch_or_run(session.fit)
 
