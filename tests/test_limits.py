@@ -1,0 +1,89 @@
+"""Issue 22 item 7: ``max_time``, ``OnExceptionCheckpoint`` and the rank-agreed NaN/spike
+guard (``nan_guard``).
+
+Each is compared with a reference: pytorch-lightning 2.6.6 running the same module with the
+same arguments, an uninterrupted run, a hand-written loop, or a closed-form sequence. The
+2-process cases are one ``hookloop run --plugins ddp --devices 2`` of
+tests/scripts/limits_battery.py (starting processes is what costs).
+"""
+
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import hookloop
+from conftest import REPO, run_python
+
+BATTERY = REPO / "tests" / "scripts" / "limits_battery.py"
+
+
+def _data(n: int = 64, seed: int = 1) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, 8, generator=g), torch.randint(0, 3, (n,), generator=g))
+
+
+def _module_class(base):
+    class Net(base):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Linear(8, 3)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    return Net
+
+
+def _lightning_steps(tmp_path, **kw) -> int:
+    import pytorch_lightning as pl
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, default_root_dir=str(tmp_path / "pl"), logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         max_epochs=3, **kw)
+    trainer.fit(_module_class(pl.LightningModule)(), DataLoader(_data(), batch_size=8))
+    return trainer.global_step
+
+
+def _hookloop_trainer(tmp_path, **kw) -> hookloop.Trainer:
+    return hookloop.Trainer(default_root_dir=str(tmp_path / "hl"), logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, max_epochs=3, **kw)
+
+
+# ---------------------------------------------------------------------------------------
+# max_time
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("max_time, steps", [("00:00:00:00", 0), ({"microseconds": 1}, 1), (timedelta(days=1), 24)])
+def test_max_time_stops_fit_at_the_step_lightning_stops_at(tmp_path, max_time, steps):
+    # 0: time is up at fit start (nothing trained); 1 us: up at the first check, after the
+    # first batch; a day: never (3 epochs of 8 batches). Lightning 2.6.6 is the reference.
+    expected = _lightning_steps(tmp_path, max_time=max_time)
+    trainer = _hookloop_trainer(tmp_path, max_time=max_time)
+    trainer.fit(_module_class(hookloop.Module)(), DataLoader(_data(), batch_size=8))
+    assert trainer.global_step == expected
+    assert expected == steps
+    timers = [p for p in trainer.plugins if isinstance(p, hookloop.Timer)]
+    assert len(timers) == 1 and timers[0]._interval == "step"
+
+
+def test_max_time_beside_a_timer_is_refused_with_the_conflict_named(tmp_path):
+    with pytest.raises(hookloop.ConfigurationError, match=r"max_time='00:01:00:00'.*Timer"):
+        _hookloop_trainer(tmp_path, max_time="00:01:00:00", callbacks=[hookloop.Timer(duration="00:02:00:00")])
+
+
+def test_a_bad_max_time_names_the_argument(tmp_path):
+    with pytest.raises(hookloop.ConfigurationError, match=r"Trainer\(max_time='12:00'\) is not a valid duration"):
+        _hookloop_trainer(tmp_path, max_time="12:00")
