@@ -57,8 +57,9 @@ def _lightning_steps(tmp_path, **kw) -> int:
 
 
 def _hookloop_trainer(tmp_path, **kw) -> hookloop.Trainer:
+    kw = {"max_epochs": 3, **kw}
     return hookloop.Trainer(default_root_dir=str(tmp_path / "hl"), logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False, max_epochs=3, **kw)
+                            enable_progress_bar=False, enable_model_summary=False, **kw)
 
 
 # ---------------------------------------------------------------------------------------
@@ -87,3 +88,69 @@ def test_max_time_beside_a_timer_is_refused_with_the_conflict_named(tmp_path):
 def test_a_bad_max_time_names_the_argument(tmp_path):
     with pytest.raises(hookloop.ConfigurationError, match=r"Trainer\(max_time='12:00'\) is not a valid duration"):
         _hookloop_trainer(tmp_path, max_time="12:00")
+
+
+# ---------------------------------------------------------------------------------------
+# OnExceptionCheckpoint
+# ---------------------------------------------------------------------------------------
+
+
+def _raising_class(base, at: int | None):
+    class Raises(_module_class(base)):
+        def training_step(self, batch, batch_idx):
+            if at is not None and self.trainer.global_step == at:
+                raise RuntimeError(f"boom at step {at}")
+            return super().training_step(batch, batch_idx)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)  # state that must resume
+
+    return Raises
+
+
+def test_on_exception_checkpoint_is_written_at_lightnings_step_and_resumes_to_the_uninterrupted_weights(tmp_path):
+    import pytorch_lightning as pl
+    from pytorch_lightning.callbacks import OnExceptionCheckpoint as PLOnException
+
+    data = _data()
+    loader = lambda: DataLoader(data, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(3))  # noqa: E731
+    # Lightning 2.6.6: the step its checkpoint records for an exception in the 6th step
+    pl_trainer = pl.Trainer(accelerator="cpu", devices=1, default_root_dir=str(tmp_path / "pl"), logger=False,
+                            enable_progress_bar=False, enable_model_summary=False,
+                            max_epochs=2, callbacks=[PLOnException(str(tmp_path / "pl"))])
+    with pytest.raises(RuntimeError, match="boom at step 5"):
+        pl_trainer.fit(_raising_class(pl.LightningModule, 5)(), loader())
+    lightning_step = torch.load(tmp_path / "pl" / "on_exception.ckpt", weights_only=False)["global_step"]
+
+    callback = hookloop.OnExceptionCheckpoint(tmp_path / "hl", filename="crash")
+    trainer = _hookloop_trainer(tmp_path, max_epochs=2, callbacks=[callback])
+    with pytest.raises(RuntimeError, match="boom at step 5"):
+        trainer.fit(_raising_class(hookloop.Module, 5)(), loader())
+    path = tmp_path / "hl" / "crash.ckpt"
+    assert callback.ckpt_path == str(path) and path.is_file()
+    saved = torch.load(path, weights_only=False)
+    assert saved["loop"]["global_step"] == lightning_step == 5
+
+    # resumed: the same weights as a run that never raised (2 epochs of 8 batches)
+    resumed = _hookloop_trainer(tmp_path / "resume", max_epochs=2)
+    module = _raising_class(hookloop.Module, None)()
+    resumed.fit(module, loader(), ckpt_path=str(path))
+    reference = _hookloop_trainer(tmp_path / "reference", max_epochs=2)
+    plain = _raising_class(hookloop.Module, None)()
+    reference.fit(plain, loader())
+    assert resumed.global_step == reference.global_step == 16
+    for a, b in zip(module.state_dict().values(), plain.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_a_run_that_ends_well_removes_the_on_exception_checkpoint(tmp_path):
+    callback = hookloop.OnExceptionCheckpoint(tmp_path)
+    (tmp_path / "on_exception.ckpt").write_bytes(b"stale")
+    trainer = _hookloop_trainer(tmp_path, max_epochs=1, callbacks=[callback])
+    trainer.fit(_module_class(hookloop.Module)(), DataLoader(_data(), batch_size=8))
+    assert not (tmp_path / "on_exception.ckpt").exists()  # as Lightning's teardown
+
+
+def test_on_exception_checkpoint_refuses_an_empty_filename(tmp_path):
+    with pytest.raises(hookloop.ConfigurationError, match="filename cannot be empty"):
+        hookloop.OnExceptionCheckpoint(tmp_path, filename="")
