@@ -154,3 +154,63 @@ def test_a_run_that_ends_well_removes_the_on_exception_checkpoint(tmp_path):
 def test_on_exception_checkpoint_refuses_an_empty_filename(tmp_path):
     with pytest.raises(hookloop.ConfigurationError, match="filename cannot be empty"):
         hookloop.OnExceptionCheckpoint(tmp_path, filename="")
+
+
+# ---------------------------------------------------------------------------------------
+# nan_guard
+# ---------------------------------------------------------------------------------------
+
+# The loss of each step, by construction (its gradient in w is 1 at every step).
+LOSSES = [1.0, 2.0, 1.0, 2.0, 10.0, 2.0, 1.0, float("nan"), 2.0, 1.5, 7.0, 3.0]
+
+
+class Sequence(hookloop.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor(1.0))
+
+    def training_step(self, batch, batch_idx):
+        return torch.tensor(LOSSES[self.trainer.global_step]) + (self.w - self.w.detach())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def _sequence_fit(tmp_path, guard, **kw):
+    trainer = hookloop.Trainer(default_root_dir=str(tmp_path), logger=False, enable_progress_bar=False,
+                               enable_model_summary=False, max_epochs=1, callbacks=[guard], **kw)
+    module = Sequence()
+    trainer.fit(module, DataLoader(TensorDataset(torch.zeros(len(LOSSES), 1)), batch_size=1))
+    return trainer, module
+
+
+def test_nan_guard_skips_the_spikes_and_the_nan_of_a_closed_form_loss_sequence(tmp_path, capsys):
+    # window 4, factor 3, worked by hand over the good steps' losses only:
+    # step 4: 10 > 3 x median(1, 2, 1, 2) = 4.5; step 7: nan; step 10: 7 > 3 x median(2, 1, 2, 1.5) = 5.25
+    guard = hookloop.NanGuard(action="skip", spike_factor=3, window=4)
+    trainer, module = _sequence_fit(tmp_path, guard, enable_checkpointing=False)
+    assert [(step, what) for step, what, _, _ in guard.events] == [
+        (4, "a loss spike"), (7, "a non-finite value"), (10, "a loss spike")]
+    assert guard.skipped_steps == 3 and trainer.global_step == 12
+    assert module.w.item() == 1.0 - 0.5 * (12 - 3)  # 9 updates of lr x 1 applied
+    assert guard.history == [1.0, 2.0, 1.5, 3.0]  # the last 4 good losses (steps 6, 8, 9, 11)
+    out = capsys.readouterr().out
+    assert "skipped the update of global step 7 on every rank (a non-finite value on global rank 0)" in out
+
+
+def test_nan_guard_stop_writes_a_checkpoint_before_the_bad_update_and_stops(tmp_path, capsys):
+    guard = hookloop.NanGuard(action="stop")  # non-finite only: the first bad step is 7
+    trainer, module = _sequence_fit(tmp_path, guard)
+    assert trainer.global_step == 8 and module.w.item() == 1.0 - 0.5 * 7
+    out = capsys.readouterr().out
+    assert "hookloop: nan_guard: stopping at global step 7: a non-finite value on global rank 0 (loss nan)" in out
+    path = tmp_path / "logs" / "version_0" / "checkpoints" / "nan_guard.ckpt"
+    saved = torch.load(path, weights_only=False)
+    assert saved["loop"]["global_step"] == 7 and saved["state_dict"]["w"].item() == 1.0 - 0.5 * 7
+
+
+def test_nan_guard_refuses_bad_options():
+    with pytest.raises(hookloop.ConfigurationError, match="'skip' and 'stop'"):
+        hookloop.NanGuard(action="warn")
+    with pytest.raises(hookloop.ConfigurationError, match="spike_factor=0.5 must be a number > 1"):
+        hookloop.NanGuard(spike_factor=0.5)
