@@ -214,3 +214,85 @@ def test_nan_guard_refuses_bad_options():
         hookloop.NanGuard(action="warn")
     with pytest.raises(hookloop.ConfigurationError, match="spike_factor=0.5 must be a number > 1"):
         hookloop.NanGuard(spike_factor=0.5)
+
+
+# ---------------------------------------------------------------------------------------
+# 2 processes (ddp, gloo): one run of tests/scripts/limits_battery.py
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def battery(tmp_path_factory):
+    out = tmp_path_factory.mktemp("limits")
+    proc = run_python([sys.executable, "-m", "hookloop", "run", "--plugins", "ddp", "--devices", "2", str(BATTERY),
+                       str(out)], cwd=out, timeout=300)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)], proc.stdout, proc.stderr
+
+
+def _hand_written(ranks, skip: int, steps: int) -> dict:
+    """SGD(lr 0.1) on Linear(8, 3) from seed 0 over both ranks' batches (the gradient is the
+    mean of the ranks' gradients, as DDP's), without the update of step ``skip``."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(8, 3)
+    for step in range(steps):
+        net.zero_grad()
+        for record in ranks:
+            x, y = record["skip"]["batches"][step]
+            (F.cross_entropy(net(x), y) / len(ranks)).backward()
+        if step != skip:
+            with torch.no_grad():
+                for p in net.parameters():
+                    p -= 0.1 * p.grad
+    return {f"net.{k}": v for k, v in net.state_dict().items()}
+
+
+def test_max_time_under_ddp_stops_every_rank_at_the_step_rank_zeros_clock_says(battery):
+    ranks, stdout, _ = battery
+    # rank 1's time was up after step 1 (ignored), rank 0's after step 3
+    assert [r["max_time"]["global_step"] for r in ranks] == [4, 4]
+    assert stdout.count("Time limit reached.") == 1
+
+
+def test_nan_guard_skip_under_ddp_drops_the_update_on_every_rank(battery):
+    ranks, stdout, stderr = battery
+    expected = _hand_written(ranks, skip=3, steps=8)
+    for record in ranks:
+        assert record["skip"]["global_step"] == 8 and record["skip"]["skipped"] == 1
+        assert [(s, what, rank) for s, what, rank, _ in record["skip"]["events"]] == [(3, "a non-finite value", 1)]
+        for key, value in expected.items():
+            torch.testing.assert_close(record["skip"]["weights"][key], value, rtol=0, atol=1e-6)
+    for key in expected:
+        assert torch.equal(ranks[0]["skip"]["weights"][key], ranks[1]["skip"]["weights"][key])
+    assert stdout.count("skipped the update of global step 3 on every rank (a non-finite value on global rank 1)") == 1
+    assert "global rank 1: a non-finite value at global step 3: loss nan" in stderr
+
+
+def test_nan_guard_stop_under_ddp_stops_every_rank_at_the_bad_step_with_a_checkpoint(battery):
+    ranks, stdout, _ = battery
+    expected = _hand_written(ranks, skip=3, steps=3)  # steps 0-2 applied, step 3's dropped
+    for record in ranks:
+        assert record["stop"]["global_step"] == 4  # the bad step counts, its update is not applied
+        for key, value in expected.items():
+            torch.testing.assert_close(record["stop"]["weights"][key], value, rtol=0, atol=1e-6)
+    assert stdout.count("hookloop: nan_guard: stopping at global step 3: a non-finite value on global rank 1") == 1
+    saved = torch.load(Path(ranks[0]["stop"]["log_dir"]) / "checkpoints" / "nan_guard.ckpt", weights_only=False)
+    assert saved["loop"]["global_step"] == 3
+
+
+def test_nan_guard_adds_no_collective_to_a_step(battery):
+    ranks, _, _ = battery
+    # Python-started collectives between consecutive training steps: the preemption
+    # all-reduce alone, with the guard (blocking, carrying its flag) and without it (async)
+    for record in ranks:
+        for run in ("plain", "skip"):
+            calls = record[run]["calls"]
+            assert [b - a for a, b in zip(calls, calls[1:])] == [1] * 7, (run, calls)
+
+
+def test_on_exception_checkpoint_when_every_rank_raises_resumes_to_the_uninterrupted_weights(battery):
+    ranks, _, _ = battery
+    for rank, record in enumerate(ranks):
+        assert record["exception"]["raised"] == f"boom at step 5 on rank {rank}"
+        assert record["exception"]["saved_step"] == 5 and record["exception"]["global_step"] == 8
+        for key, value in record["plain"]["weights"].items():
+            assert torch.equal(record["exception"]["weights"][key], value)
