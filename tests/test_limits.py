@@ -296,3 +296,19 @@ def test_on_exception_checkpoint_when_every_rank_raises_resumes_to_the_uninterru
         assert record["exception"]["saved_step"] == 5 and record["exception"]["global_step"] == 8
         for key, value in record["plain"]["weights"].items():
             assert torch.equal(record["exception"]["weights"][key], value)
+
+
+def test_hookloop_run_max_time_reaches_the_trainer_and_a_bad_one_fails_before_launching(tmp_path):
+    import os
+    import subprocess
+
+    script = tmp_path / "mt.py"
+    script.write_text("import hookloop\nt = hookloop.Trainer()\n"
+                      "print('MAX_TIME', t.config.max_time, [type(p).__name__ for p in t.plugins][-1])\n")
+    if os.environ.get("HOOKLOOP_TEST_FULL") == "1":  # a launch: make test-full
+        ok = run_python([sys.executable, "-m", "hookloop", "run", "--max-time", "00:00:30:00", str(script)],
+                        cwd=tmp_path)
+        assert "MAX_TIME 00:00:30:00 Timer" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "hookloop", "run", "--max-time", "12:00", str(script)], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--max-time '12:00' is not a valid duration" in bad.stderr
