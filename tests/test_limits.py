@@ -312,3 +312,14 @@ def test_hookloop_run_max_time_reaches_the_trainer_and_a_bad_one_fails_before_la
     bad = subprocess.run([sys.executable, "-m", "hookloop", "run", "--max-time", "12:00", str(script)], cwd=tmp_path,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--max-time '12:00' is not a valid duration" in bad.stderr
+
+
+def test_the_nan_guard_checkpoint_resumes_at_the_bad_batch(tmp_path, monkeypatch):
+    trainer, _ = _sequence_fit(tmp_path, hookloop.NanGuard(action="stop"))
+    path = tmp_path / "logs" / "version_0" / "checkpoints" / "nan_guard.ckpt"
+    monkeypatch.setattr(sys.modules[__name__], "LOSSES", LOSSES[:7] + [1.0] + LOSSES[8:])  # the cause fixed: step 7 trains again, and the rest
+    resumed = hookloop.Trainer(default_root_dir=str(tmp_path / "resumed"), logger=False, enable_progress_bar=False,
+                               enable_model_summary=False, enable_checkpointing=False, max_epochs=1)
+    module = Sequence()
+    resumed.fit(module, DataLoader(TensorDataset(torch.zeros(12, 1)), batch_size=1), ckpt_path=str(path))
+    assert resumed.global_step == 12 and module.w.item() == 1.0 - 0.5 * 12  # all 12 updates, step 7's once
