@@ -64,6 +64,8 @@ from .observers.lr_monitor import LearningRateMonitor
 from .observers.bars import RichProgressBar, RichProgressBarTheme, TQDMProgressBar
 from .observers.model_summary import ModelSummary
 from .observers.progress import ProgressBar
+from .observers.nan_guard import NanGuard
+from .observers.on_exception import OnExceptionCheckpoint
 from .observers.timer import Timer
 from .optim import SchedulerConfig, before_optimizer_step, GradScaling, load_scheduler_states, repoint_optimizers, schedulers_of
 from .plugins import installed_plugins, resolve as plugin
@@ -115,6 +117,8 @@ __all__ = [
     "SchedulerConfig",
     "TQDMProgressBar",
     "TaggedCheckpointDir",
+    "NanGuard",
+    "OnExceptionCheckpoint",
     "Timer",
     "Trainer",
     "Tuner",

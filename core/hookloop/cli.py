@@ -78,6 +78,8 @@ def _build_parser(commands: dict) -> argparse.ArgumentParser:
     r.add_argument("--precision", default=None, help="32, 16-mixed, bf16-mixed")
     r.add_argument("--max-epochs", type=int, default=None)
     r.add_argument("--max-steps", type=int, default=None)
+    r.add_argument("--max-time", default=None, metavar="DD:HH:MM:SS",
+                   help="stop fit once training has run this long (Lightning's max_time, e.g. 00:12:00:00)")
     r.add_argument("--accumulate-grad-batches", type=int, default=None)
     r.add_argument("--default-root-dir", default=None)
     r.add_argument("--nodes", type=int, default=None, help="number of machines")
@@ -225,6 +227,7 @@ def cmd_run(args) -> int:
         "precision": args.precision,
         "max_epochs": args.max_epochs,
         "max_steps": args.max_steps,
+        "max_time": args.max_time,
         "accumulate_grad_batches": args.accumulate_grad_batches,
         "default_root_dir": args.default_root_dir,
         "nodes": args.nodes,
@@ -244,6 +247,10 @@ def cmd_run(args) -> int:
             settings.get("plugin_options"), registry.parse_plugin_options(args.plugin_option))
     config = TrainerConfig(**settings)
     config.validate()
+    if config.max_time is not None:  # a bad --max-time fails here, not in every worker
+        from .observers.timer import parse_duration
+
+        parse_duration(config.max_time, "--max-time ...")
     # Load the named plugins (their code, not their backends) to ask how to launch.
     from .defaults import Defaults
 

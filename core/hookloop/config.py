@@ -37,6 +37,9 @@ class TrainerConfig:
     max_restarts: int = 0
     max_epochs: int | None = None
     max_steps: int | None = None
+    #: Lightning's time limit: "DD:HH:MM:SS", a timedelta or a dict of its arguments; fit
+    #: stops after the batch where the training time reaches it (a Timer, interval "step")
+    max_time: Any = None
     accumulate_grad_batches: int = 1
     gradient_clip_val: float | None = None
     gradient_clip_algorithm: str = "norm"

@@ -14,6 +14,15 @@ Preemption
     :data:`PREEMPTED_EXIT_CODE`, a failure that the elastic agent restarts (while
     restarts remain); the restarted workers resume from that checkpoint.
 
+Rank-agreed flags of the step (``nan_guard``)
+    A plugin that must act on every rank at the same step on something one rank saw (a
+    NaN loss) folds its flag into the same all-reduce: :meth:`Preemption.agree_now`,
+    called before the optimizer step, all-reduces ``[SIGTERM, flag, rank]`` (MAX) and
+    waits for it; the loop's :meth:`Preemption.agreed` at that boundary then reads its
+    SIGTERM part instead of starting its own. One collective per step either way: while
+    such a plugin is enabled, it is blocking (a wait for the slowest rank, and a read of
+    the loss, a device sync on GPUs) and a SIGTERM stops at the boundary where it came.
+
 Hung collectives
     The process group's timeout (``Trainer(process_group_timeout=...)``, default per
     backend: :data:`DEFAULT_TIMEOUTS`) bounds every collective. When one fails, the
@@ -73,6 +82,7 @@ class Preemption:
         self._flag: Any = None  # the tensor the ranks all-reduce, made once
         self._group: Any = None  # its process group (gloo); None: the strategy's reduce
         self._pending: Any = None  # the all-reduce started at the last boundary
+        self._agreed_now: bool | None = None  # agree_now's SIGTERM verdict for this boundary
 
     def _handler(self, signum, frame) -> None:
         self.requested = True  # nothing else here: the loop acts at the next step boundary
@@ -99,7 +109,8 @@ class Preemption:
         import torch
         import torch.distributed as dist
 
-        self._flag = torch.zeros(1)
+        # [SIGTERM, a plugin's flag (agree_now), 1 + the global rank that raised it]
+        self._flag = torch.zeros(3)
         if (trainer.world_size > 1 and dist.is_available() and dist.is_initialized()
                 and dist.get_world_size() == trainer.world_size):
             self._group = cpu_process_group()
@@ -112,6 +123,9 @@ class Preemption:
         reads the same value at the same boundary, so all stop together, one boundary
         after the one where the first rank had the flag. Without it (horovod), the
         strategy's ``reduce`` of the flag, at every boundary (a wait per step)."""
+        if self._agreed_now is not None:  # agree_now ran at this boundary: its verdict
+            agreed, self._agreed_now = self._agreed_now, None
+            return agreed
         if trainer.world_size == 1:
             return self.requested
         import torch.distributed as dist
@@ -119,21 +133,52 @@ class Preemption:
         if self._flag is None:
             self.prepare(trainer)
         if self._group is None:
-            self._flag.fill_(1.0 if self.requested else 0.0)
-            return bool(trainer.reduce(self._flag, "max").item())
+            self._flag.zero_()[0] = 1.0 if self.requested else 0.0
+            return bool(trainer.reduce(self._flag, "max")[0].item())
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.wait()  # started one boundary ago: finished unless a rank lags behind
-            if self._flag.item():
+            if self._flag[0].item():
                 return True  # nothing new is started: stop() leaves no collective behind
-        self._flag.fill_(1.0 if self.requested else 0.0)
+        self._flag.zero_()[0] = 1.0 if self.requested else 0.0
         self._pending = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
         return False
+
+    def agree_now(self, trainer, flag: float) -> tuple[float, int]:
+        """Agree now, before this boundary's optimizer step, on this rank's ``flag`` (a
+        number >= 0; 0: nothing to report) together with the SIGTERM flag, in one blocking
+        all-reduce (MAX) of ``[SIGTERM, flag, 1 + rank if flag]``: the largest flag of any
+        rank and the highest global rank that raised it (-1: none). Every rank must call
+        it at the same boundary. :meth:`agreed` at this boundary then returns the SIGTERM
+        verdict of this same collective (none of its own: one collective per step)."""
+        if trainer.world_size == 1:  # (the loop reads the SIGTERM flag itself)
+            return float(flag), (trainer.global_rank if flag else -1)
+        import torch.distributed as dist
+
+        if self._flag is None:
+            self.prepare(trainer)
+        earlier = False
+        pending, self._pending = self._pending, None
+        if pending is not None:  # an asynchronous agreement of an earlier boundary
+            pending.wait()
+            earlier = bool(self._flag[0].item())
+        self._flag[0] = 1.0 if self.requested else 0.0
+        self._flag[1] = float(flag)
+        self._flag[2] = float(trainer.global_rank + 1) if flag else 0.0
+        if self._group is None:
+            out = trainer.reduce(self._flag, "max")
+        else:
+            dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group)
+            out = self._flag
+        sigterm, agreed, rank = out.tolist()
+        self._agreed_now = earlier or bool(sigterm)
+        return agreed, int(rank) - 1
 
     def finish(self) -> None:
         """At the end of a ``fit`` that ran to completion, on every rank: wait for the last
         boundary's all-reduce (every rank started it), so no collective outlives the run."""
         pending, self._pending = self._pending, None
+        self._agreed_now = None
         if pending is not None:
             pending.wait()
 

@@ -98,6 +98,10 @@ class Trainer:
     (:mod:`hookloop.mesh`; ``hookloop run --mesh``, ``HOOKLOOP_MESH``); the mesh over the
     dimensions the plugins claim is ``trainer.device_mesh`` during a run.
 
+    ``max_time``: Lightning's time limit ("DD:HH:MM:SS", a timedelta or a dict such as
+    ``{"hours": 12}``; ``hookloop run --max-time``): a :class:`hookloop.Timer` with that
+    duration checked after every training batch, rank 0's clock deciding for every rank.
+
     Faults (:mod:`hookloop.faults`): ``process_group_timeout`` (seconds a collective may
     wait; default gloo 300, nccl 600) and ``requeue_on_preemption`` (under SLURM, global
     rank 0 runs ``scontrol requeue`` after the checkpoint a SIGTERM causes).
@@ -126,6 +130,7 @@ class Trainer:
         max_restarts: int = _UNSET,
         max_epochs: int | None = _UNSET,
         max_steps: int | None = _UNSET,
+        max_time: Any = _UNSET,
         accumulate_grad_batches: int = _UNSET,
         gradient_clip_val: float | None = _UNSET,
         gradient_clip_algorithm: str = _UNSET,
@@ -212,6 +217,8 @@ class Trainer:
         builtin = _builtin_observers(self.config, logger_objects is None)
         chosen = plugin_registry.collect(requested, defaults, autoload=self.config.autoload_plugins,
                                          builtin=builtin, options=options)
+        if self.config.max_time is not None:
+            chosen.append(_max_time_timer(self.config.max_time, chosen))
         chosen += plugin_registry.default_precision_plugin(chosen, self.config.precision)
         chosen = [plugin_registry.apply_options(p, options) for p in chosen]
         plugin_registry.check_option_targets(chosen, options)
@@ -639,6 +646,21 @@ class Trainer:
                 f"plugins=['ddp'] or --plugins ddp (pip install hookloop-ddp). Installed "
                 f"plugins: {', '.join(installed) or 'none'}."
             )
+
+
+def _max_time_timer(max_time: Any, chosen: list) -> Any:
+    """``Trainer(max_time=...)``: Lightning's ``Timer(duration=max_time, interval="step")``,
+    added after the other plugins. Refused beside a Timer the user gave (Lightning ignores
+    ``max_time`` then, with an info line; two time limits are a conflict worth naming)."""
+    from .observers.timer import Timer, parse_duration
+
+    parse_duration(max_time, "Trainer(max_time=...)")
+    given = [p for p in chosen if isinstance(p, Timer) or plugin_registry.plugin_name(p) == "timer"]
+    if given:
+        raise ConfigurationError(
+            f"Trainer(max_time={max_time!r}) and a Timer in the plugins/callbacks ({type(given[0]).__name__}) both "
+            f"set a time limit: give the limit once, as max_time or as Timer(duration=...)")
+    return Timer(duration=max_time, interval="step")
 
 
 def _builtin_observers(config: TrainerConfig, default_logger: bool = True) -> list[str]:

@@ -21,15 +21,17 @@ from hookloop.hookspecs import hookimpl
 STAGES = ("train", "sanity_check", "validate", "test", "predict")
 
 
-def parse_duration(duration: Any) -> float | None:
-    """``"DD:HH:MM:SS"``, a ``timedelta`` or a dict of ``timedelta`` arguments, in seconds."""
+def parse_duration(duration: Any, what: str = "Timer(duration=...)") -> float | None:
+    """``"DD:HH:MM:SS"``, a ``timedelta`` or a dict of ``timedelta`` arguments, in seconds;
+    ``what`` names the argument in the error (``Trainer(max_time=...)``)."""
+    what = what.replace("...", "{!r}")
     if duration is None:
         return None
     if isinstance(duration, str):
         match = re.fullmatch(r"(\d+):(\d\d):(\d\d):(\d\d)", duration.strip())
         if not match:
             raise ConfigurationError(
-                f"Timer(duration={duration!r}) is not a valid duration: give a string DD:HH:MM:SS "
+                f"{what.format(duration)} is not a valid duration: give a string DD:HH:MM:SS "
                 f"(e.g. '00:12:00:00' for 12 hours), a datetime.timedelta or a dict such as {{'hours': 12}}")
         days, hours, minutes, seconds = (int(g) for g in match.groups())
         duration = timedelta(days=days, hours=hours, minutes=minutes, seconds=seconds)
@@ -38,11 +40,11 @@ def parse_duration(duration: Any) -> float | None:
             duration = timedelta(**duration)
         except TypeError as exc:
             raise ConfigurationError(
-                f"Timer(duration={duration!r}): {exc}; the keys are datetime.timedelta's (weeks, days, hours, "
+                f"{what.format(duration)}: {exc}; the keys are datetime.timedelta's (weeks, days, hours, "
                 f"minutes, seconds, milliseconds, microseconds)") from None
     if not isinstance(duration, timedelta):
         raise ConfigurationError(
-            f"Timer(duration={duration!r}) must be a string DD:HH:MM:SS, a datetime.timedelta, a dict of "
+            f"{what.format(duration)} must be a string DD:HH:MM:SS, a datetime.timedelta, a dict of "
             f"timedelta arguments, or None")
     return duration.total_seconds()
 
