@@ -53,8 +53,8 @@ def fit_with_ledger(tmp_path, batches: int = 8, **kwargs):
 def test_a_hooks_syncs_and_calls_are_billed_to_it_exactly(tmp_path, capsys):
     ledger, trainer = fit_with_ledger(tmp_path)
     rows = ledger.rows
-    # 8 optimizer steps: the first is the warm-up, then counted and timed alternate
-    assert (ledger._counted, ledger._timed) == (4, 3)
+    # 8 optimizer steps: the first is the warm-up, steps 2 and 6 are counted, the rest timed
+    assert (ledger._counted, ledger._timed) == (2, 5)
     probe = rows["probe.on_train_batch_end"]
     # its own call, N_CALLS calls of _noop, K_SYNCS c_calls of Tensor.item
     assert probe["calls/step"] == 1 + N_CALLS + K_SYNCS
@@ -72,21 +72,36 @@ def test_a_hooks_syncs_and_calls_are_billed_to_it_exactly(tmp_path, capsys):
     assert rows[CORE]["ms/step"] > 0 and rows[CORE]["calls/step"] > 0
     # rank 0 printed the table and wrote it to the run directory
     out = capsys.readouterr().out
-    assert "hookloop ledger: per optimizer step (3 timed, 4 counted steps)" in out
+    assert "hookloop ledger: per optimizer step (5 timed, 2 counted steps)" in out
     assert "probe.on_train_batch_end" in out and CORE in out and TOTAL in out
     saved = json.loads((trainer.log_dir / "ledger.json").read_text())
     assert saved["rows"]["probe.on_train_batch_end"]["syncs/step"] == K_SYNCS
-    assert saved["counted_steps"] == 4 and saved["timed_steps"] == 3
+    assert saved["counted_steps"] == 2 and saved["timed_steps"] == 5
     assert "probe.on_train_batch_end" in (trainer.log_dir / "ledger.txt").read_text()
 
 
 def test_gradient_accumulation_bills_per_optimizer_step(tmp_path):
     # 16 batches, 2 per optimizer step: 8 steps, each with two on_train_batch_end calls
     ledger, _ = fit_with_ledger(tmp_path, batches=16, accumulate_grad_batches=2)
-    assert (ledger._counted, ledger._timed) == (4, 3)
+    assert (ledger._counted, ledger._timed) == (2, 5)
     probe = ledger.rows["probe.on_train_batch_end"]
     assert probe["syncs/step"] == 2 * K_SYNCS
     assert probe["calls/step"] == 2 * (1 + N_CALLS + K_SYNCS)
+
+
+def test_every_step_counted_with_count_every_1(tmp_path):
+    ledger = Ledger(count_every=1)
+    trainer = hookloop.Trainer(max_epochs=1, default_root_dir=str(tmp_path), enable_progress_bar=False,
+                               plugins=[ledger, Probe()])
+    trainer.fit(TinyModule(), DataLoader(tiny_data(64), batch_size=8))
+    assert (ledger._counted, ledger._timed) == (7, 0)
+    assert ledger.rows["probe.on_train_batch_end"]["syncs/step"] == K_SYNCS
+
+
+@pytest.mark.parametrize("count_every", [0, 1.5, True])
+def test_bad_count_every(count_every):
+    with pytest.raises(hookloop.ConfigurationError, match="count_every"):
+        Ledger(count_every=count_every)
 
 
 def test_the_run_is_left_as_it_was(tmp_path):
@@ -103,7 +118,7 @@ def test_two_all_reduces_per_step_under_ddp(tmp_path):
                 str(REPO / "tests" / "scripts" / "ledger_collectives.py"), str(tmp_path)], cwd=tmp_path, timeout=300)
     for rank in (0, 1):
         record = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert (record["counted"], record["timed"]) == (4, 3)
+        assert (record["counted"], record["timed"]) == (2, 5)
         rows = record["rows"]
         assert rows["two_all_reduces.on_train_batch_end"]["collectives/step"] == 2
         assert rows["two_all_reduces.on_train_batch_end"]["syncs/step"] == 0
@@ -115,3 +130,22 @@ def test_two_all_reduces_per_step_under_ddp(tmp_path):
 
     text = (Path(log_dir) / "ledger.txt").read_text()
     assert "two_all_reduces.on_train_batch_end" in text and CORE in text and TOTAL in text
+
+
+@pytest.mark.filterwarnings("ignore::hookloop.HookloopContractWarning")  # the stand-in distribution is not "hookloop"
+def test_enabled_by_name_through_the_core_entry_point(site):
+    # pyproject.toml declares `ledger`; an installed copy of that entry point (what pip
+    # writes from it) loads the observer by name.
+    import importlib
+    import tomllib
+
+    from conftest import install_fake_distribution
+
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"]["hookloop.plugins"]
+    assert declared["ledger"] == "hookloop.observers.ledger:Ledger"
+    module, name = declared["ledger"].split(":")
+    assert getattr(importlib.import_module(module), name) is hookloop.Ledger
+    if "ledger" not in hookloop.installed_plugins():  # an install older than the entry point
+        install_fake_distribution(site, "hookloop-ledger-entry", {"ledger": declared["ledger"]}, {})
+    trainer = hookloop.Trainer(plugins=["ledger"], enable_progress_bar=False)
+    assert isinstance(trainer.plugin_manager.get_plugin("ledger"), hookloop.Ledger)

@@ -20,9 +20,10 @@ batch, ``training_step``, backward, the optimizer, the dispatch of events):
   Collectives issued from C++ (DDP's bucketed gradient all-reduce, DeepSpeed's and
   FSDP's own communication hooks in C++) are not seen.
 
-Steps are measured in alternation: on *timed* steps only the clocks run; on *counted*
-steps the profile hook runs and no time is kept (its cost would be billed to whatever
-it counts). The first optimizer step (warm-up) is neither. Validation inside an epoch is
+Steps are measured in turn: on *counted* steps (the second optimizer step, then every
+``count_every``-th: 2, 2 + count_every, ...) the profile hook runs and no time is kept
+(its cost would be billed to whatever it counts); on the others, *timed*, only the
+clocks run. The first optimizer step (warm-up) is neither. Validation inside an epoch is
 left out of the steps. The ledger's own code (its hooks, its wrappers around the
 implementations) is not counted; its remaining cost, a wrapper call and two clock reads
 per implementation on timed steps, is measured by benchmarks/ledger.py.
@@ -48,6 +49,7 @@ from typing import Any
 
 import torch
 
+from hookloop.errors import ConfigurationError
 from hookloop.hookspecs import hookimpl
 
 #: Tensor methods that wait for the device (on an accelerator), counted on the CPU
@@ -89,13 +91,20 @@ class Ledger:
     plugin's hook implementations and of the core, printed and saved at the end of fit.
 
     print_table: print the table on global rank 0 at the end of fit (default True)
+    count_every: count calls, syncs and collectives on every this many optimizer steps
+        (default 4; the profile hook slows the steps it counts about twofold)
     """
 
     hookloop_name = "ledger"
     hookloop_role = "observer"
 
-    def __init__(self, print_table: bool = True):
+    def __init__(self, print_table: bool = True, count_every: int = 4):
+        if isinstance(count_every, bool) or not isinstance(count_every, int) or count_every < 1:
+            raise ConfigurationError(
+                f"ledger count_every={count_every!r} must be a positive whole number of optimizer steps "
+                f"(--plugin-option ledger.count_every=4)")
         self.print_table = print_table
+        self.count_every = count_every
         self.rows: dict[str, dict[str, float]] = {}
         self._reset()
 
@@ -216,7 +225,7 @@ class Ledger:
         self._windows += 1
         self._window_time = 0.0
         warm_up = self._windows == 1
-        self._counting = not warm_up and self._windows % 2 == 0
+        self._counting = not warm_up and (self._windows - 2) % self.count_every == 0
         self._slot = 0 if not warm_up and not self._counting else 4
         self._cur = self._core
         self._active = True
@@ -334,7 +343,9 @@ class Ledger:
                 directory.mkdir(parents=True, exist_ok=True)
                 (directory / "ledger.txt").write_text(text + "\n")
                 (directory / "ledger.json").write_text(json.dumps(
-                    {"timed_steps": self._timed, "counted_steps": self._counted, "rows": self.rows}, indent=1) + "\n")
+                    {"timed_steps": self._timed, "counted_steps": self._counted,
+                     "rows": {key: {c: (None if v != v else v) for c, v in values.items()}  # NaN: not measured
+                              for key, values in self.rows.items()}}, indent=1) + "\n")
             except OSError as exc:
                 print(f"hookloop ledger: could not write the table to the run directory: {exc}", flush=True)
 
