@@ -16,7 +16,9 @@ batch, ``training_step``, backward, the optimizer, the dispatch of events):
   slots that ``sys.setprofile`` does not report: on the CPU they are not counted;
 * **collectives/step**: calls of ``torch.distributed``'s collectives from Python (the
   outermost one: ``all_gather_object``'s inner ``all_gather`` is not counted again),
-  seen as ``call`` events of their functions in ``torch.distributed.distributed_c10d``.
+  seen as ``call`` events of their functions in ``torch.distributed.distributed_c10d``
+  (FSDP2's ``all_gather_single``/``reduce_scatter_single`` among them) and in
+  ``torch.distributed._functional_collectives`` (DTensor's).
   Collectives issued from C++ (DDP's bucketed gradient all-reduce, DeepSpeed's and
   FSDP's own communication hooks in C++) are not seen.
 
@@ -62,7 +64,14 @@ COLLECTIVES = (
     "all_reduce_coalesced", "reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base", "broadcast",
     "reduce", "all_to_all", "all_to_all_single", "barrier", "monitored_barrier", "gather", "scatter",
     "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list", "send", "recv",
-    "isend", "irecv", "batch_isend_irecv",
+    "isend", "irecv", "batch_isend_irecv", "all_gather_single", "reduce_scatter_single", "send_object_list",
+    "recv_object_list",
+)
+#: ``torch.distributed._functional_collectives`` (DTensor's, tp's) counted
+FUNCTIONAL_COLLECTIVES = (
+    "all_reduce", "all_gather_tensor", "all_gather_tensor_autograd", "reduce_scatter_tensor",
+    "reduce_scatter_tensor_autograd", "all_to_all_single", "all_to_all_single_autograd", "broadcast",
+    "all_reduce_coalesced", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced", "permute_tensor",
 )
 CORE = "core (outside hooks)"
 TOTAL = "total step"
@@ -75,14 +84,19 @@ def collective_codes() -> frozenset:
         import torch.distributed.distributed_c10d as c10d
     except ImportError:  # pragma: no cover - torch built without distributed
         return frozenset()
+    try:
+        import torch.distributed._functional_collectives as functional
+    except ImportError:  # pragma: no cover
+        functional = None
     codes = set()
-    for name in COLLECTIVES:
-        fn = getattr(c10d, name, None)
-        while fn is not None and hasattr(fn, "__wrapped__"):
-            fn = fn.__wrapped__
-        code = getattr(fn, "__code__", None)
-        if code is not None:
-            codes.add(code)
+    for module, names in ((c10d, COLLECTIVES), (functional, FUNCTIONAL_COLLECTIVES)):
+        for name in names:
+            fn = getattr(module, name, None)
+            while fn is not None and hasattr(fn, "__wrapped__"):
+                fn = fn.__wrapped__
+            code = getattr(fn, "__code__", None)
+            if code is not None:
+                codes.add(code)
     return frozenset(codes)
 
 
