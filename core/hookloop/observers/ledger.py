@@ -19,8 +19,7 @@ batch, ``training_step``, backward, the optimizer, the dispatch of events):
   seen as ``call`` events of their functions in ``torch.distributed.distributed_c10d``
   (FSDP2's ``all_gather_single``/``reduce_scatter_single`` among them) and in
   ``torch.distributed._functional_collectives`` (DTensor's).
-  Collectives issued from C++ (DDP's bucketed gradient all-reduce, DeepSpeed's and
-  FSDP's own communication hooks in C++) are not seen.
+  Collectives issued from C++ (DDP's bucketed gradient all-reduce) are not seen.
 
 Steps are measured in turn: on *counted* steps (the second optimizer step, then every
 ``count_every``-th: 2, 2 + count_every, ...) the profile hook runs and no time is kept
