@@ -5,6 +5,7 @@ test plugin does per step), not against another output of the ledger."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
@@ -149,3 +150,46 @@ def test_enabled_by_name_through_the_core_entry_point(site):
         install_fake_distribution(site, "hookloop-ledger-entry", {"ledger": declared["ledger"]}, {})
     trainer = hookloop.Trainer(plugins=["ledger"], enable_progress_bar=False)
     assert isinstance(trainer.plugin_manager.get_plugin("ledger"), hookloop.Ledger)
+
+
+class FSDPStyleCollectives:
+    """Per training batch: FSDP2's two collectives (torch 2.13's ``all_gather_single`` and
+    ``reduce_scatter_single``), and with ``functional`` one of DTensor's functional
+    collectives (its first call takes ~4 s here: the full tier only)."""
+
+    hookloop_name = "fsdp_style"
+    hookloop_role = "observer"
+
+    def __init__(self, functional: bool):
+        self.functional = functional
+
+    @hookloop.hookimpl
+    def on_train_batch_end(self):
+        import torch.distributed as dist
+
+        x = torch.ones(2)
+        out = torch.empty(2)
+        dist.all_gather_single(out, x)
+        dist.reduce_scatter_single(out, x)
+        if self.functional:
+            import torch.distributed._functional_collectives as funcol
+
+            funcol.wait_tensor(funcol.all_reduce(x, "sum", dist.group.WORLD))
+
+
+@pytest.mark.parametrize("functional", [
+    False, pytest.param(True, marks=pytest.mark.skipif(os.environ.get("HOOKLOOP_TEST_FULL") != "1",
+                                                       reason="the full tier: HOOKLOOP_TEST_FULL=1"))])
+def test_fsdp2_and_functional_collectives_are_counted(tmp_path, functional):
+    # One process of its own gloo group (world size 1): real collectives, no launcher.
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        ledger = Ledger()
+        trainer = hookloop.Trainer(max_epochs=1, default_root_dir=str(tmp_path), enable_progress_bar=False,
+                                   plugins=[ledger, FSDPStyleCollectives(functional)])
+        trainer.fit(TinyModule(), DataLoader(tiny_data(64), batch_size=8))
+    finally:
+        dist.destroy_process_group()
+    assert ledger.rows["fsdp_style.on_train_batch_end"]["collectives/step"] == 2 + functional
