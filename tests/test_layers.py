@@ -40,7 +40,7 @@ LAYERS: list[list[str]] = [
     ["state"],
     ["optim", "dcp"],
     ["defaults", "observers", "callbacks"],
-    ["step"],
+    ["step", "observers.ledger"],
     ["loop"],
     ["resume"],
     ["session"],

@@ -60,6 +60,7 @@ from .module import Module
 from .observers.checkpoint import ModelCheckpoint
 from .observers.csvlog import CSVLogger
 from .observers.early_stopping import EarlyStopping
+from .observers.ledger import Ledger
 from .observers.lr_monitor import LearningRateMonitor
 from .observers.bars import RichProgressBar, RichProgressBarTheme, TQDMProgressBar
 from .observers.model_summary import ModelSummary
@@ -103,6 +104,7 @@ __all__ = [
     "HookloopContractWarning",
     "HookloopDeprecationWarning",
     "HookloopError",
+    "Ledger",
     "LearningRateMonitor",
     "ModelCheckpoint",
     "ModelSummary",

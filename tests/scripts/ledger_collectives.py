@@ -1,0 +1,45 @@
+"""Run by tests/test_ledger.py as ``hookloop run --plugins ddp --devices 2
+ledger_collectives.py OUT``: a plugin calls ``torch.distributed.all_reduce`` twice per
+training batch; every rank writes its ledger's rows to ``OUT/rank<R>.json``."""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import hookloop  # noqa: E402
+from conftest import TinyModule, tiny_data  # noqa: E402
+
+faulthandler.enable()
+faulthandler.dump_traceback_later(240, exit=True)
+OUT = Path(sys.argv[1])
+RANK = int(os.environ["RANK"])
+
+
+class TwoAllReduces:
+    hookloop_name = "two_all_reduces"
+    hookloop_role = "observer"
+
+    def __init__(self):
+        self.tensor = torch.ones(1)
+
+    @hookloop.hookimpl
+    def on_train_batch_end(self):
+        dist.all_reduce(self.tensor)
+        dist.all_reduce(self.tensor)
+
+
+ledger = hookloop.Ledger()
+trainer = hookloop.Trainer(max_epochs=1, default_root_dir=str(OUT / "root"), enable_progress_bar=False,
+                           enable_checkpointing=False, logger=False, plugins=[ledger, TwoAllReduces()])
+trainer.fit(TinyModule(), DataLoader(tiny_data(64), batch_size=4))  # 8 batches per rank
+(OUT / f"rank{RANK}.json").write_text(json.dumps({"rows": ledger.rows, "log_dir": str(trainer.log_dir),
+                                                  "timed": ledger._timed, "counted": ledger._counted}))
