@@ -153,6 +153,26 @@ def summary(failures: dict, name: str = "") -> tuple[list[str], int]:
     return lines, code
 
 
+def _report_restarted_failures() -> None:
+    """Print :func:`summary` for a failed attempt that the agent restarts too (its
+    workers' tracebacks are in the logs, not on the console)."""
+    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    monitor = LocalElasticAgent._monitor_workers
+
+    def reporting(self, worker_group):
+        result = monitor(self, worker_group)
+        left = getattr(self, "_remaining_restarts", 0)
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and result.failures and left > 0:
+            lines, _ = summary(result.failures, worker_group.spec.get_entrypoint_name() or "")
+            lines.append(f"hookloop: restarting the workers ({left} restart{'s' if left > 1 else ''} left)")
+            print("\n".join(lines), file=sys.stderr, flush=True)
+        return result
+
+    LocalElasticAgent._monitor_workers = reporting
+
+
 def agent_main(argv: list[str]) -> int:
     """torch's elastic agent (``torch.distributed.run``) with ``argv``; a failure of its
     workers is printed as :func:`summary`'s lines instead of torch's report."""
@@ -164,6 +184,7 @@ def agent_main(argv: list[str]) -> int:
     # Its "failed (exitcode...)" and "Sending process ... SIGTERM" lines say what the
     # summary says; restarts (the agent's own logger) are still reported.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    _report_restarted_failures()
     args = parse_args(argv)
     try:
         run(args)
