@@ -12,6 +12,9 @@ weights after 12 steps must equal a hand-written torch DDP + PowerSGD loop's.
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 
 from conftest import REPO, finish_job, start_hookloop_run
@@ -36,3 +39,14 @@ def test_powersgd_with_several_buckets_on_gloo_matches_a_hand_written_loop(tmp_p
         # the unused layer never moved, and PowerSGD did compress (not a plain all-reduce)
         assert record["hookloop_spare"]["spare.weight"].equal(ranks[0]["hookloop_spare"]["spare.weight"])
     assert max_abs_diff(ranks[0]["hookloop"], ranks[1]["hookloop"]) == 0.0
+
+
+@pytest.mark.skipif(os.environ.get("HOOKLOOP_TEST_FULL") != "1",
+                    reason="a 2-process job that waits out a timeout: HOOKLOOP_TEST_FULL=1 (make test-full)")
+def test_a_rank_that_stops_while_the_other_is_in_the_powersgd_hook_fails_it_at_the_timeout(tmp_path):
+    proc = start_hookloop_run(["--plugins", "ddp", "--devices", "2", "--accelerator", "cpu", SCRIPT, tmp_path, "stall"],
+                              cwd=tmp_path)
+    _, stderr = finish_job(proc, timeout=240, succeed=False)
+    assert ("hookloop: rank 0 of powersgd_gloo_job.py failed first (host " in stderr
+            and "CollectiveTimeoutError: global rank 0: the all_reduce of the gradients in backward" in stderr
+            and "failed after global step 4 (process-group timeout 5 s)" in stderr), stderr

@@ -5,7 +5,8 @@ case (several buckets; several buckets with ``find_unused_parameters=True`` and 
 that never gets a gradient), a hand-written torch DDP loop with torch's ``powerSGD_hook``
 (each bucket's future waited for in the hook, so it cannot deadlock) and the same settings
 is the reference; then hookloop trains the same model with ``DDP(comm_hook="powersgd")``.
-Every rank writes ``OUT/rank<R>.pt``.
+Every rank writes ``OUT/rank<R>.pt``. ``powersgd_gloo_job.py OUT stall``: rank 1 stops
+mid-run while rank 0 is in the hook (the timeout must still end the job).
 """
 
 from __future__ import annotations
@@ -86,6 +87,24 @@ def reference(spare: bool) -> tuple[dict, int]:
             optimizer.zero_grad(set_to_none=True)
     return state(module), len(buckets)
 
+
+if sys.argv[2:] == ["stall"]:
+    # Global rank 1 stops for 40 s before its 5th backward (PowerSGD compresses from the
+    # 3rd step); rank 0 waits inside the hook, in PowerSGD's first all-reduce, which must
+    # fail at the 5 s process-group timeout.
+    class Stalling(Wide):
+        def training_step(self, batch, batch_idx):
+            if RANK == 1 and batch_idx == 4:
+                import time
+
+                time.sleep(40)
+            return super().training_step(batch, batch_idx)
+
+    plugin = DDP(comm_hook="powersgd", powersgd_start_iter=START, bucket_cap_mb=CAP)
+    hookloop.Trainer(max_epochs=1, plugins=[plugin], enable_checkpointing=False, enable_progress_bar=False,
+                     default_root_dir=str(OUT / "stall"), process_group_timeout=5).fit(
+        Stalling(), DataLoader(DATA, batch_size=BATCH, shuffle=True))
+    sys.exit(0)
 
 dist.init_process_group("gloo")
 record["raw"], record["buckets"] = reference(spare=False)
