@@ -120,7 +120,10 @@ def summary(failures: dict, name: str = "") -> tuple[list[str], int]:
         found = info(failure)
         if found:
             return (0, found.get("time", 0.0), rank)
-        return (1 if failure.exitcode > 0 else 2, failure.timestamp, rank)
+        # An exit status before a signal, and SIGTERM (what the agent sends the others
+        # after a failure) last: the errors' times are whole seconds, alike for all.
+        kind = 1 if failure.exitcode > 0 else 3 if failure.exitcode == -signal.SIGTERM else 2
+        return (kind, failure.timestamp, rank)
 
     ranked = sorted(failures.items(), key=order)
     rank, first = ranked[0]
@@ -165,7 +168,9 @@ def _report_restarted_failures() -> None:
         result = monitor(self, worker_group)
         left = getattr(self, "_remaining_restarts", 0)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and result.failures and left > 0:
-            lines, _ = summary(result.failures, worker_group.spec.get_entrypoint_name() or "")
+            spec = worker_group.spec
+            script = next((str(a) for a in spec.args if str(a).endswith(".py")), spec.get_entrypoint_name() or "")
+            lines, _ = summary(result.failures, script)
             lines.append(f"hookloop: restarting the workers ({left} restart{'s' if left > 1 else ''} left)")
             print("\n".join(lines), file=sys.stderr, flush=True)
         return result
