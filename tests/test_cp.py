@@ -18,6 +18,7 @@ itself is tested on a GPU (tests/gpu/test_cp_gpu.py). Here:
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -48,8 +49,9 @@ def test_cp_on_two_cpu_processes_is_refused_at_setup_on_every_rank(tmp_path):
                            "--mesh", "cp=2", str(SCRIPTS / "cp_train.py"), str(tmp_path)],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
-    for rank in (0, 1):
-        assert f"[rank{rank}]: hookloop.errors.ConfigurationError: cp: torch {torch.__version__}'s ring attention" in proc.stderr
+    # Reported once (README "When a worker fails"): the first rank's message, the other's noted.
+    assert proc.stderr.count(f"ConfigurationError: cp: torch {torch.__version__}'s ring attention") == 1
+    assert re.search(r"hookloop: rank [01] raised the same error", proc.stderr), proc.stderr
     assert REASON in proc.stderr
     assert not list(tmp_path.glob("rank*.pt"))  # no step ran
 

@@ -270,8 +270,9 @@ def test_a_stopped_rank_fails_the_others_within_the_timeout_and_the_restart_resu
             "(DistributedDataParallel's reducer, or the strategy's gradient synchronisation) failed after "
             "global step 3 (process-group timeout 5 s)") in stderr
     assert "Suspected rank(s): 1 (did not report" in stderr
-    # The agent could not SIGTERM the stopped process; its SIGKILL did end it.
-    assert "forcefully exiting via 9" in stderr
+    # The agent could not SIGTERM the stopped process; its SIGKILL did end it (the
+    # launcher's summary of the failed attempt, README "When a worker fails").
+    assert "hookloop: then stopped: rank 1 (SIGKILL)\nhookloop: restarting the workers (1 restart left)" in stderr
     last = out / "root" / "logs" / "version_0" / "checkpoints" / "last.ckpt"
     assert f"resumed from {last} at epoch 0, global step 2" in stdout
     assert steps(out, 1, 0) == [1, 2, 3]

@@ -31,7 +31,7 @@ PACKAGE = "hookloop"
 #: is a package stands for the package and every module in it). A module may import the
 #: modules of its own layer and of the layers below.
 LAYERS: list[list[str]] = [
-    ["errors", "_version", "types", "utilities", "versioning", "hookspecs", "rundir", "sourcescan"],
+    ["errors", "_version", "types", "utilities", "versioning", "hookspecs", "rundir", "sourcescan", "failures"],
     ["unpickling", "config", "pluginspec"],
     ["launch", "dist"],
     ["faults", "checkpoint"],

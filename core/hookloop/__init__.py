@@ -56,6 +56,7 @@ from .helpers import (
 from .distributed import DistributedSampling, TorchCollectives, TorchDistributed, check_sampler_seed, data_parallel_rank
 from .hookspecs import hookimpl, hookspec
 from .launch import as_launcher, die_with_launcher, elastic_command, in_worker
+from .failures import install_worker_hook
 from .module import Module
 from .observers.checkpoint import ModelCheckpoint
 from .observers.csvlog import CSVLogger
@@ -182,4 +183,5 @@ __all__ = [
     "weights_only_loads",
 ]
 
+install_worker_hook()  # its uncaught exception goes to a log, reported once by the launcher (failures.py)
 die_with_launcher()  # a launched worker ends with its launcher, from its first import of hookloop

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from .config import DEFAULTS_ENV, TrainerConfig
+from .failures import FAILURE_DIR_ENV, failure_dir
 
 WORKER_ENV = "HOOKLOOP_WORKER"
 #: The pid of the hookloop process that started this job's processes (``hookloop run``,
@@ -144,7 +145,12 @@ def is_plain_interpreter(cmd: list[str], script: str) -> bool:
     return len(cmd) >= 2 and cmd[0] == sys.executable and cmd[1] == script
 
 
-def run_command(cmd: list[str], defaults: dict | None = None, workers: bool = True) -> int:
+#: Runs torch's elastic agent with hookloop's failure summary (:mod:`hookloop.failures`).
+_AGENT = "import sys; from hookloop.failures import agent_main; raise SystemExit(agent_main(sys.argv[1:]))"
+
+
+def run_command(cmd: list[str], defaults: dict | None = None, workers: bool = True,
+                root: str | os.PathLike | None = None) -> int:
     """Run a launch command and return its exit code.
 
     ``defaults`` (the options given to ``hookloop run``) become the Trainer defaults of
@@ -157,6 +163,12 @@ def run_command(cmd: list[str], defaults: dict | None = None, workers: bool = Tr
     or a scheduler's timeout): on Linux it gets a parent-death signal before it runs
     ``cmd`` (kept across exec; so torchrun's agent, which imports no hookloop, has it
     too), and its children get theirs when they import hookloop (:func:`die_with_launcher`).
+
+    torchrun's command (``python -m torch.distributed.run ...``) runs through
+    :func:`hookloop.failures.agent_main`: when a worker fails, one summary is printed
+    instead of every rank's traceback and torch's report, and the tracebacks go to
+    ``<root>/logs/failures/<time>-<pid>/rank<R>.log`` (``root``: the Trainer's
+    ``default_root_dir``; else ``defaults``'s, else the working directory).
     """
     env = dict(os.environ)
     if workers:
@@ -166,6 +178,11 @@ def run_command(cmd: list[str], defaults: dict | None = None, workers: bool = Tr
     if defaults is not None:
         env[DEFAULTS_ENV] = json.dumps(defaults)
     env[LAUNCHER_ENV] = str(os.getpid())
+    if cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]:
+        cmd = [sys.executable, "-c", _AGENT, *cmd[3:]]
+        if root is None and defaults:
+            root = defaults.get("default_root_dir")
+        env[FAILURE_DIR_ENV] = str(failure_dir(root))
     proc = subprocess.Popen(cmd, env=env, preexec_fn=_parent_death_signal())
     forwarding = _forward_sigterm(proc)
     try:

@@ -629,7 +629,7 @@ class Trainer:
                     f"strategy (plugins=['ddp_spawn']) or run a script with `hookloop run`."
                 )
             cmd = self.hook.launch_command(config=self.config, script=script, script_args=sys.argv[1:])
-            raise SystemExit(run_command(cmd))
+            raise SystemExit(run_command(cmd, root=self.default_root_dir))
         return function(self)
 
     def _check_devices(self) -> None:

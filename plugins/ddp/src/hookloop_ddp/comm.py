@@ -146,6 +146,10 @@ class ResumablePowerSGD:
         self._new_iteration = True
         self.model = model  # the DistributedDataParallel wrapper
         self._warming_up = False  # a backward that only orders the buckets: no communication
+        import torch.distributed as dist
+
+        # One bucket at a time on every backend but NCCL (see ``hook``).
+        self.serial = not (dist.is_initialized() and dist.get_backend() == "nccl")
 
     # DDP requires a function whose second argument is named ``bucket``.
     def hook(self, state, bucket):
@@ -166,7 +170,19 @@ class ResumablePowerSGD:
             if bucket.is_last():
                 self._iterations_to_check -= 1
                 self._new_iteration = True
-        return self._powersgd_hook(state, bucket)
+        future = self._powersgd_hook(state, bucket)
+        if self.serial:
+            # torch's hook chains its all-reduces in ``then`` callbacks that each start one
+            # and block on it; gloo runs a callback on one of its 2 worker threads, so with
+            # two buckets in flight both threads block, the all-reduces they wait for are
+            # never run, and no timeout applies (they never started). Finishing each
+            # bucket here, in the backward's thread, keeps one chain in flight, in bucket
+            # order on every rank; a peer that stops now fails the waiting all-reduce at
+            # the process group's timeout.
+            done = torch.futures.Future()
+            done.set_result(future.wait())
+            return done
+        return future
 
     def _matrices(self, params: list) -> tuple[list, int]:
         """PowerSGD's layout of ``Q`` (and ``P``) for a bucket holding ``params``: the

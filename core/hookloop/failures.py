@@ -1,0 +1,204 @@
+"""A worker's failure, reported once (README "When a worker fails").
+
+Two halves:
+
+* in a worker that hookloop's launcher started (:data:`FAILURE_DIR_ENV` is set), an
+  uncaught exception is not printed to the console: :func:`install_worker_hook` writes its
+  traceback to ``<failure dir>/rank<R>.log`` and the elastic agent's error file
+  (``TORCHELASTIC_ERROR_FILE``, torch's own format, plus the rank, host, time, type and
+  message under ``extraInfo.hookloop``);
+* the elastic agent runs as ``python -m hookloop.failures TORCHRUN_ARGS`` (what
+  :func:`hookloop.launch.run_command` starts in place of ``python -m torch.distributed.run``):
+  torch's agent, unchanged, whose ``ChildFailedError`` report is replaced by
+  :func:`summary`: the first failing rank (by time) and host, the exception's type and
+  message, where the tracebacks are, and one line for the ranks that the agent stopped
+  after it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+
+#: The folder where workers write their tracebacks (``rank<R>.log``); set by the launcher.
+FAILURE_DIR_ENV = "HOOKLOOP_FAILURE_DIR"
+
+
+def failure_dir(root: str | os.PathLike | None) -> Path:
+    """A new folder for the failure logs of one launch: ``<root>/logs/failures/<time>-<pid>``
+    (``root``: the Trainer's ``default_root_dir``, the working directory when ``None``).
+    Created by the first worker that fails, so a run that succeeds leaves nothing."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path(root or os.getcwd()).absolute() / "logs" / "failures" / f"{stamp}-{os.getpid()}"
+
+
+def _rank() -> str:
+    return os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))
+
+
+def record_failure(etype, value, tb) -> Path | None:
+    """Write the exception's traceback to ``<failure dir>/rank<R>.log`` (appended: one
+    section per elastic attempt) and to the agent's error file. Returns the log's path
+    (``None`` when :data:`FAILURE_DIR_ENV` is not set)."""
+    folder = os.environ.get(FAILURE_DIR_ENV)
+    if not folder:
+        return None
+    text = "".join(traceback.format_exception(etype, value, tb))
+    rank, now = _rank(), time.time()
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    path = Path(folder) / f"rank{rank}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as log:
+        log.write(f"--- rank {rank}, attempt {attempt}, pid {os.getpid()}, "
+                  f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(now))}\n{text}\n")
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        data = {"message": {
+            "message": f"{etype.__name__}: {value}",
+            "extraInfo": {
+                "py_callstack": text,
+                "timestamp": str(int(now)),
+                "hookloop": {"rank": rank, "host": socket.gethostname(), "time": now,
+                             "type": etype.__name__, "text": str(value), "log": str(path)},
+            },
+        }}
+        try:
+            Path(error_file).parent.mkdir(parents=True, exist_ok=True)
+            Path(error_file).write_text(json.dumps(data))
+        except OSError:
+            pass
+    return path
+
+
+def install_worker_hook() -> bool:
+    """In a worker started by hookloop's launcher (:data:`FAILURE_DIR_ENV` set), replace
+    ``sys.excepthook``: an uncaught exception is recorded by :func:`record_failure` and
+    not printed (the launcher prints one summary for all ranks). Returns whether it is
+    installed. ``SystemExit`` (a preempted worker's 143) never reaches the hook."""
+    if not os.environ.get(FAILURE_DIR_ENV) or "LOCAL_RANK" not in os.environ:
+        return False
+    previous = sys.excepthook
+
+    def hook(etype, value, tb):
+        try:
+            path = record_failure(etype, value, tb)
+        except Exception:  # noqa: BLE001 - never lose the error: print it as Python would
+            path = None
+        if path is None:
+            previous(etype, value, tb)
+
+    sys.excepthook = hook
+    return True
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+def summary(failures: dict, name: str = "") -> tuple[list[str], int]:
+    """The lines that report a failed launch, and its exit status, from torch's
+    ``ChildFailedError.failures`` (global rank -> ``ProcessFailure``): the first rank
+    that failed by itself (an exception recorded by :func:`record_failure`, else an exit
+    status that no signal caused, else the earliest), its host, type and message, and
+    where its traceback and the other ranks' are; one line for the rest."""
+    def info(failure) -> dict:
+        data = failure.error_file_data.get("message") if isinstance(failure.error_file_data, dict) else None
+        extra = data.get("extraInfo", {}) if isinstance(data, dict) else {}
+        return extra.get("hookloop") or {}
+
+    def order(item):
+        rank, failure = item
+        found = info(failure)
+        if found:
+            return (0, found.get("time", 0.0), rank)
+        # An exit status before a signal, and SIGTERM (what the agent sends the others
+        # after a failure) last: the errors' times are whole seconds, alike for all.
+        kind = 1 if failure.exitcode > 0 else 3 if failure.exitcode == -signal.SIGTERM else 2
+        return (kind, failure.timestamp, rank)
+
+    ranked = sorted(failures.items(), key=order)
+    rank, first = ranked[0]
+    found = info(first)
+    host = found.get("host") or socket.gethostname()
+    what = f" of {Path(name).name}" if name else ""
+    lines = []
+    if found:
+        lines.append(f"hookloop: rank {rank}{what} failed first (host {host}): {found['type']}: {found['text']}")
+        same = [r for r, f in ranked[1:] if (i := info(f)) and (i.get("type"), i.get("text")) == (found["type"], found["text"])]
+        if same:
+            lines.append(f"hookloop: rank{'s' if len(same) > 1 else ''} {', '.join(map(str, same))} raised the same error")
+        logs = sorted({str(Path(i["log"])) for _, f in ranked if (i := info(f)).get("log")})
+        for log in logs:
+            lines.append(f"hookloop: traceback: {log}")
+    else:
+        how = (f"was stopped by {_signal_name(first.exitcode)}" if first.exitcode < 0
+               else f"exited with status {first.exitcode}")
+        lines.append(f"hookloop: rank {rank}{what} failed first (host {host}): it {how} (no Python exception was recorded)")
+        same = []
+    rest = [(r, f) for r, f in ranked[1:] if r not in same and not info(f)]
+    if rest:
+        parts = [f"{r} ({_signal_name(f.exitcode) if f.exitcode < 0 else f'status {f.exitcode}'})" for r, f in rest]
+        lines.append(f"hookloop: then stopped: rank{'s' if len(parts) > 1 else ''} {', '.join(parts)}")
+    others = [(r, f) for r, f in ranked[1:] if r not in same and info(f)]
+    for r, f in others:
+        i = info(f)
+        lines.append(f"hookloop: rank {r} also failed: {i['type']}: {i['text']}")
+    code = first.exitcode if first.exitcode > 0 else 128 - first.exitcode
+    return lines, code
+
+
+def _report_restarted_failures() -> None:
+    """Print :func:`summary` for a failed attempt that the agent restarts too (its
+    workers' tracebacks are in the logs, not on the console)."""
+    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    monitor = LocalElasticAgent._monitor_workers
+
+    def reporting(self, worker_group):
+        result = monitor(self, worker_group)
+        left = getattr(self, "_remaining_restarts", 0)
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and result.failures and left > 0:
+            spec = worker_group.spec
+            script = next((str(a) for a in spec.args if str(a).endswith(".py")), spec.get_entrypoint_name() or "")
+            lines, _ = summary(result.failures, script)
+            lines.append(f"hookloop: restarting the workers ({left} restart{'s' if left > 1 else ''} left)")
+            print("\n".join(lines), file=sys.stderr, flush=True)
+        return result
+
+    LocalElasticAgent._monitor_workers = reporting
+
+
+def agent_main(argv: list[str]) -> int:
+    """torch's elastic agent (``torch.distributed.run``) with ``argv``; a failure of its
+    workers is printed as :func:`summary`'s lines instead of torch's report."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    # Its "failed (exitcode...)" and "Sending process ... SIGTERM" lines say what the
+    # summary says; restarts (the agent's own logger) are still reported.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    _report_restarted_failures()
+    args = parse_args(argv)
+    try:
+        run(args)
+    except ChildFailedError as exc:
+        lines, code = summary(exc.failures, exc.name)
+        print("\n".join(lines), file=sys.stderr, flush=True)
+        return code
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(agent_main(sys.argv[1:]))
