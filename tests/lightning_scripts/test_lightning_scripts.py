@@ -74,8 +74,10 @@ def test_rewritten_names_are_hookloops_and_missing_ones_fail_loudly():
     assert ns["STEP_OUTPUT"] is hookloop.types.STEP_OUTPUT
     with pytest.raises(ImportError, match="StochasticWeightAveraging"):
         exec(rewrite("from lightning.pytorch.callbacks import StochasticWeightAveraging\n", "hookloop"), {})
-    with pytest.raises(AttributeError, match="lightning.pytorch.tuner"):
-        namespace("lightning.pytorch").tuner.Tuner  # noqa: B018
+    # a name hookloop has gained resolves (issue 22's Tuner); one it lacks fails loudly
+    assert namespace("lightning.pytorch").tuner.Tuner is hookloop.Tuner
+    with pytest.raises(AttributeError, match="lightning.pytorch.loops"):
+        namespace("lightning.pytorch").loops.FitLoop  # noqa: B018
 
 
 def test_reference_rewrite_reaches_pytorch_lightning():
