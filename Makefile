@@ -82,7 +82,7 @@ demo: $(DEMO_STAMP)
 # grows past its ~40 minutes.
 test: $(STAMP)
 	$(COMPILE_SRC)
-	$(PYTHON) -m pytest -q --durations=40 $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -q --durations=80 $(PYTEST_ARGS)
 
 # The long matrices, run before resolving an issue: Lightning's own scripts and tests
 # under ddp too, and its slow examples (tests/lightning_scripts); every strategy x every
