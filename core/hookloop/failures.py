@@ -13,6 +13,10 @@ Two halves:
   :func:`summary`: the first failing rank (by time) and host, the exception's type and
   message, where the tracebacks are, and one line for the ranks that the agent stopped
   after it.
+
+Under the user's own ``torchrun`` (no :data:`FAILURE_DIR_ENV`), :func:`report_under_torchrun`
+prints an error that every rank raises alike (a configuration error) from global rank 0
+only, and writes the agent's error file so torchrun's report names the message.
 """
 
 from __future__ import annotations
@@ -77,24 +81,128 @@ def record_failure(etype, value, tb) -> Path | None:
 
 
 def install_worker_hook() -> bool:
-    """In a worker started by hookloop's launcher (:data:`FAILURE_DIR_ENV` set), replace
-    ``sys.excepthook``: an uncaught exception is recorded by :func:`record_failure` and
-    not printed (the launcher prints one summary for all ranks). Returns whether it is
-    installed. ``SystemExit`` (a preempted worker's 143) never reaches the hook."""
-    if not os.environ.get(FAILURE_DIR_ENV) or "LOCAL_RANK" not in os.environ:
+    """Replace ``sys.excepthook`` in a launched worker (``import hookloop`` calls it).
+
+    * Started by hookloop's launcher (:data:`FAILURE_DIR_ENV` set): an uncaught exception
+      is recorded by :func:`record_failure` and not printed (the launcher prints one
+      summary for all ranks).
+    * Started by another torch elastic agent (the user's own ``torchrun``:
+      ``TORCHELASTIC_RUN_ID`` and ``LOCAL_RANK`` set): :func:`report_under_torchrun`.
+
+    Returns whether a hook is installed. ``SystemExit`` (a preempted worker's 143) never
+    reaches it."""
+    if "LOCAL_RANK" not in os.environ:
         return False
     previous = sys.excepthook
-
-    def hook(etype, value, tb):
-        try:
-            path = record_failure(etype, value, tb)
-        except Exception:  # noqa: BLE001 - never lose the error: print it as Python would
-            path = None
-        if path is None:
-            previous(etype, value, tb)
-
+    if os.environ.get(FAILURE_DIR_ENV):
+        def hook(etype, value, tb):
+            try:
+                path = record_failure(etype, value, tb)
+            except Exception:  # noqa: BLE001 - never lose the error: print it as Python would
+                path = None
+            if path is None:
+                previous(etype, value, tb)
+    elif "TORCHELASTIC_RUN_ID" in os.environ:
+        def hook(etype, value, tb):
+            report_under_torchrun(etype, value, tb, previous)
+    else:
+        return False
     sys.excepthook = hook
     return True
+
+
+#: How long a rank other than 0 waits for global rank 0 to confirm that it raised the same
+#: error (:func:`report_under_torchrun`) before it prints its own traceback after all.
+SAME_ERROR_WAIT_S = 30.0
+
+
+def _world_size() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def _agent_store(timeout: float):
+    """A client of the torch elastic agent's store (``MASTER_ADDR:MASTER_PORT``, hosted by
+    the agent while its workers run: ``TORCHELASTIC_USE_AGENT_STORE``); ``None`` when
+    the workers do not use one or it cannot be reached."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    try:
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+
+        return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                        timeout=timedelta(seconds=timeout), wait_for_workers=False)
+    except Exception:  # noqa: BLE001 - no store: every rank prints its own traceback
+        return None
+
+
+def _write_error_file(message: str, value: BaseException, now: float) -> None:
+    """The agent's error file (``TORCHELASTIC_ERROR_FILE``) in torch's format, holding the
+    exception's last line and no traceback: torchrun's ``ChildFailedError`` report then
+    names the error instead of "To enable traceback see ...", and the traceback is not
+    printed a second time. A file already there (``@record`` wrote one) is left as is."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not error_file or os.path.exists(error_file):
+        return
+    data = {"message": {"message": message, "extraInfo": {
+        "timestamp": str(int(now)),
+        "hookloop": {"rank": _rank(), "host": socket.gethostname(), "time": now,
+                     "type": type(value).__name__, "text": str(value)},
+    }}}
+    try:
+        Path(error_file).parent.mkdir(parents=True, exist_ok=True)
+        Path(error_file).write_text(json.dumps(data))
+    except OSError:
+        pass
+
+
+def report_under_torchrun(etype, value, tb, printer=sys.__excepthook__) -> None:
+    """Print an uncaught exception of a worker that the user's own ``torchrun`` started.
+
+    An error marked as raised alike by every rank (:func:`hookloop.errors.same_on_every_rank`:
+    a configuration error) is printed in full by global rank 0 alone: rank 0 prints it,
+    then confirms it in the agent's store; another rank waits for that confirmation (at
+    most :data:`SAME_ERROR_WAIT_S`) and, when rank 0 raised the same type and message,
+    prints one line (``rank 1: the same ConfigurationError as rank 0 (printed there)``),
+    else its own traceback. Any other error is printed by ``printer`` (Python's way) on
+    every rank. Each rank writes the agent's error file (:func:`_write_error_file`).
+    Nothing is swallowed: the process still exits 1."""
+    from .errors import same_on_every_rank
+
+    now = time.time()
+    message = traceback.format_exception_only(etype, value)[-1].strip()
+    rank = _rank()
+    note = None
+    key = f"hookloop/same_error/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    try:
+        if same_on_every_rank(value) and _world_size() > 1 and rank != "0":
+            store = _agent_store(SAME_ERROR_WAIT_S)
+            if store is not None:
+                try:
+                    store.wait([key])
+                    if store.get(key).decode() == message:
+                        note = f"hookloop: rank {rank}: the same {etype.__name__} as rank 0 (printed there)"
+                except Exception:  # noqa: BLE001 - rank 0 did not confirm in time: print ours
+                    note = None
+    except Exception:  # noqa: BLE001 - never lose the error
+        note = None
+    if note is None:
+        printer(etype, value, tb)
+    else:
+        print(note, file=sys.stderr, flush=True)
+    sys.stderr.flush()
+    _write_error_file(message, value, now)
+    if rank == "0" and same_on_every_rank(value) and _world_size() > 1:
+        store = _agent_store(5.0)
+        if store is not None:
+            try:
+                store.set(key, message)
+            except Exception:  # noqa: BLE001
+                pass
 
 
 def _signal_name(code: int) -> str:

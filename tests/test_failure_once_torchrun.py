@@ -1,0 +1,105 @@
+"""Under the user's OWN ``torchrun`` (issue 22, item 1; README "When a worker fails").
+
+Real ``python -m torch.distributed.run --nproc-per-node 2`` jobs (gloo, CPU):
+
+* a ``Trainer`` configuration error, raised alike by every rank, is printed in full by
+  global rank 0 alone; rank 1 prints one line; torchrun's own ``ChildFailedError`` report
+  names the message (the workers write its error file) instead of "To enable traceback";
+* an exception that only rank 1 raises (in its ``training_step``) keeps rank 1's full
+  traceback on the console.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import finish_job
+
+FULL = pytest.mark.skipif(os.environ.get("HOOKLOOP_TEST_FULL") != "1",
+                          reason="a second torchrun job (~20 s on 2 busy cores): HOOKLOOP_TEST_FULL=1 (make test-full)")
+
+SCRIPT = '''
+import os, sys
+from torch.utils.data import DataLoader
+import hookloop
+from hookloop.testing import TinyClassifier, tiny_dataset
+
+class RankOneFails(TinyClassifier):
+    def training_step(self, batch, batch_idx):
+        if os.environ["RANK"] == "1":
+            raise RuntimeError("rank 1 alone: a bad batch")
+        return super().training_step(batch, batch_idx)
+
+if sys.argv[1] == "config":
+    hookloop.Trainer(max_steps=2, default_root_dir=sys.argv[2], gradient_clip_val=0)
+trainer = hookloop.Trainer(max_steps=2, default_root_dir=sys.argv[2], enable_progress_bar=False,
+                           plugins=["ddp"], accelerator="cpu", enable_checkpointing=False)
+trainer.fit(RankOneFails(), DataLoader(tiny_dataset(), batch_size=4))
+'''
+
+CONFIG_ERROR = "hookloop.errors.ConfigurationError: gradient_clip_val=0 must be a positive number (or None)"
+USER_ERROR = "RuntimeError: rank 1 alone: a bad batch"
+
+
+def torchrun(tmp_path: Path, which: str) -> list[str]:
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "HOOKLOOP_"))}
+    env.pop("LOCAL_RANK", None)
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             str(script), which, str(tmp_path)], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stdout, stderr = finish_job(proc, timeout=240, succeed=False)
+    assert proc.returncode == 1, (stdout, stderr)  # nothing swallowed: torchrun fails
+    # torch.distributed's own excepthook prefixes a traceback with "[rankN]: " once the
+    # process group exists
+    return [re.sub(r"^\[rank\d+\]: ", "", line) for line in (stdout + stderr).splitlines()]
+
+
+def report(lines: list[str]) -> tuple[list[str], list[str]]:
+    """The workers' lines, and torchrun's ``ChildFailedError`` report (from its banner)."""
+    start = next(i for i, line in enumerate(lines) if line.startswith("torch.distributed.elastic.multiprocessing.errors.ChildFailedError"))
+    return lines[:start], lines[start:]
+
+
+def root_cause(torch_report: list[str]) -> list[str]:
+    start = next(i for i, line in enumerate(torch_report) if line.startswith("Root Cause"))
+    return torch_report[start:]
+
+
+def test_a_configuration_error_is_printed_by_rank_0_alone(tmp_path):
+    lines = torchrun(tmp_path, "config")
+    text = "\n".join(lines)
+    workers, torch_report = report(lines)
+    # the message once, as the last line of the one traceback (rank 0's)
+    assert [line for line in lines if line == CONFIG_ERROR] == [CONFIG_ERROR], text
+    assert sum(bool(re.fullmatch(r'  File ".*job\.py", line \d+, in <module>', line)) for line in lines) == 1, text
+    # two tracebacks in all: rank 0's and torchrun's own (the agent raising ChildFailedError)
+    assert sum(line == "Traceback (most recent call last):" for line in lines) == 2, text
+    assert sum(line == "Traceback (most recent call last):" for line in workers) == 2, text
+    assert [line for line in lines if "the same" in line] == \
+        ["hookloop: rank 1: the same ConfigurationError as rank 0 (printed there)"], text
+    # torchrun's report names the message: the error files are there
+    assert "To enable traceback" not in text, text
+    assert f"  traceback : {CONFIG_ERROR}" in root_cause(torch_report), text
+    assert re.search(r"error_file: \S+error\.json", "\n".join(root_cause(torch_report))), text
+
+
+@FULL
+def test_an_error_of_rank_1_alone_keeps_its_traceback(tmp_path):
+    lines = torchrun(tmp_path, "user")
+    text = "\n".join(lines)
+    workers, torch_report = report(lines)
+    assert [line for line in workers if line == USER_ERROR] == [USER_ERROR], text
+    at = workers.index(USER_ERROR)
+    tb = max(i for i, line in enumerate(workers[:at]) if line == "Traceback (most recent call last):")
+    assert any("in training_step" in line for line in workers[tb:at]), text
+    assert "the same" not in text, text
+    root = "\n".join(root_cause(torch_report))
+    assert "rank      : 1 (local_rank: 1)" in root and f"traceback : {USER_ERROR}" in root, text
