@@ -22,7 +22,7 @@ import pytest
 from conftest import finish_job
 
 FULL = pytest.mark.skipif(os.environ.get("HOOKLOOP_TEST_FULL") != "1",
-                          reason="a second torchrun job (~20 s on 2 busy cores): HOOKLOOP_TEST_FULL=1 (make test-full)")
+                          reason="one more 2-process job (~25 s on 2 busy cores): HOOKLOOP_TEST_FULL=1 (make test-full)")
 
 SCRIPT = '''
 import os, sys
@@ -103,3 +103,68 @@ def test_an_error_of_rank_1_alone_keeps_its_traceback(tmp_path):
     assert "the same" not in text, text
     root = "\n".join(root_cause(torch_report))
     assert "rank      : 1 (local_rank: 1)" in root and f"traceback : {USER_ERROR}" in root, text
+
+
+# -- every rank's output in the run's failure directory (hookloop run) ------------------
+
+MARKERS = '''
+import os, sys
+import hookloop
+rank = os.environ["RANK"]
+for i in range(3):
+    print(f"marker: rank {rank} stdout line {i}")
+print(f"marker: rank {rank} stderr", file=sys.stderr)
+if rank == "1" and sys.argv[1] == "fail":
+    raise RuntimeError("rank 1 fails after its markers")
+'''
+
+
+def hookloop_run(tmp_path: Path, which: str, succeed: bool) -> list[str]:
+    from conftest import start_hookloop_run
+
+    script = tmp_path / "markers.py"
+    script.write_text(MARKERS)
+    proc = start_hookloop_run(["--plugins", "ddp", "--devices", "2", "--accelerator", "cpu",
+                               "--default-root-dir", tmp_path, script, which], cwd=tmp_path)
+    stdout, stderr = finish_job(proc, timeout=240, succeed=succeed)
+    return stdout.splitlines(), stderr.splitlines()
+
+
+def expected(rank: int) -> tuple[list[str], list[str]]:
+    return [f"marker: rank {rank} stdout line {i}" for i in range(3)], [f"marker: rank {rank} stderr"]
+
+
+@FULL  # the default tier checks the same files in test_failure_report's hookloop run
+def test_hookloop_run_keeps_every_ranks_output_and_the_summary_names_it(tmp_path):
+    stdout, stderr = hookloop_run(tmp_path, "fail", succeed=False)
+    text = "\n".join(stdout + stderr)
+    # the console still shows each rank's lines, in order, on their own stream
+    for rank in (0, 1):
+        out, err = expected(rank)
+        assert [line for line in stdout if line.startswith(f"marker: rank {rank} ")] == out, text
+        assert [line for line in stderr if line.startswith(f"marker: rank {rank} ")] == err, text
+    named = [line for line in stderr if line.startswith("hookloop: every rank's output: ")]
+    assert len(named) == 1, text
+    folder = Path(named[0].split(": ", 2)[2].split(" (", 1)[0])
+    assert folder.parent == tmp_path / "logs" / "failures", text
+    traceback_log = [line.split("traceback: ", 1)[1] for line in stderr if line.startswith("hookloop: traceback: ")]
+    assert traceback_log == [str(folder / "rank1.log")], text
+    # each rank's files hold its lines, and nothing of the other rank
+    for rank in (0, 1):
+        out, err = expected(rank)
+        where = folder / "attempt_0" / f"rank{rank}"
+        assert [line for line in (where / "stdout.log").read_text().splitlines() if line.startswith("marker:")] == out
+        assert [line for line in (where / "stderr.log").read_text().splitlines() if line.startswith("marker:")] == err
+    assert "Traceback" not in text  # on the console the summary stands for it
+    assert "RuntimeError: rank 1 fails after its markers" in (folder / "rank1.log").read_text()
+
+
+@FULL
+def test_a_successful_hookloop_run_leaves_no_failure_directory(tmp_path):
+    stdout, stderr = hookloop_run(tmp_path, "succeed", succeed=True)
+    for rank in (0, 1):
+        out, err = expected(rank)
+        assert [line for line in stdout if line.startswith(f"marker: rank {rank} ")] == out
+        assert [line for line in stderr if line.startswith(f"marker: rank {rank} ")] == err
+    assert not (tmp_path / "logs" / "failures").exists()
+    assert not any("hookloop: " in line for line in stderr), stderr
