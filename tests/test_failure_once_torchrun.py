@@ -31,6 +31,11 @@ import hookloop
 from hookloop.testing import TinyClassifier, tiny_dataset
 
 class RankOneFails(TinyClassifier):
+    def configure_optimizers(self):
+        if sys.argv[1] == "setup":  # a refusal after the process group exists (as DeepSpeed's of SGD)
+            raise hookloop.ConfigurationError("optimizer offload refuses SGD: use torch.optim.Adam")
+        return super().configure_optimizers()
+
     def training_step(self, batch, batch_idx):
         if os.environ["RANK"] == "1":
             raise RuntimeError("rank 1 alone: a bad batch")
@@ -44,6 +49,7 @@ trainer.fit(RankOneFails(), DataLoader(tiny_dataset(), batch_size=4))
 '''
 
 CONFIG_ERROR = "hookloop.errors.ConfigurationError: gradient_clip_val=0 must be a positive number (or None)"
+SETUP_ERROR = "hookloop.errors.ConfigurationError: optimizer offload refuses SGD: use torch.optim.Adam"
 USER_ERROR = "RuntimeError: rank 1 alone: a bad batch"
 
 
@@ -74,12 +80,24 @@ def root_cause(torch_report: list[str]) -> list[str]:
 
 
 def test_a_configuration_error_is_printed_by_rank_0_alone(tmp_path):
-    lines = torchrun(tmp_path, "config")
+    check_once(torchrun(tmp_path, "config"), CONFIG_ERROR, in_module=True)
+
+
+@FULL
+def test_a_configuration_error_after_the_process_group_is_printed_by_rank_0_alone(tmp_path):
+    # torch.distributed's own excepthook now wraps hookloop's (it prefixes "[rankN]: ")
+    check_once(torchrun(tmp_path, "setup"), SETUP_ERROR, in_module=False)
+
+
+def check_once(lines: list[str], error: str, in_module: bool) -> None:
     text = "\n".join(lines)
     workers, torch_report = report(lines)
     # the message once, as the last line of the one traceback (rank 0's)
-    assert [line for line in lines if line == CONFIG_ERROR] == [CONFIG_ERROR], text
-    assert sum(bool(re.fullmatch(r'  File ".*job\.py", line \d+, in <module>', line)) for line in lines) == 1, text
+    assert [line for line in lines if line == error] == [error], text
+    if in_module:
+        assert sum(bool(re.fullmatch(r'  File ".*job\.py", line \d+, in <module>', line)) for line in lines) == 1, text
+    else:
+        assert sum(bool(re.fullmatch(r'  File ".*job\.py", line \d+, in configure_optimizers', line)) for line in lines) == 1, text
     # two tracebacks in all: rank 0's and torchrun's own (the agent raising ChildFailedError)
     assert sum(line == "Traceback (most recent call last):" for line in lines) == 2, text
     assert sum(line == "Traceback (most recent call last):" for line in workers) == 2, text
@@ -87,7 +105,7 @@ def test_a_configuration_error_is_printed_by_rank_0_alone(tmp_path):
         ["hookloop: rank 1: the same ConfigurationError as rank 0 (printed there)"], text
     # torchrun's report names the message: the error files are there
     assert "To enable traceback" not in text, text
-    assert f"  traceback : {CONFIG_ERROR}" in root_cause(torch_report), text
+    assert f"  traceback : {error}" in root_cause(torch_report), text
     assert re.search(r"error_file: \S+error\.json", "\n".join(root_cause(torch_report))), text
 
 

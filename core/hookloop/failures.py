@@ -167,10 +167,10 @@ def report_under_torchrun(etype, value, tb, printer=sys.__excepthook__) -> None:
 
     An error marked as raised alike by every rank (:func:`hookloop.errors.same_on_every_rank`:
     a configuration error) is printed in full by global rank 0 alone: rank 0 prints it,
-    then confirms it in the agent's store; another rank waits for that confirmation (at
-    most :data:`SAME_ERROR_WAIT_S`) and, when rank 0 raised the same type and message,
-    prints one line (``rank 1: the same ConfigurationError as rank 0 (printed there)``),
-    else its own traceback. Any other error is printed by ``printer`` (Python's way) on
+    then (at exit, once the traceback is out) confirms it in the agent's store; another
+    rank waits for that confirmation (at most :data:`SAME_ERROR_WAIT_S`) and, when rank 0
+    raised the same type and message, prints one line (``rank 1: the same
+    ConfigurationError as rank 0 (printed there)``), else its own traceback. Any other error is printed by ``printer`` (Python's way) on
     every rank. Each rank writes the agent's error file (:func:`_write_error_file`).
     Nothing is swallowed: the process still exits 1."""
     from .errors import same_on_every_rank
@@ -199,12 +199,21 @@ def report_under_torchrun(etype, value, tb, printer=sys.__excepthook__) -> None:
     sys.stderr.flush()
     _write_error_file(message, value, now)
     if rank == "0" and same_on_every_rank(value) and _world_size() > 1:
-        store = _agent_store(5.0)
-        if store is not None:
-            try:
-                store.set(key, message)
-            except Exception:  # noqa: BLE001
-                pass
+        # at exit, after this hook returned: torch.distributed's own hook (around this one
+        # once a process group exists) writes the traceback to stderr only then
+        import atexit
+
+        atexit.register(_confirm_same_error, key, message)
+
+
+def _confirm_same_error(key: str, message: str) -> None:
+    """Global rank 0, its traceback printed: tell the other ranks (:func:`report_under_torchrun`)."""
+    store = _agent_store(5.0)
+    if store is not None:
+        try:
+            store.set(key, message)
+        except Exception:  # noqa: BLE001 - they print their own tracebacks after their wait
+            pass
 
 
 def _signal_name(code: int) -> str:
