@@ -41,6 +41,10 @@ class RankOneFails(TinyClassifier):
             raise RuntimeError("rank 1 alone: a bad batch")
         return super().training_step(batch, batch_idx)
 
+if sys.argv[1] == "config-on-rank-1":  # marked, but rank 0 does not raise it
+    if os.environ["RANK"] == "1":
+        hookloop.Trainer(max_steps=2, default_root_dir=sys.argv[2], gradient_clip_val=0)
+    sys.exit(0)
 if sys.argv[1] == "config":
     hookloop.Trainer(max_steps=2, default_root_dir=sys.argv[2], gradient_clip_val=0)
 trainer = hookloop.Trainer(max_steps=2, default_root_dir=sys.argv[2], enable_progress_bar=False,
@@ -87,6 +91,16 @@ def test_a_configuration_error_is_printed_by_rank_0_alone(tmp_path):
 def test_a_configuration_error_after_the_process_group_is_printed_by_rank_0_alone(tmp_path):
     # torch.distributed's own excepthook now wraps hookloop's (it prefixes "[rankN]: ")
     check_once(torchrun(tmp_path, "setup"), SETUP_ERROR, in_module=False)
+
+
+@FULL
+def test_a_marked_error_that_rank_0_does_not_confirm_keeps_rank_1s_traceback(tmp_path):
+    # rank 1 waits SAME_ERROR_WAIT_S (30 s) for rank 0's confirmation, then prints its own
+    lines = torchrun(tmp_path, "config-on-rank-1")
+    text = "\n".join(lines)
+    workers, _ = report(lines)
+    assert [line for line in workers if line == CONFIG_ERROR] == [CONFIG_ERROR], text
+    assert "the same" not in text, text
 
 
 def check_once(lines: list[str], error: str, in_module: bool) -> None:
