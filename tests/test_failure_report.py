@@ -56,8 +56,11 @@ def check_report(lines: list[str], failing: list[int], world: int = 2) -> None:
         content = log.read_text()
         assert "Traceback (most recent call last)" in content and MESSAGE in content
         assert "configure_optimizers" in content
+    # every rank's output beside the tracebacks (attempt_<N>/rank<R>/stdout.log, stderr.log)
+    output = [line for line in lines if line.startswith("hookloop: every rank's output: ")]
+    assert len(output) == 1 and output[0].split(": ", 2)[2].split(" (")[0] == str(logs[0].parent), text
     # nothing else: the report is these lines
-    assert len(lines) == 1 + bool(same) + len(logs) + bool(stopped), text
+    assert len(lines) == 1 + bool(same) + len(logs) + bool(stopped) + 1, text
 
 
 def test_hookloop_run_reports_rank_1s_failure_once(tmp_path):
@@ -69,6 +72,12 @@ def test_hookloop_run_reports_rank_1s_failure_once(tmp_path):
     check_report(lines, failing=[1])
     logs = [line for line in lines if "traceback:" in line]
     assert logs[0].split("traceback: ")[1].startswith(str(tmp_path / "logs" / "failures"))
+    # each rank's stdout and stderr are in the folder the summary names (their content:
+    # tests/test_failure_once_torchrun.py)
+    folder = Path(logs[0].split("traceback: ")[1]).parent
+    for rank in (0, 1):
+        for name in ("stdout.log", "stderr.log"):
+            assert (folder / "attempt_0" / f"rank{rank}" / name).is_file()
 
 
 def test_a_scripts_own_relaunch_reports_an_error_of_every_rank_once(tmp_path):

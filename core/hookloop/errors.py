@@ -6,13 +6,23 @@ from __future__ import annotations
 class HookloopError(Exception):
     """Base class of every error hookloop raises on purpose."""
 
+    #: Whether the error follows from the configuration alone (the arguments, plugins and
+    #: installed packages, the same on every rank), so every rank of a job raises it alike.
+    #: Under the user's own ``torchrun``, global rank 0 alone prints the traceback of such
+    #: an error; the other ranks print one line (README "When a worker fails").
+    same_on_every_rank = False
+
 
 class ConfigurationError(HookloopError, ValueError):
     """An argument, or a combination of arguments or plugins, that cannot work."""
 
+    same_on_every_rank = True
+
 
 class PluginNotFoundError(HookloopError, LookupError):
     """A plugin name that no installed distribution registers."""
+
+    same_on_every_rank = True
 
 
 class PluginConflictError(ConfigurationError):
@@ -22,9 +32,13 @@ class PluginConflictError(ConfigurationError):
 class PluginValidationError(HookloopError, TypeError):
     """A plugin whose hook implementations do not match the hook contract."""
 
+    same_on_every_rank = True
+
 
 class MissingDependencyError(HookloopError, ImportError):
     """A plugin whose third-party dependencies are not installed."""
+
+    same_on_every_rank = True
 
 
 class CheckpointError(HookloopError, RuntimeError):
@@ -34,3 +48,17 @@ class CheckpointError(HookloopError, RuntimeError):
 class CollectiveTimeoutError(HookloopError, RuntimeError):
     """A collective (all_reduce, broadcast, barrier...) that timed out or lost a peer: a
     rank stopped making progress. Names the collective and the suspected rank(s)."""
+
+
+def mark_same_on_every_rank(exc: BaseException) -> BaseException:
+    """Mark ``exc`` (any exception, e.g. a third-party library's refusal of a setting) as
+    raised alike by every rank, as :attr:`HookloopError.same_on_every_rank` does for a
+    class; returns it, for ``raise mark_same_on_every_rank(exc)``."""
+    exc.same_on_every_rank = True  # type: ignore[attr-defined]
+    return exc
+
+
+def same_on_every_rank(exc: BaseException) -> bool:
+    """Whether ``exc`` is marked as raised alike by every rank (its class or the instance:
+    :func:`mark_same_on_every_rank`)."""
+    return getattr(exc, "same_on_every_rank", False) is True

@@ -168,7 +168,9 @@ def run_command(cmd: list[str], defaults: dict | None = None, workers: bool = Tr
     :func:`hookloop.failures.agent_main`: when a worker fails, one summary is printed
     instead of every rank's traceback and torch's report, and the tracebacks go to
     ``<root>/logs/failures/<time>-<pid>/rank<R>.log`` (``root``: the Trainer's
-    ``default_root_dir``; else ``defaults``'s, else the working directory).
+    ``default_root_dir``; else ``defaults``'s, else the working directory), every rank's
+    stdout and stderr to ``attempt_<N>/rank<R>/`` beside them (copied to this console as
+    they are written; the folder is removed when the launch succeeds at once).
     """
     env = dict(os.environ)
     if workers:
