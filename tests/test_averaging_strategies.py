@@ -115,7 +115,7 @@ def test_ema_under_zero3_on_one_process_averages_the_whole_parameters(tmp_path):
 
 
 @FULL
-@pytest.mark.parametrize("strategy", ["zero3", "ddp_sharded"])
+@pytest.mark.parametrize("strategy", ["zero3", "deepspeed_stage_2", "ddp_sharded"])
 def test_averages_under_sharded_strategies_equal_one_process_reference(hookloop_processes, tmp_path, strategy):
     """2 processes: EMA and SWA (SWALR drives the engine's inner torch optimizer under
     DeepSpeed, whose ZeRO optimizer SWALR refused: "is not an Optimizer"), validating on

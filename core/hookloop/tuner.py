@@ -1,5 +1,6 @@
 """``Tuner``: the learning-rate finder and the batch-size finder, under Lightning's names,
-working in one process and under data-parallel strategies (``--plugins ddp --devices 2``).
+working in one process and under data-parallel strategies (``--plugins ddp --devices 2``;
+fsdp and DeepSpeed ZeRO 0-2 too; ZeRO-3 and ``ddp_spawn`` are refused).
 
 ``Tuner(trainer).lr_find(model, ...)`` runs ``num_training`` optimizer steps with the
 learning rate rising from ``min_lr`` to ``max_lr`` (exponentially or linearly, Lightning's
@@ -328,6 +329,8 @@ def _restore_weights(model: torch.nn.Module, saved: dict[str, torch.Tensor]) -> 
             if param is None or not (hasattr(param, "placements") and hasattr(param, "to_local")):
                 continue
             key = f"{prefix}.{name}" if prefix else name
+            if key not in saved or hasattr(saved[key], "placements"):
+                continue  # a DTensor before the search too: load_state_dict copies into it
             module._parameters[name] = torch.nn.Parameter(saved[key].clone().to(param.to_local().device),
                                                           requires_grad=param.requires_grad)
     model.load_state_dict(saved)

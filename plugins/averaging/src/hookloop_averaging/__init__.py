@@ -14,7 +14,9 @@ averaged tensors, the number averaged, the SWA scheduler) in checkpoints, so a r
 ends bit-identical to an uninterrupted one. The averages are elementwise, so under a
 sharded strategy (fsdp: DTensor parameters) each rank averages its own local shards, which
 equals averaging the full tensors; the shards' state then goes in each rank's
-``rank_state`` rather than rank 0's checkpoint.
+``rank_state`` rather than rank 0's checkpoint. Under DeepSpeed ZeRO-3 (partitioned
+parameters, ``p.data`` empty between uses) the weights are read and written inside
+``deepspeed.zero.GatheredParameters`` and the average is kept whole on every rank.
 """
 
 from __future__ import annotations
