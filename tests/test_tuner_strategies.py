@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -146,3 +147,27 @@ def test_finders_refuse_deepspeed_zero3_naming_the_strategy(tmp_path, plugin):
         message = str(caught.value)
         assert message.startswith(f"{finder} under {name!r} (DeepSpeed ZeRO stage 3) is not supported")
         assert "Run the finder under 'deepspeed_stage_2'" in message and f"then train with {name!r}" in message
+
+
+@FULL
+def test_hookloop_tune_under_fsdp_and_refused_under_zero3(tmp_path):
+    """``hookloop tune batch-size --plugins fsdp --devices 2``: each trial, then the size
+    (rank 0 alone out of memory above 8); ``hookloop tune lr --plugins deepspeed_stage_3``
+    fails with the refusal, naming the strategy."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "HOOKLOOP_"))}
+    env.pop("LOCAL_RANK", None)
+    script = str(SCRIPTS / "tuner_cli_script.py")
+    bs = subprocess.run([sys.executable, "-m", "hookloop", "tune", "batch-size", "--steps-per-trial", "1",
+                         "--plugins", "fsdp", "--devices", "2", "--default-root-dir", str(tmp_path / "bs"),
+                         script, "--oom"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    assert bs.returncode == 0, bs.stdout + bs.stderr
+    assert [line.split()[:2] for line in bs.stdout.splitlines() if line.strip()[:1].isdigit()] == \
+        [["2", "fits"], ["4", "fits"], ["8", "fits"], ["16", "out"]]
+    assert "hookloop tune batch-size: batch size 8" in bs.stdout and "trained" not in bs.stdout
+    lr = subprocess.run([sys.executable, "-m", "hookloop", "tune", "lr", "--plugins", "deepspeed_stage_3",
+                         "--devices", "2", "--default-root-dir", str(tmp_path / "lr"), script],
+                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    assert lr.returncode != 0
+    # the failure summary: the refusal once, not once per rank
+    assert (lr.stdout + lr.stderr).count("lr_find under 'deepspeed_stage_3' (DeepSpeed ZeRO stage 3) is not supported") == 1
+    assert "trained" not in lr.stdout
