@@ -121,3 +121,33 @@ def test_averages_under_sharded_strategies_equal_one_process_reference(hookloop_
     DeepSpeed, whose ZeRO optimizer SWALR refused: "is not an Optimizer"), validating on
     the average each epoch, end on the one-process reference."""
     _check(hookloop_processes(strategy_rank, nprocs=2, args=(strategy, str(tmp_path)), timeout=500))
+
+
+@FULL
+@pytest.mark.parametrize("name", ["ema", "swa"])
+def test_zero3_resume_from_a_checkpoint_is_bit_identical(tmp_path, name):
+    """ZeRO-3 (one process, in this one): 3 epochs of 16 steps uninterrupted vs stopped at
+    step 21 and resumed from its last.ckpt directory by a new Trainer, module (other
+    weights) and plugin: the same average and the same weights at the end of fit."""
+    import glob
+
+    def run(root, max_steps=None, ckpt_path=None, seed=0):
+        from conftest import TinyModule
+
+        module, plugin, grab = TinyModule(seed=seed), hookloop.plugin(name, **OPTIONS[name]), _WeightsAtFitEnd()
+        t = hookloop.Trainer(plugins=[_strategy("zero3"), plugin, grab], max_epochs=3, max_steps=max_steps,
+                             logger=False, default_root_dir=str(root), **QUIET)
+        t.fit(module, DataLoader(tiny_data(64), batch_size=4), DataLoader(tiny_data(16, seed=3), batch_size=4),
+              ckpt_path=ckpt_path)
+        return plugin, grab.weights, t
+
+    full, full_weights, _ = run(tmp_path / "full")
+    run(tmp_path / "cut", max_steps=21)
+    last = glob.glob(str(tmp_path / "cut" / "**" / "last.ckpt"), recursive=True)
+    assert len(last) == 1
+    resumed, weights, t = run(tmp_path / "resumed", ckpt_path=last[0], seed=5)
+    assert t.global_step == 48 and resumed.n_averaged == full.n_averaged > 0
+    for k, v in full.average.items():
+        assert torch.equal(resumed.average[k], v), k
+    for k, v in full_weights.items():
+        assert torch.equal(weights[k], v), k
