@@ -151,3 +151,18 @@ def test_zero3_resume_from_a_checkpoint_is_bit_identical(tmp_path, name):
         assert torch.equal(resumed.average[k], v), k
     for k, v in full_weights.items():
         assert torch.equal(weights[k], v), k
+
+
+@pytest.mark.parametrize("name", ["ema", "swa"])
+def test_pipeline_stages_of_ddp_sequential_are_refused(tmp_path, name):
+    """fairscale's ``ddp_sequential`` trains each pipeline stage on its own ranks: an
+    average kept per rank would mix the other stages' stale layers in, and rank 0's
+    checkpoint would hold stage 0's only. Refused before the strategy starts."""
+    from conftest import TinyModule
+
+    t = hookloop.Trainer(plugins=["ddp_sequential", name], max_epochs=1, logger=False, enable_checkpointing=False,
+                         default_root_dir=str(tmp_path), **QUIET)
+    with pytest.raises(hookloop.ConfigurationError) as caught:
+        t.fit(TinyModule(), DataLoader(tiny_data(16), batch_size=4))
+    assert str(caught.value).startswith(f"{name} with 'ddp_sequential' is not supported: each rank trains only")
+    assert f"Use {name} with ddp, ddp_sharded, fsdp or deepspeed (ZeRO 0-3)" in str(caught.value)

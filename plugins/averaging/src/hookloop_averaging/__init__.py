@@ -85,6 +85,22 @@ class _Averaging:
         self._swapped = False
         self._fitting = False
 
+    # -- strategies -----------------------------------------------------------------------
+
+    @hookloop.hookimpl(tryfirst=True)
+    def setup_environment(self, trainer):
+        """Refuse, before the strategy starts, a strategy whose ranks each train only
+        some of the layers (fairscale's ``ddp_sequential``: pipeline stages)."""
+        staged = [getattr(p, "hookloop_name", "") for p in trainer.plugins
+                  if getattr(p, "hookloop_name", "") == "ddp_sequential"]
+        if staged:
+            raise hookloop.ConfigurationError(
+                f"{self.hookloop_name} with {staged[0]!r} is not supported: each rank trains only its pipeline "
+                f"stage's layers, so the average a rank keeps would hold the other stages' stale layers, and "
+                f"the checkpoint (rank 0's) the first stage's average only. Use {self.hookloop_name} with ddp, "
+                f"ddp_sharded, fsdp or deepspeed (ZeRO 0-3)")
+        return None
+
     # -- the tensors --------------------------------------------------------------------
 
     def _current(self, trainer) -> dict[str, torch.Tensor]:
