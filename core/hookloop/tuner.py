@@ -1,5 +1,6 @@
 """``Tuner``: the learning-rate finder and the batch-size finder, under Lightning's names,
-working in one process and under data-parallel strategies (``--plugins ddp --devices 2``).
+working in one process and under data-parallel strategies (``--plugins ddp --devices 2``;
+fsdp and DeepSpeed ZeRO 0-2 too; ZeRO-3 and ``ddp_spawn`` are refused).
 
 ``Tuner(trainer).lr_find(model, ...)`` runs ``num_training`` optimizer steps with the
 learning rate rising from ``min_lr`` to ``max_lr`` (exponentially or linearly, Lightning's
@@ -316,6 +317,65 @@ def _check_not_spawning(trainer: Any, finder: str) -> None:
             f"(or `hookloop tune`), whose every worker runs the script and the finder")
 
 
+def _restore_weights(model: torch.nn.Module, saved: dict[str, torch.Tensor]) -> None:
+    """Put back the weights ``saved`` (``model.state_dict()`` before the search, plain
+    tensors). A search run that ended in an exception (a batch-size trial out of memory)
+    or a sharded strategy that does not gather at teardown (fsdp with
+    ``state_dict_type="sharded"``) leaves a parameter as this rank's DTensor shard, which
+    a plain ``load_state_dict`` cannot copy into: such a parameter is replaced by a plain
+    one holding the saved whole tensor (every rank saved the same), as it was before."""
+    for prefix, module in model.named_modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or not (hasattr(param, "placements") and hasattr(param, "to_local")):
+                continue
+            key = f"{prefix}.{name}" if prefix else name
+            if key not in saved or hasattr(saved[key], "placements"):
+                continue  # a DTensor before the search too: load_state_dict copies into it
+            module._parameters[name] = torch.nn.Parameter(saved[key].clone().to(param.to_local().device),
+                                                          requires_grad=param.requires_grad)
+    model.load_state_dict(saved)
+
+
+def _zero3_strategy(trainer: Any) -> str | None:
+    """The name of a DeepSpeed strategy plugin that partitions the parameters (ZeRO
+    stage 3: its ``stage``, or the ``zero_optimization.stage`` of its custom config), or
+    ``None``. Duck-typed: the core imports no plugin."""
+    for plugin in trainer.plugins:
+        name = getattr(plugin, "hookloop_name", "")
+        if getattr(plugin, "hookloop_role", None) != "strategy" or not name.startswith("deepspeed"):
+            continue
+        stage = getattr(plugin, "stage", None)
+        config = getattr(plugin, "config", None) or os.environ.get("HOOKLOOP_DEEPSPEED_CONFIG")
+        if isinstance(config, (str, os.PathLike)):
+            try:
+                with open(config) as f:
+                    config = json.load(f)
+            except (OSError, ValueError):
+                config = None  # the strategy reports a bad config itself
+        if isinstance(config, dict):
+            stage = (config.get("zero_optimization") or {}).get("stage", 0)
+        if stage == 3:
+            return name
+    return None
+
+
+def _check_strategy(trainer: Any, finder: str) -> None:
+    """Refuse, before anything runs, a strategy under which a finder cannot work:
+    ``ddp_spawn`` (the search would run in its workers) and DeepSpeed ZeRO-3 (a module
+    that went through one ZeRO-3 engine cannot be wrapped by another in the same process,
+    and a finder needs one per search plus the fit after it)."""
+    _check_not_spawning(trainer, finder)
+    zero3 = _zero3_strategy(trainer)
+    if zero3 is not None:
+        raise ConfigurationError(
+            f"{finder} under {zero3!r} (DeepSpeed ZeRO stage 3) is not supported: each search is a fit of its "
+            f"own, and a module that went through one ZeRO-3 engine cannot be wrapped by a second one in the "
+            f"same process (DeepSpeed keeps the first engine's process group on its parameters: \"Group ... "
+            f"is not registered\"), so the trials and the fit after the search would fail. Run the finder "
+            f"under 'deepspeed_stage_2' (the same global batch, every parameter whole on every rank), fsdp or "
+            f"ddp, then train with {zero3!r}")
+
+
 def _fit(trainer: Any, model: Any, train_dataloaders: Any, datamodule: Any) -> None:
     if datamodule is not None:
         trainer.fit(model, datamodule=datamodule)
@@ -376,7 +436,7 @@ class Tuner:
         if trainer.config.fast_dev_run:
             rank_zero_warn("Skipping learning rate finder since `fast_dev_run` is enabled.")
             return None
-        _check_not_spawning(trainer, "lr_find")
+        _check_strategy(trainer, "lr_find")
         if update_attr:
             attr_name = _lr_attr_name(model, attr_name)
         saved = copy.deepcopy(model.state_dict())
@@ -386,7 +446,7 @@ class Tuner:
             with _SearchRun(trainer, [hooks], max_steps=num_training):
                 _fit(trainer, model, train_dataloaders, datamodule)
         finally:
-            model.load_state_dict(saved)
+            _restore_weights(model, saved)
         if len(hooks.losses) < num_training:
             rank_zero_info(f"LR finder stopped early after {len(hooks.losses)} steps due to diverging loss.")
         finder.results = {"lr": hooks.lrs, "loss": hooks.losses}
@@ -424,7 +484,7 @@ class Tuner:
         if trainer.config.fast_dev_run:
             rank_zero_warn("Skipping batch size scaler since `fast_dev_run` is enabled.")
             return None
-        _check_not_spawning(trainer, "scale_batch_size")
+        _check_strategy(trainer, "scale_batch_size")
         # Lightning's lightning_setattr: every holder of the attribute gets the new value
         holders = [c for c in (datamodule, model) if _getattr(c, batch_arg_name)[0]]
         target = holders[0] if holders else None
@@ -521,7 +581,7 @@ class Tuner:
                 if margin > 0:
                     new_size = max(1, int(new_size * (1 - margin)))
         finally:
-            model.load_state_dict(saved)
+            _restore_weights(model, saved)
         set_size(new_size)
         rank_zero_info(f"Finished batch size finder, will continue with full run using batch size {new_size}")
         return new_size

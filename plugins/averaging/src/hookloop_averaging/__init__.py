@@ -14,11 +14,14 @@ averaged tensors, the number averaged, the SWA scheduler) in checkpoints, so a r
 ends bit-identical to an uninterrupted one. The averages are elementwise, so under a
 sharded strategy (fsdp: DTensor parameters) each rank averages its own local shards, which
 equals averaging the full tensors; the shards' state then goes in each rank's
-``rank_state`` rather than rank 0's checkpoint.
+``rank_state`` rather than rank 0's checkpoint. Under DeepSpeed ZeRO-3 (partitioned
+parameters, ``p.data`` empty between uses) the weights are read and written inside
+``deepspeed.zero.GatheredParameters`` and the average is kept whole on every rank.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -36,6 +39,32 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 def _is_sharded(tensor: torch.Tensor) -> bool:
     return hasattr(tensor, "to_local") and hasattr(tensor, "placements")
+
+
+@contextlib.contextmanager
+def _whole(module: torch.nn.Module, modify: bool):
+    """Inside: every DeepSpeed ZeRO-3 parameter of ``module`` whole in ``p.data`` (ZeRO-3
+    partitions it and empties ``p.data`` between uses: averaging that would average
+    nothing). ``modify``: what rank 0 wrote is broadcast and partitioned again on exit
+    (every rank writes the same). Every rank must enter it (a collective); nothing to do
+    without ZeRO-3 parameters."""
+    params = [p for p in module.parameters() if hasattr(p, "ds_id")]
+    if not params:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=0 if modify else None):
+        yield
+
+
+def _torch_optimizer(optimizer: Any) -> Any:
+    """The ``torch.optim.Optimizer`` that ``optimizer`` is or wraps: DeepSpeed's ZeRO
+    optimizers are not torch optimizers (SWALR refuses them) and hold the user's in
+    ``.optimizer``, sharing its param groups."""
+    while not isinstance(optimizer, torch.optim.Optimizer) and getattr(optimizer, "optimizer", None) is not None:
+        optimizer = optimizer.optimizer
+    return optimizer
 
 
 class _Averaging:
@@ -56,6 +85,22 @@ class _Averaging:
         self._swapped = False
         self._fitting = False
 
+    # -- strategies -----------------------------------------------------------------------
+
+    @hookloop.hookimpl(tryfirst=True)
+    def setup_environment(self, trainer):
+        """Refuse, before the strategy starts, a strategy whose ranks each train only
+        some of the layers (fairscale's ``ddp_sequential``: pipeline stages)."""
+        staged = [getattr(p, "hookloop_name", "") for p in trainer.plugins
+                  if getattr(p, "hookloop_name", "") == "ddp_sequential"]
+        if staged:
+            raise hookloop.ConfigurationError(
+                f"{self.hookloop_name} with {staged[0]!r} is not supported: each rank trains only its pipeline "
+                f"stage's layers, so the average a rank keeps would hold the other stages' stale layers, and "
+                f"the checkpoint (rank 0's) the first stage's average only. Use {self.hookloop_name} with ddp, "
+                f"ddp_sharded, fsdp or deepspeed (ZeRO 0-3)")
+        return None
+
     # -- the tensors --------------------------------------------------------------------
 
     def _current(self, trainer) -> dict[str, torch.Tensor]:
@@ -71,9 +116,10 @@ class _Averaging:
         """Allocate the average (a copy of the weights now, as ``AveragedModel``'s deepcopy)
         or restore it from the checkpoint that ``fit`` resumed from."""
         self._fitting = True
-        current = self._current(trainer)
+        with _whole(trainer.module, modify=False):
+            self.average = {n: t.clone() for n, t in self._current(trainer).items()}
         state, self._loaded = self._loaded, None
-        self.average = {n: t.clone() for n, t in current.items()}
+        current = self.average
         if state is None:
             self._fresh_state()
             return
@@ -100,8 +146,8 @@ class _Averaging:
     def _update(self, trainer) -> None:
         """One update of the average with the model's weights now (``AveragedModel``'s
         ``update_parameters``: the first copies)."""
-        current = self._current(trainer)
-        with torch.no_grad():
+        with torch.no_grad(), _whole(trainer.module, modify=False):
+            current = self._current(trainer)
             for name, avg in self.average.items():
                 cur = current[name]
                 if self.n_averaged == 0 or not self._is_averaged(name):
@@ -114,8 +160,8 @@ class _Averaging:
         return True
 
     def _swap(self, trainer) -> None:
-        current = self._current(trainer)
-        with torch.no_grad():
+        with torch.no_grad(), _whole(trainer.module, modify=True):
+            current = self._current(trainer)
             for name, avg in self.average.items():
                 tmp = avg.clone()
                 avg.copy_(current[name])
@@ -123,8 +169,8 @@ class _Averaging:
         self._swapped = not self._swapped
 
     def _copy_to_model(self, trainer, names=None) -> None:
-        current = self._current(trainer)
-        with torch.no_grad():
+        with torch.no_grad(), _whole(trainer.module, modify=True):
+            current = self._current(trainer)
             for name, avg in self.average.items():
                 if names is None or name in names:
                     current[name].copy_(avg)
@@ -364,7 +410,7 @@ class SWA(_Averaging):
     def _make_scheduler(self, trainer, resumed: bool) -> None:
         from torch.optim.swa_utils import SWALR
 
-        optimizer = trainer.optimizers[0]
+        optimizer = _torch_optimizer(trainer.optimizers[0])
         groups = optimizer.param_groups
         lrs = self.swa_lrs if isinstance(self.swa_lrs, (list, tuple)) else [self.swa_lrs] * len(groups)
         if len(lrs) != len(groups):
