@@ -89,7 +89,7 @@ record = {}
 module = Net(time_up={1: 1, 3: 0})
 t = trainer("max_time", max_time="00:01:00:00")
 t.fit(module, loader())
-record["max_time"] = {"global_step": t.global_step}
+record["max_time"] = {"global_step": t.global_step, "calls": module.calls_at_step}
 
 # 2. the plain run: the reference of the resume, and the collectives per step without the guard
 module = Net()
