@@ -112,7 +112,8 @@ if __name__ != "__main__":
 
     @FULL
     def test_nan_guard_under_fsdp_matches_the_hand_written_loop_in_the_full_state_dict(tmp_path):
-        results, stdout = _run(tmp_path, "fsdp", [{"name": "fsdp"}])
+        # check_grad_norm: each rank reads its own shards (DTensor.to_local); the agreement does the rest
+        results, stdout = _run(tmp_path, "fsdp", [{"name": "fsdp", "check_grad_norm": True}])
         ranks = results["fsdp"]
         _check(ranks, stdout)
         for record in ranks:  # the sharded weights, gathered while fit ran, agree too
@@ -196,7 +197,8 @@ if __name__ == "__main__":
         OPTIMIZER = run.get("optimizer", "sgd")
         record[run["name"]] = result = {}
         for action in ("skip",) if run.get("expect_error") else ("skip", "stop"):
-            guard, probe, module = hookloop.NanGuard(action=action), Probe(), Net()
+            guard = hookloop.NanGuard(action=action, check_grad_norm=run.get("check_grad_norm", False))
+            probe, module = Probe(), Net()
             trainer = hookloop.Trainer(default_root_dir=str(OUT / run["name"] / action), max_steps=STEPS,
                                        callbacks=[guard, probe], plugin_options=run.get("options", {}), logger=False,
                                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
