@@ -250,7 +250,16 @@ def test_max_time_under_ddp_stops_every_rank_at_the_step_rank_zeros_clock_says(b
     ranks, stdout, _ = battery
     # rank 1's time was up after step 1 (ignored), rank 0's after step 3
     assert [r["max_time"]["global_step"] for r in ranks] == [4, 4]
-    assert stdout.count("Time limit reached.") == 1
+    assert stdout.count("Time limit reached.") == 2  # once per run (rank 0): max_time, max_time_guard
+    # rank 0's verdict rides the preemption all-reduce: one collective per step, as a run
+    # without max_time (test_nan_guard_adds_no_collective_to_a_step counts the plain run)
+    for record in ranks:
+        calls = record["max_time"]["calls"]
+        assert [b - a for a, b in zip(calls, calls[1:])] == [1] * 3, calls
+    for record in ranks:  # beside nan_guard: still one collective per step
+        both = record["max_time_guard"]
+        assert both["global_step"] == 6 and both["skipped"] == 1
+        assert [b - a for a, b in zip(both["calls"], both["calls"][1:])] == [1] * 5, both["calls"]
 
 
 def test_nan_guard_skip_under_ddp_drops_the_update_on_every_rank(battery):

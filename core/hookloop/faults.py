@@ -22,6 +22,12 @@ Rank-agreed flags of the step (``nan_guard``)
     SIGTERM part instead of starting its own. One collective per step either way: while
     such a plugin is enabled, it is blocking (a wait for the slowest rank, and a read of
     the loss, a device sync on GPUs) and a SIGTERM stops at the boundary where it came.
+    A stop that one rank decides for all (the ``Timer`` behind ``max_time``: rank 0's
+    clock) rides the same all-reduce: a plugin with a ``stop_vote(trainer) -> bool``
+    method votes in every agreement of the step (``agree_now``), and
+    :meth:`Preemption.agree_stop`, called at a step boundary after the optimizer step,
+    returns the vote of any rank (agreeing now, blocking, if nothing agreed yet at this
+    boundary).
 
 Hung collectives
     The process group's timeout (``Trainer(process_group_timeout=...)``, default per
@@ -83,6 +89,8 @@ class Preemption:
         self._group: Any = None  # its process group (gloo); None: the strategy's reduce
         self._pending: Any = None  # the all-reduce started at the last boundary
         self._agreed_now: bool | None = None  # agree_now's SIGTERM verdict for this boundary
+        self._stop_now = False  # agree_now's stop vote for this boundary
+        self._votes: list = []  # the plugins' stop_vote methods (prepare)
 
     def _handler(self, signum, frame) -> None:
         self.requested = True  # nothing else here: the loop acts at the next step boundary
@@ -109,8 +117,10 @@ class Preemption:
         import torch
         import torch.distributed as dist
 
-        # [SIGTERM, a plugin's flag (agree_now), 1 + the global rank that raised it]
-        self._flag = torch.zeros(3)
+        # [SIGTERM, a plugin's flag (agree_now), 1 + the global rank that raised it, a stop vote]
+        self._flag = torch.zeros(4)
+        self._votes = [vote for vote in (getattr(p, "stop_vote", None) for p in trainer.plugin_manager.get_plugins())
+                       if callable(vote)]
         if (trainer.world_size > 1 and dist.is_available() and dist.is_initialized()
                 and dist.get_world_size() == trainer.world_size):
             self._group = cpu_process_group()
@@ -165,14 +175,28 @@ class Preemption:
         self._flag[0] = 1.0 if self.requested else 0.0
         self._flag[1] = float(flag)
         self._flag[2] = float(trainer.global_rank + 1) if flag else 0.0
+        self._flag[3] = 1.0 if any(vote(trainer) for vote in self._votes) else 0.0
         if self._group is None:
             out = trainer.reduce(self._flag, "max")
         else:
             dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group)
             out = self._flag
-        sigterm, agreed, rank = out.tolist()
+        sigterm, agreed, rank, stop = out.tolist()
         self._agreed_now = earlier or bool(sigterm)
+        self._stop_now = bool(stop)
         return agreed, int(rank) - 1
+
+    def agree_stop(self, trainer) -> bool:
+        """At an optimizer-step boundary, after the optimizer step (``on_train_batch_end``),
+        on every rank: whether any rank's ``stop_vote`` says stop. It is the vote carried
+        by this boundary's :meth:`agree_now` (a plugin's, before the optimizer step) or,
+        when none ran, by one run now (blocking): the step's one collective either way
+        (:meth:`agreed` at this boundary reads its SIGTERM part)."""
+        if trainer.world_size == 1:
+            return any(vote(trainer) for vote in self._votes)
+        if self._agreed_now is None:
+            self.agree_now(trainer, 0.0)
+        return self._stop_now
 
     def finish(self) -> None:
         """At the end of a ``fit`` that ran to completion, on every rank: wait for the last

@@ -89,7 +89,16 @@ record = {}
 module = Net(time_up={1: 1, 3: 0})
 t = trainer("max_time", max_time="00:01:00:00")
 t.fit(module, loader())
-record["max_time"] = {"global_step": t.global_step}
+record["max_time"] = {"global_step": t.global_step, "calls": module.calls_at_step}
+
+# 1b. max_time beside nan_guard: both ride the one all-reduce of the step (nan_guard's,
+#     before the optimizer step, carries rank 0's clock); NaN on rank 1 at step 2 skipped,
+#     rank 0's time up after step 5: every rank stops with global_step 6
+module = Net(nan_at=2, time_up={5: 0})
+guard = hookloop.NanGuard(action="skip")
+t = trainer("max_time_guard", max_time="00:01:00:00", callbacks=[guard])
+t.fit(module, loader())
+record["max_time_guard"] = {"global_step": t.global_step, "calls": module.calls_at_step, "skipped": guard.skipped_steps}
 
 # 2. the plain run: the reference of the resume, and the collectives per step without the guard
 module = Net()

@@ -50,7 +50,9 @@ class NanGuard:
         losses is a spike (None: only non-finite values count)
     window: how many recent good losses the median is taken over
     check_grad_norm: also treat a non-finite gradient norm as bad (leave off under fp16
-        AMP: its GradScaler skips those steps itself)
+        AMP: its GradScaler skips those steps itself); each rank checks its own gradients
+        (fsdp's shards, a pipeline's stages; under DeepSpeed's ZeRO they are in the engine,
+        not checked: its overflow check skips such steps itself)
     """
 
     hookloop_name = "nan_guard"
@@ -132,7 +134,10 @@ class NanGuard:
         if not math.isfinite(value):
             return NON_FINITE
         if self.check_grad_norm:
+            # this rank's gradients only (a DTensor's local shard, a pipeline's own stages):
+            # the agreement (MAX) makes one rank's non-finite value every rank's verdict
             grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
             if grads and not torch.isfinite(torch.stack([g.detach().float().norm() for g in grads]).sum()):
                 return NON_FINITE
         if self.spike_factor is not None and len(self.history) >= self.window:

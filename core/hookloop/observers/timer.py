@@ -5,6 +5,12 @@ training time reaches ``duration``: checked at fit start (a resumed run whose ti
 already up trains nothing), then after every training batch (``interval="step"``) or at
 every epoch's end (``interval="epoch"``), as Lightning 2.6 does. Rank 0's clock decides
 for every rank. The elapsed training time is saved in checkpoints and resumed.
+
+With several processes, the per-step check adds no collective: rank 0's verdict rides the
+step's preemption all-reduce (:meth:`hookloop.faults.Preemption.agree_stop`, which makes
+that all-reduce blocking), so it is checked at optimizer-step boundaries only (with
+``accumulate_grad_batches`` > 1 a run stops at the end of the window where the time came,
+its update applied; one process checks after every batch, as Lightning).
 """
 
 from __future__ import annotations
@@ -174,7 +180,9 @@ class Timer:
 
     def _check(self, trainer) -> None:
         stop = self.time_elapsed() >= self._duration
-        stop = trainer.broadcast(stop, 0)  # rank 0's clock decides for every rank
+        self._stop(trainer, trainer.broadcast(stop, 0))  # rank 0's clock decides for every rank
+
+    def _stop(self, trainer, stop: bool) -> None:
         trainer.should_stop = trainer.should_stop or stop
         if stop and self._verbose:
             elapsed = timedelta(seconds=int(self.time_elapsed("train")))
@@ -190,9 +198,18 @@ class _StepCheck:
     def __init__(self, timer: Timer):
         self.timer = timer
 
+    def stop_vote(self, trainer) -> bool:
+        """Rank 0's clock, in the step's preemption all-reduce (hookloop.faults)."""
+        return trainer.global_rank == 0 and self.timer.time_elapsed() >= self.timer._duration
+
     @hookimpl
     def on_train_batch_end(self, trainer):
-        self.timer._check(trainer)
+        preemption = trainer.state.preemption
+        if trainer.world_size == 1 or preemption is None:
+            self.timer._check(trainer)  # one process: no collective; outside fit's loop: a broadcast
+        elif trainer.is_last_batch or trainer.batch_idx % trainer.accumulate_grad_batches == 0:
+            # an optimizer-step boundary (batch_idx is the next batch's here)
+            self.timer._stop(trainer, preemption.agree_stop(trainer))
 
 
 def _stage(stage: Any) -> str:

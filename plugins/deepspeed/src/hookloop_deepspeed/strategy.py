@@ -445,6 +445,7 @@ class DeepSpeedStrategy(hookloop.TorchDistributed):
         """
         retain = trainer.backward_kwargs.get("retain_graph")
         self.engine.backward(loss, scale_wrt_gas=False, **({} if retain is None else {"retain_graph": retain}))
+        self._unstepped = True  # gradients in the engine until engine.step() (or zero_grad) drops them
         return True
 
     @hookloop.hookimpl
@@ -455,12 +456,35 @@ class DeepSpeedStrategy(hookloop.TorchDistributed):
         """
         hookloop.before_optimizer_step(trainer, optimizer, clip=False)  # the engine clips
         self.engine.step()
+        self._unstepped = False
         return bool(self.engine.was_step_applied())
 
     @hookloop.hookimpl
     def zero_grad(self):
-        """Nothing to do: ``engine.step()`` zeroes the gradients itself."""
+        """Nothing to do after ``engine.step()``, which zeroes the gradients itself. A
+        window whose step the loop did not take (``nan_guard``'s skip: its
+        ``optimizer_step`` comes first and returns False) left its gradients in the engine
+        (ZeRO's partitions, offload's CPU accumulators): they are dropped here, as an
+        overflow step drops them (:func:`drop_gradients`), before the next window's."""
+        if getattr(self, "_unstepped", False):
+            self._unstepped = False
+            drop_gradients(self.engine)
         return True
+
+    @hookloop.hookimpl
+    def on_fit_start(self, trainer):
+        """``nan_guard(action="skip")`` needs the window's gradients dropped in the engine
+        (:func:`drop_gradients`): refused here where they cannot be."""
+        self._unstepped = False
+        guard = next((p for p in trainer.plugin_manager.get_plugins()
+                      if isinstance(p, hookloop.NanGuard) and p.action == "skip"), None)
+        if guard is not None and self.engine is not None and not can_drop_gradients(self.engine):
+            raise ConfigurationError(
+                f"nan_guard(action='skip') under DeepSpeed needs a skipped step's gradients dropped in the "
+                f"engine, which hookloop does for ZeRO stages 0 (fp32), 1 and 2; this engine's optimizer is "
+                f"{type(self.engine.optimizer).__name__} (ZeRO stage {self.engine.zero_optimization_stage()}"
+                f"{', bf16' if self.engine.bfloat16_enabled() else ''}{', fp16' if self.engine.fp16_enabled() else ''})"
+                f": use nan_guard(action='stop'), or ZeRO stage 1 or 2")
 
     # reduce (half precision in float32), barrier, broadcast and configure_sampler:
     # hookloop.TorchDistributed's.
@@ -711,6 +735,46 @@ def _import_deepspeed():
             f"(after torch, so that pip does not replace your torch build)"
         ) from exc
     return deepspeed
+
+
+def can_drop_gradients(engine) -> bool:
+    """Whether :func:`drop_gradients` knows this engine's optimizer: ZeRO stage 1/2's
+    (``DeepSpeedZeroOptimizer``, any precision) or, without ZeRO in fp32, the torch
+    optimizer itself."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    optimizer = engine.optimizer
+    if isinstance(optimizer, DeepSpeedZeroOptimizer):
+        return True
+    return (engine.zero_optimization_stage() == 0 and not engine.fp16_enabled() and not engine.bfloat16_enabled()
+            and isinstance(optimizer, torch.optim.Optimizer))
+
+
+def drop_gradients(engine) -> None:
+    """Drop the gradients of a window whose optimizer step was not taken, as DeepSpeed
+    drops an overflow step's: ZeRO 1/2 run ``engine.step()`` through their own overflow
+    path (forced for this call: the partitions, offload's CPU accumulators and the
+    micro-step count are reset, ``engine.skipped_steps`` counts it, DeepSpeed's scheduler
+    does not step; the fp16 loss scale is left as it was: the step was not an overflow);
+    without ZeRO (fp32) the torch optimizer's gradients are zeroed."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    optimizer = engine.optimizer
+    if not isinstance(optimizer, DeepSpeedZeroOptimizer):
+        if not can_drop_gradients(engine):  # refused at fit start (on_fit_start)
+            raise ConfigurationError(f"cannot drop a skipped step's gradients in {type(optimizer).__name__}")
+        engine.zero_grad()
+        return
+    checked = optimizer.check_grad_overflow
+    optimizer.check_grad_overflow = True
+    optimizer.check_overflow = lambda partition_gradients=True: setattr(optimizer, "overflow", True)
+    optimizer._update_scale = lambda has_overflow=False: None
+    try:
+        engine.step()
+    finally:
+        del optimizer.check_overflow, optimizer._update_scale  # the class's again
+        optimizer.check_grad_overflow = checked
+        optimizer.overflow = False
 
 
 @contextlib.contextmanager
