@@ -488,6 +488,16 @@ def _(tmp):
     trainer.fit(TinyModule(), loader())
 
 
+@row("S16")
+def _(tmp):
+    hookloop.Tuner(quiet(plugins=["deepspeed_stage_3"])).lr_find(TinyModule(), loader())
+
+
+@row("S17")
+def _(tmp):
+    quiet(plugins=["ddp_sequential", "ema"]).fit(TinyModule(), loader())
+
+
 # -- launch -------------------------------------------------------------------------------
 
 
