@@ -27,7 +27,8 @@ PER_STEP = ("on_train_batch_start", "on_before_zero_grad", "on_before_backward",
 
 
 class Recorder:
-    """Records each call of its implementations: the ground truth of what ran."""
+    """Records each call of its implementations (one per name of ``PER_STEP``, each a
+    plain ``list.append``): the ground truth of what ran."""
 
     hookloop_name = "recorder"
     hookloop_role = "observer"
@@ -35,32 +36,17 @@ class Recorder:
     def __init__(self):
         self.calls: list[str] = []
 
-    def _record(self, name, trainer):
+
+def _recording(name: str):
+    def hook(self):
         self.calls.append(name)
 
-    @hookloop.hookimpl
-    def on_train_batch_start(self, trainer):
-        self._record("on_train_batch_start", trainer)
+    hook.__name__ = name
+    return hookloop.hookimpl(hook)
 
-    @hookloop.hookimpl
-    def on_before_zero_grad(self, trainer):
-        self._record("on_before_zero_grad", trainer)
 
-    @hookloop.hookimpl
-    def on_before_backward(self, trainer):
-        self._record("on_before_backward", trainer)
-
-    @hookloop.hookimpl
-    def on_after_backward(self, trainer):
-        self._record("on_after_backward", trainer)
-
-    @hookloop.hookimpl
-    def on_before_optimizer_step(self, trainer):
-        self._record("on_before_optimizer_step", trainer)
-
-    @hookloop.hookimpl
-    def on_train_batch_end(self, trainer):
-        self._record("on_train_batch_end", trainer)
+for _name in PER_STEP:
+    setattr(Recorder, _name, _recording(_name))
 
 
 def trainer_with(plugins, root, **kwargs):
@@ -96,10 +82,10 @@ def test_ledger_and_profiler_in_one_run_both_see_every_call_and_leave_the_run_as
     for name in PER_STEP:
         assert recorder.calls.count(name) == BATCHES, name
     # the ledger: steps 2..8 counted (count_every=1; step 1 is the warm-up), each implementation
-    # call billed once to its own row: its own call, _record's and list.append's (a C call)
+    # call billed once to its own row: its own call and list.append's (a C call)
     assert (ledger._counted, ledger._timed) == (BATCHES - 1, 0)
     for name in PER_STEP:
-        assert ledger.rows[f"recorder.{name}"]["calls/step"] == 3, name
+        assert ledger.rows[f"recorder.{name}"]["calls/step"] == 2, name
     # the profiler: batches 3, 4, 5 recorded (wait 1, warmup 1, active 3): each hook call in its
     # range and each implementation of the recorder in its own, exactly once per recorded batch
     (trace,) = sorted((Path(trainer.log_dir) / "profiler" / "rank0").iterdir())
