@@ -20,6 +20,7 @@ Layer: above :mod:`hookloop.state`; below the loop, the session and the trainer.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from typing import Any, Callable
 
@@ -304,7 +305,7 @@ def _observed_implementation(observers: _HookObservers, hook_name: str, impl, fu
             for _, after in reversed(around):
                 after(hook_name, impl)
 
-    observed.__wrapped__ = function
+    functools.update_wrapper(observed, function)  # its name and docstring (and __wrapped__)
     observed._hookloop_observed = observers
     return observed
 
