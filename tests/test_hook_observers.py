@@ -140,9 +140,13 @@ def test_two_observers_undone_in_either_order_leave_no_trace(tmp_path, order):
     recorder = Recorder()
     trainer = trainer_with([recorder], tmp_path / "observed")
     before = functions(trainer)
-    seen = {"calls": [], "impls": []}
-    undo_calls = observe_hook_calls(trainer, lambda name, impls, kwargs: seen["calls"].append(name),
-                                    lambda name, impls, kwargs: seen["calls"].append("/" + name))
+    seen = {"calls": [], "impls": [], "listed": {}}
+
+    def on_call(name, impls, kwargs):
+        seen["calls"].append(name)
+        seen["listed"][name] = [impl.plugin_name for impl in impls]
+
+    undo_calls = observe_hook_calls(trainer, on_call, lambda name, impls, kwargs: seen["calls"].append("/" + name))
     undo_impls = observe_hook_calls(trainer, before_impl=lambda name, impl: seen["impls"].append((impl.plugin_name, name)))
     undos = [undo_calls, undo_impls] if order == "first_added_first" else [undo_impls, undo_calls]
     # observed for batches 0 and 1, undone at batch 2 (mid-run: the step's events resolved
@@ -159,6 +163,8 @@ def test_two_observers_undone_in_either_order_leave_no_trace(tmp_path, order):
         assert seen["impls"].count(("recorder", name)) == 2, name
         pairs = 3 if name == "on_train_batch_start" else 2
         assert seen["calls"].count(name) == seen["calls"].count("/" + name) == pairs, name
+        # a resolved event's implementations as pluggy lists them (its dispatch's order)
+        assert seen["listed"][name] == [impl.plugin_name for impl in getattr(trainer.hook, name).get_hookimpls()]
     undo_calls()  # twice: nothing
     assert trainer.plugin_manager._inner_hookexec is _multicall
 

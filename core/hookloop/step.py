@@ -274,12 +274,14 @@ class _HookObservers:
                 after(hook_name, impls, kwargs)
 
     def direct(self, hook_name, impls, kwargs):
-        """A resolved event's call (:func:`event`), as pluggy's would be observed."""
+        """A resolved event's call (:func:`event`; ``impls`` in call order), as pluggy's
+        would be observed (the observers get ``impls`` in pluggy's order)."""
         if self.impls:
             self.wrap(hook_name, impls)
         observers = self.calls
+        hookimpls = impls[::-1]
         for before, _ in observers:
-            before(hook_name, impls, kwargs)
+            before(hook_name, hookimpls, kwargs)
         try:
             out = []
             for impl in impls:
@@ -289,7 +291,7 @@ class _HookObservers:
             return out
         finally:
             for _, after in reversed(observers):
-                after(hook_name, impls, kwargs)
+                after(hook_name, hookimpls, kwargs)
 
 
 def _observed_implementation(observers: _HookObservers, hook_name: str, impl, function) -> Callable:
