@@ -102,6 +102,8 @@ def event(trainer, name: str) -> Callable | None:
         return None
     pm = trainer.plugin_manager
     observers = _hook_observers(pm)
+    if observers.impls:
+        observers.wrap(name, impls)  # registered since the first implementation observer
     hookexec = observers.beneath()  # ours skipped: the direct caller observes as pluggy's dispatch would
     if (_PLUGGY_MULTICALL is None or hookexec is not _PLUGGY_MULTICALL
             or caller.spec is None or caller.spec.opts.get("firstresult")
@@ -275,11 +277,11 @@ class _HookObservers:
 
     def direct(self, hook_name, impls, kwargs):
         """A resolved event's call (:func:`event`; ``impls`` in call order), as pluggy's
-        would be observed (the observers get ``impls`` in pluggy's order)."""
-        if self.impls:
-            self.wrap(hook_name, impls)
+        would be observed (the observers get ``impls`` in pluggy's order). Its
+        implementations were wrapped when it was resolved or when the first
+        implementation observer came."""
         observers = self.calls
-        hookimpls = impls[::-1]
+        hookimpls = impls[::-1] if observers else impls
         for before, _ in observers:
             before(hook_name, hookimpls, kwargs)
         try:
