@@ -24,6 +24,9 @@ from torch.utils.data import DataLoader, TensorDataset
 import hookloop
 from conftest import REPO, run_python, tiny_data
 
+sys.path.insert(0, str(REPO / "tests" / "scripts"))
+from mesh_models import Classifies  # noqa: E402
+
 # the long matrix (make test-full): the other annealing strategy, EMA's resume, fsdp, Lightning
 FULL = pytest.mark.skipif(os.environ.get("HOOKLOOP_TEST_FULL") != "1",
                           reason="the long matrix: HOOKLOOP_TEST_FULL=1 (make test-full)")
@@ -31,7 +34,7 @@ FULL = pytest.mark.skipif(os.environ.get("HOOKLOOP_TEST_FULL") != "1",
 QUIET = dict(enable_progress_bar=False, enable_model_summary=False)
 
 
-class BNModule(hookloop.Module):
+class BNModule(Classifies, hookloop.Module):
     """Linear 8 -> 16 -> BatchNorm -> ReLU -> 3, SGD with momentum (optionally a StepLR);
     its validation records the weights it validates with."""
 
@@ -41,13 +44,6 @@ class BNModule(hookloop.Module):
         self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
         self.scheduler = scheduler
         self.validated: list[dict] = []
-
-    def forward(self, x):
-        return self.net(x)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return F.cross_entropy(self(x), y)
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
@@ -330,24 +326,19 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 sys.path.insert(0, {tests!r})
+sys.path.insert(0, {tests!r} + "/scripts")
 from conftest import tiny_data
+from mesh_models import Classifies
 import pytorch_lightning as pl
 from pytorch_lightning.callbacks import StochasticWeightAveraging
 
 
-class BNModule(pl.LightningModule):
+class BNModule(Classifies, pl.LightningModule):
     def __init__(self, bn):
         super().__init__()
         torch.manual_seed(0)
         norm = [nn.BatchNorm1d(16)] if bn else []
         self.net = nn.Sequential(nn.Linear(8, 16), *norm, nn.ReLU(), nn.Linear(16, 3))
-
-    def forward(self, x):
-        return self.net(x)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return F.cross_entropy(self(x), y)
 
     def configure_optimizers(self):
         opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)

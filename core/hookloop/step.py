@@ -20,6 +20,7 @@ Layer: above :mod:`hookloop.state`; below the loop, the session and the trainer.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from typing import Any, Callable
 
@@ -88,31 +89,251 @@ def event(trainer, name: str) -> Callable | None:
 
     Resolved once per epoch or evaluation run, it is what the per-step path calls. When
     the implementations are plain functions (no wrappers) and nobody monitors the hook
-    calls (pluggy's ``add_hookcall_monitoring``), it calls them directly, in pluggy's
+    calls with pluggy's ``add_hookcall_monitoring``, it calls them directly, in pluggy's
     order and with pluggy's arguments: a per-step event then costs one call per
-    implementation instead of pluggy's dispatch (about ten calls).
+    implementation instead of pluggy's dispatch (about ten calls). While
+    :func:`observe_hook_calls` has an observer, such a caller goes through the observers
+    (read at each call: an observer added or undone later is seen by callers resolved
+    before it).
     """
     caller = getattr(trainer.hook, name)
     impls = caller.get_hookimpls()
     if not impls:
         return None
-    if (_PLUGGY_MULTICALL is None or getattr(trainer.plugin_manager, "_inner_hookexec", None) is not _PLUGGY_MULTICALL
+    pm = trainer.plugin_manager
+    observers = _hook_observers(pm)
+    if observers.impls:
+        observers.wrap(name, impls)  # registered since the first implementation observer
+    hookexec = observers.beneath()  # ours skipped: the direct caller observes as pluggy's dispatch would
+    if (_PLUGGY_MULTICALL is None or hookexec is not _PLUGGY_MULTICALL
             or caller.spec is None or caller.spec.opts.get("firstresult")
             or any(impl.hookwrapper or impl.wrapper for impl in impls)):
         return caller
-    return _direct_caller(name, caller.spec.argnames, [(impl.function, impl.argnames) for impl in reversed(impls)])
+    return _direct_caller(name, caller.spec.argnames, list(reversed(impls)), observers)
 
 
-def _direct_caller(name: str, argnames: tuple[str, ...], impls: list) -> Callable:
-    """``def call(*, <hook args>)`` calling each implementation with its own arguments."""
-    namespace: dict[str, Any] = {}
-    lines = [f"def {name}(*, {', '.join(argnames)}):", "    out = []"]
-    for i, (function, names) in enumerate(impls):
-        namespace[f"f{i}"] = function
-        lines += [f"    r = f{i}({', '.join(names)})", "    if r is not None:", "        out.append(r)"]
+def _direct_caller(name: str, argnames: tuple[str, ...], impls: list, observers: "_HookObservers") -> Callable:
+    """``def call(*, <hook args>)`` calling each implementation with its own arguments
+    (through ``observers`` while it has any: an attribute read, not a call, otherwise)."""
+    namespace: dict[str, Any] = {"_observers": observers, "_impls": tuple(impls)}
+    lines = [f"def {name}(*, {', '.join(argnames)}):",
+             "    if _observers.on:",
+             f"        return _observers.direct({name!r}, _impls, {{{', '.join(f'{a!r}: {a}' for a in argnames)}}})",
+             "    out = []"]
+    for i, impl in enumerate(impls):
+        namespace[f"f{i}"] = observers.original(impl)
+        lines += [f"    r = f{i}({', '.join(impl.argnames)})", "    if r is not None:", "        out.append(r)"]
     lines.append("    return out")
     exec("\n".join(lines), namespace)  # noqa: S102 - names from the hook specs and implementations
     return namespace[name]
+
+
+# ---------------------------------------------------------------------------------------
+# Observing hook calls
+# ---------------------------------------------------------------------------------------
+
+
+def observe_hook_calls(trainer, before: Callable | None = None, after: Callable | None = None, *,
+                       before_impl: Callable | None = None, after_impl: Callable | None = None) -> Callable[[], None]:
+    """Call back around every hook call of ``trainer``'s plugins, the step's resolved
+    events (:func:`event`) included; returns ``undo()``.
+
+    * ``before(hook_name, impls, kwargs)`` / ``after(hook_name, impls, kwargs)``: around
+      each call of a hook, all its implementations (hook wrappers too) inside; ``impls``
+      are pluggy's ``HookImpl``s of the call, ``kwargs`` its arguments (pluggy's
+      ``add_hookcall_monitoring`` without the outcome);
+    * ``before_impl(hook_name, impl)`` / ``after_impl(hook_name, impl)``: around each
+      implementation that is a plain function (not a hook wrapper); ``impl.plugin`` and
+      ``impl.plugin_name`` say whose it is.
+
+    Any of the four may be ``None``. Observers compose: several at once are called in the
+    order they were added (``after`` in reverse), and each ``undo`` removes its own, in
+    any order (called twice, it does nothing). Every ``before`` gets its ``after``, also
+    when the hook raises and when the observer is undone in between; an observer added
+    during a call sees neither for that call. Implementations registered later (a
+    plugin's per-batch half, in ``setup``) are observed from their first call. The loop's
+    plain-torch shortcuts (``backward``, ``optimizer_step``, ``zero_grad`` when only
+    ``hookloop.defaults`` implements them) are not hook calls and are not seen.
+
+    While an observer is installed every per-step event pays the observers' dispatch;
+    with none, the step path makes the same calls as without this helper (the resolved
+    events read one attribute). :data:`OBSERVER_CODES` are the code objects of this
+    machinery (a call counter, as the ``ledger``'s, leaves them out).
+    """
+    for callback in (before, after, before_impl, after_impl):
+        if callback is not None and not callable(callback):
+            raise ConfigurationError(f"observe_hook_calls: {callback!r} is not callable")
+    return _hook_observers(trainer.plugin_manager).add(
+        (before, after) if before or after else None, (before_impl, after_impl) if before_impl or after_impl else None)
+
+
+def _noop(*_args) -> None:
+    return None
+
+
+class _HookObservers:
+    """The observers of one plugin manager (``pm._hookloop_observers``)."""
+
+    def __init__(self, pm):
+        self.pm = pm
+        self.on = False  # any observer: the direct callers' one read
+        self.calls: tuple = ()  # (before, after) per call observer
+        self.impls: tuple = ()  # (before_impl, after_impl) per implementation observer
+        self.wrapped: dict[int, tuple] = {}  # id(impl): (impl, original function, wrapper)
+        self.hookexec = None  # ours in the plugin manager's chain (pluggy's _inner_hookexec), while observed
+
+    # -- adding and removing ---------------------------------------------------------------
+
+    def add(self, calls, impls) -> Callable[[], None]:
+        if calls is not None:
+            calls = (calls[0] or _noop, calls[1] or _noop)
+            self.calls += (calls,)
+        if impls is not None:
+            impls = (impls[0] or _noop, impls[1] or _noop)
+            self.impls += (impls,)
+        self.update()
+        done = []
+
+        def undo() -> None:
+            if done:
+                return
+            done.append(True)
+            if calls is not None:
+                self.calls = tuple(o for o in self.calls if o is not calls)
+            if impls is not None:
+                self.impls = tuple(o for o in self.impls if o is not impls)
+            self.update()
+
+        return undo
+
+    def update(self) -> None:
+        pm = self.pm
+        self.on = bool(self.calls or self.impls)
+        if self.on and self.hookexec is None:
+            inner = pm._inner_hookexec
+
+            def observed_hookexec(hook_name, impls, kwargs, firstresult):
+                if self.hookexec is observed_hookexec:
+                    return self.dispatch(inner, hook_name, impls, kwargs, firstresult)
+                return inner(hook_name, impls, kwargs, firstresult)  # retired, under another's monitor
+
+            observed_hookexec._hookloop_inner = inner
+            self.hookexec = pm._inner_hookexec = observed_hookexec
+        elif not self.on and self.hookexec is not None:
+            self.hookexec = None
+        # ours, retired, on top (undone last-in-first-out, as pluggy's monitors) go
+        while getattr(pm._inner_hookexec, "_hookloop_inner", None) is not None and pm._inner_hookexec is not self.hookexec:
+            pm._inner_hookexec = pm._inner_hookexec._hookloop_inner
+        if self.impls:
+            for hook_name, caller in vars(pm.hook).items():
+                get = getattr(caller, "get_hookimpls", None)
+                if get is not None:
+                    self.wrap(hook_name, get())
+        else:
+            for impl, original, wrapper in self.wrapped.values():
+                if impl.function is wrapper:
+                    impl.function = original
+            self.wrapped = {}
+
+    def original(self, impl) -> Callable:
+        """``impl``'s function without our wrapper."""
+        entry = self.wrapped.get(id(impl))
+        return entry[1] if entry is not None and impl.function is entry[2] else impl.function
+
+    def wrap(self, hook_name, impls) -> None:
+        wrapped = self.wrapped
+        for impl in impls:
+            entry = wrapped.get(id(impl))
+            if entry is not None and impl.function is entry[2] or impl.hookwrapper or impl.wrapper:
+                continue
+            function = impl.function
+            wrapper = _observed_implementation(self, hook_name, impl, function)
+            impl.function = wrapper
+            wrapped[id(impl)] = (impl, function, wrapper)
+
+    # -- calls -------------------------------------------------------------------------------
+
+    def beneath(self) -> Callable:
+        """The plugin manager's hookexec, ours (observing or retired) skipped."""
+        hookexec = self.pm._inner_hookexec
+        while getattr(hookexec, "_hookloop_inner", None) is not None:
+            hookexec = hookexec._hookloop_inner
+        return hookexec
+
+    def dispatch(self, inner, hook_name, impls, kwargs, firstresult):
+        """pluggy's hook calls (``pm._inner_hookexec``), ``inner`` the hookexec under ours."""
+        if self.impls:
+            self.wrap(hook_name, impls)
+        observers = self.calls
+        if not observers:
+            return inner(hook_name, impls, kwargs, firstresult)
+        for before, _ in observers:
+            before(hook_name, impls, kwargs)
+        try:
+            return inner(hook_name, impls, kwargs, firstresult)
+        finally:
+            for _, after in reversed(observers):
+                after(hook_name, impls, kwargs)
+
+    def direct(self, hook_name, impls, kwargs):
+        """A resolved event's call (:func:`event`; ``impls`` in call order), as pluggy's
+        would be observed (the observers get ``impls`` in pluggy's order). Its
+        implementations were wrapped when it was resolved or when the first
+        implementation observer came."""
+        observers = self.calls
+        hookimpls = impls[::-1] if observers else impls
+        for before, _ in observers:
+            before(hook_name, hookimpls, kwargs)
+        try:
+            out = []
+            for impl in impls:
+                r = impl.function(*map(kwargs.__getitem__, impl.argnames))
+                if r is not None:
+                    out.append(r)
+            return out
+        finally:
+            for _, after in reversed(observers):
+                after(hook_name, hookimpls, kwargs)
+
+
+def _observed_implementation(observers: _HookObservers, hook_name: str, impl, function) -> Callable:
+    def observed(*args, **kwargs):
+        around = observers.impls
+        if not around:
+            return function(*args, **kwargs)
+        for before, _ in around:
+            before(hook_name, impl)
+        try:
+            return function(*args, **kwargs)
+        finally:
+            for _, after in reversed(around):
+                after(hook_name, impl)
+
+    functools.update_wrapper(observed, function)  # its name and docstring (and __wrapped__)
+    observed._hookloop_observed = observers
+    return observed
+
+
+def _hook_observers(pm) -> _HookObservers:
+    observers = pm.__dict__.get("_hookloop_observers")
+    if observers is None:
+        observers = pm._hookloop_observers = _HookObservers(pm)
+    return observers
+
+
+def _codes(*functions) -> frozenset:
+    found = set()
+    todo = [f.__code__ for f in functions]
+    while todo:
+        code = todo.pop()
+        found.add(code)
+        todo += [c for c in code.co_consts if isinstance(c, type(code))]
+    return frozenset(found)
+
+
+#: The code objects of :func:`observe_hook_calls`' machinery (its wrappers and dispatch).
+OBSERVER_CODES = _codes(_noop, _observed_implementation, *(f for f in vars(_HookObservers).values()
+                                                          if hasattr(f, "__code__")))
 
 
 def resolve_events(trainer) -> None:

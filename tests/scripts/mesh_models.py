@@ -1,4 +1,6 @@
-"""The tiny model and data of tests/test_mesh.py and tests/scripts/mesh_run.py."""
+"""The tiny model and data of tests/test_mesh.py and tests/scripts/mesh_run.py, and the
+steps the tests' small classifiers share (:class:`Classifies`: tests/scripts/powersgd_gloo_job.py,
+tests/test_averaging.py and its Lightning script)."""
 
 from __future__ import annotations
 
@@ -23,10 +25,9 @@ def build(seed: int = 0) -> nn.Sequential:
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
 
 
-class MLP(hookloop.Module):
-    def __init__(self):
-        super().__init__()
-        self.net = build()
+class Classifies:
+    """``forward`` through ``self.net`` and a cross-entropy ``training_step`` over ``(x, y)``
+    batches: mixed into a ``hookloop.Module`` (or a ``pl.LightningModule``) before it."""
 
     def forward(self, x):
         return self.net(x)
@@ -34,6 +35,12 @@ class MLP(hookloop.Module):
     def training_step(self, batch, batch_idx):
         x, y = batch
         return F.cross_entropy(self(x), y)
+
+
+class MLP(Classifies, hookloop.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = build()
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=LR)

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hookloop  # noqa: E402
 from conftest import tiny_data  # noqa: E402
 from hookloop_ddp import DDP  # noqa: E402
+from mesh_models import Classifies  # noqa: E402  (tests/scripts, this script's folder)
 
 faulthandler.enable()
 faulthandler.dump_traceback_later(150, exit=True)  # a hang fails with the stacks
@@ -39,7 +40,7 @@ EPOCHS, BATCH, CAP, START = 2, 8, 0.002, 2  # 2 KB buckets: every weight matrix 
 record: dict = {}
 
 
-class Wide(hookloop.Module):
+class Wide(Classifies, hookloop.Module):
     """8 -> 32 -> 32 -> 3 (SGD with momentum); ``spare``: a layer the forward never uses."""
 
     def __init__(self, spare: bool = False):
@@ -47,13 +48,6 @@ class Wide(hookloop.Module):
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 3))
         self.spare = nn.Linear(32, 32) if spare else None
-
-    def forward(self, x):
-        return self.net(x)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return F.cross_entropy(self(x), y)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)

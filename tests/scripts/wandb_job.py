@@ -2,7 +2,7 @@
 
 ``hookloop run [--plugins ddp,wandb --devices 2] [--max-restarts 1] wandb_job.py ROOT
 [--epochs N] [--crash-at STEP] [--ckpt-path PATH] [--log-model VALUE]``: a linear
-regression over 16 samples in batches of 4, logging per step the loss and ``mark`` =
+regression over 16 samples in batches of 4 (tests/scripts/loggers_run.py's data), logging per step the loss and ``mark`` =
 100 * epoch + batch_idx (a number worked out by hand), per validation ``val_const``.
 With ``--crash-at`` the first attempt (``TORCHELASTIC_RESTART_COUNT`` 0) raises in the
 training step that would make ``global_step`` STEP + 1 (steps 1..STEP are logged).
@@ -18,11 +18,9 @@ import os
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, TensorDataset
 
 import hookloop
-
-SAMPLES, BATCH, VAL_CONST = 16, 4, 3.5
+from loggers_run import BATCH, SAMPLES, VAL_CONST, loaders  # noqa: F401  the logger tests' data (tests/scripts)
 
 
 class Job(hookloop.Module):
@@ -47,13 +45,6 @@ class Job(hookloop.Module):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
-
-
-def loaders():
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(SAMPLES, 3, generator=g)
-    data = TensorDataset(x, x.sum(1, keepdim=True))
-    return DataLoader(data, batch_size=BATCH), DataLoader(data, batch_size=BATCH)
 
 
 def fit(root, plugins=("wandb",), epochs=2, crash_at=None, ckpt_path=None, **trainer_args) -> hookloop.Trainer:

@@ -25,16 +25,17 @@ Steps are measured in turn: on *counted* steps (the second optimizer step, then 
 ``count_every``-th: 2, 2 + count_every, ...) the profile hook runs and no time is kept
 (its cost would be billed to whatever it counts); on the others, *timed*, only the
 clocks run. The first optimizer step (warm-up) is neither. Validation inside an epoch is
-left out of the steps. The ledger's own code (its hooks, its wrappers around the
-implementations) is not counted; its remaining cost, a wrapper call and two clock reads
-per implementation on timed steps, is measured by benchmarks/ledger.py.
+left out of the steps. The ledger's own code (its hooks, its callbacks, and the
+observing helper's wrappers and dispatch: ``OBSERVER_CODES``) is not counted; its
+remaining cost on timed steps, per implementation the helper's wrapper, the ledger's
+``_before``/``_after`` and two clock reads, is measured by benchmarks/ledger.py.
 
-The per-implementation split wraps each ``HookImpl.function`` for the run (restored at
-teardown), then re-resolves the step's events. pluggy's ``add_hookcall_monitoring`` is
-not used: it sends every event through pluggy's dispatch (about ten calls each) instead
-of the loop's direct callers, which the run without the ledger does not pay. Hook
-wrappers (``hookwrapper=True``/``wrapper=True``) are not split out: their time is the
-core's.
+The per-implementation split is :func:`hookloop.step.observe_hook_calls`' (its
+``before_impl``/``after_impl``, from ``setup`` to teardown): the step's resolved events
+stay direct calls, not pluggy's dispatch (about ten calls each), which the run without
+the ledger does not pay, and another observer (the profiler) can watch the same run.
+Hook wrappers (``hookwrapper=True``/``wrapper=True``) are not split out: their time is
+the core's.
 
 At the end of ``fit``, global rank 0 prints the table (its own rank's numbers) and
 writes ``ledger.json`` and ``ledger.txt`` in the run directory (``trainer.log_dir``).
@@ -52,6 +53,7 @@ import torch
 
 from hookloop.errors import ConfigurationError
 from hookloop.hookspecs import hookimpl
+from hookloop.step import OBSERVER_CODES, observe_hook_calls
 
 #: Tensor methods that wait for the device (on an accelerator), counted on the CPU
 SYNC_METHODS = frozenset({"item", "tolist", "numpy"})
@@ -126,7 +128,9 @@ class Ledger:
         self._core = self._cur = [0.0, 0, 0, 0, 0.0]
         self._stack: list[list] = [self._core]
         self._child = [0.0]
-        self._wrapped: list[tuple[Any, Any]] = []
+        self._by_impl: dict[Any, list] = {}  # pluggy's HookImpl: its bucket
+        self._frames: list = []  # per observed implementation call: its start (None: not measured)
+        self._undo = None
         self._active = False  # inside a step being measured
         self._counting = False  # the profile hook is on
         self._slot = 0  # where the wrappers add time: 0 on timed steps, 4 (discarded) on counted ones
@@ -143,58 +147,36 @@ class Ledger:
 
     # -- attribution ------------------------------------------------------------------------
 
-    def _wrap(self, trainer) -> None:
-        """Wrap every implementation of every hook (but the ledger's and hook wrappers)."""
-        for hook_name, caller in vars(trainer.plugin_manager.hook).items():
-            get = getattr(caller, "get_hookimpls", None)
-            if get is None:
-                continue
-            for impl in get():
-                if impl.plugin is self or impl.hookwrapper or getattr(impl, "wrapper", False):
-                    continue
-                if getattr(impl.function, "_hookloop_ledger", None) is self:
-                    continue
-                key = f"{impl.plugin_name}.{hook_name}"
-                original = impl.function
-                impl.function = self._wrapper(original, self._buckets.setdefault(key, [0.0, 0, 0, 0, 0.0]))
-                self._wrapped.append((impl, original))
+    def _before(self, hook_name, impl) -> None:
+        if not self._active or impl.plugin is self:
+            self._frames.append(None)
+            return
+        bucket = self._by_impl.get(impl)
+        if bucket is None:
+            bucket = self._by_impl[impl] = self._buckets.setdefault(
+                f"{impl.plugin_name}.{hook_name}", [0.0, 0, 0, 0, 0.0])
+        self._stack.append(bucket)
+        self._child.append(0.0)
+        self._cur = bucket
+        self._frames.append(perf_counter())
 
-    def _unwrap(self) -> None:
-        for impl, original in self._wrapped:
-            impl.function = original
-        self._wrapped = []
-
-    def _wrapper(self, fn, bucket):
-        ledger = self
-
-        def ledger_call(*args):
-            if not ledger._active:
-                return fn(*args)
-            stack, child = ledger._stack, ledger._child
-            stack.append(bucket)
-            child.append(0.0)
-            ledger._cur = bucket
-            t0 = perf_counter()
-            try:
-                return fn(*args)
-            finally:
-                dt = perf_counter() - t0
-                inner = child.pop()
-                stack.pop()
-                ledger._cur = stack[-1]
-                bucket[ledger._slot] += dt - inner
-                child[-1] += dt
-
-        ledger_call._hookloop_ledger = ledger
-        self._own.add(ledger_call.__code__)
-        return ledger_call
+    def _after(self, hook_name, impl) -> None:
+        t0 = self._frames.pop()
+        if t0 is None:
+            return
+        dt = perf_counter() - t0
+        inner = self._child.pop()
+        bucket = self._stack.pop()
+        self._cur = self._stack[-1]
+        bucket[self._slot] += dt - inner
+        self._child[-1] += dt
 
     @property
     def _own(self) -> set:
         own = self.__dict__.get("_own_codes")
         if own is None:
             own = self.__dict__["_own_codes"] = {
-                f.__code__ for f in vars(type(self)).values() if hasattr(f, "__code__")}
+                f.__code__ for f in vars(type(self)).values() if hasattr(f, "__code__")} | OBSERVER_CODES
         return own
 
     def _profile(self, frame, event, arg):
@@ -293,14 +275,7 @@ class Ledger:
             return
         self._reset()
         self._cuda = trainer.root_device.type == "cuda"
-        self._wrap(trainer)
-        from hookloop.step import resolve_events
-
-        resolve_events(trainer)  # the step's events resolved before setup: call the wrappers
-
-    @hookimpl(tryfirst=True)
-    def on_train_epoch_start(self, trainer):
-        self._wrap(trainer)  # implementations registered since setup (the epoch's events are resolved after)
+        self._undo = observe_hook_calls(trainer, before_impl=self._before, after_impl=self._after)
 
     @hookimpl(tryfirst=True)
     def on_train_batch_start(self, trainer):
@@ -368,7 +343,9 @@ class Ledger:
             if self._cuda:
                 self._stop_sync_debug()
         self._counting = self._active = False
-        self._unwrap()
+        if self._undo is not None:
+            self._undo()
+            self._undo = None
 
     # -- the table --------------------------------------------------------------------------
 

@@ -116,16 +116,21 @@ class DocumentedModule(TinyClassifier):
 def documented_fit(plugins: list, monitor: Callable | None = None, root: str | None = None) -> Any:
     """The documented run: 2 epochs of 2 batches, ``accumulate_grad_batches=2``, one
     validation loader with a ``sync_dist`` metric, ``num_sanity_val_steps=1``,
-    checkpointing on. ``monitor(hook_name, hook_impls)`` is called before every hook."""
+    checkpointing on. ``monitor(hook_name, hook_impls)`` is called before every hook
+    (:func:`hookloop.step.observe_hook_calls`: the step's resolved events stay direct calls)."""
     import hookloop
+    from hookloop.step import observe_hook_calls
 
     with tempfile.TemporaryDirectory(prefix="hookloop-order-") as tmp:
         trainer = hookloop.Trainer(plugins=plugins, max_epochs=2, accumulate_grad_batches=2, num_sanity_val_steps=1,
                                    default_root_dir=root or tmp)
-        if monitor is not None:
-            trainer.plugin_manager.add_hookcall_monitoring(lambda name, impls, kwargs: monitor(name, impls), lambda *a: None)
-        trainer.fit(DocumentedModule(), DataLoader(tiny_dataset(16), batch_size=8),
-                    DataLoader(tiny_dataset(8, seed=2), batch_size=8))
+        undo = observe_hook_calls(trainer, lambda name, impls, kwargs: monitor(name, impls)) if monitor else None
+        try:
+            trainer.fit(DocumentedModule(), DataLoader(tiny_dataset(16), batch_size=8),
+                        DataLoader(tiny_dataset(8, seed=2), batch_size=8))
+        finally:
+            if undo is not None:
+                undo()
     return trainer
 
 

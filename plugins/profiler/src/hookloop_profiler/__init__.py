@@ -3,7 +3,8 @@
 ``mode="torch"`` (the default): ``torch.profiler`` on a schedule (``wait``, ``warmup``,
 ``active`` steps, ``repeat`` cycles; one profiler step per training batch), every hook
 implementation called inside ``torch.profiler.record_function("hookloop/<plugin>.<hook>")``
-and every hook call inside ``"hookloop/<hook>"`` (pluggy's hook-call monitoring), so the
+and every hook call inside ``"hookloop/<hook>"`` (``hookloop.step.observe_hook_calls``,
+the step's resolved events included, which stay direct calls), so the
 chrome traces (``<run dir>/profiler/rank<R>/trace.<cycle>.json``, one per cycle) and
 ``key_averages()`` show the time of each plugin's hook. At the end of ``fit`` each rank
 writes the per-hook table to ``<run dir>/profiler/hooks.rank<R>.txt``; global rank 0
@@ -20,13 +21,13 @@ with calls, total and mean, and ``fit`` (from ``setup`` to ``on_fit_end``). Writ
 
 from __future__ import annotations
 
-import functools
 import json
 import time
 from pathlib import Path
 from typing import Any
 
 import hookloop
+from hookloop.step import observe_hook_calls
 
 __all__ = ["Profiler"]
 
@@ -78,6 +79,7 @@ class Profiler:
         self._hooks_start = 0.0
         self._in_validation = self._training = False
         self._started: dict[str, float] = {}
+        self._ranges: list = []  # torch mode: the open record_function ranges
 
     # -- shared ------------------------------------------------------------------------
 
@@ -97,15 +99,13 @@ class Profiler:
         self.totals, self.calls, self._hook_rows, self._cycle = {}, {}, {}, 0
         self._fit_start, self._fit_time, self._mark, self._depth = time.perf_counter(), None, None, 0
         self._in_validation = self._training = False
+        # every hook call, the step's resolved events included (hookloop.step.observe_hook_calls)
         if self.mode == "torch":
-            self._undo.append(_label_hook_impls(trainer.plugin_manager))
-            self._undo.append(trainer.plugin_manager.add_hookcall_monitoring(_enter_hook, _exit_hook))
+            self._ranges = []
+            self._undo.append(observe_hook_calls(trainer, self._enter_hook, self._exit_range,
+                                                 before_impl=self._enter_impl, after_impl=self._exit_impl))
         else:
-            self._undo.append(trainer.plugin_manager.add_hookcall_monitoring(self._before_hook, self._after_hook))
-        # the events read on the step path were resolved before setup: again, through pluggy
-        from hookloop.step import resolve_events
-
-        resolve_events(trainer)
+            self._undo.append(observe_hook_calls(trainer, self._before_hook, self._after_hook))
 
     @hookloop.hookimpl
     def teardown(self, trainer):
@@ -142,6 +142,29 @@ class Profiler:
                                  record_shapes=self.record_shapes, profile_memory=self.profile_memory,
                                  with_stack=self.with_stack)
         self._profiler.start()
+
+    # Each hook call inside record_function("hookloop/<hook>"), each implementation inside
+    # "hookloop/<plugin>.<hook>" (but the profiler's own: its on_train_batch_end steps the
+    # profiler inside the call's range). The ranges nest: one stack.
+
+    def _enter_hook(self, hook_name, impls, kwargs) -> None:
+        import torch
+
+        self._ranges.append(torch.autograd.profiler.record_function(f"hookloop/{hook_name}").__enter__())
+
+    def _exit_range(self, *_) -> None:
+        self._ranges.pop().__exit__(None, None, None)
+
+    def _enter_impl(self, hook_name, impl) -> None:
+        if impl.plugin is not self:
+            import torch
+
+            label = f"hookloop/{impl.plugin_name}.{hook_name}"
+            self._ranges.append(torch.autograd.profiler.record_function(label).__enter__())
+
+    def _exit_impl(self, hook_name, impl) -> None:
+        if impl.plugin is not self:
+            self._exit_range()
 
     def _stop(self, trainer) -> None:
         profiler, self._profiler = self._profiler, None
@@ -180,9 +203,9 @@ class Profiler:
 
     # -- simple mode ------------------------------------------------------------------------
     # Every phase is exclusive of the others (their sum is at most fit's time): the
-    # boundaries are the outermost hook calls, seen by pluggy's hook-call monitoring.
+    # boundaries are the outermost hook calls, seen by observe_hook_calls.
 
-    def _before_hook(self, hook_name, hook_impls, kwargs) -> None:
+    def _before_hook(self, hook_name, impls, kwargs) -> None:
         now = time.perf_counter()
         self._depth += 1
         if self._depth != 1:
@@ -196,9 +219,7 @@ class Profiler:
         if not self._in_validation:
             self._hooks_start = now
 
-    def _after_hook(self, outcome, hook_name, hook_impls, kwargs) -> None:
-        if self._depth == 0:  # setup's own call, which began before the monitoring
-            return
+    def _after_hook(self, hook_name, impls, kwargs) -> None:
         self._depth -= 1
         if self._depth:
             return
@@ -226,7 +247,7 @@ class Profiler:
 
     @hookloop.hookimpl
     def on_before_backward(self):
-        """(simple mode: the boundary is this hook call's end, seen by the monitoring)"""
+        """(simple mode: the boundary is this hook call's end, seen by observe_hook_calls)"""
 
     @hookloop.hookimpl
     def on_after_backward(self):
@@ -300,51 +321,3 @@ def _time_optimizer_step(owner: Profiler, optimizer: Any):
                 handle.remove()
 
     return _Both
-
-
-def _enter_hook(hook_name, hook_impls, kwargs) -> None:
-    import torch
-
-    kwargs_stack = _RANGES.setdefault(hook_name, [])
-    kwargs_stack.append(torch.autograd.profiler.record_function(f"hookloop/{hook_name}").__enter__())
-
-
-def _exit_hook(outcome, hook_name, hook_impls, kwargs) -> None:
-    stack = _RANGES.get(hook_name)
-    if stack:
-        stack.pop().__exit__(None, None, None)
-
-
-_RANGES: dict[str, list] = {}  # per hook name, the open record_function ranges (hooks nest)
-
-
-def _label_hook_impls(plugin_manager) -> Any:
-    """Every hook implementation that is a plain function (not a wrapper) called inside
-    ``record_function("hookloop/<plugin>.<hook>")``; returns the undo."""
-    import torch
-
-    record = torch.autograd.profiler.record_function
-    changed = []
-    for name in dir(plugin_manager.hook):
-        caller = getattr(plugin_manager.hook, name)
-        if name.startswith("_") or not hasattr(caller, "get_hookimpls"):
-            continue
-        for impl in caller.get_hookimpls():
-            if impl.hookwrapper or impl.wrapper or impl.plugin_name == Profiler.hookloop_name:
-                continue  # (its own on_train_batch_end steps the profiler inside the range)
-            original = impl.function
-            label = f"hookloop/{impl.plugin_name}.{name}"
-
-            def labelled(*args, _f=original, _label=label, **kwargs):
-                with record(_label):
-                    return _f(*args, **kwargs)
-
-            functools.update_wrapper(labelled, original)
-            impl.function = labelled
-            changed.append((impl, original))
-
-    def undo() -> None:
-        for impl, original in changed:
-            impl.function = original
-
-    return undo
