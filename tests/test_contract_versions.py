@@ -140,6 +140,16 @@ def test_contract_version_is_semver_and_the_changelog_names_it():
         assert needle in changelog
 
 
+def test_the_package_version_is_the_newest_changelog_version():
+    """pyproject.toml, ``hookloop.__version__`` (what checkpoints record) and the newest
+    CHANGELOG section say the same version (they disagreed: 0.1.0 against 0.8.0)."""
+    import tomllib
+
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    newest = re.findall(r"^## (\d+\.\d+\.\d+)", (REPO / "CHANGELOG.md").read_text(), flags=re.M)[0]
+    assert declared == hookloop.__version__ == newest
+
+
 def test_in_tree_plugins_declare_a_range_that_admits_the_contract():
     from hookloop.plugins import _load_entry_point, installed_plugins
 
