@@ -17,6 +17,8 @@ equals averaging the full tensors; the shards' state then goes in each rank's
 ``rank_state`` rather than rank 0's checkpoint. Under DeepSpeed ZeRO-3 (partitioned
 parameters, ``p.data`` empty between uses) the weights are read and written inside
 ``deepspeed.zero.GatheredParameters`` and the average is kept whole on every rank.
+Pipeline strategies (fairscale's ``ddp_sequential``, hookloop's ``pipeline``) are refused:
+each rank steps only its stage's parameters (docs/errors.md S17, S18).
 """
 
 from __future__ import annotations
