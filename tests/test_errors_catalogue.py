@@ -498,6 +498,11 @@ def _(tmp):
     quiet(plugins=["ddp_sequential", "ema"]).fit(TinyModule(), loader())
 
 
+@row("S18")
+def _(tmp):
+    quiet(plugins=["pipeline", "ema"]).fit(TinyModule(), loader())
+
+
 # -- launch -------------------------------------------------------------------------------
 
 

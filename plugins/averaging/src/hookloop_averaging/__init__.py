@@ -17,6 +17,8 @@ equals averaging the full tensors; the shards' state then goes in each rank's
 ``rank_state`` rather than rank 0's checkpoint. Under DeepSpeed ZeRO-3 (partitioned
 parameters, ``p.data`` empty between uses) the weights are read and written inside
 ``deepspeed.zero.GatheredParameters`` and the average is kept whole on every rank.
+Pipeline strategies (fairscale's ``ddp_sequential``, hookloop's ``pipeline``) are refused:
+each rank steps only its stage's parameters (docs/errors.md S17, S18).
 """
 
 from __future__ import annotations
@@ -58,6 +60,10 @@ def _whole(module: torch.nn.Module, modify: bool):
         yield
 
 
+#: strategies whose ranks each train only their pipeline stage's layers (refused)
+_STAGED = ("ddp_sequential", "pipeline")
+
+
 def _torch_optimizer(optimizer: Any) -> Any:
     """The ``torch.optim.Optimizer`` that ``optimizer`` is or wraps: DeepSpeed's ZeRO
     optimizers are not torch optimizers (SWALR refuses them) and hold the user's in
@@ -90,9 +96,11 @@ class _Averaging:
     @hookloop.hookimpl(tryfirst=True)
     def setup_environment(self, trainer):
         """Refuse, before the strategy starts, a strategy whose ranks each train only
-        some of the layers (fairscale's ``ddp_sequential``: pipeline stages)."""
+        some of the layers: pipeline stages (fairscale's ``ddp_sequential``, hookloop's
+        own ``pipeline``, whose ranks keep the whole module but step only their stages'
+        parameters, the others' stale between its broadcasts)."""
         staged = [getattr(p, "hookloop_name", "") for p in trainer.plugins
-                  if getattr(p, "hookloop_name", "") == "ddp_sequential"]
+                  if getattr(p, "hookloop_name", "") in _STAGED]
         if staged:
             raise hookloop.ConfigurationError(
                 f"{self.hookloop_name} with {staged[0]!r} is not supported: each rank trains only its pipeline "
