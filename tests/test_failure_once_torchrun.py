@@ -45,6 +45,11 @@ if sys.argv[1] == "config-on-rank-1":  # marked, but rank 0 does not raise it
     if os.environ["RANK"] == "1":
         hookloop.Trainer(max_steps=2, default_root_dir=sys.argv[2], gradient_clip_val=0)
     sys.exit(0)
+if sys.argv[1] == "config-late-rank-1":  # rank 1 behind (a loaded machine): it raises after rank 0 exited
+    if os.environ["RANK"] == "1":
+        import time
+        time.sleep(3)
+    hookloop.Trainer(max_steps=2, default_root_dir=sys.argv[2], gradient_clip_val=0)
 if sys.argv[1] == "config":
     hookloop.Trainer(max_steps=2, default_root_dir=sys.argv[2], gradient_clip_val=0)
 trainer = hookloop.Trainer(max_steps=2, default_root_dir=sys.argv[2], enable_progress_bar=False,
@@ -85,6 +90,13 @@ def root_cause(torch_report: list[str]) -> list[str]:
 
 def test_a_configuration_error_is_printed_by_rank_0_alone(tmp_path):
     check_once(torchrun(tmp_path, "config"), CONFIG_ERROR, in_module=True)
+
+
+def test_rank_1_raising_the_same_error_late_still_prints_its_line(tmp_path):
+    # A fresh-clone CI run lost rank 1's line: rank 0 exited once its traceback was out, and
+    # the agent stopped rank 1 (SIGTERM, "exitcode -15") before rank 1 had printed. Rank 0
+    # now waits for the other ranks to have printed (at most SAME_ERROR_ACK_WAIT_S).
+    check_once(torchrun(tmp_path, "config-late-rank-1"), CONFIG_ERROR, in_module=True)
 
 
 @FULL

@@ -179,11 +179,13 @@ def report_under_torchrun(etype, value, tb, printer=sys.__excepthook__) -> None:
     message = traceback.format_exception_only(etype, value)[-1].strip()
     rank = _rank()
     note = None
+    waited = False
     key = f"hookloop/same_error/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     try:
         if same_on_every_rank(value) and _world_size() > 1 and rank != "0":
             store = _agent_store(SAME_ERROR_WAIT_S)
             if store is not None:
+                waited = True
                 try:
                     store.wait([key])
                     if store.get(key).decode() == message:
@@ -198,6 +200,8 @@ def report_under_torchrun(etype, value, tb, printer=sys.__excepthook__) -> None:
         print(note, file=sys.stderr, flush=True)
     sys.stderr.flush()
     _write_error_file(message, value, now)
+    if waited:
+        _acknowledge(key)  # printed, the one line or its own traceback: rank 0 may exit
     if rank == "0" and same_on_every_rank(value) and _world_size() > 1:
         # at exit, after this hook returned: torch.distributed's own hook (around this one
         # once a process group exists) writes the traceback to stderr only then
@@ -206,14 +210,38 @@ def report_under_torchrun(etype, value, tb, printer=sys.__excepthook__) -> None:
         atexit.register(_confirm_same_error, key, message)
 
 
-def _confirm_same_error(key: str, message: str) -> None:
-    """Global rank 0, its traceback printed: tell the other ranks (:func:`report_under_torchrun`)."""
+#: How long global rank 0 stays alive after confirming an error, for the other ranks to
+#: print their one line (:func:`_confirm_same_error`): the agent stops the workers left
+#: (SIGTERM) as soon as one exits, and on a loaded machine a rank woken by the
+#: confirmation could be killed before its line was out.
+SAME_ERROR_ACK_WAIT_S = 10.0
+
+
+def _acknowledge(key: str) -> None:
+    """A rank other than 0, its one line printed: count itself in rank 0's wait."""
     store = _agent_store(5.0)
     if store is not None:
         try:
-            store.set(key, message)
-        except Exception:  # noqa: BLE001 - they print their own tracebacks after their wait
+            store.add(f"{key}/printed", 1)
+        except Exception:  # noqa: BLE001 - rank 0 stops waiting at its timeout
             pass
+
+
+def _confirm_same_error(key: str, message: str) -> None:
+    """Global rank 0, its traceback printed: tell the other ranks
+    (:func:`report_under_torchrun`), then wait (at most :data:`SAME_ERROR_ACK_WAIT_S`)
+    until those that raised the same error have printed their line, so that rank 0's
+    exit, which makes the agent stop the rest, does not cut them off."""
+    store = _agent_store(5.0)
+    if store is None:
+        return
+    try:
+        store.set(key, message)
+        deadline = time.monotonic() + SAME_ERROR_ACK_WAIT_S
+        while store.add(f"{key}/printed", 0) < _world_size() - 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - they print their own tracebacks after their wait
+        pass
 
 
 def _signal_name(code: int) -> str:
@@ -274,7 +302,9 @@ def summary(failures: dict, name: str = "", output: str | os.PathLike | None = N
         lines.append(f"hookloop: rank {r} also failed: {i['type']}: {i['text']}")
     if output is not None:
         lines.append(f"hookloop: every rank's output: {output} (attempt_<N>/rank<R>/stdout.log, stderr.log)")
-    code = first.exitcode if first.exitcode > 0 else 128 - first.exitcode
+    # A recorded exception exits 1 (Python's status for it), even where the agent's SIGTERM
+    # reached that rank after it recorded the error and before it had exited (seen: 143).
+    code = 1 if found else first.exitcode if first.exitcode > 0 else 128 - first.exitcode
     return lines, code
 
 
