@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import signal
 import time
 
@@ -163,7 +164,8 @@ def steps(out, rank: int, attempt: int, rerun: int = 0) -> list[int]:
 # DeepSpeed's launcher is torchrun too, and its last.ckpt a directory of shards: the same
 # restart resumes it. horovod is refused with --max-restarts (horovodrun never restarts a
 # worker; docs/errors.md L07).
-@pytest.mark.parametrize("strategy", ["ddp", "deepspeed_stage_2"])
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("deepspeed_stage_2", marks=pytest.mark.skipif(
+    os.environ.get("HOOKLOOP_TEST_FULL") != "1", reason="DeepSpeed's restart: HOOKLOOP_TEST_FULL=1 (make test-full)"))])
 def test_a_worker_killed_mid_epoch_is_restarted_and_the_run_resumes_bit_identical(tmp_path, strategy):
     if strategy.startswith("deepspeed"):
         pytest.importorskip("hookloop_deepspeed")
@@ -272,7 +274,9 @@ def test_a_stopped_rank_fails_the_others_within_the_timeout_and_the_restart_resu
     assert "Suspected rank(s): 1 (did not report" in stderr
     # The agent could not SIGTERM the stopped process; its SIGKILL did end it (the
     # launcher's summary of the failed attempt, README "When a worker fails").
-    assert "hookloop: then stopped: rank 1 (SIGKILL)\nhookloop: restarting the workers (1 restart left)" in stderr
+    assert re.search(r"^hookloop: then stopped: rank 1 \(SIGKILL\)\n"
+                     r"hookloop: every rank's output: \S+ \(attempt_<N>/rank<R>/stdout\.log, stderr\.log\)\n"
+                     r"hookloop: restarting the workers \(1 restart left\)$", stderr, flags=re.M), stderr
     last = out / "root" / "logs" / "version_0" / "checkpoints" / "last.ckpt"
     assert f"resumed from {last} at epoch 0, global step 2" in stdout
     assert steps(out, 1, 0) == [1, 2, 3]
