@@ -108,11 +108,17 @@ def test_a_configuration_error_after_the_process_group_is_printed_by_rank_0_alon
 @FULL
 def test_a_marked_error_that_rank_0_does_not_confirm_keeps_rank_1s_traceback(tmp_path):
     # rank 1 waits SAME_ERROR_WAIT_S (30 s) for rank 0's confirmation, then prints its own
-    lines = torchrun(tmp_path, "config-on-rank-1")
+    check_own_traceback(torchrun(tmp_path, "config-on-rank-1"), CONFIG_ERROR)
+
+
+def check_own_traceback(lines: list[str], error: str) -> tuple[list[str], list[str]]:
+    """The one rank that raised ``error`` printed it itself (once), and no rank printed
+    the one-line note; returns :func:`report`'s split."""
     text = "\n".join(lines)
-    workers, _ = report(lines)
-    assert [line for line in workers if line == CONFIG_ERROR] == [CONFIG_ERROR], text
+    workers, torch_report = report(lines)
+    assert [line for line in workers if line == error] == [error], text
     assert "the same" not in text, text
+    return workers, torch_report
 
 
 def check_once(lines: list[str], error: str, in_module: bool) -> None:
@@ -139,12 +145,10 @@ def check_once(lines: list[str], error: str, in_module: bool) -> None:
 def test_an_error_of_rank_1_alone_keeps_its_traceback(tmp_path):
     lines = torchrun(tmp_path, "user")
     text = "\n".join(lines)
-    workers, torch_report = report(lines)
-    assert [line for line in workers if line == USER_ERROR] == [USER_ERROR], text
+    workers, torch_report = check_own_traceback(lines, USER_ERROR)
     at = workers.index(USER_ERROR)
     tb = max(i for i, line in enumerate(workers[:at]) if line == "Traceback (most recent call last):")
     assert any("in training_step" in line for line in workers[tb:at]), text
-    assert "the same" not in text, text
     root = "\n".join(root_cause(torch_report))
     assert "rank      : 1 (local_rank: 1)" in root and f"traceback : {USER_ERROR}" in root, text
 
