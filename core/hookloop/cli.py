@@ -318,10 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = _build_parser(commands)
     args = parser.parse_args(argv)
     try:
-        if args.command == "plugins":
-            return cmd_plugins(args)
-        if args.command == "check":
-            return cmd_check(args)
+        if args.command in ("plugins", "check"):  # every plugin checked: the metadata read once
+            with registry.one_scan():
+                return cmd_plugins(args) if args.command == "plugins" else cmd_check(args)
         if args.command == "new-plugin":
             return cmd_new_plugin(args)
         if args.command == "run":

@@ -72,8 +72,10 @@ def dependency_problems(info: Any) -> list[Problem]:
     import importlib.metadata as md
     import importlib.util
 
+    from .plugins import packages_distributions
+
     problems = []
-    owners = md.packages_distributions()
+    owners = packages_distributions()
     for requirement in info.requires:
         try:
             md.distribution(requirement)

