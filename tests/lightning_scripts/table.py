@@ -19,6 +19,9 @@ from .cases import CASES, DOCUMENTED, Case, VENDOR
 from .rewrite import missing_names
 from .run_case import launch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import stored  # noqa: E402  (tests/stored.py)
+
 TOLERANCE = 2e-3
 DECISIONS = Path(__file__).resolve().parents[2] / "docs" / "decisions.md"
 
@@ -75,13 +78,47 @@ def _first_line(error: str | None) -> str:
     return (error or "").strip().splitlines()[0][:160] if error else ""
 
 
-def run_mode(case: Case, root: Path, ddp: bool) -> tuple[str, str]:
-    """(result, status) of one case in one mode: one process or ddp."""
+HERE = Path(__file__).resolve().parent
+STORE = HERE / "expected"
+
+
+def reference_path(case: Case, mode: str) -> Path:
+    return STORE / f"{case.name}-{mode}.json"
+
+
+def reference_digest(case: Case) -> str:
+    """What Lightning's numbers for ``case`` depend on: its vendored source, the demos it
+    may import, the harness that runs and observes it, the local data, the case itself."""
+    sources = [VENDOR / case.vendored, *sorted((VENDOR / "lightning_demos").glob("*.py")),
+               HERE / "run_case.py", HERE / "rewrite.py", HERE / "data.py"]
+    return stored.digest(sources, extra=repr(case))
+
+
+def run_reference(case: Case, root: Path, ddp: bool) -> dict:
+    """Lightning's run of ``case``: what ``make oracle`` stores (its output's tail only where
+    the run wrote nothing: the error message needs it; progress bars would make every
+    stored file differ)."""
+    mode = "ddp" if ddp else "1p"
+    run = launch(case, "lightning", root / f"{case.name}-{mode}-lightning", ddp, timeout=case.timeout)
+    return {**run, "output": run["output"][-2000:] if run["ranks"][0] is None else ""}
+
+
+def store_reference(case: Case, root: Path, ddp: bool) -> None:
+    stored.save(reference_path(case, "ddp" if ddp else "1p"), reference_digest(case), run_reference(case, root, ddp))
+
+
+def stored_reference(case: Case, ddp: bool) -> dict:
+    return stored.load(reference_path(case, "ddp" if ddp else "1p"), reference_digest(case))
+
+
+def run_mode(case: Case, root: Path, ddp: bool, reference: dict | None = None) -> tuple[str, str]:
+    """(result, status) of one case in one mode: one process or ddp. ``reference``:
+    Lightning's run (:func:`stored_reference`); without it Lightning runs too."""
     mode = "ddp" if ddp else "1p"
     if ddp and case.ddp not in ("env", "args"):
         return "n/a", f"one process only: {case.ddp}"
-    runs = {fw: launch(case, fw, root / f"{case.name}-{mode}-{fw}", ddp, timeout=case.timeout)
-            for fw in ("lightning", "hookloop")}
+    runs = {"lightning": reference or run_reference(case, root, ddp),
+            "hookloop": launch(case, "hookloop", root / f"{case.name}-{mode}-hookloop", ddp, timeout=case.timeout)}
     ref, got = runs["lightning"]["ranks"][0], runs["hookloop"]["ranks"][0]
     if ref is None:
         return "reference did not run", "fails: Lightning's run wrote nothing: " + \

@@ -5,15 +5,17 @@ same vendored file with its imports rewritten (rewrite.py), seeds equal; what th
 computed (callback_metrics, global_step, current_epoch, a checksum of the weights, after
 each fit/validate/test/predict) must agree to 2e-3 or be a `Documented` difference.
 
-The default run covers the fast cases in one process. ``LIGHTNING_SCRIPTS_FULL=1`` adds
-the ddp runs (2 processes, gloo) and the slow cases. The whole table, blocked cases
-included: ``python -m tests.lightning_scripts.table``.
+``make test`` covers the fast cases in one process, against Lightning's numbers as stored
+by ``make oracle`` (``expected/``, with the digest of what they depend on: a changed case
+or harness without ``make oracle`` fails, naming it). ``make test-full`` adds the ddp runs
+(2 processes, gloo) and the slow cases, and runs Lightning again for every case: where a
+stored reference exists, Lightning's fresh numbers must equal it. The whole table,
+blocked cases included: ``python -m tests.lightning_scripts.table``.
 """
 
 from __future__ import annotations
 
 import ast
-import os
 import sys
 from pathlib import Path
 
@@ -23,14 +25,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the harness is `
 
 from tests.lightning_scripts.cases import CASES, NOT_YET, VENDOR  # noqa: E402
 from tests.lightning_scripts.rewrite import lightning_imports, namespace, rewrite  # noqa: E402
-from tests.lightning_scripts.table import run_mode  # noqa: E402
+from tests.lightning_scripts.table import (differences, reference_path, run_mode, run_reference,  # noqa: E402
+                                           stored_reference)
+from tiers import at_least  # noqa: E402
 
-FULL = os.environ.get("LIGHTNING_SCRIPTS_FULL") == "1"
+FULL = at_least("full")
 RUNNABLE = [c for c in CASES if not c.blocked]
 
 
 def _param(case, mode):
-    marks = []
+    # a launch of the case under hookloop (and, in the full tier, under Lightning)
+    marks = [pytest.mark.slow if case.fast and mode == "1p" else pytest.mark.full]
     reason = NOT_YET.get(f"{case.name}/{mode}", NOT_YET.get(case.name))
     if reason:
         marks.append(pytest.mark.xfail(strict=True, reason=f"not yet: {reason}"))
@@ -89,10 +94,20 @@ def test_reference_rewrite_reaches_pytorch_lightning():
     assert ns["L"] is pl and ns["lp"] is pl and ns["_IS_WINDOWS"] is False
 
 
-@pytest.mark.parametrize(("case", "mode"), [_param(c, "1p") for c in RUNNABLE if c.fast or FULL]
-                         + [_param(c, "ddp") for c in RUNNABLE if FULL and c.ddp in ("env", "args")])
+@pytest.mark.parametrize(("case", "mode"), [_param(c, "1p") for c in RUNNABLE]
+                         + [_param(c, "ddp") for c in RUNNABLE if c.ddp in ("env", "args")])
 def test_case_gives_lightnings_numbers(case, mode, tmp_path):
-    result, status = run_mode(case, tmp_path, ddp=(mode == "ddp"))
+    ddp = mode == "ddp"
+    if FULL:
+        reference = run_reference(case, tmp_path, ddp)
+        if reference_path(case, mode).is_file():
+            stored = stored_reference(case, ddp)
+            moved = differences(stored["ranks"][0] or {}, reference["ranks"][0] or {})
+            assert not moved and (stored["ranks"][0] is None) == (reference["ranks"][0] is None), (
+                f"Lightning's numbers for {case.name} ({mode}) moved since `make oracle` stored them: {moved}")
+    else:
+        reference = stored_reference(case, ddp)
+    result, status = run_mode(case, tmp_path, ddp=ddp, reference=reference)
     assert status.startswith(("matches", "documented difference")), f"{case.source} ({mode}): {status}"
 
 

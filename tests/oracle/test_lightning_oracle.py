@@ -8,7 +8,11 @@ decision (a phrase of its entry in docs/decisions.md), the observations it exclu
 equality, and a check that the difference is exactly the documented one. So a decision
 that stops being true, or a decision that is no longer written down, fails here too.
 
-The four runs take about 1.5 minutes on 2 cores; the module-scoped fixture runs them once.
+Lightning's observations depend only on the cases, so they are stored (``expected/``,
+written by ``make oracle`` with the digest of the harness's sources): ``make test`` runs
+hookloop's two runs against them (a changed case without ``make oracle`` fails, naming it),
+``make test-full`` runs Lightning again and fails if its numbers moved. The module-scoped
+fixture runs hookloop once.
 """
 
 from __future__ import annotations
@@ -24,11 +28,16 @@ from typing import Callable
 
 import pytest
 
+pytestmark = pytest.mark.slow  # hookloop's runs: one process and a 2-process ddp job
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
 from cases import CASES  # noqa: E402
+
+sys.path.insert(0, str(HERE.parent))
+import stored  # noqa: E402
 
 MODES = ("one", "ddp")
 
@@ -46,11 +55,17 @@ def _run(framework: str, mode: str, out: Path, root: Path, cases: str = "") -> s
     return subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
-@pytest.fixture(scope="module")
-def observations(tmp_path_factory) -> dict:
-    """{mode: {framework: {case: observations}}}; one process's two runs side by side,
-    then the two ddp runs one after the other (2 cores)."""
-    base = tmp_path_factory.mktemp("oracle")
+STORE = HERE / "expected"
+SOURCES = [HERE / "cases.py", HERE / "frameworks.py", HERE / "run_cases.py"]
+
+
+def stored_path(mode: str) -> Path:
+    return STORE / f"lightning-{mode}.json"
+
+
+def observe(pairs: list[tuple[str, str]], base: Path) -> dict:
+    """{(framework, mode): observations} of the given runs: the one-process runs side by
+    side, the ddp runs one after the other (2 cores)."""
     jobs = {}
 
     def start(fw, mode):
@@ -68,15 +83,34 @@ def observations(tmp_path_factory) -> dict:
         assert proc.returncode == 0 and out.is_file(), (
             f"{fw} {mode} run failed ({proc.returncode}):\n" + out.with_suffix(".log").read_text()[-4000:])
 
-    start("lightning", "one")
-    start("hookloop", "one")
-    finish("lightning", "one")
-    finish("hookloop", "one")
-    for fw in ("lightning", "hookloop"):
-        start(fw, "ddp")
-        finish(fw, "ddp")
-    return {mode: {fw: json.loads((base / f"{fw}-{mode}.json").read_text()) for fw in ("lightning", "hookloop")}
-            for mode in MODES}
+    one = [p for p in pairs if p[1] == "one"]
+    for pair in one:
+        start(*pair)
+    for pair in one:
+        finish(*pair)
+    for pair in pairs:
+        if pair[1] == "ddp":
+            start(*pair)
+            finish(*pair)
+    return {pair: json.loads((base / f"{pair[0]}-{pair[1]}.json").read_text()) for pair in pairs}
+
+
+def store_lightning_observations(base: Path) -> None:
+    """``make oracle``: run the cases under pytorch-lightning and store its observations."""
+    sources = stored.digest(SOURCES)
+    for (_, mode), obs in observe([("lightning", m) for m in MODES], base).items():
+        stored.save(stored_path(mode), sources, obs)
+
+
+@pytest.fixture(scope="module")
+def observations(tmp_path_factory) -> dict:
+    """{mode: {framework: {case: observations}}}: hookloop's runs, and Lightning's as stored
+    by ``make oracle`` (the full tier runs Lightning again: ``fresh_lightning``)."""
+    base = tmp_path_factory.mktemp("oracle")
+    sources = stored.digest(SOURCES)
+    runs = observe([("hookloop", m) for m in MODES], base)
+    return {mode: {"hookloop": runs[("hookloop", mode)],
+                   "lightning": stored.load(stored_path(mode), sources)} for mode in MODES}
 
 
 # -- comparison ---------------------------------------------------------------------------
@@ -315,3 +349,13 @@ def test_every_documented_difference_is_written_and_seen(observations):
                 if "error" not in hook and "error" not in light:
                     seen |= bool(doc.normalize(case, mode, light, hook))
         assert seen, f"the documented difference {doc.name!r} no longer shows: remove it and its decision"
+
+
+@pytest.mark.full
+def test_stored_lightning_observations_are_what_lightning_computes(observations, tmp_path):
+    """The stored numbers are Lightning's own: computed again, they have not moved."""
+    fresh = observe([("lightning", m) for m in MODES], tmp_path)
+    for mode in MODES:
+        diff = differences(observations[mode]["lightning"], fresh[("lightning", mode)])
+        assert not diff, (f"pytorch-lightning's {mode} observations moved since they were stored "
+                          f"(`make oracle` stores them again):\n" + "\n".join(diff[:40]))
