@@ -1,6 +1,7 @@
-"""Run by tests/test_ledger.py as ``hookloop run --plugins ddp --devices 2
-ledger_collectives.py OUT``: a plugin calls ``torch.distributed.all_reduce`` twice per
-training batch; every rank writes its ledger's rows to ``OUT/rank<R>.json``."""
+"""Run in the shared ddp job (tests/jobs.py: ``hookloop run --plugins ddp --devices 2
+ledger_collectives.py OUT``), read by tests/test_ledger.py: a plugin calls
+``torch.distributed.all_reduce`` twice per training batch; every rank writes its ledger's
+rows to ``OUT/rank<R>.json``."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ faulthandler.enable()
 faulthandler.dump_traceback_later(240, exit=True)
 OUT = Path(sys.argv[1])
 RANK = int(os.environ["RANK"])
+os.chdir(OUT)  # the working directory a launch of its own had (the job driver puts it back)
 
 
 class TwoAllReduces:

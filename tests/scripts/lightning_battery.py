@@ -1,8 +1,9 @@
 """Lightning's loops and module API under ddp, in one 2-process run.
 
-Run by tests/test_lightning_ddp.py as ``hookloop run --plugins ddp --devices 2
-lightning_battery.py OUT``. Every rank writes ``OUT/rank<R>.pt`` with what it observed;
-the test compares those records with references computed by hand.
+Run in the shared ddp job (tests/jobs.py: ``hookloop run --plugins ddp --devices 2``), read
+by tests/test_lightning_ddp.py. Every rank writes ``OUT/rank<R>.pt`` with what it observed;
+the test compares those records with references computed by hand. The runs' directories
+(no ``default_root_dir``: the working directory) are in OUT too.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ faulthandler.enable()
 faulthandler.dump_traceback_later(240, exit=True)  # a hang fails with the stacks
 OUT = Path(sys.argv[1])
 RANK = int(os.environ["RANK"])
+os.chdir(OUT)  # the runs' default root, as a launch of its own in OUT had (the job driver puts it back)
 record: dict = {}
 
 

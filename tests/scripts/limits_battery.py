@@ -29,9 +29,10 @@ RANK = int(os.environ["RANK"])
 # Collectives started from Python (DDP's gradient all-reduce is not one: it is the same
 # with and without the guard), counted per training step.
 CALLS = {"n": 0}
+ORIGINALS = {}  # put back at the end: the job's next scripts run in these processes
 for _name in ("all_reduce", "broadcast", "all_gather", "barrier", "broadcast_object_list", "all_gather_object",
               "reduce", "gather", "scatter"):
-    _original = getattr(dist, _name)
+    _original = ORIGINALS[_name] = getattr(dist, _name)
 
     def _counted(*args, _original=_original, **kwargs):
         CALLS["n"] += 1
@@ -138,3 +139,5 @@ record["exception"] = {"raised": raised, "saved_step": torch.load(path, weights_
                        "weights": weights(module), "global_step": t.global_step}
 
 torch.save(record, OUT / f"rank{RANK}.pt")
+for _name, _original in ORIGINALS.items():
+    setattr(dist, _name, _original)

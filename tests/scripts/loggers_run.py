@@ -3,16 +3,20 @@
 ``Counting`` logs numbers a test can work out by hand: per training step its
 ``batch_idx`` (``batch_idx``) and the number of processes (``procs``, summed across
 ranks); per epoch the epoch number (``epoch_number``, an epoch mean); per validation a
-constant (``val_const``), per test another (``test_const``). Run as a script
-(``hookloop run --plugins ddp,tensorboard,mlflow --devices 2 loggers_run.py ROOT``) it
-trains in ``ROOT`` and writes ``ROOT/rank0.json``: rank 0's run directory, world size and
-final ``callback_metrics``.
+constant (``val_const``), per test another (``test_const``). Run as a script in the
+shared ddp job (tests/jobs.py: ``hookloop run --plugins ddp --devices 2 loggers_run.py
+ROOT``) it trains in ``ROOT`` (also its working directory) with the ``tensorboard`` and
+``mlflow`` plugins, MLflow's runs in experiment ``ddp`` of ``ROOT/mlflow.db``
+(``MLFLOW_TRACKING_URI``), and writes ``ROOT/rank0.json``: rank 0's run directory, world
+size and final ``callback_metrics``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -62,16 +66,23 @@ def loaders():
     return DataLoader(data, batch_size=BATCH), DataLoader(data, batch_size=BATCH)
 
 
-def fit(root, plugins, **module_args) -> hookloop.Trainer:
+def fit(root, plugins, plugin_options: dict | None = None, **module_args) -> hookloop.Trainer:
+    options = {} if plugin_options is None else {"plugin_options": plugin_options}
     trainer = hookloop.Trainer(max_epochs=EPOCHS, log_every_n_steps=1, default_root_dir=root,
-                               enable_progress_bar=False, plugins=plugins)
+                               enable_progress_bar=False, plugins=plugins, **options)
     trainer.fit(Counting(**module_args), *loaders())
     return trainer
 
 
 if __name__ == "__main__":
-    trainer = fit(sys.argv[1], [])
+    # What `hookloop run --plugins ddp,tensorboard,mlflow --plugin-option
+    # mlflow.experiment_name=ddp` with MLFLOW_TRACKING_URI set would give: the plugins and
+    # their option in code, the variable here (the job driver puts the environment back).
+    root = Path(sys.argv[1])
+    os.chdir(root)  # so "rank 1 wrote nothing anywhere" covers the working directory too
+    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{root / 'mlflow.db'}"
+    trainer = fit(str(root), ["tensorboard", "mlflow"], plugin_options={"mlflow": {"experiment_name": "ddp"}})
     if trainer.is_global_zero:
-        with open(f"{sys.argv[1]}/rank0.json", "w") as f:
+        with open(root / "rank0.json", "w") as f:
             json.dump({"log_dir": str(trainer.log_dir), "world_size": trainer.world_size,
                        "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}, f)

@@ -1,9 +1,11 @@
 """device_stats and throughput on 2 processes: rank 0's training_step sleeps 20 ms, rank 1's 60 ms.
 
-Run by tests/test_monitor.py as ``hookloop run --plugins ddp,device_stats,throughput
---devices 2 --plugin-option device_stats.every_n_steps=4 --plugin-option
-throughput.every_n_steps=4 monitor_ddp.py OUT``. Every rank writes ``OUT/rank<R>.json``:
-its callback_metrics, its pid and its resident memory as /proc reads it after ``fit``.
+Run in the shared ddp job (tests/jobs.py: ``hookloop run --plugins ddp --devices 2
+monitor_ddp.py OUT``), read by tests/test_monitor.py. The two plugins and their option
+``every_n_steps=4`` are given in code (what ``--plugins ddp,device_stats,throughput
+--plugin-option device_stats.every_n_steps=4 --plugin-option throughput.every_n_steps=4``
+would set). Every rank writes ``OUT/rank<R>.json``: its callback_metrics, its pid and its
+resident memory as /proc reads it after ``fit``.
 """
 
 from __future__ import annotations
@@ -42,7 +44,10 @@ def vmrss_mib() -> float:
     raise RuntimeError("no VmRSS in /proc/self/status")
 
 
-trainer = hookloop.Trainer(max_epochs=2, enable_checkpointing=False, enable_progress_bar=False, default_root_dir=OUT)
+os.chdir(OUT)  # the working directory a launch of its own had (the job driver puts it back)
+trainer = hookloop.Trainer(max_epochs=2, enable_checkpointing=False, enable_progress_bar=False, default_root_dir=OUT,
+                           plugins=["device_stats", "throughput"],
+                           plugin_options={"device_stats": {"every_n_steps": 4}, "throughput": {"every_n_steps": 4}})
 trainer.fit(Sleepy(), DataLoader(tiny_data(64), batch_size=4))  # 8 steps per rank and epoch
 record = {
     "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},

@@ -1,6 +1,8 @@
 """The learning-rate and batch-size finders' module and data (tests/test_tuner.py).
 
-Run as a script (``hookloop run --plugins ddp --devices 2 tuner_job.py OUT``): each rank
+Run as a script in the shared ddp job (tests/jobs.py: ``hookloop run --plugins ddp --devices 2
+tuner_job.py OUT``, read by tests/test_tuner.py), its runs' root directory OUT (what
+``--default-root-dir OUT`` would set; also the working directory): each rank
 writes what ``Tuner`` returned to ``OUT/rank<R>.json``: the lr finder on BATCH samples per
 rank, then the batch-size finder with rank 1 alone running out of memory above OOM_ABOVE
 samples per batch. Under several processes rank R trains on samples R, R + W, R + 2W, ...
@@ -10,6 +12,7 @@ sequential batch k of W * BATCH samples."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -54,9 +57,10 @@ class Regression(hookloop.Module):
         return DataLoader(Subset(data(), range(rank, N, world)), batch_size=self.batch_size, shuffle=False)
 
 
-def main(out: str) -> None:
+def main(out: str, default_root_dir: str | None = None) -> None:
+    root = {} if default_root_dir is None else {"default_root_dir": default_root_dir}
     trainer = hookloop.Trainer(max_epochs=1, enable_progress_bar=False, enable_model_summary=False,
-                               use_distributed_sampler=False)
+                               use_distributed_sampler=False, **root)
     tuner = hookloop.Tuner(trainer)
     model = Regression()
     found = tuner.lr_find(model, num_training=NUM_TRAINING, min_lr=1e-4, max_lr=1.0)
@@ -73,4 +77,5 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    os.chdir(sys.argv[1])  # the job driver puts the working directory back
+    main(sys.argv[1], default_root_dir=sys.argv[1])

@@ -1,0 +1,140 @@
+"""The launched jobs of the suite, declared once (the table torchtitan keeps of its runs).
+
+A multi-process launch is the most expensive thing a test does (every process imports
+torch, joins a process group, tears it down). A :class:`Job` names one launch: the
+plugins, devices, mesh and ``hookloop run`` options, and the *battery* scripts
+(tests/scripts/) that its workers run one after the other, each into its own folder.
+The session-scoped ``jobs`` fixture (conftest.py) runs a job the first time a test asks
+for it and hands every later test the same :class:`JobRun`: the folders, each script's
+console output per rank, and the launch's own output.
+
+    def test_something(jobs):
+        run = jobs.run("ddp")
+        ranks = run.ranks("observers_battery")    # OUT/observers_battery/rank<R>.pt
+        assert "early stopping" in run.stdout("observers_battery")
+
+Tests that need a launch of their own (a fault, a kill, a restart, a timing, an option
+under test) keep it; a test that only observes an ordinary run reads a job's outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+TESTS = Path(__file__).resolve().parent
+SCRIPTS = TESTS / "scripts"
+DRIVER = SCRIPTS / "job_driver.py"
+
+
+@dataclass(frozen=True)
+class Job:
+    """One ``hookloop run`` launch. ``scripts``: (script under tests/scripts, its extra
+    arguments...) tuples, run in this order by every worker, each as ``script OUT/<stem>
+    args...``; ``options``: more ``hookloop run`` arguments; ``env``: more environment."""
+
+    name: str
+    scripts: tuple
+    plugins: str = "ddp"
+    devices: int = 2
+    options: tuple = ()
+    env: tuple = ()
+    timeout: int = 600
+
+    def command(self, out: Path) -> list[str]:
+        plan = [[str(SCRIPTS / s[0]), *map(str, s[1:])] for s in self.scripts]
+        return [sys.executable, "-m", "hookloop", "run", "--plugins", self.plugins, "--devices", str(self.devices),
+                *self.options, str(DRIVER), str(out), json.dumps(plan)]
+
+
+#: Every shared launch of the suite. A script's folder is named after it (without .py).
+JOBS = {job.name: job for job in [
+    Job("ddp", scripts=(
+        ("ddp_battery.py",), ("observers_battery.py",), ("limits_battery.py",),
+        ("lightning_battery.py",),  # test_lightning_ddp.py
+        ("loggers_run.py",),  # test_loggers.py: tensorboard and mlflow on rank 0 only
+        ("monitor_ddp.py",),  # test_monitor.py: device_stats and throughput
+        ("ledger_collectives.py",),  # test_ledger.py
+        ("profiler_ddp.py",),  # test_profiler.py
+        ("torchmetrics_ddp.py",),  # test_torchmetrics.py (and pytorch-lightning's ddp, the reference)
+        ("bars_timer_ddp.py",),  # test_bars_summary.py
+        ("all_gather_ddp.py",),  # test_lightning_names.py
+        ("sync_dist_ddp.py",),  # test_defects_metrics.py (and pytorch-lightning's ddp, the reference)
+        ("logger_objects_ddp.py",),  # test_logger_objects.py
+        ("tuner_job.py",),  # test_tuner.py
+        ("amp_ddp_digits.py", 10),  # test_amp.py: 10 epochs of digits, fp32 then bf16-mixed
+    )),
+]}
+
+
+class JobFailed(AssertionError):
+    pass
+
+
+@dataclass
+class JobRun:
+    job: Job
+    out: Path
+    returncode: int
+    launch_stdout: str
+    launch_stderr: str
+    seconds: float
+
+    def dir(self, script: str) -> Path:
+        """The folder the script wrote into (its ``sys.argv[1]``)."""
+        return self.out / Path(script).stem
+
+    def ranks(self, script: str, name: str = "rank{rank}.pt") -> list:
+        """``torch.load`` of each rank's record file in the script's folder."""
+        return [torch.load(self.dir(script) / name.format(rank=r), weights_only=False) for r in range(self.job.devices)]
+
+    def _console(self, script: str, stream: str) -> str:
+        return "".join((self.dir(script) / f"{stream}.rank{r}.log").read_text() for r in range(self.job.devices)
+                       if (self.dir(script) / f"{stream}.rank{r}.log").is_file())
+
+    def stdout(self, script: str) -> str:
+        """What the script printed on every rank (rank 0's, then rank 1's, ...)."""
+        return self._console(script, "stdout")
+
+    def stderr(self, script: str) -> str:
+        return self._console(script, "stderr")
+
+
+class Registry:
+    """Runs each job at most once per pytest session (the ``jobs`` fixture)."""
+
+    def __init__(self, base: Path):
+        self.base = base
+        self.done: dict[str, JobRun | JobFailed] = {}
+
+    def run(self, name: str) -> JobRun:
+        if name not in self.done:
+            self.done[name] = self._launch(JOBS[name])
+        result = self.done[name]
+        if isinstance(result, JobFailed):
+            raise result
+        return result
+
+    def _launch(self, job: Job) -> JobRun | JobFailed:
+        out = self.base / job.name
+        out.mkdir(parents=True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "HOOKLOOP_", "PL_"))}
+        env.pop("LOCAL_RANK", None)
+        env.update(dict(job.env))
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run(job.command(out), cwd=out, env=env, capture_output=True, text=True,
+                                  timeout=job.timeout)
+        except subprocess.TimeoutExpired as exc:
+            return JobFailed(f"job {job.name!r} hung past {job.timeout} s:\n{exc.stdout}\n{exc.stderr}")
+        run = JobRun(job, out, proc.returncode, proc.stdout, proc.stderr, time.perf_counter() - start)
+        if proc.returncode != 0:
+            return JobFailed(f"job {job.name!r} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")
+        return run

@@ -1,0 +1,58 @@
+"""torchmetrics Metric objects logged under ddp: the metric syncs itself, hookloop does not
+reduce it again; the same module under pytorch-lightning's ddp, the reference.
+
+Run in the shared ddp job (tests/jobs.py: ``hookloop run --plugins ddp --devices 2
+torchmetrics_ddp.py OUT``), read by tests/test_torchmetrics.py (whose module and data it
+uses). Every rank writes ``OUT/rank<R>.pt``: its rank and each framework's
+``callback_metrics``.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import gc
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import hookloop  # noqa: E402
+from test_torchmetrics import _loader, accuracy_class  # noqa: E402
+
+faulthandler.enable()
+faulthandler.dump_traceback_later(240, exit=True)  # a hang fails with the stacks
+OUT = Path(sys.argv[1])
+RANK = int(os.environ["RANK"])
+os.chdir(OUT)  # the working directory a launch of its own had (the job driver puts it back)
+
+# Lightning's ddp makes its default process group with torch's own key names, the same
+# for every group a process makes; the launcher's store (torchelastic's agent store,
+# which every group of this job's workers shares) still holds an earlier script's keys
+# under those names, so Lightning's ranks would meet stale peers. The group is made here
+# first, with keys of its own (hookloop.init_process_group), and Lightning, finding one,
+# uses it (as it does any group made before its fit); a launch of its own had no earlier
+# keys. Released after, as hookloop's own groups are.
+
+import pytorch_lightning as pl  # noqa: E402  the reference (tests only)
+
+out = {"rank": RANK}
+with warnings.catch_warnings():  # this script's warnings only, not the next script's
+    warnings.filterwarnings("ignore")
+    trainer = hookloop.Trainer(plugins=["ddp"], max_epochs=1, default_root_dir=str(OUT / "hl"),
+                               enable_checkpointing=False, enable_progress_bar=False, logger=False,
+                               num_sanity_val_steps=0)
+    trainer.fit(accuracy_class(hookloop.Module)(), _loader(shuffle=True), _loader())
+    out["hookloop"] = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    hookloop.init_process_group("gloo", RANK, int(os.environ["WORLD_SIZE"]))  # see above
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, default_root_dir=str(OUT / "pl"))
+    trainer.fit(accuracy_class(pl.LightningModule)(), _loader(shuffle=True), _loader())
+    out["lightning"] = {k: float(v) for k, v in trainer.callback_metrics.items()}
+del trainer
+gc.collect()  # Lightning's DDP wrapper goes while the process group it holds still exists
+hookloop.release_process_group()
+torch.save(out, OUT / f"rank{RANK}.pt")
