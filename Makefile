@@ -3,7 +3,9 @@
 #   make demo      .venv with torch, the core (+ plot extra), ddp, amp and scikit-learn only;
 #                  trains examples/digits.py on 2 processes, then plots its metrics
 #   make backends  builds Horovod from source and compiles DeepSpeed's CPU ops (minutes)
-#   make test      every in-tree plugin and the backends, then the whole test suite
+#   make check     the quick tier (in-process tests, one launched job per strategy family)
+#   make test      every in-tree plugin and the backends, then the suite CI runs
+#   make test-full the long matrices too; make oracle stores Lightning's reference numbers
 #
 # Each step leaves a stamp in .venv, so `make test` after `make demo` goes on from there.
 # torch==2.13.0 is installed first and alone: it is a CPU build on this machine's disk,
@@ -36,7 +38,7 @@ DEMO_STAMP     := $(VENV)/.hookloop-demo
 BACKENDS_STAMP := $(VENV)/.hookloop-backends
 STAMP          := $(VENV)/.hookloop-installed
 
-.PHONY: demo backends test test-full bench install clean
+.PHONY: demo backends check test test-full oracle bench install clean
 
 $(TORCH_STAMP):
 	test -x $(PYTHON) || python3 -m venv $(VENV)
@@ -78,18 +80,29 @@ demo: $(DEMO_STAMP)
 	@printf 'metrics report: '
 	@$(VENV)/bin/hookloop plot .demo
 
-# --durations: CI's log names the slowest tests, what to move to test-full when make test
-# grows past its ~40 minutes.
+# The tiers are pytest markers (tests/tiers.py, README "Testing"). make check: every
+# in-process test and one launched job per strategy family, for between two commits.
+check: $(STAMP)
+	$(COMPILE_SRC)
+	$(PYTHON) -m pytest -q --tier=check --durations=20 $(PYTEST_ARGS)
+
+# What CI runs (.ci/run): check + every launched job marked slow. Its log ends with the
+# slowest tests and the launches and seconds of every test file.
 test: $(STAMP)
 	$(COMPILE_SRC)
-	$(PYTHON) -m pytest -q --durations=80 $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -q --tier=test --durations=80 $(PYTEST_ARGS)
 
-# The long matrices, run before resolving an issue: Lightning's own scripts and tests
-# under ddp too, and its slow examples (tests/lightning_scripts); every strategy x every
-# kill point of the resume certificate (HOOKLOOP_TEST_FULL).
+# The long matrices, run before resolving an issue: Lightning's own scripts under ddp
+# and its slow examples, every strategy x every kill point of the resume certificate, and
+# pytorch-lightning run again to check the stored reference numbers.
 test-full: $(STAMP)
 	$(COMPILE_SRC)
-	LIGHTNING_SCRIPTS_FULL=1 HOOKLOOP_TEST_FULL=1 $(PYTHON) -m pytest -q $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -q --tier=full --durations=80 $(PYTEST_ARGS)
+
+# pytorch-lightning's reference numbers, stored beside the cases (tests/stored.py): run
+# after changing an oracle case or a Lightning script case, and commit what it writes.
+oracle: $(STAMP)
+	$(PYTHON) tests/store_references.py $(ORACLE_ARGS)
 
 bench: $(STAMP)
 	$(PIP) $(ORACLE) accelerate==1.15.0 $(TORCH)

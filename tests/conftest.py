@@ -19,6 +19,11 @@ import hookloop
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+# The tiers (--tier=check|test|full), the launch guard and the per-file report.
+from tiers import (pytest_addoption, pytest_collection_modifyitems, pytest_configure,  # noqa: E402,F401
+                   pytest_runtest_logreport, pytest_runtest_makereport, pytest_runtest_protocol,
+                   pytest_terminal_summary, pytest_unconfigure)
+
 
 class TinyModule(hookloop.Module):
     """Linear 8 -> 16 -> ReLU -> 3 with SGD; deterministic from a seed."""
@@ -175,12 +180,24 @@ def _clean_env(monkeypatch, tmp_path):
 
 @pytest.fixture(autouse=True)
 def _seed_environment_per_test():
-    """``seed_everything`` records its seed in the environment (``PL_GLOBAL_SEED``), which
-    the processes a later test starts would inherit (their distributed samplers' seed, the
-    strategies' ``reset_seed``): each test starts with the environment it found."""
-    before = os.environ.get("PL_GLOBAL_SEED")
+    """``seed_everything`` records its seed in the environment (``PL_GLOBAL_SEED``), and an
+    in-process fit its run's identity (``HOOKLOOP_RUN_TOKEN``); the processes a later test
+    starts would inherit them (their distributed samplers' seed, the strategies'
+    ``reset_seed``, the run directory they claim): each test starts with the environment it
+    found, whichever test ran before it (in another order under pytest-xdist too)."""
+    keys = ("PL_GLOBAL_SEED", "HOOKLOOP_RUN_TOKEN")
+    before = {key: os.environ.get(key) for key in keys}
     yield
-    if before is None:
-        os.environ.pop("PL_GLOBAL_SEED", None)
-    else:
-        os.environ["PL_GLOBAL_SEED"] = before
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def jobs(tmp_path_factory):
+    """The shared launched jobs of tests/jobs.py, each run at most once per session."""
+    from jobs import Registry
+
+    return Registry(tmp_path_factory.mktemp("jobs"))

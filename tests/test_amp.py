@@ -100,12 +100,13 @@ def test_bf16_digits_accuracy_within_one_point_of_fp32():
     assert abs(bf16 - fp32) <= 0.01
 
 
-def test_bf16_digits_with_ddp_on_two_processes_within_one_point_of_fp32(tmp_path):
-    """Needs the ddp plugin (hookloop-ddp); the script trains fp32, then bf16, on 2 ranks."""
-    script = REPO / "tests" / "scripts" / "amp_ddp_digits.py"
-    out = run_python(HOOKLOOP + ["run", "--plugins", "ddp", "--devices", "2", str(script), "10"], cwd=tmp_path)
+@pytest.mark.check  # reads the shared ddp job
+def test_bf16_digits_with_ddp_on_two_processes_within_one_point_of_fp32(jobs):
+    """Needs the ddp plugin (hookloop-ddp); the script (tests/scripts/amp_ddp_digits.py, 10
+    epochs, in the shared ddp job of tests/jobs.py) trains fp32, then bf16, on 2 ranks."""
+    stdout = jobs.run("ddp").stdout("amp_ddp_digits")  # rank 0 prints, rank 1 does not
     results = {}
-    for line in out.stdout.splitlines():
+    for line in stdout.splitlines():
         if line.startswith("RESULT "):
             _, precision, world, plugins, acc = line.split()
             results[precision] = (world, plugins, float(acc.split("=")[1]))
@@ -148,6 +149,7 @@ def test_precision_without_amp_installed_is_a_clear_error(monkeypatch):
         hookloop.Trainer(precision="bf16-mixed")
 
 
+@pytest.mark.slow  # a launch: `hookloop run --precision` reaching the script's Trainer
 def test_cli_precision_option_applies_autocast(tmp_path):
     (tmp_path / "train.py").write_text(textwrap.dedent(
         """

@@ -241,6 +241,7 @@ def straight_job(tmp_path_factory):
     return torch.load(root / "final.pt", weights_only=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fails_at, raised_at", [(6, 7), (10, 10)], ids=["next-save", "end-of-fit"])
 def test_a_failed_background_write_is_raised_at_the_next_save_or_the_end_of_fit(tmp_path, fails_at, raised_at):
     proc = job(tmp_path / "run", tmp_path / "out.pt", expect_rc=1, FSIZE_AT=fails_at, **RUN)
@@ -254,6 +255,7 @@ def test_a_failed_background_write_is_raised_at_the_next_save_or_the_end_of_fit(
     assert hookloop.safe_load(directory / "last.ckpt")["loop"]["global_step"] == fails_at - 2
 
 
+@pytest.mark.slow
 def test_killed_mid_background_write_the_previous_checkpoint_is_used(tmp_path, straight_job):
     import signal
     import subprocess
@@ -338,10 +340,10 @@ def _ddp_checkpoints(root: str, strategy: str) -> dict:
     return {"written": written, "dirs": dirs}
 
 
-FULL = pytest.mark.skipif(not os.environ.get("HOOKLOOP_TEST_FULL"),
-                          reason="the long matrix: HOOKLOOP_TEST_FULL=1 (make test-full)")
+FULL = pytest.mark.full  # the long matrix
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", pytest.param("ddp_sharded", marks=FULL),
                                       pytest.param("fsdp", marks=FULL)])  # fsdp: state_dict_type="full"
 def test_under_several_processes_only_the_writing_rank_writes_and_files_equal_synchronous_ones(tmp_path, strategy):
@@ -449,6 +451,7 @@ def _fsdp_sharded(root: str) -> dict:
     return result
 
 
+@pytest.mark.slow
 def test_fsdp_sharded_directories_are_written_by_dcp_in_the_background_and_resume_bit_identical(tmp_path):
     """fsdp's sharded checkpoint directories with ``async_save=True``: every rank's DCP
     writes run in a background thread while training goes on (steps advance during them),

@@ -28,8 +28,7 @@ sys.path.insert(0, str(REPO / "tests" / "scripts"))
 from mesh_models import Classifies  # noqa: E402
 
 # the long matrix (make test-full): the other annealing strategy, EMA's resume, fsdp, Lightning
-FULL = pytest.mark.skipif(os.environ.get("HOOKLOOP_TEST_FULL") != "1",
-                          reason="the long matrix: HOOKLOOP_TEST_FULL=1 (make test-full)")
+FULL = pytest.mark.full  # the long matrix
 
 QUIET = dict(enable_progress_bar=False, enable_model_summary=False)
 
@@ -304,6 +303,7 @@ def dp_rank(strategy: str, root: str) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=FULL)])
 def test_averages_under_data_parallel_equal_one_process_reference(hookloop_processes, tmp_path, strategy):
     results = hookloop_processes(dp_rank, nprocs=2, args=(strategy, str(tmp_path)), timeout=300)

@@ -20,9 +20,7 @@ from torch.utils.data import DataLoader
 import hookloop
 from test_averaging import QUIET, _tiny, dp_reference, params, tiny_data
 
-FULL = pytest.mark.skipif(os.environ.get("HOOKLOOP_TEST_FULL") != "1",
-                          reason="2-process DeepSpeed/fairscale launches (~60-100 s each on 2 busy cores): "
-                                 "HOOKLOOP_TEST_FULL=1 (make test-full)")
+FULL = pytest.mark.full  # 2-process DeepSpeed/fairscale launches (~60-100 s each on 2 busy cores)
 
 OPTIONS = {"ema": dict(decay=0.8), "swa": dict(swa_lrs=0.05, swa_epoch_start=2, annealing_epochs=2)}
 
@@ -101,6 +99,7 @@ def one_process_ema(epochs: int = 1, decay: float = 0.8) -> dict:
     return ema
 
 
+@pytest.mark.slow
 def test_ema_under_zero3_on_one_process_averages_the_whole_parameters(tmp_path):
     """ZeRO-3 on one process (in this one; the partition is the whole tensor, and
     ``p.data`` is still emptied between uses): the EMA used to average the empty tensors

@@ -3,7 +3,8 @@
 
 Each behaviour is compared with pytorch-lightning 2.6.6 running the same module code
 (written once against ``fw.LightningModule``, as tests/oracle does); the multi-process one
-runs on 2 real processes (gloo) through ``hookloop.testing.run_processes``.
+runs on 2 real processes (gloo): tests/scripts/bars_timer_ddp.py in the shared ddp job
+(tests/jobs.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import hookloop
-from hookloop.testing import run_processes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "oracle"))
 import frameworks  # noqa: E402
@@ -420,27 +420,11 @@ def test_timer_state_is_saved_in_checkpoints_and_resumed_as_lightnings():
     assert ours == theirs == (7, 1, True)
 
 
-def _ddp_bars_and_timer():
-    torch.manual_seed(0)
-    fw = frameworks.load("hookloop")
-    bar, timer = hookloop.TQDMProgressBar(), hookloop.Timer(duration="01:00:00:00", verbose=False)
-
-    class TimeUp(type(_module(fw))):
-        def training_step(self, batch, batch_idx):
-            if batch_idx == 1 and self.global_rank == 0:
-                timer._duration = 0.0  # rank 0's clock decides for both ranks
-            return super().training_step(batch, batch_idx)
-
-    with tempfile.TemporaryDirectory() as root, redirect_stdout(io.StringIO()) as out:
-        trainer = hookloop.Trainer(plugins=["ddp"], accelerator="cpu", default_root_dir=root, callbacks=[bar, timer],
-                                   max_epochs=2, logger=False, enable_checkpointing=False, enable_model_summary=False)
-        trainer.fit(TimeUp(), DataLoader(_data(16), batch_size=2))
-    train = bar.train_progress_bar
-    return {"enabled": bar.is_enabled, "n": train.n, "step": trainer.global_step, "drew": "Epoch 0" in out.getvalue()}
-
-
-def test_under_ddp_rank_0_draws_and_the_timer_stops_every_rank():
-    rank0, rank1 = run_processes(_ddp_bars_and_timer, nprocs=2, timeout=180)
+@pytest.mark.check  # reads the shared ddp job
+def test_under_ddp_rank_0_draws_and_the_timer_stops_every_rank(jobs):
+    # tests/scripts/bars_timer_ddp.py in the shared ddp job (tests/jobs.py); each rank's bar
+    # draws into the fit's redirected stdout, a buffer: what the job's console is does not matter
+    rank0, rank1 = jobs.run("ddp").ranks("bars_timer_ddp")
     assert (rank0["enabled"], rank0["drew"], rank0["n"]) == (True, True, 2)
     assert (rank1["enabled"], rank1["drew"], rank1["n"]) == (False, False, 0)  # a disabled bar counts nothing
     assert rank0["step"] == rank1["step"] == 2

@@ -4,19 +4,24 @@ The optional plugin-side contract is ``hookloop_build_status()`` (docs/plugin-au
 ``None`` when ready, else the message. The real states are made here: an empty torch
 extensions directory (DeepSpeed's CPU ops not compiled), and a copy of the installed
 Horovod package without its compiled PyTorch extension (Horovod built without PyTorch).
+
+``hookloop plugins`` runs in this process (``hookloop.cli.main``); the Horovod reference,
+``horovod_usable``, needs a fresh interpreter, so the two tests that use it are slow.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from conftest import install_fake_distribution, run_python
+import pytest
 
-HOOKLOOP = [sys.executable, "-m", "hookloop", "plugins"]
+from conftest import install_fake_distribution
+from hookloop import cli
 DEEPSPEED_NOT_BUILT = "not built: run 'make backends' (or python -m hookloop_deepspeed.build_ops)"
 HOROVOD_NOT_BUILT = "not built: run 'make backends' (or plugins/horovod/build_horovod.sh)"
 DEEPSPEED_ROWS = ["deepspeed", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_2_offload",
@@ -52,18 +57,27 @@ def ops_compiled() -> bool:
     return all((Path(_get_build_directory(op, False)) / f"{op}.so").is_file() for op in ops)
 
 
-def test_built_backends_are_ok(tmp_path):
+def plugins_table(capsys) -> str:
+    """``hookloop plugins``' stdout, run in this process; the command must succeed."""
+    code = cli.main(["plugins"])
+    out = capsys.readouterr()
+    assert code == 0, f"hookloop plugins failed ({code}):\n{out.out}\n{out.err}"
+    return out.out
+
+
+@pytest.mark.slow  # horovod_usable: the reference in a fresh interpreter
+def test_built_backends_are_ok(capsys):
     assert ops_compiled(), "DeepSpeed's CPU ops are not compiled here: run `make backends`"
     assert horovod_usable(), "Horovod is not built here: run `make backends`"
-    cells = status_column(run_python(HOOKLOOP, cwd=tmp_path).stdout)
+    cells = status_column(plugins_table(capsys))
     assert {name: cells[name] for name in DEEPSPEED_ROWS + ["horovod"]} == dict.fromkeys(DEEPSPEED_ROWS + ["horovod"], "ok")
 
 
-def test_unbuilt_backends_say_how_to_build(tmp_path):
+@pytest.mark.slow  # horovod_usable: the reference in a fresh interpreter
+def test_unbuilt_backends_say_how_to_build(tmp_path, site, monkeypatch, capsys):
     empty_ops = tmp_path / "torch_extensions"
     empty_ops.mkdir()
     # The installed Horovod, less its compiled extension, first on the path.
-    site = tmp_path / "site"
     installed = Path(importlib.util.find_spec("horovod").submodule_search_locations[0])
     shutil.copytree(installed, site / "horovod", ignore=shutil.ignore_patterns("mpi_lib_v2*", "__pycache__"))
     # And a third-party plugin using the contract.
@@ -75,7 +89,19 @@ def test_unbuilt_backends_say_how_to_build(tmp_path):
     env = {"TORCH_EXTENSIONS_DIR": str(empty_ops), "PYTHONPATH": str(site)}
     assert not horovod_usable(env)  # really not usable
 
-    cells = status_column(run_python(HOOKLOOP, cwd=tmp_path, env=env).stdout)
+    # This process as that environment: site is first on sys.path (the fixture), and a
+    # Horovod imported by an earlier test is out of sys.modules for the test (find_spec
+    # would return the imported one's spec), restored after it.
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(empty_ops))
+    monkeypatch.delitem(sys.modules, "horovod", raising=False)
+    importlib.invalidate_caches()
+    before = set(sys.modules)
+    try:
+        cells = status_column(plugins_table(capsys))
+    finally:
+        for name in set(sys.modules) - before:  # hl_needsbuild, imported from site
+            if (getattr(sys.modules[name], "__file__", None) or "").startswith(str(site)):
+                del sys.modules[name]
     assert {name: cells[name] for name in DEEPSPEED_ROWS} == dict.fromkeys(DEEPSPEED_ROWS, DEEPSPEED_NOT_BUILT)
     assert cells["horovod"] == HOROVOD_NOT_BUILT
     assert cells["needsbuild"] == "not built: run `needsbuild-compile`"

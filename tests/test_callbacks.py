@@ -54,6 +54,7 @@ def observed(tmp_path_factory) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case,mode", RUNS, ids=[f"{c}-{m}" for c, m in RUNS])
 def test_callbacks_do_what_lightnings_do(observed, case, mode):
     light, hook = observed[mode]["lightning"][case], observed[mode]["hookloop"][case]
@@ -63,6 +64,7 @@ def test_callbacks_do_what_lightnings_do(observed, case, mode):
     assert not diff, f"{len(diff)} difference(s) from Lightning 2.6.6:\n" + "\n".join(diff[:40])
 
 
+@pytest.mark.slow
 def test_the_finetuning_case_unfreezes_into_three_param_groups(observed):
     # What the comparison above is about: without the callback called, one group trains.
     epochs = observed["one"]["hookloop"]["finetuning"]["four_epochs"]["epochs"]

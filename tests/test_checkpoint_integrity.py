@@ -166,6 +166,7 @@ RUN = {"HOOKLOOP_RUN_TOKEN": "job-7"}  # every attempt of the job gets the same 
 RESTART = {**RUN, "TORCHELASTIC_RESTART_COUNT": 1}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", DAMAGE)
 def test_a_restarted_worker_falls_back_from_a_damaged_newest_checkpoint(tmp_path, straight_job, damage):
     job(tmp_path / "run", tmp_path / "first.pt", MAX_STEPS=10, **RUN)
@@ -180,6 +181,7 @@ def test_a_restarted_worker_falls_back_from_a_damaged_newest_checkpoint(tmp_path
     assert equal(final["state_dict"], straight_job["state_dict"])
 
 
+@pytest.mark.slow
 def test_killed_between_write_and_rename_the_previous_checkpoint_is_used(tmp_path, straight_job):
     job(tmp_path / "run", tmp_path / "first.pt", expect_rc=-9, KILL_AT=8, **RUN)
     directory = tmp_path / "run" / "logs" / "version_0" / "checkpoints"
@@ -196,6 +198,7 @@ def test_killed_between_write_and_rename_the_previous_checkpoint_is_used(tmp_pat
     assert not left.exists() and not list(directory.glob(".*.tmp"))
 
 
+@pytest.mark.slow
 def test_a_save_removes_the_temporary_files_of_dead_writers_on_this_host_only(tmp_path):
     import socket
     import subprocess
@@ -217,6 +220,7 @@ def test_a_save_removes_the_temporary_files_of_dead_writers_on_this_host_only(tm
     assert hookloop.safe_load(tmp_path / "last.ckpt")["x"].tolist() == [1.0, 1.0]
 
 
+@pytest.mark.slow
 def test_a_save_past_the_file_size_limit_fails_clearly_and_the_previous_checkpoint_is_used(tmp_path, straight_job):
     proc = job(tmp_path / "run", tmp_path / "first.pt", expect_rc=1, FSIZE_AT=8, SAVE_TOP_K=0, **RUN)
     directory = tmp_path / "run" / "logs" / "version_0" / "checkpoints"

@@ -1,10 +1,20 @@
-"""The `hookloop` command: listing plugins, and `run` handing its options to the script."""
+"""The `hookloop` command: listing plugins, and `run` handing its options to the script.
 
+Commands whose launch is not what a test checks run in this process through
+``hookloop.cli.main`` (what the console script and ``python -m hookloop`` call); the
+tests of ``hookloop run`` starting a script (its options, its arguments, a real training
+run, the elastic agent's restart) launch it for real and are marked slow.
+"""
+
+import importlib
 import json
 import sys
 import textwrap
 
+import pytest
+
 from conftest import REPO, install_fake_distribution, run_python
+from hookloop import cli, versioning
 
 HOOKLOOP = [sys.executable, "-m", "hookloop"]
 
@@ -25,6 +35,27 @@ def config_from(stdout: str) -> dict:
     return json.loads(line[len("CONFIG="):])
 
 
+@pytest.fixture
+def fake_site(site, monkeypatch):
+    """``site`` for ``cli.main`` in this process: hookloop's once-per-process notes
+    (versioning._TOLD) start empty and end as they were, and the fake plugins' modules
+    imported from ``site`` are forgotten afterwards (a later test's fake module of the same
+    name must be imported from its own files)."""
+    monkeypatch.setattr(versioning, "_TOLD", set())
+    before = set(sys.modules)
+    yield site
+    for name in set(sys.modules) - before:
+        if (getattr(sys.modules[name], "__file__", None) or "").startswith(str(site)):
+            del sys.modules[name]
+
+
+def installed(site, *args, **kwargs) -> None:
+    """``install_fake_distribution`` into ``site``, then seen by this process's imports."""
+    install_fake_distribution(site, *args, **kwargs)
+    importlib.invalidate_caches()
+
+
+@pytest.mark.slow  # the options reach the script's own interpreter through the launch
 def test_run_options_become_trainer_defaults(tmp_path):
     (tmp_path / "show.py").write_text(SHOW_CONFIG)
     out = run_python(HOOKLOOP + ["run", "--max-epochs", "3", "--accumulate-grad-batches", "4",
@@ -36,22 +67,23 @@ def test_run_options_become_trainer_defaults(tmp_path):
                    "plugins": ["ProgressBar", "ModelSummary", "CSVLogger", "ModelCheckpoint"]}
 
 
+@pytest.mark.slow  # the script's arguments reach the launched interpreter
 def test_run_passes_script_arguments(tmp_path):
     (tmp_path / "args.py").write_text("import sys; print('ARGS=' + ','.join(sys.argv[1:]))")
     out = run_python(HOOKLOOP + ["run", "args.py", "--lr", "0.1", "x"], cwd=tmp_path)
     assert "ARGS=--lr,0.1,x" in out.stdout
 
 
-def test_plugins_lists_without_importing(tmp_path):
-    site = tmp_path / "site"
+def test_plugins_lists_without_importing(tmp_path, fake_site, capsys):
+    # The marker file is the proof: the plugin's module writes it when imported.
     marker = tmp_path / "imported"
-    install_fake_distribution(
-        site, "hookloop-noisy", {"noisy": "hl_noisy:Noisy"},
+    installed(
+        fake_site, "hookloop-noisy", {"noisy": "hl_noisy:Noisy"},
         {"hl_noisy": f"open({str(marker)!r}, 'w').write('x')\nclass Noisy:\n    hookloop_role = 'observer'\n"},
         requires=["hookloop", "surely-not-installed-pkg"],
     )
-    out = run_python(HOOKLOOP + ["plugins"], cwd=tmp_path, env={"PYTHONPATH": str(site)})
-    (row,) = [l for l in out.stdout.splitlines() if l.startswith("noisy")]
+    assert cli.main(["plugins"]) == 0
+    (row,) = [l for l in capsys.readouterr().out.splitlines() if l.startswith("noisy")]
     assert "hookloop-noisy" in row and "0.1" in row and "missing: surely-not-installed-pkg" in row
     assert "observer" in row.split()  # the role, read from the source
     assert not marker.exists()
@@ -81,25 +113,23 @@ def test_roles_read_from_source_are_the_roles_the_plugins_declare(site):
         assert declared_role(info.value) == registry.plugin_role(registry.resolve(name)), name
 
 
-def test_plugins_load_shows_role(tmp_path):
-    site = tmp_path / "site"
-    install_fake_distribution(site, "hookloop-quiet", {"quiet": "hl_quiet:Q"},
-                              {"hl_quiet": "class Q:\n    hookloop_role = 'observer'\n"})
-    out = run_python(HOOKLOOP + ["plugins", "--load"], cwd=tmp_path, env={"PYTHONPATH": str(site)})
-    (row,) = [l for l in out.stdout.splitlines() if l.startswith("quiet")]
+def test_plugins_load_shows_role(fake_site, capsys):
+    installed(fake_site, "hookloop-quiet", {"quiet": "hl_quiet:Q"},
+              {"hl_quiet": "class Q:\n    hookloop_role = 'observer'\n"})
+    assert cli.main(["plugins", "--load"]) == 0
+    (row,) = [l for l in capsys.readouterr().out.splitlines() if l.startswith("quiet")]
     assert "observer" in row and "ok" in row
 
 
-def test_run_unknown_plugin_is_a_clear_error(tmp_path):
+def test_run_unknown_plugin_is_a_clear_error(tmp_path, capfd):
     (tmp_path / "x.py").write_text("print('should not run')")
-    import subprocess
-
-    proc = subprocess.run(HOOKLOOP + ["run", "--plugins", "nosuchplugin", "x.py"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    assert "no plugin named 'nosuchplugin'" in proc.stderr and "should not run" not in proc.stdout
+    # capfd, not capsys: a script started by mistake would print on the file descriptor.
+    assert cli.main(["run", "--plugins", "nosuchplugin", "x.py"]) == 2
+    out, err = capfd.readouterr()
+    assert "no plugin named 'nosuchplugin'" in err and "should not run" not in out
 
 
+@pytest.mark.slow  # a real training run started by `hookloop run`
 def test_digits_example_reaches_accuracy(tmp_path):
     out = run_python(HOOKLOOP + ["run", "--default-root-dir", "out", "--max-epochs", "10",
                                  str(REPO / "examples" / "digits.py")], cwd=tmp_path)
@@ -108,6 +138,7 @@ def test_digits_example_reaches_accuracy(tmp_path):
     assert (tmp_path / "out" / "logs" / "version_0" / "checkpoints" / "last.ckpt").exists()
 
 
+@pytest.mark.slow  # the elastic agent restarting a launched worker
 def test_run_restarts_a_failed_worker_through_the_elastic_agent(tmp_path):
     """--max-restarts hands the script to torchrun, which restarts it after a failure."""
     (tmp_path / "flaky.py").write_text(textwrap.dedent(
@@ -122,3 +153,33 @@ def test_run_restarts_a_failed_worker_through_the_elastic_agent(tmp_path):
     ))
     run_python(HOOKLOOP + ["run", "--max-restarts", "1", "flaky.py"], cwd=tmp_path)
     assert (tmp_path / "attempts").read_text() == "2"
+
+
+def test_plugins_load_reads_the_installed_metadata_once(monkeypatch, capsys):
+    """`hookloop plugins --load` checks every installed plugin; each check used to read every
+    distribution's metadata again (292 readings of the entry points and 41 of
+    packages_distributions for this repository's plugins: 12 s). Once each now, with the
+    same table."""
+    import importlib.metadata as md
+
+    from hookloop import cli
+    from hookloop import plugins as registry
+
+    calls = {"plugins": 0, "packages": 0}
+    read, packages = registry._read_installed_plugins, md.packages_distributions
+
+    def counted_read():
+        calls["plugins"] += 1
+        return read()
+
+    def counted_packages():
+        calls["packages"] += 1
+        return packages()
+
+    monkeypatch.setattr(registry, "_read_installed_plugins", counted_read)
+    monkeypatch.setattr(md, "packages_distributions", counted_packages)
+    assert cli.main(["plugins", "--load"]) == 0
+    table = capsys.readouterr().out
+    assert calls == {"plugins": 1, "packages": 1}
+    assert registry.installed_plugins().keys() == {line.split()[0] for line in table.splitlines()[1:] if line.strip()}
+    assert calls["plugins"] == 2  # outside the command, read afresh (a plugin installed since is seen)

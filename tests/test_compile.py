@@ -167,6 +167,7 @@ def test_checkpoints_load_between_compiled_and_uncompiled_runs(tmp_path):
         assert max_abs_diff(state_of(resumed), reference) <= 1e-5
 
 
+@pytest.mark.slow
 def test_inductor_on_a_tiny_mlp_equals_the_eager_loop(tmp_path):
     module = Net()
     plugin = Compile()  # inductor, the default
@@ -228,6 +229,7 @@ def run_two_processes(tmp_path, cli_env, strategy: str, *options: str):
     return ranks, reference, proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_ddp_compile_on_two_processes_equals_one_eager_process(tmp_path, cli_env):
     ranks, reference, output = run_two_processes(tmp_path, cli_env, "ddp")
     for record in ranks:
@@ -240,6 +242,7 @@ def test_ddp_compile_on_two_processes_equals_one_eager_process(tmp_path, cli_env
     assert json.loads((tmp_path / "ddp" / ranks[0]["log_dir"] / REPORT_FILE).read_text())["graphs"] >= 1
 
 
+@pytest.mark.slow
 def test_fsdp_compile_per_block_on_two_processes_equals_one_eager_process(tmp_path, cli_env):
     ranks, reference, output = run_two_processes(tmp_path, cli_env, "fsdp", "compile.blocks=Block",
                                                   "fsdp.auto_wrap_policy=Block")
@@ -250,8 +253,7 @@ def test_fsdp_compile_per_block_on_two_processes_equals_one_eager_process(tmp_pa
     assert reports(output) == 1, output
 
 
-@pytest.mark.skipif(os.environ.get("HOOKLOOP_TEST_FULL") != "1",
-                    reason="one more 2-process launch (~30 s): make test-full")
+@pytest.mark.full  # one more 2-process launch (~30 s)
 def test_in_place_compile_of_a_tensor_parallel_mlp_equals_the_eager_mlp(tmp_path):
     """torch's DTensor tensor parallelism (the transform tp applies before compile) under
     hookloop-compile's in-place compile, on 2 gloo processes, against the MLP trained whole."""
@@ -275,7 +277,6 @@ class TestCompileConformance(ExtensionConformance):
     plugin = Compile
     options = {"backend": "aot_eager"}
 
-    @pytest.mark.skipif(os.environ.get("HOOKLOOP_TEST_FULL") != "1",
-                        reason="ddp,compile is tested above; the kit's ddp check too: make test-full")
+    @pytest.mark.full  # ddp,compile is tested above; the kit's ddp check too
     def test_under_ddp_the_ranks_agree_and_a_resume_ends_as_an_uninterrupted_run(self, ddp):
         super().test_under_ddp_the_ranks_agree_and_a_resume_ends_as_an_uninterrupted_run(ddp)

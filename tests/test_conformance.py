@@ -24,46 +24,54 @@ from hookloop.testing import (
 )
 import hookloop
 from conftest import install_fake_distribution
+from tiers import at_least  # noqa: E402
 
 
 #: The several-bucket model (three more fits of ~34 MiB in each strategy's launch) runs
 #: for ddp in `make test`, for every strategy in `make test-full`.
-FULL = os.environ.get("HOOKLOOP_TEST_FULL") == "1"
+FULL = at_least("full")
 
 
+@pytest.mark.slow
 class TestDDPConformance(StrategyConformance):
     plugin = "ddp"
 
 
+@pytest.mark.slow
 class TestDDPSpawnConformance(StrategyConformance):
     plugin = "ddp_spawn"
     wide = FULL
 
 
+@pytest.mark.slow
 class TestDDP2Conformance(StrategyConformance):
     plugin = "ddp2"
     wide = FULL
     world_size = 1
 
 
+@pytest.mark.slow
 class TestDPConformance(StrategyConformance):
     plugin = "dp"
     wide = FULL
     world_size = 1
 
 
+@pytest.mark.slow
 class TestHorovodConformance(StrategyConformance):
     plugin = "horovod"
     wide = FULL
     options = {"scale_lr": False}  # the reference trains at the unscaled rate
 
 
+@pytest.mark.check
 class TestDeepSpeedConformance(StrategyConformance):
     plugin = "deepspeed_stage_2"
     wide = FULL
     checkpoint = "directory"
 
 
+@pytest.mark.slow
 class TestAmpConformance(PrecisionConformance):
     plugin = "amp"
     precision = "bf16-mixed"
@@ -94,6 +102,7 @@ class CountsBatches:
         self.epochs.append(("epoch", epoch))
 
 
+@pytest.mark.slow
 class TestObserverConformance(ObserverConformance):
     plugin = CountsBatches  # a class under test, before it is packaged
 
@@ -102,10 +111,9 @@ class DDPInFull(ObserverConformance):
     """The kit's ddp check is one 2-process job per observer (~30 s on 2 idle cores):
     `make test` runs it for the observers that write files of their own (csv,
     checkpoint, tensorboard, mlflow) and the test plugin; `make test-full`
-    (HOOKLOOP_TEST_FULL=1) for every in-tree observer."""
+    (make test-full) for every in-tree observer."""
 
-    @pytest.mark.skipif(os.environ.get("HOOKLOOP_TEST_FULL") != "1",
-                        reason="the ddp check of an observer writing no file of its own: make test-full")
+    @pytest.mark.full  # the ddp check of an observer writing no file of its own
     def test_under_ddp_only_global_rank_zero_writes_files(self, ddp_runs):
         super().test_under_ddp_only_global_rank_zero_writes_files(ddp_runs)
 
@@ -115,11 +123,13 @@ class TestProgressConformance(DDPInFull):
     plugin = "progress"
 
 
+@pytest.mark.slow
 class TestCSVConformance(ObserverConformance):
     plugin = "csv"
     resume_state = False  # its file and row count: a ckpt_path= resume starts a new run directory
 
 
+@pytest.mark.slow
 class TestCheckpointConformance(ObserverConformance):
     plugin = "checkpoint"
     options = {"monitor": "val_acc", "mode": "max", "save_top_k": 2}
@@ -135,10 +145,12 @@ class TestLRMonitorConformance(DDPInFull):
     plugin = "lr_monitor"
 
 
+@pytest.mark.slow
 class TestTensorBoardConformance(ObserverConformance):
     plugin = "tensorboard"
 
 
+@pytest.mark.slow
 class TestMLflowConformance(ObserverConformance):
     plugin = "mlflow"
 
@@ -197,6 +209,7 @@ SUITES = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 def test_the_suites_fail_plugins_that_break_the_contract(site, tmp_path):
     install_fake_distribution(site, "hookloop-broken", {"nosampler": "hl_broken:NoSampler"}, {"hl_broken": BROKEN},
                               requires=["hookloop-ddp"])

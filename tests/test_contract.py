@@ -3,13 +3,18 @@ failed before its fix, and ``hookloop check``.
 
 Plugins here are what a third party writes: installed as distributions with entry points
 (``install_fake_distribution`` lays out what pip leaves in site-packages), used through
-``hookloop run`` in real processes where the launch path matters.
+``hookloop run`` in real processes where the launch path matters (those tests are marked
+slow); ``hookloop check`` and ``hookloop plugins`` run in this process through
+``hookloop.cli.main``.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import json
 import re
+import runpy
 import sys
 import textwrap
 
@@ -18,9 +23,12 @@ import torch
 from torch.utils.data import DataLoader, SequentialSampler
 
 import hookloop
+import hookloop.cli
 import hookloop.testing
 from conftest import (REPO, TinyModule, fit_profiled, install_fake_distribution, max_abs_diff, run_python, state_of,
                       tiny_data)
+from hookloop import versioning
+from hookloop.config import DEFAULTS_ENV
 from hookloop.defaults import Defaults
 
 HOOKLOOP = [sys.executable, "-m", "hookloop"]
@@ -94,6 +102,7 @@ def run_script(tmp_path, site, code_plugins, cli):
 # -- 1.1: plugins from code and from the command line combine ---------------------------------
 
 
+@pytest.mark.slow  # a 2-process job launched by `hookloop run`
 def test_code_plugins_and_run_plugins_combine(tmp_path, third_party):
     """`hookloop run --plugins localsgd,csvlog` with Trainer(plugins=[InCode()]) in the
     script: all three are used (the command-line ones were dropped)."""
@@ -104,6 +113,7 @@ def test_code_plugins_and_run_plugins_combine(tmp_path, third_party):
         assert len((tmp_path / f"csvlog.rank{r}.csv").read_text().splitlines()) == 2
 
 
+@pytest.mark.slow  # a 2-process job launched by `hookloop run`: the note is printed once per rank
 def test_a_strategy_in_code_replaces_the_command_lines_and_says_so_once(tmp_path, third_party):
     out = run_script(tmp_path, third_party, "[InCode(), 'ddp']", ["--plugins", "localsgd,csvlog", "--devices", "2"])
     lines = sorted(re.findall(r"RANK\d strategy=\w+ plugins=\[[^\]]*\]", out.stdout))
@@ -358,39 +368,46 @@ class Plugin:
 
 
 @pytest.fixture
-def mistakes(site):
+def mistakes(site, monkeypatch):
+    """The plugins of :data:`MISTAKES` installed in ``site``, for ``hookloop.cli.main`` in
+    this process: hookloop's once-per-process notes (versioning._TOLD) start empty and
+    end as they were, and the ``hl_*`` modules imported from ``site`` are forgotten
+    afterwards (the next test imports its own)."""
     for name, (source, _) in MISTAKES.items():
         requires = ["not-a-real-package-hl"] if name == "missing_dependency" else []
         install_fake_distribution(site, f"hl-{name}", {name: f"hl_{name}:Plugin"},
                                   {f"hl_{name}": "import hookloop\n" + textwrap.dedent(source)}, requires=requires)
-    return site
+    importlib.invalidate_caches()
+    monkeypatch.setattr(versioning, "_TOLD", set())
+    before = set(sys.modules)
+    yield site
+    for module in set(sys.modules) - before:
+        if (getattr(sys.modules[module], "__file__", None) or "").startswith(str(site)):
+            del sys.modules[module]
 
 
-def test_hookloop_check_a_good_plugin_and_each_mistake(mistakes, tmp_path):
-    good = run_python(HOOKLOOP + ["check", "good", "ddp", "amp"], cwd=tmp_path, env={"PYTHONPATH": str(mistakes)})
-    assert good.stdout.splitlines() == ["good: ok", "ddp: ok", "amp: ok"]
+def test_hookloop_check_a_good_plugin_and_each_mistake(mistakes, capsys):
+    assert hookloop.cli.main(["check", "good", "ddp", "amp"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["good: ok", "ddp: ok", "amp: ok"]
     for name, (_, message) in MISTAKES.items():
         if message is None:
             continue
-        proc = __import__("subprocess").run(HOOKLOOP + ["check", name], cwd=tmp_path, capture_output=True, text=True,
-                                            env={**__import__("os").environ, "PYTHONPATH": str(mistakes)})
-        assert proc.returncode == 1, (name, proc.stdout)
-        assert message in proc.stdout, (name, proc.stdout)
-        assert "fix:" in proc.stdout
+        code = hookloop.cli.main(["check", name])
+        stdout = capsys.readouterr().out
+        assert code == 1, (name, stdout)
+        assert message in stdout, (name, stdout)
+        assert "fix:" in stdout
 
 
-def test_plugins_load_reports_the_problems_instead_of_ok(mistakes, tmp_path):
-    import os
-    import subprocess
-
-    proc = subprocess.run(HOOKLOOP + ["plugins", "--load"], cwd=tmp_path, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(mistakes)})
-    assert proc.returncode == 1
-    rows = {line.split()[0]: line for line in proc.stdout.splitlines() if line and not line.startswith(" ")}
+def test_plugins_load_reports_the_problems_instead_of_ok(mistakes, capsys):
+    code = hookloop.cli.main(["plugins", "--load"])
+    stdout = capsys.readouterr().out
+    assert code == 1
+    rows = {line.split()[0]: line for line in stdout.splitlines() if line and not line.startswith(" ")}
     assert rows["good"].endswith("ok")
     for name in ("unknown_hook", "bad_argument", "undocumented_option"):
         assert "problem(s), see below" in rows[name]
-    assert "'on_train_batch_ended' is not a hookloop hook" in proc.stdout
+    assert "'on_train_batch_ended' is not a hookloop hook" in stdout
 
 
 # -- 1.8: options on the command line and in the environment ---------------------------------------
@@ -405,12 +422,22 @@ print(f"OPTIONS init_scale={amp.init_scale} growth_interval={amp.growth_interval
 '''
 
 
-def test_plugin_options_from_the_environment_the_command_line_and_code(tmp_path):
+def test_plugin_options_from_the_environment_the_command_line_and_code(tmp_path, monkeypatch, capsys):
+    """``hookloop run`` in this process up to its launch; the script then runs here as the
+    launched interpreter would: with the options in ``HOOKLOOP_TRAINER_DEFAULTS`` (that the
+    launch hands them on so is test_cli.py's test_run_options_become_trainer_defaults)."""
     (tmp_path / "show.py").write_text(SHOW_OPTIONS)
-    env = {"HOOKLOOP_PLUGIN_OPTIONS": "amp.init_scale=8; amp.allow_cpu_fp16=true; amp.growth_interval=3"}
-    out = run_python(HOOKLOOP + ["run", "--plugin-option", "amp.init_scale=1024", "show.py"], cwd=tmp_path, env=env)
+    monkeypatch.setenv("HOOKLOOP_PLUGIN_OPTIONS", "amp.init_scale=8; amp.allow_cpu_fp16=true; amp.growth_interval=3")
+    launched = []
+    monkeypatch.setattr(hookloop.cli, "run_command",
+                        lambda cmd, defaults=None, workers=True, root=None: launched.append((cmd, defaults, workers)) or 0)
+    assert hookloop.cli.main(["run", "--plugin-option", "amp.init_scale=1024", "show.py"]) == 0
+    ((cmd, defaults, workers),) = launched
+    assert cmd == [sys.executable, "show.py"] and workers is False  # one plain interpreter
+    monkeypatch.setenv(DEFAULTS_ENV, json.dumps(defaults))  # what run_command gives it
+    runpy.run_path("show.py", run_name="__main__")
     # per option: code beats the command line, which beats the environment
-    assert "OPTIONS init_scale=1024 growth_interval=7 allow_cpu_fp16=True" in out.stdout
+    assert "OPTIONS init_scale=1024 growth_interval=7 allow_cpu_fp16=True" in capsys.readouterr().out
 
 
 def test_bad_plugin_options_are_clear_errors():
@@ -483,6 +510,7 @@ def per_rank_state(root: str) -> dict:
     return {"rank": resumed.global_rank, "saved": first.value, "restored": second.restored}
 
 
+@pytest.mark.slow  # hookloop_processes spawns the ranks
 def test_per_rank_plugin_state_is_restored_to_its_rank(hookloop_processes, tmp_path):
     results = hookloop_processes(per_rank_state, nprocs=2, args=(str(tmp_path),), timeout=180)
     assert [r["saved"] for r in results] == [4.0, 8.0]  # 4 batches per rank x (rank + 1)
@@ -501,6 +529,7 @@ def rank_of(exit_on_rank: int):
     return rank
 
 
+@pytest.mark.slow  # the process fixture itself: spawned ranks
 def test_the_process_fixture_names_the_failing_rank(hookloop_processes):
     assert hookloop_processes(rank_of, nprocs=3, args=(-1,)) == [0, 1, 2]
     with pytest.raises(hookloop.testing.ProcessError, match="rank 1 raised ValueError: rank 1 fails on purpose"):
@@ -515,6 +544,7 @@ def hangs_on_rank_one():
         time.sleep(600)
 
 
+@pytest.mark.slow  # the process fixture itself: spawned ranks
 def test_the_process_fixture_kills_stragglers_after_its_timeout(hookloop_processes):
     import time
 

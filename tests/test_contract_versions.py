@@ -9,6 +9,7 @@ entry point on a subprocess's path), warned with what changed instead of silentl
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import subprocess
@@ -25,6 +26,7 @@ from packaging.version import Version
 from torch.utils.data import DataLoader
 
 import hookloop
+import hookloop.cli
 from conftest import TinyModule, install_fake_distribution, tiny_data
 from hookloop import versioning
 from hookloop.plugins import HookloopPluginManager
@@ -81,8 +83,9 @@ trainer.fit(TinyClassifier(), DataLoader(tiny_dataset(), batch_size=8), DataLoad
 '''
 
 
-def _installed_site(tmp_path: Path) -> Path:
-    site = tmp_path / "site"
+def _installed_site(tmp_path: Path, site: Path | None = None) -> Path:
+    """The three distributions installed in ``site`` (default: ``tmp_path/site``)."""
+    site = site or tmp_path / "site"
     install_fake_distribution(site, "hookloop-oldcsv", {"oldcsv": "hl_oldcsv:OldCsv"}, {"hl_oldcsv": OLD_CSV},
                               requires=["hookloop"])
     install_fake_distribution(site, "hookloop-newcsv", {"newcsv": "hl_newcsv:NewCsv"}, {"hl_newcsv": NEW_CSV},
@@ -257,6 +260,7 @@ def test_a_plugin_implementing_a_deprecated_hook_or_argument_is_warned():
     assert {Path(w.filename).name for w in record} == {Path(__file__).name}
 
 
+@pytest.mark.slow  # outside pytest: a fresh interpreter with Python's own warning filters
 def test_the_deprecation_warning_is_shown_outside_pytest(tmp_path):
     """DeprecationWarning is hidden outside __main__ by default; hookloop's is not."""
     script = tmp_path / "author.py"
@@ -332,6 +336,7 @@ class TestOldCsvFailsTheKit(ObserverConformance):
 # ----------------------------------------------------------------------------- installed, old and new
 
 
+@pytest.mark.slow  # the warning as a fresh interpreter prints it (once per process), and two real runs
 def test_a_first_contract_plugin_installed_is_warned_with_what_changed(tmp_path):
     site = _installed_site(tmp_path)
     (tmp_path / "fit.py").write_text(FIT_SCRIPT)
@@ -355,16 +360,26 @@ def test_a_first_contract_plugin_installed_is_warned_with_what_changed(tmp_path)
     assert [(row[0], row[2]) for row in _rows(new_root)] == [("0", "False"), ("1", "True")]
 
 
-def test_an_incompatible_installed_plugin_fails_clearly_and_check_reports_ranges(tmp_path):
-    """``hookloop check`` loads each plugin through the same entry-point path as a run."""
-    site = _installed_site(tmp_path)
-    check = _python(["-m", "hookloop", "check", "oldcsv", "newcsv", "oldrange"], site, tmp_path)
-    assert check.returncode == 1, check.stdout + check.stderr  # oldrange's problem
-    lines = check.stdout.splitlines()
-    assert "oldcsv: ok" in lines and "newcsv: ok" in lines and "oldrange: 1 problem(s)" in lines, check.stdout
+def test_an_incompatible_installed_plugin_fails_clearly_and_check_reports_ranges(tmp_path, site, monkeypatch, capsys):
+    """``hookloop check`` loads each plugin through the same entry-point path as a run
+    (here in this process, through ``hookloop.cli.main``)."""
+    _installed_site(tmp_path, site)
+    importlib.invalidate_caches()
+    monkeypatch.setattr(versioning, "_TOLD", set())  # oldcsv's once-per-process warning: not used up for later tests
+    before = set(sys.modules)
+    try:
+        code = hookloop.cli.main(["check", "oldcsv", "newcsv", "oldrange"])
+    finally:
+        for name in set(sys.modules) - before:  # the hl_* modules imported from site
+            if (getattr(sys.modules[name], "__file__", None) or "").startswith(str(site)):
+                del sys.modules[name]
+    out = capsys.readouterr()
+    assert code == 1, out.out + out.err  # oldrange's problem
+    lines = out.out.splitlines()
+    assert "oldcsv: ok" in lines and "newcsv: ok" in lines and "oldrange: 1 problem(s)" in lines, out.out
     # accepted, and said: only oldcsv declares no range
     note = lines.index("oldcsv: ok") + 1
-    assert lines[note].startswith("  note: declares no contract range (hookloop_requires)"), check.stdout
-    assert check.stdout.count("note:") == 1
+    assert lines[note].startswith("  note: declares no contract range (hookloop_requires)"), out.out
+    assert out.out.count("note:") == 1
     assert ("plugin 'oldrange' (hookloop-oldrange) was written for hookloop contract >=1,<2, and this hookloop "
-            f"implements contract {hookloop.CONTRACT_VERSION}: install a hookloop whose contract it admits") in check.stdout
+            f"implements contract {hookloop.CONTRACT_VERSION}: install a hookloop whose contract it admits") in out.out

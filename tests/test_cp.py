@@ -44,6 +44,7 @@ def max_diff(a: dict, b: dict) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
+@pytest.mark.slow
 def test_cp_on_two_cpu_processes_is_refused_at_setup_on_every_rank(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "hookloop", "run", "--plugins", "ddp,cp", "--devices", "2",
                            "--mesh", "cp=2", str(SCRIPTS / "cp_train.py"), str(tmp_path)],
@@ -73,6 +74,7 @@ def test_cp_is_refused_on_the_cpu_in_this_process_before_any_step(tmp_path):
     assert REASON in str(info.value) and steps == []
 
 
+@pytest.mark.slow
 def test_the_refusal_is_torchs_own_limit_on_the_cpu(tmp_path):
     import hookloop_cp
 
@@ -103,6 +105,7 @@ def test_the_refusal_is_torchs_own_limit_on_the_cpu(tmp_path):
     assert "REFUSED Operator aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy" in out
 
 
+@pytest.mark.slow
 def test_the_data_path_on_two_cpu_processes_equals_one_process_without_attention(tmp_path):
     run_python([sys.executable, "-m", "hookloop", "run", "--plugins", "ddp,cp", "--devices", "2", "--mesh", "cp=2",
                 str(SCRIPTS / "cp_train.py"), str(tmp_path), "cpu-data-path"], cwd=tmp_path, timeout=300)

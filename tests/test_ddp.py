@@ -21,16 +21,13 @@ from ddp_reference import concatenated_batches_run  # noqa: E402
 
 SCRIPT = REPO / "tests" / "scripts" / "ddp_battery.py"
 
+pytestmark = pytest.mark.check  # every test reads the shared ddp job (tests/jobs.py): the ddp family's job in make check
+
 
 @pytest.fixture(scope="module")
-def battery(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp_battery")
-    proc = run_python(
-        [sys.executable, "-m", "hookloop", "run", "--plugins", "ddp", "--devices", "2", str(SCRIPT), str(out)],
-        cwd=out, timeout=300,
-    )
-    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
-    return ranks, proc.stdout, out
+def battery(jobs):
+    run = jobs.run("ddp")  # tests/jobs.py: ddp_battery.py in the shared ddp job
+    return run.ranks("ddp_battery"), run.stdout("ddp_battery"), run.dir("ddp_battery")
 
 
 def test_parity_with_hand_written_torchrun_loop_and_concatenated_batches(battery):

@@ -34,6 +34,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "ddp2"])
 def test_two_nodes_on_localhost(tmp_path, strategy):
     endpoint = f"127.0.0.1:{_free_port()}"
@@ -68,6 +69,7 @@ def test_two_nodes_on_localhost(tmp_path, strategy):
     assert [r["step_ends"] for r in ranks] == [12, 12]  # 96 / 2 nodes / 8 = 6 steps x 2 epochs
 
 
+@pytest.mark.slow
 def test_ddp2_on_one_node_trains_in_the_launching_process(tmp_path):
     """ddp2 starts one process per node: on one node that is the process running the
     script, whatever devices says (no second interpreter)."""

@@ -17,6 +17,7 @@ sys.path.insert(0, str(REPO / "tests" / "scripts"))
 from ddp_reference import concatenated_batches_run  # noqa: E402
 
 
+@pytest.mark.check
 def test_hookloop_run_spawns_from_fit_and_returns_weights_and_metrics_to_the_caller(tmp_path):
     script = REPO / "tests" / "scripts" / "ddp_spawn_job.py"
     proc = run_python([sys.executable, "-m", "hookloop", "run", "--plugins", "ddp_spawn", "--devices", "2",
@@ -74,6 +75,7 @@ def test_unpicklable_collate_fn_and_callback_are_named():
         _spawn_fit(TinyModule(), DataLoader(tiny_data(), batch_size=8), plugins=("ddp_spawn", Observer()))
 
 
+@pytest.mark.slow
 def test_classes_of_an_interactive_main_are_refused_with_advice(tmp_path):
     # `python -c` has a __main__ without a file, like a notebook: spawned processes
     # could not import the module class defined there.

@@ -274,6 +274,7 @@ def max_state_diff(a: dict, b: dict) -> float:
 # ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_every_stage_trains_digits_like_the_reference(ds_runs, stage):
     runs = ds_runs(f"stage{stage}")
@@ -286,6 +287,7 @@ def test_every_stage_trains_digits_like_the_reference(ds_runs, stage):
     assert float((runs[0]["val_logits"] - reference(EPOCHS)["val_logits"]).abs().max()) < 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_loss_curve_matches_hookloop_ddp(ds_runs, ddp_runs, stage):
     ddp = ddp_runs("ddp")
@@ -300,6 +302,7 @@ def test_loss_curve_matches_hookloop_ddp(ds_runs, ddp_runs, stage):
 # ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_optimizer_state_per_rank_within_the_zero_limit(ds_runs):
     n_params = sum(p.numel() for p in DigitsClassifier().parameters())
     full = n_params * 4  # SGD momentum: one fp32 value per parameter
@@ -314,6 +317,7 @@ def test_optimizer_state_per_rank_within_the_zero_limit(ds_runs):
             assert sum(states) >= full
 
 
+@pytest.mark.slow
 def test_stage3_creates_and_keeps_parameters_partitioned(ds_runs):
     runs = ds_runs("stage3")
     n_params = sum(p.numel() for p in DigitsClassifier().parameters())
@@ -336,6 +340,7 @@ def test_stage3_creates_and_keeps_parameters_partitioned(ds_runs):
 # ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_accumulating_two_half_batches_equals_one_double_batch_under_zero2(ds_runs):
     accumulated, double = ds_runs("accumulate2"), ds_runs("double_batch")
     assert accumulated[0]["global_step"] == double[0]["global_step"] == 20
@@ -344,6 +349,7 @@ def test_accumulating_two_half_batches_equals_one_double_batch_under_zero2(ds_ru
     assert max_state_diff(double[0]["state_dict"], reference(1, limit=20)["state_dict"]) < 1e-5
 
 
+@pytest.mark.slow
 def test_accumulation_with_a_short_last_window_matches_the_reference(ds_runs):
     runs = ds_runs("accumulate2_epochs")
     assert runs[0]["global_step"] == 2 * math.ceil(STEPS_PER_EPOCH / 2)
@@ -352,6 +358,7 @@ def test_accumulation_with_a_short_last_window_matches_the_reference(ds_runs):
     assert max_state_diff(runs[0]["state_dict"], ref["state_dict"]) < 1e-5
 
 
+@pytest.mark.slow
 def test_gradient_clipping_and_activation_checkpointing(ds_runs):
     runs = ds_runs("clip_checkpointed")
     assert runs[0]["checkpoint_backend"] == "deepspeed"
@@ -362,6 +369,7 @@ def test_gradient_clipping_and_activation_checkpointing(ds_runs):
     assert max_state_diff(reference(2)["state_dict"], ref["state_dict"]) > 1e-3
 
 
+@pytest.mark.slow
 def test_bf16_precision_is_handed_to_deepspeed(ds_runs):
     runs = ds_runs("bf16")
     assert "amp leaves it to it" in ds_runs.output  # hookloop-amp handed the setting over
@@ -374,6 +382,7 @@ def test_bf16_precision_is_handed_to_deepspeed(ds_runs):
     assert sum(diffs) / len(diffs) < 0.05, sum(diffs) / len(diffs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["stage2_offload", "stage3_offload"])
 def test_offload_trains_with_deepspeed_cpu_adam(ds_runs, name):
     runs = ds_runs(name)
@@ -389,6 +398,7 @@ def test_offload_trains_with_deepspeed_cpu_adam(ds_runs, name):
         assert run["memory"]["optimizer_state_bytes"] <= 2 * n_params * 4 / WORLD + 128
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["adam_groups", "adamw_groups"])
 def test_offload_maps_torch_adam_and_adamw_exactly(ds_runs, name):
     runs = ds_runs(f"offload_{name}")
@@ -411,6 +421,7 @@ def test_offload_maps_torch_adam_and_adamw_exactly(ds_runs, name):
     assert max_state_diff(ref["state_dict"], other["state_dict"]) > 100 * OFFLOAD_TOL
 
 
+@pytest.mark.slow
 def test_offload_refuses_an_optimizer_deepspeed_cpu_adam_cannot_reproduce(ds_runs):
     for run in ds_runs("offload_sgd_refused"):
         error = run["error"]
@@ -424,6 +435,7 @@ def test_offload_refuses_an_optimizer_deepspeed_cpu_adam_cannot_reproduce(ds_run
         assert "amsgrad=True" in error, error
 
 
+@pytest.mark.slow
 def test_zero_force_ds_cpu_optimizer_false_steps_the_users_optimizer(ds_runs):
     runs = ds_runs("offload_sgd_forced")
     for run in runs:
@@ -434,6 +446,7 @@ def test_zero_force_ds_cpu_optimizer_false_steps_the_users_optimizer(ds_runs):
     assert max_state_diff(runs[0]["state_dict"], reference(EPOCHS)["state_dict"]) < 1e-5
 
 
+@pytest.mark.slow
 def test_nvme_offload_swaps_to_nvme_path_and_trains_like_the_reference(ds_runs):
     runs = ds_runs("stage3_nvme")
     for rank, run in enumerate(runs):
@@ -448,6 +461,7 @@ def test_nvme_offload_swaps_to_nvme_path_and_trains_like_the_reference(ds_runs):
     assert max_loss_diff(runs, reference(1, limit=4, optimizer="adam", hidden=NVME_HIDDEN)) < 1e-3
 
 
+@pytest.mark.slow
 def test_an_optimizer_in_the_custom_config_replaces_the_users(ds_runs):
     runs = ds_runs("config_optimizer")
     assert "the DeepSpeed config defines an optimizer; it replaces SGD from configure_optimizers" in ds_runs.output
@@ -462,6 +476,7 @@ def test_an_optimizer_in_the_custom_config_replaces_the_users(ds_runs):
 # ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_resume_from_a_sharded_checkpoint_continues_like_an_uninterrupted_run(ds_runs):
     uninterrupted, first, second = ds_runs("stage3"), ds_runs("resume_first"), ds_runs("resume_second")
     assert first[0]["global_step"] == RESUME_AT
@@ -474,6 +489,7 @@ def test_resume_from_a_sharded_checkpoint_continues_like_an_uninterrupted_run(ds
         assert abs(after["callback_metrics"]["val_acc"] - whole["callback_metrics"]["val_acc"]) < 1e-6
 
 
+@pytest.mark.slow
 def test_resume_continues_the_deepspeed_config_scheduler(ds_runs):
     straight, first, second = ds_runs("sched_straight"), ds_runs("sched_first"), ds_runs("sched_second")
     expected = [warmup_decay_lr(s) for s in range(SCHED_STEPS)]
@@ -488,6 +504,7 @@ def test_resume_continues_the_deepspeed_config_scheduler(ds_runs):
     assert max_state_diff(straight[0]["state_dict"], ref["state_dict"]) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_validate_from_a_sharded_checkpoint(ds_runs, stage):
     trained, validated = ds_runs(f"stage{stage}"), ds_runs(f"validate_stage{stage}")
@@ -496,6 +513,7 @@ def test_validate_from_a_sharded_checkpoint(ds_runs, stage):
         assert abs(a["callback_metrics"]["val_loss"] - b["callback_metrics"]["val_loss"]) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_collate_writes_one_state_dict_that_predicts_like_the_engine(ds_runs, tmp_path, stage):
     ckpt = ds_runs.workdir / f"stage{stage}" / "logs" / "version_0" / "checkpoints" / "last.ckpt"
@@ -518,6 +536,7 @@ def test_collate_writes_one_state_dict_that_predicts_like_the_engine(ds_runs, tm
 # ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_manual_optimization_runs_through_the_engine(ds_runs):
     """manual_backward -> engine.backward, step() -> engine.step(): the automatic run's
     losses and weights."""
@@ -528,11 +547,13 @@ def test_manual_optimization_runs_through_the_engine(ds_runs):
         assert max_state_diff(m["state_dict"], a["state_dict"]) == 0.0
 
 
+@pytest.mark.slow
 def test_two_optimizers_are_refused_by_the_engine(ds_runs):
     for run in ds_runs("manual_two_optimizers"):
         assert "2 optimizers, and a DeepSpeed engine trains with one" in run["error"]
 
 
+@pytest.mark.slow
 def test_process_group_timeout_reaches_deepspeeds_group(ds_runs):
     # Trainer(process_group_timeout=77) in one scenario; gloo's default (300 s) in the others.
     assert [r["group_timeout_s"] for r in ds_runs("manual_stage2")] == [77.0, 77.0]

@@ -170,6 +170,7 @@ def test_custom_config_wins_over_the_options_and_says_what_it_overrode(tmp_path,
     assert load_custom_config({"zero_optimization": {"stage": 0}})[0] == {"zero_optimization": {"stage": 0}}
 
 
+@pytest.mark.slow  # proves deepspeed is not imported: a fresh interpreter, where nothing imported it before
 def test_presets_and_roles_without_importing_deepspeed():
     code = """
 import sys, hookloop

@@ -13,6 +13,7 @@ Counted, never timed (the timings are in benchmarks/ddp_throughput.py).
 from __future__ import annotations
 
 
+import pytest
 import torch
 from torch.utils.data import DataLoader
 
@@ -149,6 +150,7 @@ def agreement_does_not_block(store_path: str) -> dict:
             "weights": {k: v.clone() for k, v in module.state_dict().items()}}
 
 
+@pytest.mark.slow
 def test_the_sigterm_agreement_lets_a_rank_pass_a_boundary_its_peer_has_not_reached(hookloop_processes, tmp_path):
     results = hookloop_processes(agreement_does_not_block, nprocs=2, args=(str(tmp_path / "store"),), timeout=240)
     for r in results:

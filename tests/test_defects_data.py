@@ -82,6 +82,7 @@ def _train_orders(seeds: list, epochs: int, n: int, plugin: str = "ddp") -> dict
     return orders
 
 
+@pytest.mark.slow
 def test_ddp_sampler_uses_the_seed_of_seed_everything():
     n, epochs, seeds = 14, 2, [1, 2]
     ranks = run_processes(_train_orders, nprocs=WORLD, args=(seeds, epochs, n), timeout=240)
@@ -95,6 +96,7 @@ def test_ddp_sampler_uses_the_seed_of_seed_everything():
         assert orders[1] != orders[2]
 
 
+@pytest.mark.slow
 def test_deepspeed_sampler_uses_the_seed_of_seed_everything():
     """deepspeed (like horovod) gets its sampler from the same core helper as ddp."""
     n, seed = 14, 3
@@ -184,6 +186,7 @@ def predicted():
     return run_processes(_predict_with_user_samplers, nprocs=WORLD, timeout=240)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["shuffled", "unshuffled"])
 def test_predictions_with_a_users_distributed_sampler_come_back_in_dataset_order(predicted, name):
     expected = _single_process_predictions(list(range(PREDICT_N)), PREDICT_BATCH)
@@ -193,6 +196,7 @@ def test_predictions_with_a_users_distributed_sampler_come_back_in_dataset_order
         assert _flat(predictions) == _flat(expected), (rank, name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["shuffled_drop_last", "unshuffled_drop_last"])
 def test_drop_last_sampler_predictions_are_its_samples_once_in_dataset_order_with_a_warning(predicted, name):
     kwargs = SAMPLERS[name]
@@ -208,6 +212,7 @@ def test_drop_last_sampler_predictions_are_its_samples_once_in_dataset_order_wit
             assert "1 of its 11 samples" in dropped[0]
 
 
+@pytest.mark.slow
 def test_predictions_of_an_unknown_sampler_come_in_rank_order_with_a_warning(predicted):
     for rank, results in enumerate(predicted):
         predictions, caught = results["unknown"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 import torch
 
 from conftest import REPO, finish_job, max_abs_diff, start_hookloop_run
@@ -25,6 +26,7 @@ def _records(out):
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 
 
+@pytest.mark.slow
 def test_run_devices_2_with_the_strategy_named_in_code_trains_on_two_processes(tmp_path):
     script = SCRIPTS / "launch_code_strategy.py"
     code, cli = tmp_path / "code", tmp_path / "cli"
@@ -41,6 +43,7 @@ def test_run_devices_2_with_the_strategy_named_in_code_trains_on_two_processes(t
     assert not (code / "rank2.pt").exists() and not (cli / "rank2.pt").exists()
 
 
+@pytest.mark.slow
 def test_run_devices_2_with_no_strategy_anywhere_says_how_to_name_one(tmp_path):
     (tmp_path / "x.py").write_text(
         "import sys; sys.path.insert(0, %r)\n"
@@ -76,6 +79,7 @@ def test_the_battery_covers_every_optimizer_class_of_torch_optim():
     assert set(OPTIMIZERS) == classes - EXCLUDED
 
 
+@pytest.mark.slow
 def test_ddp_sharded_steps_each_torch_optimizer_as_ddp_does(tmp_path):
     proc = start_hookloop_run(["--plugins", "ddp_sharded", "--devices", 2, SCRIPTS / "sharded_optimizers.py",
                                tmp_path], tmp_path)

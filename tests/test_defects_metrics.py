@@ -4,7 +4,8 @@ Every test runs the same module under hookloop and under pytorch-lightning 2.6.6
 reference for Lightning semantics) and/or checks a number worked out by hand:
 
 * ``sync_dist=True`` with ``on_step`` and ``on_epoch``: the epoch value is reduced once,
-  from each rank's local values (2 real processes, gloo);
+  from each rank's local values (2 real processes, gloo: tests/scripts/sync_dist_ddp.py
+  in the shared ddp job, tests/jobs.py);
 * ``self.log`` in ``on_train_epoch_start`` is an epoch metric;
 * training stopped inside an epoch (``max_steps``, ``trainer.should_stop``) still ends
   the epoch: ``on_train_epoch_end`` and the epoch's metrics;
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import csv
 import logging
-import os
 import warnings
 from pathlib import Path
 
@@ -27,7 +27,6 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import hookloop
-from hookloop.testing import run_processes
 
 import pytorch_lightning as pl  # the reference (tests only)
 
@@ -108,26 +107,11 @@ def sync_logged_class(base):
     return SyncLogged
 
 
-def _sync_dist_worker(root: str) -> dict:
-    rank = int(os.environ["RANK"])
-    loader = DataLoader(TensorDataset(torch.arange(2.0 * 2 * STEPS_PER_RANK).unsqueeze(1)), batch_size=2)
-    out = {}
-    trainer = hookloop.Trainer(plugins=["ddp"], max_epochs=1, default_root_dir=os.path.join(root, "hl"),
-                               enable_checkpointing=False, enable_progress_bar=False, logger=False)
-    trainer.fit(sync_logged_class(hookloop.Module)(), loader)
-    out["hookloop"] = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    _quiet()
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         default_root_dir=os.path.join(root, "pl"))
-    trainer.fit(sync_logged_class(pl.LightningModule)(), loader)
-    out["lightning"] = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    out["rank"] = rank
-    return out
-
-
-def test_sync_dist_epoch_value_is_reduced_once_from_local_values(tmp_path):
-    ranks = run_processes(_sync_dist_worker, nprocs=2, args=(str(tmp_path),), timeout=240)
+@pytest.mark.check  # reads the shared ddp job
+def test_sync_dist_epoch_value_is_reduced_once_from_local_values(jobs):
+    # tests/scripts/sync_dist_ddp.py in the shared ddp job (tests/jobs.py): hookloop's ddp,
+    # then pytorch-lightning's, on sync_logged_class's module
+    ranks = jobs.run("ddp").ranks("sync_dist_ddp")
     steps = range(1, STEPS_PER_RANK + 1)  # batch_idx + 1
     # every rank's every value once: sum over r of (r + 1) * i
     total = sum((r + 1) * i for r in (0, 1) for i in steps)

@@ -144,6 +144,7 @@ def test_dp_refuses_several_nodes():
         trainer.fit(TinyModule(), DataLoader(tiny_data(), batch_size=16))
 
 
+@pytest.mark.check
 @needs_cpu_only
 def test_hookloop_run_with_dp_starts_one_process(tmp_path):
     (tmp_path / "train.py").write_text(textwrap.dedent(

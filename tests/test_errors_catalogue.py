@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,16 +119,6 @@ class Exit:
 
     code: int
     stderr: str
-
-
-def hookloop_command(tmp: Path, *args: str) -> Exit:
-    """``python -m hookloop ARGS`` in a real process (about 3 s: keep these few)."""
-    import os
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HOOKLOOP_")}
-    proc = subprocess.run([sys.executable, "-m", "hookloop", *args], cwd=tmp, env=env,
-                          capture_output=True, text=True, timeout=120)
-    return Exit(proc.returncode, proc.stderr)
 
 
 def in_process_command(*args: str) -> Exit:
@@ -509,7 +498,7 @@ def _(tmp):
 @row("L02")
 def _(tmp):
     (tmp / "train.py").write_text("print('must not run')\n")
-    return hookloop_command(tmp, "run", "--plugins", "ddpp", "train.py")
+    return in_process_command("run", "--plugins", "ddpp", "train.py")
 
 
 @row("L03")

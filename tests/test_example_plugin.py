@@ -4,6 +4,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 from conftest import REPO, run_python
 
 SCRIPT = textwrap.dedent(
@@ -49,6 +50,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_pip_install_and_enable_by_name(tmp_path):
     target = tmp_path / "site"
     subprocess.run(

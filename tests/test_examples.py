@@ -13,6 +13,7 @@ HOOKLOOP = [sys.executable, "-m", "hookloop"]
 EXAMPLES = REPO / "examples"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("devices", [1, 2])
 def test_a_lightning_module_runs_with_only_its_imports_changed(tmp_path, devices):
     out = run_python([sys.executable, str(EXAMPLES / "lightning_port.py"), "--devices", str(devices),
@@ -25,6 +26,7 @@ def test_a_lightning_module_runs_with_only_its_imports_changed(tmp_path, devices
     assert (tmp_path / "lightning_port_logs" / "final.ckpt").is_file()
 
 
+@pytest.mark.slow
 def test_the_gan_example_trains_under_ddp(tmp_path):
     out = run_python(HOOKLOOP + ["run", "--plugins", "ddp", "--devices", "2", "--max-epochs", "4",
                                  str(EXAMPLES / "gan.py")], cwd=tmp_path, timeout=300)

@@ -21,8 +21,7 @@ import pytest
 
 from conftest import finish_job
 
-FULL = pytest.mark.skipif(os.environ.get("HOOKLOOP_TEST_FULL") != "1",
-                          reason="one more 2-process job (~25 s on 2 busy cores): HOOKLOOP_TEST_FULL=1 (make test-full)")
+FULL = pytest.mark.full  # one more 2-process job (~25 s on 2 busy cores)
 
 SCRIPT = '''
 import os, sys
@@ -88,10 +87,12 @@ def root_cause(torch_report: list[str]) -> list[str]:
     return torch_report[start:]
 
 
+@pytest.mark.slow
 def test_a_configuration_error_is_printed_by_rank_0_alone(tmp_path):
     check_once(torchrun(tmp_path, "config"), CONFIG_ERROR, in_module=True)
 
 
+@pytest.mark.slow
 def test_rank_1_raising_the_same_error_late_still_prints_its_line(tmp_path):
     # A fresh-clone CI run lost rank 1's line: rank 0 exited once its traceback was out, and
     # the agent stopped rank 1 (SIGTERM, "exitcode -15") before rank 1 had printed. Rank 0

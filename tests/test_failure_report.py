@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import REPO, finish_job, start_hookloop_run
 
 SCRIPT = REPO / "tests" / "scripts" / "failing_job.py"
@@ -63,6 +64,7 @@ def check_report(lines: list[str], failing: list[int], world: int = 2) -> None:
     assert len(lines) == 1 + bool(same) + len(logs) + bool(stopped) + 1, text
 
 
+@pytest.mark.slow
 def test_hookloop_run_reports_rank_1s_failure_once(tmp_path):
     proc = start_hookloop_run(["--plugins", "ddp", "--devices", "2", "--accelerator", "cpu",
                                "--default-root-dir", tmp_path, SCRIPT, tmp_path, "one"], cwd=tmp_path)
@@ -80,6 +82,7 @@ def test_hookloop_run_reports_rank_1s_failure_once(tmp_path):
             assert (folder / "attempt_0" / f"rank{rank}" / name).is_file()
 
 
+@pytest.mark.slow
 def test_a_scripts_own_relaunch_reports_an_error_of_every_rank_once(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "HOOKLOOP_"))}
     env.pop("LOCAL_RANK", None)

@@ -3,11 +3,13 @@ the kit's worker through ``hookloop run --plugins ddp_sharded --devices 2``."""
 
 from __future__ import annotations
 
-import os
 
+import pytest
 from hookloop.testing import StrategyConformance
+from tiers import at_least  # noqa: E402
 
 
+@pytest.mark.slow
 class TestDDPShardedConformance(StrategyConformance):
     plugin = "ddp_sharded"
-    wide = os.environ.get("HOOKLOOP_TEST_FULL") == "1"  # the several-bucket model: make test-full
+    wide = at_least("full")  # the several-bucket model: make test-full

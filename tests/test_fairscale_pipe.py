@@ -125,6 +125,7 @@ def test_pipe_runs_its_partitions_under_the_callers_autocast():
     assert max_abs_diff(state_of(piped), state_of(bf16)) < 1e-3 < max_abs_diff(state_of(piped), state_of(fp32))
 
 
+@pytest.mark.slow
 def test_pipe_trains_the_digits_example_past_90_percent(tmp_path):
     script = REPO / "plugins" / "fairscale" / "examples" / "pipe_digits.py"
     proc = run_python([sys.executable, "-m", "hookloop", "run", "--plugins", "pipe",

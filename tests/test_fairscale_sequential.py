@@ -41,6 +41,7 @@ def single_process(batch_size=8, epochs=2, optimizer="sgd", **kwargs):
     return trainer, module, losses.losses
 
 
+@pytest.mark.slow
 def test_two_stages_on_two_processes_follow_the_one_process_loss_curve(battery):
     ranks, _ = battery
     trainer, module, losses = single_process()
@@ -58,6 +59,7 @@ def test_two_stages_on_two_processes_follow_the_one_process_loss_curve(battery):
         assert run["model_after"] == "_StepModule"
 
 
+@pytest.mark.slow
 def test_accumulation_and_clipping_over_the_stages(battery):
     ranks, _ = battery
     _, module, losses = single_process(optimizer="adam", accumulate_grad_batches=2, gradient_clip_val=0.05)
@@ -66,6 +68,7 @@ def test_accumulation_and_clipping_over_the_stages(battery):
         assert max_abs_diff(record["accumulate_clip"]["state"], state_of(module)) <= 1e-6
 
 
+@pytest.mark.slow
 def test_bf16_composes(battery):
     ranks, _ = battery
     _, bf16, _ = single_process(precision="bf16-mixed")
@@ -78,6 +81,7 @@ def test_bf16_composes(battery):
         assert max_abs_diff(record["bf16"]["state"], state_of(fp32)) > 1e-4
 
 
+@pytest.mark.slow
 def test_one_stage_two_replicas_is_data_parallel(battery):
     ranks, _ = battery
     _, module, _ = single_process(batch_size=16)  # the two replicas' unshuffled shares, together
@@ -86,6 +90,7 @@ def test_one_stage_two_replicas_is_data_parallel(battery):
         assert max_abs_diff(record["replicas"]["state"], state_of(module)) <= 1e-5
 
 
+@pytest.mark.slow
 def test_balance_is_chosen_by_rank_0_and_printed(battery):
     ranks, stdout = battery
     assert ("hookloop-fairscale: ddp_sequential balance [1, 4] (2 stages x 1 replicas), chosen no "
@@ -93,6 +98,7 @@ def test_balance_is_chosen_by_rank_0_and_printed(battery):
     assert [record["auto_balance"]["stage_parameters"] for record in ranks] == [144, 323]
 
 
+@pytest.mark.slow
 def test_checkpoint_gathers_the_stages_under_the_original_keys_and_resumes(battery):
     ranks, _ = battery
     checkpoint = torch.load(ranks[0]["last_ckpt"], weights_only=True)
@@ -107,6 +113,7 @@ def test_checkpoint_gathers_the_stages_under_the_original_keys_and_resumes(batte
         assert max_abs_diff(record["resumed"]["state"], record["pipeline"]["state"]) <= 1e-6
 
 
+@pytest.mark.slow
 def test_validate_reports_the_last_stage_metrics_on_every_rank(battery):
     ranks, _ = battery
     expected = hookloop.Trainer(enable_checkpointing=False).validate(SeqNet(seed=3), DataLoader(VAL, batch_size=6))

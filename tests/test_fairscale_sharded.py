@@ -44,6 +44,7 @@ def greedy_partition(sizes: list[int], world: int) -> list[int]:
     return held
 
 
+@pytest.mark.check
 def test_weights_equal_ddp_with_sgd_adam_accumulation_clipping_and_schedulers(battery):
     ranks, _, _ = battery
     for record in ranks:
@@ -64,6 +65,7 @@ def test_weights_equal_ddp_with_sgd_adam_accumulation_clipping_and_schedulers(ba
                             ranks[1]["parity"][key]["ddp_sharded"]["state"]) == 0.0
 
 
+@pytest.mark.check
 def test_each_rank_holds_its_partition_of_the_optimizer_state(battery):
     ranks, stdout, _ = battery
     sizes = [p.numel() for p in Net().parameters()]  # 128, 16, 48, 3
@@ -86,6 +88,7 @@ def test_each_rank_holds_its_partition_of_the_optimizer_state(battery):
     assert PARTITION_LINE in stdout  # what rank 0 prints when a ddp_sharded fit builds OSS
 
 
+@pytest.mark.check
 def test_sync_dist_metrics_and_validate(battery):
     ranks, _, _ = battery
     for record in ranks:
@@ -95,6 +98,7 @@ def test_sync_dist_metrics_and_validate(battery):
     assert ranks[0]["validate"][0]["val_loss"] == pytest.approx(ranks[1]["validate"][0]["val_loss"])
 
 
+@pytest.mark.check
 def test_bf16_composes_and_fp16_uses_the_sharded_grad_scaler(battery):
     ranks, stdout, _ = battery
     assert "the loss scaler is fairscale's ShardedGradScaler" in stdout
@@ -110,12 +114,14 @@ def test_bf16_composes_and_fp16_uses_the_sharded_grad_scaler(battery):
     assert max_abs_diff(ranks[0]["fp16"]["ddp_sharded"]["state"], ranks[1]["fp16"]["ddp_sharded"]["state"]) == 0.0
 
 
+@pytest.mark.check
 def test_activation_checkpointing_composes_with_ddp_sharded(battery):
     ranks, _, _ = battery
     for record in ranks:
         assert max_abs_diff(record["checkpointed"], record["not_checkpointed"]) <= 1e-6
 
 
+@pytest.mark.check
 def test_checkpoint_holds_the_consolidated_state_in_the_plain_format(battery):
     ranks, _, out = battery
     checkpoint = torch.load(ranks[0]["last_ckpt"], weights_only=True)
@@ -138,6 +144,7 @@ def test_checkpoint_holds_the_consolidated_state_in_the_plain_format(battery):
         assert torch.equal(after["optimizer_states"][0]["state"][index]["exp_avg"], state["exp_avg"])
 
 
+@pytest.mark.check
 def test_checkpoint_resumes_under_ddp_and_ddp_sharded_like_an_uninterrupted_run(battery):
     ranks, _, _ = battery
     for record in ranks:
@@ -145,6 +152,7 @@ def test_checkpoint_resumes_under_ddp_and_ddp_sharded_like_an_uninterrupted_run(
         assert max_abs_diff(record["resumed_ddp_sharded"], record["straight"]) <= 1e-6
 
 
+@pytest.mark.check
 @pytest.mark.parametrize("plugins", [[], ["ddp_sharded"]], ids=["one-process", "ddp_sharded-one-process"])
 def test_checkpoint_resumes_in_one_process_like_the_uninterrupted_two_process_run(battery, plugins):
     ranks, _, _ = battery
@@ -156,6 +164,7 @@ def test_checkpoint_resumes_in_one_process_like_the_uninterrupted_two_process_ru
     assert max_abs_diff(dict(module.state_dict()), ranks[0]["straight"]) <= 1e-5
 
 
+@pytest.mark.slow
 def test_ddp_sharded_spawn_trains_like_one_process_on_the_concatenated_batches():
     module = Net(seed=0)
     trainer = hookloop.Trainer(plugins=["ddp_sharded_spawn"], devices=2, max_epochs=2, enable_checkpointing=False,

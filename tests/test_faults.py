@@ -164,8 +164,8 @@ def steps(out, rank: int, attempt: int, rerun: int = 0) -> list[int]:
 # DeepSpeed's launcher is torchrun too, and its last.ckpt a directory of shards: the same
 # restart resumes it. horovod is refused with --max-restarts (horovodrun never restarts a
 # worker; docs/errors.md L07).
-@pytest.mark.parametrize("strategy", ["ddp", pytest.param("deepspeed_stage_2", marks=pytest.mark.skipif(
-    os.environ.get("HOOKLOOP_TEST_FULL") != "1", reason="DeepSpeed's restart: HOOKLOOP_TEST_FULL=1 (make test-full)"))])
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("deepspeed_stage_2", marks=pytest.mark.full)])
 def test_a_worker_killed_mid_epoch_is_restarted_and_the_run_resumes_bit_identical(tmp_path, strategy):
     if strategy.startswith("deepspeed"):
         pytest.importorskip("hookloop_deepspeed")
@@ -214,6 +214,7 @@ def assert_same_weights(out, reference):
     assert all(torch.equal(resumed[k], reference[k]) for k in reference)
 
 
+@pytest.mark.slow
 def test_sigterm_to_a_worker_checkpoints_at_the_next_step_boundary_and_the_restart_resumes_exactly(tmp_path, reference):
     started = time.monotonic()
     out = tmp_path / "term"
@@ -236,6 +237,7 @@ def test_sigterm_to_a_worker_checkpoints_at_the_next_step_boundary_and_the_resta
 # term-agent: global rank 0 sends SIGTERM to its parent, the elastic agent; term-launcher:
 # to the agent's parent, `hookloop run` (a container's PID 1), which passes it on to the
 # agent (before it did, `hookloop run` died alone and the job ran on, all 8 steps).
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["term-agent", "term-launcher"])
 def test_sigterm_to_the_agent_ends_the_job_with_a_checkpoint_and_a_rerun_resumes_exactly(tmp_path, reference, fault):
     started = time.monotonic()
@@ -261,6 +263,7 @@ def test_sigterm_to_the_agent_ends_the_job_with_a_checkpoint_and_a_rerun_resumes
     assert_same_weights(out, reference)
 
 
+@pytest.mark.slow
 def test_a_stopped_rank_fails_the_others_within_the_timeout_and_the_restart_resumes_exactly(tmp_path, reference):
     started = time.monotonic()
     out = tmp_path / "stopped"
@@ -332,6 +335,7 @@ def fake_scontrol(tmp_path, monkeypatch):
     return record
 
 
+@pytest.mark.slow
 def test_sigterm_in_one_process_checkpoints_requeues_the_slurm_job_and_a_rerun_resumes_exactly(
         tmp_path, agent_env, monkeypatch, fake_scontrol, capsys):
     straight = SignalsAt(None)

@@ -54,6 +54,7 @@ def battery(tmp_path_factory):
 # -- parity with ddp --------------------------------------------------------------------------
 
 
+@pytest.mark.check
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "FULL_SHARD+offload"])
 def test_parity_with_ddp_under_accumulation_clipping_and_a_schedule(battery, optimizer, strategy):
@@ -68,6 +69,7 @@ def test_parity_with_ddp_under_accumulation_clipping_and_a_schedule(battery, opt
                     ranks[1]["parity"][(optimizer, strategy)]["final"]) == 0.0
 
 
+@pytest.mark.check
 def test_sync_dist_is_the_mean_over_ranks(battery):
     ranks, _, _ = battery
     for record in ranks:
@@ -76,6 +78,7 @@ def test_sync_dist_is_the_mean_over_ranks(battery):
         assert metrics["val_loss"] == pytest.approx(record["parity"][("sgd", "ddp")]["metrics"]["val_loss"], abs=1e-5)
 
 
+@pytest.mark.check
 def test_accumulation_skips_the_reduce_scatter_on_micro_batches_that_do_not_step(battery):
     ranks, _, _ = battery
     for r, record in enumerate(ranks):
@@ -85,6 +88,7 @@ def test_accumulation_skips_the_reduce_scatter_on_micro_batches_that_do_not_step
         assert kinds == [("NoneType", None), ("DTensor", ((2, 32), (1, 32))[r])]
 
 
+@pytest.mark.check
 def test_the_mesh_of_each_sharding_strategy(battery):
     ranks, _, _ = battery
     placements = ranks[0]["parity"][("sgd", "FULL_SHARD")]["placements"]
@@ -108,6 +112,7 @@ def _expected_local_bytes(model, world: int, rank: int, sharded: bool) -> int:
     return total
 
 
+@pytest.mark.check
 def test_per_rank_bytes_are_a_shard_under_full_shard_and_everything_under_no_shard(battery):
     ranks, _, _ = battery
     model = Net(optimizer="adam", width=64)
@@ -132,6 +137,7 @@ def test_per_rank_bytes_are_a_shard_under_full_shard_and_everything_under_no_sha
 # -- meta-device creation ----------------------------------------------------------------------
 
 
+@pytest.mark.check
 def test_meta_device_configure_model_gives_the_weights_of_normal_construction(battery):
     ranks, _, _ = battery
     reference = weights(Net(seed=7))  # rank 0's seed, built whole in this process
@@ -141,6 +147,7 @@ def test_meta_device_configure_model_gives_the_weights_of_normal_construction(ba
     assert ranks[0]["meta_local_shapes"]["blocks.1.fc.weight"] == (16, 32)
 
 
+@pytest.mark.check
 def test_meta_device_creation_lowers_rank0_peak_memory_during_set_up(battery):
     ranks, _, _ = battery
     peak = ranks[0]["setup_peak_kib"]  # KiB over the resident size at setup(), to on_fit_start
@@ -155,6 +162,7 @@ def test_meta_device_creation_lowers_rank0_peak_memory_during_set_up(battery):
 # -- checkpoints ------------------------------------------------------------------------------
 
 
+@pytest.mark.check
 def test_sharded_checkpoint_directory_layout(battery):
     _, _, out = battery
     ckpt = out / "mid.ckpt"
@@ -166,6 +174,7 @@ def test_sharded_checkpoint_directory_layout(battery):
     assert "state_dict" not in loop and loop["loop"]["global_step"] == 6
 
 
+@pytest.mark.check
 def test_resume_from_sharded_on_two_processes_continues_like_an_uninterrupted_run(battery):
     ranks, _, _ = battery
     for record in ranks:
@@ -175,6 +184,7 @@ def test_resume_from_sharded_on_two_processes_continues_like_an_uninterrupted_ru
         assert max_diff(record["resumed_full_from_sharded"], record["straight"]) == 0.0
 
 
+@pytest.mark.check
 def test_resume_from_sharded_on_one_process(battery):
     ranks, _, out = battery
     run_python([sys.executable, "-m", "hookloop", "run", "--plugins", "fsdp", "--devices", "1",
@@ -199,6 +209,7 @@ def _collate(out, name: str, cli: bool = True) -> dict:
     return torch.load(target, weights_only=True)
 
 
+@pytest.mark.check
 def test_collate_gives_a_plain_state_dict_with_the_same_predictions(battery):
     ranks, _, out = battery
     state = _collate(out, "final.ckpt")
@@ -212,6 +223,7 @@ def test_collate_gives_a_plain_state_dict_with_the_same_predictions(battery):
     assert torch.equal(ranks[0]["predictions"], ranks[1]["predictions"])
 
 
+@pytest.mark.check
 def test_after_fit_the_module_holds_its_shards_and_save_checkpoint_still_writes(battery):
     ranks, _, out = battery
     for r, record in enumerate(ranks):
@@ -231,6 +243,7 @@ def test_after_fit_the_module_holds_its_shards_and_save_checkpoint_still_writes(
     assert ranks[0]["validate_after_fit"][0]["val_loss"] == pytest.approx(float(torch.stack(losses).mean()), abs=1e-6)
 
 
+@pytest.mark.check
 def test_full_state_dict_type_leaves_the_module_whole_after_fit(battery):
     ranks, _, _ = battery
     run = ranks[1]["parity"][("sgd", "FULL_SHARD")]
@@ -238,6 +251,7 @@ def test_full_state_dict_type_leaves_the_module_whole_after_fit(battery):
     assert run["model_during"] == "FSDPFSDPRoot" and run["model_after"] == "_StepModule"
 
 
+@pytest.mark.check
 def test_full_checkpoints_in_and_after_the_run_load_into_a_plain_model_and_optimizer(battery):
     ranks, _, out = battery
     in_run = torch.load(out / "full_in_run.ckpt", weights_only=True)
@@ -256,6 +270,7 @@ def test_full_checkpoints_in_and_after_the_run_load_into_a_plain_model_and_optim
     assert in_run["optimizer_states"][0]["param_groups"] == after["optimizer_states"][0]["param_groups"]
 
 
+@pytest.mark.slow
 def test_a_crash_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("HOOKLOOP_") and k not in ("RANK", "LOCAL_RANK")}
     proc = subprocess.Popen([sys.executable, str(SCRIPTS / "fsdp_crash.py"), str(tmp_path)], cwd=tmp_path, env=env,
@@ -282,6 +297,7 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path):
 # -- activation checkpointing, precision, manual optimization -------------------------------
 
 
+@pytest.mark.check
 def test_activation_checkpointing_gives_the_same_gradients(battery):
     ranks, _, _ = battery
     for record in ranks:
@@ -292,6 +308,7 @@ def test_activation_checkpointing_gives_the_same_gradients(battery):
         assert checkpointed["calls"] == [2 * c for c in plain["calls"]]
 
 
+@pytest.mark.check
 def test_precision_is_handed_to_the_strategy(battery):
     ranks, _, _ = battery
     runs = ranks[0]["precision"]
@@ -306,6 +323,7 @@ def test_precision_is_handed_to_the_strategy(battery):
         assert run["final"].keys() == runs["32"]["final"].keys()
 
 
+@pytest.mark.check
 def test_the_fp16_scaler_state_is_in_the_checkpoint(battery):
     _, _, out = battery
     scaler = torch.load(out / "precision-16-mixed.ckpt", weights_only=True)["plugins"]["fsdp"]["scaler"]
@@ -313,6 +331,7 @@ def test_the_fp16_scaler_state_is_in_the_checkpoint(battery):
     assert "fsdp" not in torch.load(out / "precision-bf16-mixed.ckpt", weights_only=True)["plugins"]
 
 
+@pytest.mark.check
 def test_manual_optimization_matches_ddp(battery):
     ranks, _, _ = battery
     for record in ranks:

@@ -5,13 +5,15 @@
 ddp's. The sharded format is checked against references in tests/test_fsdp.py.
 """
 
-import os
 
+import pytest
 from hookloop.testing import StrategyConformance
+from tiers import at_least  # noqa: E402
 
 
+@pytest.mark.slow
 class TestFSDPConformance(StrategyConformance):
     plugin = "fsdp"
-    wide = os.environ.get("HOOKLOOP_TEST_FULL") == "1"  # the several-bucket model: make test-full
+    wide = at_least("full")  # the several-bucket model: make test-full
     checkpoint = "file"
     options = {"auto_wrap_policy": ["Linear"]}  # two units under the root: the common layout

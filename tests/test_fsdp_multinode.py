@@ -54,7 +54,7 @@ def reference(epochs: int = 2, batch: int = 16, ranks: int = 4) -> dict:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
-@pytest.mark.skipif(os.environ.get("HOOKLOOP_TEST_FULL") != "1", reason="two simulated nodes of 2 processes (~30 s): HOOKLOOP_TEST_FULL=1 (make test-full)")
+@pytest.mark.full  # two simulated nodes of 2 processes (~30 s)
 def test_hybrid_shard_on_two_nodes(tmp_path):
     endpoint = f"127.0.0.1:{_free_port()}"
     env = {k: v for k, v in os.environ.items()

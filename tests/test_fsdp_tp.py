@@ -17,7 +17,7 @@ weights and the optimizer's state after 6 steps within 1e-5.
   smallest layout where HSDP's 2-D data-parallel mesh (replicas all-reduce, shard group
   reduce-scatter) wraps an already tensor-parallel model; its shard group has one
   process. The real ``dp_replicate=2,dp_shard=2,tp=2`` needs 8 processes:
-  ``HOOKLOOP_TEST_FULL=1`` only.
+  ``make test-full`` only.
 """
 
 from __future__ import annotations
@@ -34,10 +34,11 @@ from conftest import REPO, run_python
 
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
 from tp_models import Net, data  # noqa: E402
+from tiers import at_least  # noqa: E402
 
 SCRIPT = REPO / "tests" / "scripts" / "fsdp_tp_job.py"
 STEPS, SAMPLES = 6, 8
-FULL = os.environ.get("HOOKLOOP_TEST_FULL") == "1"
+FULL = at_least("full")
 
 
 def reference(optimizer: str, steps: int, clip: float | None = None) -> tuple[dict, dict]:
@@ -85,6 +86,7 @@ def runs(tmp_path_factory):
     return out, p1.stdout + p1.stderr + p2.stdout + p2.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_fsdp_x_tp_on_2x2_equals_one_process(runs, optimizer):
     out, _ = runs
@@ -101,6 +103,7 @@ def test_fsdp_x_tp_on_2x2_equals_one_process(runs, optimizer):
         assert run["layouts"]["head.weight"] == (("S(0)",), ("dp_shard",))
 
 
+@pytest.mark.slow
 def test_accumulation_and_clipping_by_norm_across_the_two_meshes_equal_one_process(runs):
     """Two micro-batches a step (fsdp's no-sync accumulation, tp following), the gradients
     clipped by their total norm although they are DTensors on two meshes (split layers'
@@ -114,6 +117,7 @@ def test_accumulation_and_clipping_by_norm_across_the_two_meshes_equal_one_proce
         assert state_diff(run["optimizer"], state) <= 1e-5
 
 
+@pytest.mark.slow
 def test_the_tp_processes_of_a_data_parallel_rank_see_its_batches(runs):
     out, output = runs
     seen = [r["sgd"]["batches"] for r in ranks(out, "2x2")]
@@ -126,6 +130,7 @@ def test_the_tp_processes_of_a_data_parallel_rank_see_its_batches(runs):
     assert "the lifecycle led by 'fsdp'" in output
 
 
+@pytest.mark.slow
 def test_state_dict_type_full_leaves_the_module_whole_after_fit(runs):
     out, _ = runs
     weights, _ = reference("sgd", STEPS)
@@ -134,6 +139,7 @@ def test_state_dict_type_full_leaves_the_module_whole_after_fit(runs):
         assert max_diff(record["sgd"]["after_fit"], {k: v for k, v in weights.items()}) <= 1e-5
 
 
+@pytest.mark.slow
 def test_a_2x2_checkpoint_resumes_on_4x1_like_an_uninterrupted_run(runs):
     out, _ = runs
     assert {"latest", "step2"} <= {p.name for p in (out / "2x2.ckpt").iterdir()}
@@ -159,6 +165,7 @@ class _Probe:
                       for n, p in module.named_parameters() if p in optimizer.state}
 
 
+@pytest.mark.slow
 def test_the_4x1_checkpoint_resumes_on_one_process_like_an_uninterrupted_run(runs, tmp_path):
     import torch.distributed as dist
 
@@ -190,11 +197,12 @@ def _hsdp(tmp_path, sizes: str, world: int):
             assert state_diff(run["optimizer"], state) <= 1e-5
 
 
+@pytest.mark.slow
 def test_hsdp_x_tp_from_the_trainer_equals_one_process(tmp_path):
     _hsdp(tmp_path, "dp_replicate=2,dp_shard=1,tp=2", 4)
 
 
-@pytest.mark.skipif(not FULL, reason="8 processes: HOOKLOOP_TEST_FULL=1 (make test-full)")
+@pytest.mark.full  # 8 processes
 def test_hsdp_x_tp_on_2x2x2_equals_one_process(tmp_path):
     _hsdp(tmp_path, "dp_replicate=2,dp_shard=2,tp=2", 8)
 

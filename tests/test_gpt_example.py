@@ -8,7 +8,7 @@ on the same global batches by a plain PyTorch loop in this process, the batches 
 from ``pydoc_data.topics`` here by hand.
 
 Default tier (``make test``): 1 process, ddp 2, fsdp 2 (per-block units), tp 2.
-``HOOKLOOP_TEST_FULL=1`` adds fsdp with one unit, fsdp x tp on a 2x2 mesh (4 processes),
+``make test-full`` adds fsdp with one unit, fsdp x tp on a 2x2 mesh (4 processes),
 ddp + per-block compile and a 2-stage pipeline.
 """
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
-import os
 import sys
 import sysconfig
 from pathlib import Path
@@ -27,9 +26,10 @@ import torch
 from torch.nn import functional as F
 
 from conftest import REPO, run_python
+from tiers import at_least  # noqa: E402
 
 EXAMPLE = REPO / "examples" / "gpt.py"
-FULL = os.environ.get("HOOKLOOP_TEST_FULL") == "1"
+FULL = at_least("full")
 STEPS, LAYERS, DIM, HEADS, SEQ, LIMIT, LR = 4, 2, 32, 2, 32, 20_000, 3e-3
 GLOBAL_BATCH = 8
 TOLERANCE = 1e-5
@@ -132,6 +132,7 @@ FULL_LAYOUTS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options, replicas, shuffle", [pytest.param(*rest, id=i) for i, *rest in LAYOUTS])
 def test_each_layout_equals_the_hand_written_one_process_loop(tmp_path, options, replicas, shuffle):
     weights = run_layout(tmp_path, options, replicas, shuffle)
@@ -142,7 +143,7 @@ def test_each_layout_equals_the_hand_written_one_process_loop(tmp_path, options,
     assert max_diff(weights, initial) > 100 * TOLERANCE
 
 
-@pytest.mark.skipif(not FULL, reason="the long matrix: HOOKLOOP_TEST_FULL=1 (make test-full)")
+@pytest.mark.full  # the long matrix
 @pytest.mark.parametrize("options, replicas, shuffle", [pytest.param(*rest, id=i) for i, *rest in FULL_LAYOUTS])
 def test_each_layout_of_the_full_matrix_equals_the_hand_written_loop(tmp_path, options, replicas, shuffle):
     weights = run_layout(tmp_path, options, replicas, shuffle)

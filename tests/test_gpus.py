@@ -8,18 +8,17 @@ machine (it finds no GPU) and, on a GPU machine, in tests/gpu/run_gpu_checks.py.
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
 import hookloop
-from conftest import TinyModule, run_python, tiny_data
+import hookloop.cli
+from conftest import TinyModule, tiny_data
 from hookloop_gpus import SELECTED_ENV, GpuInfo, GPUs, Machine, parse_gpus, select_gpus, visible_subset
 from hookloop_gpus.cli import main as devices_main
 
-HOOKLOOP = [sys.executable, "-m", "hookloop"]
 ALL_FOUR = [0, 1, 2, 3]
 
 # The "Select GPU devices" table of the Lightning docs, row by row, on a 4-GPU machine.
@@ -233,16 +232,18 @@ def test_devices_command_shows_the_parse_and_the_machine(capsys):
     assert "names GPU 7, which does not exist" in capsys.readouterr().err
 
 
-def test_devices_command_on_this_machine(tmp_path):
-    """Through the `hookloop` entry point, with the real NVML reader."""
+def test_devices_command_on_this_machine(capsys):
+    """Through the `hookloop` entry point (``hookloop.cli.main``, what the console script
+    calls, finding ``devices`` among the plugins' commands), with the real NVML reader."""
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    out = run_python(HOOKLOOP + ["devices", "0"], cwd=tmp_path)
-    assert "this machine: no GPU (NVML could not start" in out.stdout
-    assert "gpus=0 (int) -> None: CPU" in out.stdout
-    import subprocess
+    assert hookloop.cli.main(["devices", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "this machine: no GPU (NVML could not start" in out
+    assert "gpus=0 (int) -> None: CPU" in out
 
-    proc = subprocess.run(HOOKLOOP + ["devices", "-1"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    assert "gpus=-1 (int) -> []: all available GPUs (0)" in proc.stdout
-    assert "asks for GPUs, but this machine has no GPU" in proc.stderr and "To run on the CPU" in proc.stderr
+    code = hookloop.cli.main(["devices", "-1"])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert "gpus=-1 (int) -> []: all available GPUs (0)" in out
+    assert "asks for GPUs, but this machine has no GPU" in err and "To run on the CPU" in err

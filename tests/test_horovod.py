@@ -100,6 +100,7 @@ def concatenated_reference(lr=0.1, accumulate=1, clip=None, scheduler=False, aut
 # ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.check
 def test_workers_are_horovod_ranks_with_unwrapped_model(horovod_run):
     _, ranks, _ = horovod_run
     assert [r["rank"] for r in ranks] == [0, 1]
@@ -109,6 +110,7 @@ def test_workers_are_horovod_ranks_with_unwrapped_model(horovod_run):
         assert r["model"] == "_StepModule"  # the user's steps, not wrapped
 
 
+@pytest.mark.check
 def test_matches_single_process_on_concatenated_batches(horovod_run):
     out, _, _ = horovod_run
     reference = concatenated_reference()
@@ -118,6 +120,7 @@ def test_matches_single_process_on_concatenated_batches(horovod_run):
     assert max_abs_diff(weights(out, "horovod_plain_rank0"), weights(out, "horovod_plain_rank1")) == 0.0
 
 
+@pytest.mark.check
 def test_accumulation_and_clipping_of_averaged_gradients(horovod_run):
     out, ranks, _ = horovod_run
     trained = weights(out, "horovod_accum_clip")
@@ -128,6 +131,7 @@ def test_accumulation_and_clipping_of_averaged_gradients(horovod_run):
     assert max_abs_diff(trained, concatenated_reference(accumulate=4, scheduler=True)) > 1e-3
 
 
+@pytest.mark.check
 def test_learning_rate_scaled_by_world_size(horovod_run):
     out, ranks, _ = horovod_run
     base = TinyModule().lr
@@ -139,6 +143,7 @@ def test_learning_rate_scaled_by_world_size(horovod_run):
     assert max_abs_diff(weights(out, "horovod_scaled"), reference) <= 1e-5
 
 
+@pytest.mark.check
 def test_resume_mid_epoch_equals_uninterrupted_run(horovod_run):
     out, ranks, _ = horovod_run
     # Stopped at step 9 of 12 (mid-epoch), resumed into a differently seeded module.
@@ -147,6 +152,7 @@ def test_resume_mid_epoch_equals_uninterrupted_run(horovod_run):
     assert (out / "resume" / "logs" / "version_0" / "checkpoints" / "last.ckpt").is_file()
 
 
+@pytest.mark.check
 def test_resume_on_one_worker_rescales_the_learning_rate(horovod_run):
     out, _, _ = horovod_run
     one = json.loads((out / "rescale_rank0.json").read_text())
@@ -155,12 +161,14 @@ def test_resume_on_one_worker_rescales_the_learning_rate(horovod_run):
     assert one["base_lrs"] == pytest.approx([lr / WORLD for lr in one["saved_base_lrs"]])
 
 
+@pytest.mark.check
 def test_fp16_compression_stays_close(horovod_run):
     out, _, _ = horovod_run
     difference = max_abs_diff(weights(out, "horovod_compressed"), weights(out, "horovod_plain_rank0"))
     assert 0.0 < difference <= 1e-3  # float16 rounding of the gradients, and nothing more
 
 
+@pytest.mark.check
 def test_sync_dist_and_collectives(horovod_run):
     _, ranks, _ = horovod_run
     for r in ranks:
@@ -171,6 +179,7 @@ def test_sync_dist_and_collectives(horovod_run):
         assert r["broadcast_from_1"] == ["rank1"]
 
 
+@pytest.mark.check
 def test_composes_with_amp_bf16_and_fp16_scaler(horovod_run):
     out, ranks, _ = horovod_run
     assert ranks[0]["amp_plugins"] == ["amp", "horovod"]
@@ -181,12 +190,14 @@ def test_composes_with_amp_bf16_and_fp16_scaler(horovod_run):
     assert max_abs_diff(weights(out, "horovod_fp16_clip"), fp16) <= 1e-3
 
 
+@pytest.mark.check
 @pytest.mark.parametrize("scenario", ["plain", "accum_clip", "bf16", "fp16_clip", "refit", "manual_fp16_clip"])
 def test_parity_with_ddp(horovod_run, ddp_run, scenario):
     out, _, _ = horovod_run
     assert max_abs_diff(weights(out, f"horovod_{scenario}"), weights(ddp_run, f"ddp_{scenario}")) <= 1e-5
 
 
+@pytest.mark.check
 @pytest.mark.parametrize("strategy", ["horovod", "ddp"])
 def test_manual_optimization_steps_through_the_strategy_and_scaler(horovod_run, ddp_run, strategy):
     """self.manual_backward / opt.step() / self.clip_gradients under each strategy with
@@ -195,6 +206,7 @@ def test_manual_optimization_steps_through_the_strategy_and_scaler(horovod_run, 
     assert max_abs_diff(weights(out, f"{strategy}_manual_fp16_clip"), weights(out, f"{strategy}_fp16_clip")) == 0.0
 
 
+@pytest.mark.slow
 def test_horovodrun_started_by_hand_trains_in_place(tmp_path):
     # No hookloop launcher around it: Trainer(devices=2) must not start a nested horovodrun.
     command = [sys.executable, "-m", "horovod.runner.launch", "-np", "2", "-H", "localhost:2", "--gloo",
@@ -205,6 +217,7 @@ def test_horovodrun_started_by_hand_trains_in_place(tmp_path):
     assert max_abs_diff(weights(tmp_path, "byhand_plain"), concatenated_reference()) <= 1e-5
 
 
+@pytest.mark.slow
 def test_digits_example_under_hookloop_run(tmp_path):
     proc = run_python(
         [sys.executable, "-m", "hookloop", "run", "--plugins", "horovod", "--devices", "2",
@@ -301,6 +314,7 @@ def test_horovod_built_without_gloo_is_a_clear_error(monkeypatch):
         trainer.fit(TinyModule(), DataLoader(tiny_data(8), batch_size=4))
 
 
+@pytest.mark.slow
 def test_plugin_imports_no_horovod_and_its_requirement_is_the_built_wheel(tmp_path):
     check = (
         "import sys, hookloop; p = hookloop.plugin('horovod'); "

@@ -6,12 +6,14 @@ a resume; the strategy suite on a model reduced in several DDP buckets.
 Each new check is shown failing a deliberately broken small plugin with its message. The
 plugins are registered without installing anything: their module on PYTHONPATH, and a
 ``.dist-info`` folder beside it naming their entry points (what pip would write). The
-suites run in a pytest subprocess, as a plugin author runs them.
+suites run in a pytest subprocess, as a plugin author runs them (those tests are slow);
+``hookloop check`` runs in this process, with the folder on ``sys.path``.
 """
 
 from __future__ import annotations
 
 import enum
+import importlib
 import os
 import re
 import sys
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from hookloop import cli
+from hookloop import cli, versioning
 from hookloop.contract import role_problems
 
 HERE = Path(__file__).resolve().parent
@@ -48,6 +50,26 @@ def register(site: Path, distribution: str, entry_points: dict[str, str]) -> Non
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {distribution}\nVersion: 0.1.0\n")
     lines = "".join(f"{name} = {value}\n" for name, value in entry_points.items())
     (info / "entry_points.txt").write_text(f"[hookloop.plugins]\n{lines}")
+
+
+def check_in_process(monkeypatch, capsys, *paths: Path, names: list[str]) -> tuple[int, str]:
+    """``hookloop check NAMES`` through ``cli.main`` in this process with ``paths`` first on
+    sys.path, as PYTHONPATH puts them first for ``python -m hookloop``; its exit status and
+    stdout. The modules it imports from ``paths`` are forgotten afterwards, and hookloop's
+    once-per-process notes (versioning._TOLD) start empty and end as they were."""
+    for path in reversed(paths):
+        monkeypatch.syspath_prepend(str(path))
+    importlib.invalidate_caches()
+    monkeypatch.setattr(versioning, "_TOLD", set())
+    before = set(sys.modules)
+    try:
+        code = cli.main(["check", *names])
+    finally:
+        for name in set(sys.modules) - before:
+            file = getattr(sys.modules[name], "__file__", None) or ""
+            if any(file.startswith(str(path)) for path in paths):
+                del sys.modules[name]
+    return code, capsys.readouterr().out
 
 
 def junit(path: Path) -> dict[str, str]:
@@ -111,15 +133,13 @@ class TupleRole:
 '''
 
 
-def test_check_reports_the_ddp_subclass_first_version_and_a_tuple_role(tmp_path):
+def test_check_reports_the_ddp_subclass_first_version_and_a_tuple_role(tmp_path, monkeypatch, capsys):
     site = tmp_path / "site"
     site.mkdir()
     (site / "kit_first.py").write_text(FIRST_VERSION)
     register(site, "kit_first", {"kit_powersgd": "kit_first:PowerSGD", "kit_tuple_role": "kit_first:TupleRole"})
-    proc = run([sys.executable, "-m", "hookloop", "check", "kit_powersgd", "kit_tuple_role"], tmp_path, str(site),
-               check=False)
-    out = proc.stdout
-    assert proc.returncode == 1, out
+    code, out = check_in_process(monkeypatch, capsys, site, names=["kit_powersgd", "kit_tuple_role"])
+    assert code == 1, out
     assert "kit_powersgd: 1 problem(s)" in out, out
     assert ("it is installed as 'kit_powersgd' but calls itself hookloop_name='powersgd': options given as "
             "kit_powersgd.<option> are not applied to it" in out and "set hookloop_name = 'kit_powersgd'" in out), out
@@ -129,13 +149,16 @@ def test_check_reports_the_ddp_subclass_first_version_and_a_tuple_role(tmp_path)
 # -- 2. the extension template ------------------------------------------------------------
 
 
-def test_the_generated_extension_checks_and_passes_its_conformance_suite(tmp_path, capsys):
+@pytest.mark.slow  # the generated tests run in a pytest subprocess, as the plugin's author runs them
+def test_the_generated_extension_checks_and_passes_its_conformance_suite(tmp_path, monkeypatch, capsys):
     assert cli.main(["new-plugin", "gen_extension", "--role", "extension", "--dir", str(tmp_path)]) == 0
+    capsys.readouterr()
     package = tmp_path / "hookloop-gen_extension"
     register(tmp_path / "site", "hookloop_gen_extension", {"gen_extension": "hookloop_gen_extension:GenExtension"})
     path = f"{package / 'src'}:{tmp_path / 'site'}"
-    check = run([sys.executable, "-m", "hookloop", "check", "gen_extension"], tmp_path, path)
-    assert check.stdout.strip() == "gen_extension: ok"
+    code, out = check_in_process(monkeypatch, capsys, package / "src", tmp_path / "site", names=["gen_extension"])
+    assert code == 0, out  # run(..., check=True) asked for exit status 0
+    assert out.strip() == "gen_extension: ok"
     tests = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", str(package / "tests")],
                 tmp_path, path, timeout=600)
     summary = tests.stdout.strip().splitlines()[-1]
@@ -264,6 +287,7 @@ def run_broken_suites(tmp_path: Path, selected: list[str]) -> dict[str, str]:
     return results
 
 
+@pytest.mark.slow  # the suites run in a pytest subprocess on 2 processes
 def test_the_new_observer_and_extension_checks_fail_broken_plugins_with_their_message(tmp_path):
     expected = {
         "TestEveryRankWriter::test_under_ddp_only_global_rank_zero_writes_files":
@@ -280,8 +304,7 @@ def test_the_new_observer_and_extension_checks_fail_broken_plugins_with_their_me
         assert message in results[test], f"{test}: expected {message!r} in:\n{results[test]}"
 
 
-@pytest.mark.skipif(os.environ.get("HOOKLOOP_TEST_FULL") != "1",
-                    reason="a whole strategy suite on 2 processes: HOOKLOOP_TEST_FULL=1 (make test-full)")
+@pytest.mark.full  # a whole strategy suite on 2 processes
 def test_the_wide_model_fails_a_strategy_that_reduces_its_first_bucket_only(tmp_path):
     wide = "TestFirstBucketOnly::test_a_model_of_several_ddp_buckets_trains_alike_and_resumes_exactly"
     # The tiny model fits in one bucket: there the broken strategy passes.

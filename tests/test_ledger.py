@@ -5,7 +5,6 @@ test plugin does per step), not against another output of the ledger."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import pytest
@@ -15,7 +14,7 @@ from torch.utils.data import DataLoader
 import hookloop
 from hookloop.observers.ledger import CORE, TOTAL, Ledger
 
-from conftest import REPO, TinyModule, run_python, tiny_data
+from conftest import REPO, TinyModule, tiny_data
 
 K_SYNCS, N_CALLS = 3, 50
 
@@ -114,9 +113,10 @@ def test_the_run_is_left_as_it_was(tmp_path):
             assert not hasattr(impl.function, "_hookloop_ledger")
 
 
-def test_two_all_reduces_per_step_under_ddp(tmp_path):
-    run_python([sys.executable, "-m", "hookloop", "run", "--plugins", "ddp", "--devices", "2",
-                str(REPO / "tests" / "scripts" / "ledger_collectives.py"), str(tmp_path)], cwd=tmp_path, timeout=300)
+@pytest.mark.check  # reads the shared ddp job
+def test_two_all_reduces_per_step_under_ddp(jobs):
+    # tests/scripts/ledger_collectives.py in the shared ddp job (tests/jobs.py)
+    tmp_path = jobs.run("ddp").dir("ledger_collectives")
     for rank in (0, 1):
         record = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert (record["counted"], record["timed"]) == (2, 5)
@@ -178,8 +178,7 @@ class FSDPStyleCollectives:
 
 
 @pytest.mark.parametrize("functional", [
-    False, pytest.param(True, marks=pytest.mark.skipif(os.environ.get("HOOKLOOP_TEST_FULL") != "1",
-                                                       reason="the full tier: HOOKLOOP_TEST_FULL=1"))])
+    False, pytest.param(True, marks=pytest.mark.full)])
 def test_fsdp2_and_functional_collectives_are_counted(tmp_path, functional):
     # One process of its own gloo group (world size 1): real collectives, no launcher.
     import torch.distributed as dist

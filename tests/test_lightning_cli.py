@@ -195,6 +195,7 @@ def test_trainer_defaults_naming_no_trainer_argument_is_a_clear_error(monkeypatc
         mod.CLI(mod.Net, mod.Data, run=False, args=[], trainer_defaults={"detect_anomaly": True})
 
 
+@pytest.mark.slow
 def test_print_config_model_and_data_sections_equal_lightnings(tmp_path, configs):
     first, _ = configs
     args = ["fit", "--config", first, "--model.momentum", "0.25", "--optimizer", "SGD", "--optimizer.lr", "0.3",
@@ -208,6 +209,7 @@ def test_print_config_model_and_data_sections_equal_lightnings(tmp_path, configs
     assert not list(tmp_path.glob("**/config.yaml")), "--print_config must run nothing"
 
 
+@pytest.mark.slow
 def test_subclass_mode_model_takes_a_class_path(tmp_path):
     args = ["--model", "WideNet", "--model.hidden", "12", "--model.scale", "2.0"]
     got = {fw: _line(_script(fw, args, tmp_path, env={"CLI_RUN": "0", "CLI_SUBCLASS": "1"}).stdout, "CONFIG")
@@ -221,6 +223,7 @@ def test_subclass_mode_model_takes_a_class_path(tmp_path):
 
 # -- running ------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_fit_then_test_give_lightnings_numbers_and_save_the_config(tmp_path):
     args = ["fit", "--trainer.max_epochs", "3", "--seed_everything", "3", "--data.batch_size", "16", "--model.hidden", "5",
             "--optimizer", "Adam", "--optimizer.lr", "0.01", "--lr_scheduler", "StepLR",
@@ -253,7 +256,7 @@ def test_fit_then_test_give_lightnings_numbers_and_save_the_config(tmp_path):
     _close(tested["lightning"]["metrics"], light["test"])
 
 
-@pytest.mark.skipif(os.environ.get("HOOKLOOP_TEST_FULL") != "1", reason="two launched 2-process runs (~45 s): HOOKLOOP_TEST_FULL=1 (make test-full)")
+@pytest.mark.full  # two launched 2-process runs (~45 s)
 def test_runs_under_hookloop_run_with_ddp_and_with_trainer_plugins(tmp_path):
     """2 processes x 8 samples train as Lightning's CLI with its own ddp on 2 processes
     (the training sampler shuffles, seeded by seed_everything, in both)."""
@@ -290,6 +293,7 @@ def test_runs_under_hookloop_run_with_ddp_and_with_trainer_plugins(tmp_path):
     _close(dict(enumerate(reference["weights"])), dict(enumerate(result["weights"])))
 
 
+@pytest.mark.slow
 def test_without_jsonargparse_the_error_names_the_extra(tmp_path):
     code = ("import sys; sys.modules['jsonargparse'] = None\n"
             "import hookloop, hookloop.cli\n"

@@ -1,6 +1,10 @@
 """Lightning's loops and module API on 2 real processes (gloo): predictions gathered in
 dataset order, test metrics, manual optimization with DDP's gradient sync, several
-optimizers, DataModules, and a script asking for ddp under ``hookloop run``."""
+optimizers, DataModules, and a script asking for ddp under ``hookloop run``.
+
+The battery (tests/scripts/lightning_battery.py) runs in the shared ddp job (tests/jobs.py);
+the script asking for ddp is a launch of its own: what it checks is how ``hookloop run``
+starts the processes."""
 
 from __future__ import annotations
 
@@ -17,16 +21,15 @@ from conftest import REPO, TinyModule, max_abs_diff, run_python, state_of, tiny_
 from test_lightning_module import TwoNets
 
 HOOKLOOP = [sys.executable, "-m", "hookloop"]
-BATTERY = REPO / "tests" / "scripts" / "lightning_battery.py"
 
 
 @pytest.fixture(scope="module")
-def battery(tmp_path_factory):
-    out = tmp_path_factory.mktemp("lightning_battery")
-    run_python(HOOKLOOP + ["run", "--plugins", "ddp", "--devices", "2", str(BATTERY), str(out)], cwd=out, timeout=300)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)], out
+def battery(jobs):
+    run = jobs.run("ddp")  # tests/jobs.py: lightning_battery.py in the shared ddp job
+    return run.ranks("lightning_battery"), run.dir("lightning_battery")
 
 
+@pytest.mark.check  # reads the shared ddp job
 def test_predict_gathers_every_sample_once_in_dataset_order(battery):
     ranks, _ = battery
     data = tiny_data(21, seed=4)
@@ -42,6 +45,7 @@ def test_predict_gathers_every_sample_once_in_dataset_order(battery):
         assert torch.equal(torch.cat([b["pair"][0] for b in batches]), data.tensors[0][:, :2])
 
 
+@pytest.mark.check  # reads the shared ddp job
 def test_predict_keeps_the_order_of_a_users_sampler(battery):
     ranks, _ = battery
     data = tiny_data(9, seed=4)
@@ -50,6 +54,7 @@ def test_predict_keeps_the_order_of_a_users_sampler(battery):
         assert torch.equal(ys, data.tensors[1].flip(0))  # Reversed(9), each sample once
 
 
+@pytest.mark.check  # reads the shared ddp job
 def test_test_reduces_across_ranks(battery):
     ranks, _ = battery
     module = TinyModule(seed=3)
@@ -62,6 +67,7 @@ def test_test_reduces_across_ranks(battery):
         assert record["test"][0]["test_samples"] == 20.0
 
 
+@pytest.mark.check  # reads the shared ddp job
 def test_manual_optimization_synchronises_gradients_like_automatic(battery):
     ranks, _ = battery
     for record in ranks:
@@ -70,6 +76,7 @@ def test_manual_optimization_synchronises_gradients_like_automatic(battery):
     assert max_abs_diff(ranks[0]["manual"], ranks[1]["manual"]) == 0.0
 
 
+@pytest.mark.check  # reads the shared ddp job
 def test_two_optimizers_under_ddp(battery):
     ranks, _ = battery
     # different shares per rank, still the same weights: every step synchronised
@@ -81,6 +88,7 @@ def test_two_optimizers_under_ddp(battery):
         assert max_abs_diff(record["gan_same_data"], state_of(reference)) < 1e-6
 
 
+@pytest.mark.check  # reads the shared ddp job
 def test_datamodule_prepares_once_per_node_before_every_setup(battery):
     ranks, out = battery
     assert sorted(p.name for p in out.glob("prepare_data.rank*")) == ["prepare_data.rank0"]
@@ -101,6 +109,7 @@ SCRIPT_ASKS_FOR_DDP = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a launch of its own: how `hookloop run` starts a script that names its strategy in code
 def test_hookloop_run_of_a_script_asking_for_ddp_starts_its_processes(tmp_path):
     """`hookloop run train.py` (no --devices) with Trainer(plugins=["ddp"], devices=2) in
     the script trained on one process, silently."""

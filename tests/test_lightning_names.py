@@ -2,8 +2,8 @@
 
 Each behaviour is compared with pytorch-lightning 2.6.6 running the same module code
 (written once against ``fw.LightningModule``, as tests/oracle does), or with a closed-form
-value; the multi-process ones run on 2 real processes (gloo) through
-``hookloop.testing.run_processes``.
+value; the multi-process one runs on 2 real processes (gloo): tests/scripts/all_gather_ddp.py
+in the shared ddp job (tests/jobs.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import hookloop
-from hookloop.testing import run_processes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "oracle"))
 import frameworks  # noqa: E402
@@ -211,41 +210,11 @@ def test_logged_metrics_and_loggers_as_lightning():
     assert hl_module.logger is None  # detached after the run, as Lightning's trainer-less module
 
 
-def _gather_in_run(sync_grads: bool) -> dict:
-    from hookloop.utilities import rank_zero_only
-
-    out: dict = {}
-
-    class Gather(hookloop.Module):
-        def __init__(self):
-            super().__init__()
-            self.w = nn.Parameter(torch.ones(2))
-
-        def training_step(self, batch, batch_idx):
-            (x,) = batch
-            rank = float(self.global_rank)
-            gathered = self.all_gather({"v": self.w * (rank + 1), "n": rank, "pair": [torch.tensor(rank)]},
-                                       sync_grads=sync_grads)
-            out.update(v=gathered["v"].detach().clone(), n=gathered["n"].clone(), pair=gathered["pair"][0].clone(),
-                       ranks=(self.global_rank, self.local_rank, rank_zero_only.rank),
-                       last=self.trainer.is_last_batch)
-            loss = gathered["v"].sum() if sync_grads else (self.w * x.sum()).sum()
-            return loss
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=1.0)
-
-    module = Gather()
-    with tempfile.TemporaryDirectory() as root:
-        hookloop.Trainer(plugins=["ddp"], accelerator="cpu", max_steps=1, enable_checkpointing=False, logger=False,
-                         enable_progress_bar=False, default_root_dir=root,
-                         use_distributed_sampler=False).fit(module, DataLoader(TensorDataset(torch.ones(2, 1)), batch_size=2))
-    out["w"] = module.w.detach().clone()
-    return out
-
-
-def test_all_gather_stacks_each_ranks_tensor_under_two_processes():
-    ranks = run_processes(_gather_in_run, nprocs=2, args=(True,), timeout=180)
+@pytest.mark.check  # reads the shared ddp job
+def test_all_gather_stacks_each_ranks_tensor_under_two_processes(jobs):
+    # tests/scripts/all_gather_ddp.py in the shared ddp job (tests/jobs.py): one step of
+    # all_gather(..., sync_grads=True)
+    ranks = jobs.run("ddp").ranks("all_gather_ddp")
     for rank, record in enumerate(ranks):
         assert record["ranks"] == (rank, rank, rank)
         assert torch.equal(record["v"], torch.tensor([[1.0, 1.0], [2.0, 2.0]]))

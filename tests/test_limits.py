@@ -222,11 +222,9 @@ def test_nan_guard_refuses_bad_options():
 
 
 @pytest.fixture(scope="module")
-def battery(tmp_path_factory):
-    out = tmp_path_factory.mktemp("limits")
-    proc = run_python([sys.executable, "-m", "hookloop", "run", "--plugins", "ddp", "--devices", "2", str(BATTERY),
-                       str(out)], cwd=out, timeout=300)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)], proc.stdout, proc.stderr
+def battery(jobs):
+    run = jobs.run("ddp")  # tests/jobs.py: limits_battery.py in the shared ddp job
+    return run.ranks("limits_battery"), run.stdout("limits_battery"), run.stderr("limits_battery")
 
 
 def _hand_written(ranks, skip: int, steps: int) -> dict:
@@ -246,6 +244,7 @@ def _hand_written(ranks, skip: int, steps: int) -> dict:
     return {f"net.{k}": v for k, v in net.state_dict().items()}
 
 
+@pytest.mark.check
 def test_max_time_under_ddp_stops_every_rank_at_the_step_rank_zeros_clock_says(battery):
     ranks, stdout, _ = battery
     # rank 1's time was up after step 1 (ignored), rank 0's after step 3
@@ -262,6 +261,7 @@ def test_max_time_under_ddp_stops_every_rank_at_the_step_rank_zeros_clock_says(b
         assert [b - a for a, b in zip(both["calls"], both["calls"][1:])] == [1] * 5, both["calls"]
 
 
+@pytest.mark.check
 def test_nan_guard_skip_under_ddp_drops_the_update_on_every_rank(battery):
     ranks, stdout, stderr = battery
     expected = _hand_written(ranks, skip=3, steps=8)
@@ -276,6 +276,7 @@ def test_nan_guard_skip_under_ddp_drops_the_update_on_every_rank(battery):
     assert "global rank 1: a non-finite value at global step 3: loss nan" in stderr
 
 
+@pytest.mark.check
 def test_nan_guard_stop_under_ddp_stops_every_rank_at_the_bad_step_with_a_checkpoint(battery):
     ranks, stdout, _ = battery
     expected = _hand_written(ranks, skip=3, steps=3)  # steps 0-2 applied, step 3's dropped
@@ -288,6 +289,7 @@ def test_nan_guard_stop_under_ddp_stops_every_rank_at_the_bad_step_with_a_checkp
     assert saved["loop"]["global_step"] == 3
 
 
+@pytest.mark.check
 def test_nan_guard_adds_no_collective_to_a_step(battery):
     ranks, _, _ = battery
     # Python-started collectives between consecutive training steps: the preemption
@@ -298,6 +300,7 @@ def test_nan_guard_adds_no_collective_to_a_step(battery):
             assert [b - a for a, b in zip(calls, calls[1:])] == [1] * 7, (run, calls)
 
 
+@pytest.mark.check
 def test_on_exception_checkpoint_when_every_rank_raises_resumes_to_the_uninterrupted_weights(battery):
     ranks, _, _ = battery
     for rank, record in enumerate(ranks):
@@ -307,20 +310,25 @@ def test_on_exception_checkpoint_when_every_rank_raises_resumes_to_the_uninterru
             assert torch.equal(record["exception"]["weights"][key], value)
 
 
-def test_hookloop_run_max_time_reaches_the_trainer_and_a_bad_one_fails_before_launching(tmp_path):
-    import os
-    import subprocess
+MAX_TIME_SCRIPT = ("import hookloop\nt = hookloop.Trainer()\n"
+                   "print('MAX_TIME', t.config.max_time, [type(p).__name__ for p in t.plugins][-1])\n")
+
+
+@pytest.mark.full  # a launch
+def test_hookloop_run_max_time_reaches_the_trainer(tmp_path):
+    script = tmp_path / "mt.py"
+    script.write_text(MAX_TIME_SCRIPT)
+    ok = run_python([sys.executable, "-m", "hookloop", "run", "--max-time", "00:00:30:00", str(script)], cwd=tmp_path)
+    assert "MAX_TIME 00:00:30:00 Timer" in ok.stdout
+
+
+def test_hookloop_run_refuses_a_bad_max_time_before_launching(tmp_path, capsys):
+    from hookloop import cli
 
     script = tmp_path / "mt.py"
-    script.write_text("import hookloop\nt = hookloop.Trainer()\n"
-                      "print('MAX_TIME', t.config.max_time, [type(p).__name__ for p in t.plugins][-1])\n")
-    if os.environ.get("HOOKLOOP_TEST_FULL") == "1":  # a launch: make test-full
-        ok = run_python([sys.executable, "-m", "hookloop", "run", "--max-time", "00:00:30:00", str(script)],
-                        cwd=tmp_path)
-        assert "MAX_TIME 00:00:30:00 Timer" in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", "hookloop", "run", "--max-time", "12:00", str(script)], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "--max-time '12:00' is not a valid duration" in bad.stderr
+    script.write_text(MAX_TIME_SCRIPT)
+    assert cli.main(["run", "--max-time", "12:00", str(script)]) == 2
+    assert "--max-time '12:00' is not a valid duration" in capsys.readouterr().err
 
 
 def test_the_nan_guard_checkpoint_resumes_at_the_bad_batch(tmp_path, monkeypatch):

@@ -318,24 +318,13 @@ def test_lightning_logger_objects_are_a_clear_error(tmp_path):
         hookloop.CSVLogger(tmp_path, version=1.5)
 
 
-def _ddp_fit(root: str) -> dict:
-    """One rank of a 2-process ddp fit (gloo) with a CSV and a TensorBoard logger."""
-    import hookloop_tensorboard
-
-    module = make_module(hookloop.Module, histogram=True)
-    loggers = [hookloop_tensorboard.TensorBoardLogger(root, name="ddp_tb"), hookloop.CSVLogger(root, name="ddp")]
-    trainer = hookloop.Trainer(plugins=["ddp"], devices=2, accelerator="cpu", max_epochs=1, log_every_n_steps=1,
-                               logger=loggers, enable_progress_bar=False, enable_checkpointing=False,
-                               default_root_dir=root, num_sanity_val_steps=0)
-    trainer.fit(module, *loaders())
-    return {"rank": trainer.global_rank, "log_dir": str(trainer.log_dir), "versions": [lg.version for lg in loggers],
-            "experiment": type(loggers[0].experiment).__name__, "global_step": trainer.global_step}
-
-
-def test_ddp_only_rank_zero_writes(tmp_path):
-    from hookloop.testing import run_processes
-
-    ranks = run_processes(_ddp_fit, nprocs=2, args=(str(tmp_path),), timeout=240)
+@pytest.mark.check  # reads the shared ddp job
+def test_ddp_only_rank_zero_writes(jobs):
+    """A CSV and a TensorBoard logger object on 2 processes: tests/scripts/logger_objects_ddp.py
+    in the shared ddp job (tests/jobs.py), its loggers' root (and working directory) OUT/root."""
+    run = jobs.run("ddp")
+    tmp_path = run.dir("logger_objects_ddp") / "root"
+    ranks = run.ranks("logger_objects_ddp")
     assert [r["rank"] for r in ranks] == [0, 1]
     assert ranks[0]["log_dir"] == ranks[1]["log_dir"] == str(tmp_path / "ddp_tb" / "version_0")  # rank 0's, broadcast
     assert ranks[0]["versions"] == ranks[1]["versions"] == [0, 0]

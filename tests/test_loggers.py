@@ -9,8 +9,6 @@ validation, and the training loss, which a hand-written SGD loop reproduces.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,13 +17,12 @@ import torch
 from torch.nn import functional as F
 
 import hookloop
-from conftest import REPO, run_python
+from conftest import REPO
 
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
 import loggers_run  # noqa: E402
 from loggers_run import BATCH, EPOCHS, SAMPLES, TEST_CONST, VAL_CONST  # noqa: E402
 
-SCRIPT = REPO / "tests" / "scripts" / "loggers_run.py"
 STEPS = SAMPLES // BATCH  # optimizer steps per epoch in one process
 
 
@@ -239,12 +236,12 @@ def test_mlflow_bad_options_are_refused_when_created(options, message):
         hookloop.Trainer(plugins=[hookloop.plugin("mlflow", **options)])
 
 
-def test_two_process_ddp_only_rank_zero_writes(tmp_path, mlflow_root):
-    """Both loggers in one 2-process run (starting processes is what costs time)."""
-    env = {"MLFLOW_TRACKING_URI": f"sqlite:///{mlflow_root / 'mlflow.db'}"}
-    run_python([sys.executable, "-m", "hookloop", "run", "--plugins", "ddp,tensorboard,mlflow", "--devices", "2",
-                "--plugin-option", "mlflow.experiment_name=ddp", str(SCRIPT), str(tmp_path)],
-               cwd=tmp_path, env=env, timeout=300)
+@pytest.mark.check  # reads the shared ddp job
+def test_two_process_ddp_only_rank_zero_writes(jobs):
+    """Both loggers in one 2-process run: tests/scripts/loggers_run.py in the shared ddp
+    job (tests/jobs.py), the plugins, ``experiment_name=ddp`` and ``MLFLOW_TRACKING_URI``
+    (``mlflow.db`` in its folder) set by the script."""
+    tmp_path = jobs.run("ddp").dir("loggers_run")  # the run's root and working directory
     rank0 = json.loads((tmp_path / "rank0.json").read_text())
     assert rank0["world_size"] == 2
     steps = SAMPLES // (2 * BATCH)
@@ -259,7 +256,7 @@ def test_two_process_ddp_only_rank_zero_writes(tmp_path, mlflow_root):
     values = hparam_values(hparams)
     assert values["trainer/devices"] == 2 and "ddp" in values["trainer/plugins"]
     # MLflow: one run in the experiment, so rank 1 started none
-    client = mlflow_client(mlflow_root)
+    client = mlflow_client(tmp_path)
     (run,) = client.search_runs([client.get_experiment_by_name("ddp").experiment_id])
     assert run.info.status == "FINISHED" and run.data.params["trainer/devices"] == "2"
     for name, values in expected.items():
@@ -272,37 +269,31 @@ def test_two_process_ddp_only_rank_zero_writes(tmp_path, mlflow_root):
 # ---------------------------------------------------------------------------------------
 
 
-MISSING = """
-import json, sys
-import hookloop
-
-def enable(plugin):
-    try:
-        hookloop.Trainer(plugins=[plugin])
-    except hookloop.MissingDependencyError as exc:
-        return str(exc)
-
-found = {}
-sys.modules["tensorboard"] = None
-found["tensorboard"] = enable("tensorboard")
-sys.modules["sqlalchemy"] = None
-found["sqlalchemy"] = enable("mlflow")
-sys.modules["mlflow"] = None
-found["mlflow"] = enable("mlflow")
-print(json.dumps(found))
-"""
-
-
 @pytest.fixture(scope="module")
 def missing_errors(tmp_path_factory):
-    """The errors of enabling each plugin in a fresh interpreter where its library
-    cannot be imported (``sys.modules[name] = None`` is how Python marks a module that
-    must not be imported): one interpreter, blocking one more library at a time."""
-    env = {**os.environ, "MLFLOW_TRACKING_URI": ""}  # the default store
-    proc = subprocess.run([sys.executable, "-c", MISSING], cwd=tmp_path_factory.mktemp("missing"), env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout.splitlines()[-1])
+    """The errors of enabling each plugin where its library cannot be imported
+    (``sys.modules[name] = None`` is how Python marks a module that must not be imported;
+    the plugins look for their library with ``importlib.util.find_spec``, which answers
+    None for such a name whether or not it was imported before): in this process, blocking
+    one more library at a time, and everything put back after."""
+
+    def enable(plugin):
+        try:
+            hookloop.Trainer(plugins=[plugin])
+        except hookloop.MissingDependencyError as exc:
+            return str(exc)
+
+    found = {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path_factory.mktemp("missing"))
+        patch.setenv("MLFLOW_TRACKING_URI", "")  # the default store
+        patch.setitem(sys.modules, "tensorboard", None)
+        found["tensorboard"] = enable("tensorboard")
+        patch.setitem(sys.modules, "sqlalchemy", None)
+        found["sqlalchemy"] = enable("mlflow")
+        patch.setitem(sys.modules, "mlflow", None)
+        found["mlflow"] = enable("mlflow")
+    return found
 
 
 @pytest.mark.parametrize("blocked, install", [
@@ -316,6 +307,8 @@ def test_missing_library_is_a_clear_error_when_enabled(missing_errors, blocked, 
     assert message is not None and install in message and "not installed" in message, message
 
 
-def test_hookloop_check_reports_both_plugins_ok(tmp_path):
-    proc = run_python([sys.executable, "-m", "hookloop", "check", "tensorboard", "mlflow"], cwd=tmp_path)
-    assert proc.stdout.split() == ["tensorboard:", "ok", "mlflow:", "ok"]
+def test_hookloop_check_reports_both_plugins_ok(capsys):
+    from hookloop import cli
+
+    assert cli.main(["check", "tensorboard", "mlflow"]) == 0  # `hookloop check tensorboard mlflow`, in-process
+    assert capsys.readouterr().out.split() == ["tensorboard:", "ok", "mlflow:", "ok"]

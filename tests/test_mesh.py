@@ -195,6 +195,7 @@ def hand_written_full_batch_sgd() -> dict:
     return {f"net.{k}": v.detach() for k, v in model.state_dict().items()}
 
 
+@pytest.mark.slow
 def test_fsdp_on_the_core_mesh_matches_one_process(tmp_path):
     run_python([sys.executable, "-m", "hookloop", "run", "--plugins", "fsdp", "--devices", "2", "--mesh", "dp_shard=2",
                 str(SCRIPT), "fsdp", str(tmp_path)], cwd=tmp_path, timeout=300)
@@ -211,6 +212,7 @@ def test_fsdp_on_the_core_mesh_matches_one_process(tmp_path):
                    for k in reference)  # it trained
 
 
+@pytest.mark.slow
 def test_two_mesh_plugins_receive_their_sub_meshes_on_a_2x2_mesh(tmp_path):
     run_python([sys.executable, "-m", "hookloop", "run", "--devices", "4", "--mesh", "dp_shard=2,tp=2",
                 str(SCRIPT), "probe", str(tmp_path)], cwd=tmp_path, timeout=400)

@@ -26,11 +26,10 @@ from torch.utils.data import DataLoader
 
 import hookloop
 from hookloop.testing import ObserverConformance
-from conftest import REPO, TinyModule, run_python, tiny_data
+from conftest import TinyModule, tiny_data
 from hookloop_monitor import DeviceStats, Throughput, per_rank_row, window_stats
 from hookloop_monitor.throughput import totals
 
-SCRIPT = REPO / "tests" / "scripts" / "monitor_ddp.py"
 MiB = 2**20
 HOST = {"cpu_percent", "rss_mib", "ram_used_percent"}
 THROUGHPUT = {"batches_per_sec", "samples_per_sec", "step_time_p50_ms", "step_time_p90_ms", "step_time_max_ms",
@@ -58,12 +57,18 @@ def rows_with(rows: list[dict], column: str) -> list[dict]:
     return [row for row in rows if row.get(column)]
 
 
-class TestDeviceStatsConformance(ObserverConformance):
+class _Conformance(ObserverConformance):
+    @pytest.mark.slow  # the kit's ddp check: a 2-process launch of its own
+    def test_under_ddp_only_global_rank_zero_writes_files(self, ddp_runs):
+        super().test_under_ddp_only_global_rank_zero_writes_files(ddp_runs)
+
+
+class TestDeviceStatsConformance(_Conformance):
     plugin = "device_stats"
     options = {"every_n_steps": 1}
 
 
-class TestThroughputConformance(ObserverConformance):
+class TestThroughputConformance(_Conformance):
     plugin = "throughput"
     options = {"every_n_steps": 1}
 
@@ -347,14 +352,12 @@ def test_a_run_stopped_inside_an_epoch_logs_its_last_window(tmp_path):
             for row in rows_with(rows, "rank0/batches_per_sec")] == pytest.approx([4.0, 4.0])
 
 
-def test_two_processes_under_ddp(tmp_path):
-    run_python(
-        [sys.executable, "-m", "hookloop", "run", "--plugins", "ddp,device_stats,throughput", "--devices", "2",
-         "--plugin-option", "device_stats.every_n_steps=4", "--plugin-option", "throughput.every_n_steps=4",
-         str(SCRIPT), str(tmp_path)],
-        cwd=tmp_path, timeout=180,
-    )
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+@pytest.mark.check  # reads the shared ddp job
+def test_two_processes_under_ddp(jobs):
+    """tests/scripts/monitor_ddp.py in the shared ddp job (tests/jobs.py): both plugins,
+    every 4 steps, rank 0's training_step sleeping 20 ms and rank 1's 60 ms."""
+    out = jobs.run("ddp").dir("monitor_ddp")
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     names = {f"rank{r}/{n}" for r in (0, 1) for n in HOST | THROUGHPUT}
     names |= {"throughput/batches_per_sec", "throughput/samples_per_sec", "throughput/slowest_rank",
               "throughput/slowest_rank_ratio"}

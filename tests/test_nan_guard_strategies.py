@@ -8,7 +8,7 @@ the next step); with ``action="stop"`` both ranks stop at that step with the wei
 steps before it. This file is also the worker: ``hookloop run --plugins PLUGIN --devices 2
 tests/test_nan_guard_strategies.py OUT`` runs both modes and writes ``OUT/rank<R>.pt``.
 
-All three run under HOOKLOOP_TEST_FULL=1 (make test-full): a 2-process launch of each takes
+All three run under make test-full: a 2-process launch of each takes
 45-75 s on the 2-core CI machine, over the default tier's budget.
 """
 
@@ -62,8 +62,7 @@ if __name__ != "__main__":
 
     from conftest import run_python
 
-    FULL = pytest.mark.skipif(os.environ.get("HOOKLOOP_TEST_FULL") != "1",
-                              reason="a 2-process run per strategy: HOOKLOOP_TEST_FULL=1 (make test-full)")
+    FULL = pytest.mark.full  # a 2-process run per strategy
 
     def _run(tmp_path, plugin: str, runs: list[dict]) -> tuple[dict, str]:
         proc = run_python([sys.executable, "-m", "hookloop", "run", "--plugins", plugin, "--devices", "2",

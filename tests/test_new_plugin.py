@@ -71,10 +71,10 @@ def installed(tmp_path_factory):
 
 #: `make test` installs and runs the strategy template's package (the one that launches 2
 #: processes); the other roles' packages (25-30 s each) run under `make test-full`.
-FULL_ROLES = pytest.mark.skipif(os.environ.get("HOOKLOOP_TEST_FULL") != "1",
-                                reason="every role's generated package: HOOKLOOP_TEST_FULL=1 (make test-full)")
+FULL_ROLES = pytest.mark.full  # every role's generated package
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("role", [r if r == "strategy" else pytest.param(r, marks=FULL_ROLES) for r in ROLES])
 def test_the_generated_package_installs_checks_and_passes_its_conformance_suite(role, installed, capsys, tmp_path):
     name, package, site = installed(role, capsys)
@@ -107,6 +107,7 @@ def test_the_generated_package_installs_checks_and_passes_its_conformance_suite(
     assert re.search(r"\d+ passed", summary) and "skipped" not in summary, tests.stdout
 
 
+@pytest.mark.slow
 def test_the_generated_observer_keeps_its_counts_in_checkpoints(installed, capsys, tmp_path):
     name, _, site = installed("observer", capsys)
     script = textwrap.dedent(f"""

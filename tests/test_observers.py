@@ -21,6 +21,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
 import hookloop
+import hookloop.cli
 from conftest import REPO, TinyModule, run_python, state_of, tiny_data
 
 BATCHES = 7  # tiny_data(100) in batches of 16
@@ -258,6 +259,7 @@ print(trainer.log_dir)
 """
 
 
+@pytest.mark.slow  # a real crash (the process exits mid-run) and its restart
 def test_csv_after_a_restart_has_every_row_once(tmp_path):
     script = tmp_path / "restart.py"
     script.write_text(RESTART.format(tests=str(REPO / "tests")))
@@ -407,17 +409,16 @@ def test_mode_must_be_min_or_max(factory):
         factory()
 
 
-def test_mode_from_the_command_line_is_checked_before_training(tmp_path):
+def test_mode_from_the_command_line_is_checked_before_training(tmp_path, capfd):
     script = tmp_path / "s.py"
     script.write_text("import sys\nsys.path.insert(0, %r)\nfrom test_observers import Scripted, fit\n"
                       "fit(Scripted(), epochs=1)\n" % str(REPO / "tests"))
-    import subprocess
-
-    proc = subprocess.run([sys.executable, "-m", "hookloop", "run", "--plugins", "early_stopping",
-                           "--plugin-option", "early_stopping.mode=up", str(script)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0 and "mode='up' must be 'min'" in proc.stderr
-    assert "Epoch 1/1" not in proc.stdout
+    # In this process; capfd, not capsys: a script started by mistake would print on the file descriptor.
+    code = hookloop.cli.main(["run", "--plugins", "early_stopping", "--plugin-option", "early_stopping.mode=up",
+                              str(script)])
+    out, err = capfd.readouterr()
+    assert code != 0 and "mode='up' must be 'min'" in err
+    assert "Epoch 1/1" not in out
 
 
 def test_a_file_checkpoint_where_a_directory_strategy_would_write_is_refused_before_training(tmp_path):

@@ -18,14 +18,13 @@ from conftest import REPO, run_python
 
 SCRIPT = REPO / "tests" / "scripts" / "observers_battery.py"
 
+pytestmark = pytest.mark.check  # every test reads the shared ddp job (tests/jobs.py)
+
 
 @pytest.fixture(scope="module")
-def battery(tmp_path_factory):
-    out = tmp_path_factory.mktemp("observers")
-    proc = run_python([sys.executable, "-m", "hookloop", "run", "--plugins", "ddp", "--devices", "2", str(SCRIPT), str(out)],
-                      cwd=out, timeout=300)
-    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
-    return ranks, proc.stdout, out
+def battery(jobs):
+    run = jobs.run("ddp")  # tests/jobs.py: observers_battery.py in the shared ddp job
+    return run.ranks("observers_battery"), run.stdout("observers_battery"), run.dir("observers_battery")
 
 
 def test_every_rank_uses_the_same_run_directory(battery):

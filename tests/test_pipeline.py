@@ -55,6 +55,7 @@ def two(tmp_path_factory):
     return battery(tmp_path_factory, "pp2", ["--plugins", "pipeline", "--devices", "2"], cases, 2)
 
 
+@pytest.mark.check
 @pytest.mark.parametrize("schedule,optimizer", PARITY)
 def test_two_stages_equal_the_one_process_full_batch_loop(two, schedule, optimizer):
     expected, losses = reference(optimizer, STEPS)
@@ -67,12 +68,14 @@ def test_two_stages_equal_the_one_process_full_batch_loop(two, schedule, optimiz
     assert two[0][f"parity:{schedule}:{optimizer}"]["losses"] == two[1][f"parity:{schedule}:{optimizer}"]["losses"]
 
 
+@pytest.mark.check
 def test_both_stages_see_the_users_batches_in_order(two):
     for record in two:
         seen = record["parity:1f1b:sgd"]["batches"]
         assert [indices(b) for b in seen] == [list(range(s * BATCH, (s + 1) * BATCH)) for s in range(STEPS)]
 
 
+@pytest.mark.check
 def test_accumulating_two_batches_is_one_step_on_both(two):
     batches = [list(range(s * 2 * BATCH, (s + 1) * 2 * BATCH)) for s in range(STEPS)]
     expected, _ = reference("adam", STEPS, batches=batches)
@@ -80,6 +83,7 @@ def test_accumulating_two_batches_is_one_step_on_both(two):
         assert max_diff(record["accumulate:1f1b"]["final"], expected) <= 1e-5
 
 
+@pytest.mark.check
 @pytest.mark.parametrize("case", CLIPS)
 def test_clipping_is_over_the_whole_model_as_in_one_process(two, case):
     """The norm is every stage's (a per-stage norm was 3.0e-3 off after 3 steps)."""
@@ -90,6 +94,7 @@ def test_clipping_is_over_the_whole_model_as_in_one_process(two, case):
         assert max_diff(record[f"clip:{case}"]["final"], expected) <= 1e-5
 
 
+@pytest.mark.check
 def test_validation_runs_the_users_step_on_the_whole_trained_module(two):
     expected, _ = reference("sgd", STEPS)
     model = Net()
@@ -101,6 +106,7 @@ def test_validation_runs_the_users_step_on_the_whole_trained_module(two):
         assert abs(record["validate:gpipe"]["val_loss"] - float(want)) <= 1e-5
 
 
+@pytest.mark.check
 def test_a_checkpoint_saved_under_pp2_resumes_under_pp2_like_an_uninterrupted_run(two):
     expected, losses = reference("adam", 4)  # 4 steps without interruption, one process
     assert "resume.ckpt" in two[0]["resume_files"] and not two[0]["resume_is_dir"]  # one whole-model file
@@ -110,6 +116,7 @@ def test_a_checkpoint_saved_under_pp2_resumes_under_pp2_like_an_uninterrupted_ru
         assert max(abs(a - b) for a, b in zip(run["losses"], losses[2:])) <= 1e-5 and len(run["losses"]) == 2
 
 
+@pytest.mark.check
 def test_the_pp2_checkpoint_loads_into_one_process(two, tmp_path_factory):
     """The file holds every stage's weights and both stages' Adam state (2 steps)."""
     path = next(p for p in tmp_path_factory.getbasetemp().glob("pp2*/resume.ckpt"))
@@ -120,6 +127,7 @@ def test_the_pp2_checkpoint_loads_into_one_process(two, tmp_path_factory):
     assert sorted(state) == list(range(8)) and all(int(s["step"]) == 2 for s in state.values())
 
 
+@pytest.mark.slow
 def test_pipeline_x_ddp_on_a_2x2_mesh_equals_the_global_batch_loop_and_resumes(tmp_path_factory):
     ranks = battery(tmp_path_factory, "ppdp", ["--plugins", "pipeline,ddp", "--mesh", "pp=2,dp_replicate=2",
                                                "--devices", "4"], ["parity:1f1b:adam", "whole:1f1b", "resume:1f1b"], 4)
@@ -142,6 +150,7 @@ def test_pipeline_x_ddp_on_a_2x2_mesh_equals_the_global_batch_loop_and_resumes(t
         assert max_diff(record["resume:1f1b"]["final"], expected) <= 1e-5
 
 
+@pytest.mark.slow
 def test_pipeline_x_tp_on_a_2x2_mesh_equals_one_process_and_resumes(tmp_path_factory):
     ranks = battery(tmp_path_factory, "pptp", ["--plugins", "pipeline,tp", "--mesh", "pp=2,tp=2", "--devices", "4"],
                     ["tp:1f1b:adam", "tp:interleaved_1f1b:sgd", "tpclip:1f1b:norm", "tpresume:1f1b"], 4)

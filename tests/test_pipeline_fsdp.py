@@ -8,13 +8,12 @@ Mesh (pp, dp_shard): ranks 0, 1 run stage 0 on the two shards' batches, ranks 2,
 on the same batches; one step equals the one-process full-batch step on both shards'
 samples together (pipeline_models.reference). A checkpoint saved at step 2 (the pipeline's
 whole-model file) resumes like the uninterrupted run. The default run is 1F1B with SGD
-and Adam plus the resume; HOOKLOOP_TEST_FULL=1 adds GPipe, interleaved 1F1B, ZBV,
+and Adam plus the resume; make test-full adds GPipe, interleaved 1F1B, ZBV,
 accumulation and clipping.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
@@ -25,9 +24,10 @@ from conftest import REPO, run_python
 
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
 from pipeline_models import BATCH, blocks, data, indices, make_optimizer, reference  # noqa: E402
+from tiers import at_least  # noqa: E402
 
 SCRIPT = REPO / "tests" / "scripts" / "pipeline_battery.py"
-FULL = os.environ.get("HOOKLOOP_TEST_FULL") == "1"
+FULL = at_least("full")
 STEPS = 3
 LAYOUT = ["--plugins", "pipeline,fsdp", "--mesh", "pp=2,dp_shard=2", "--devices", "4",
           "--plugin-option", "fsdp.meta_init=false"]
@@ -60,6 +60,7 @@ def global_batches(runs: list[dict]) -> list[list[int]]:
     return steps
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [c for c in CASES if c.startswith("parity:")])
 def test_pp2_x_dp_shard2_equals_the_one_process_global_batch_loop(ranks, case):
     records, _ = ranks
@@ -79,6 +80,7 @@ def test_pp2_x_dp_shard2_equals_the_one_process_global_batch_loop(ranks, case):
     assert (runs[0]["losses"][0] + runs[1]["losses"][0]) / 2 == pytest.approx(losses[0], abs=1e-5)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_at_step_2_resumes_like_the_uninterrupted_run(ranks):
     records, out = ranks
     whole = [r["whole:1f1b"] for r in records]
@@ -95,7 +97,8 @@ def test_a_checkpoint_at_step_2_resumes_like_the_uninterrupted_run(ranks):
     assert all(tuple(state[i]["exp_avg"].shape) == tuple(saved["state_dict"][names[i]].shape) for i in range(8))
 
 
-@pytest.mark.skipif(not FULL, reason="HOOKLOOP_TEST_FULL=1 (make test-full)")
+@pytest.mark.slow
+@pytest.mark.full
 def test_accumulation_and_clipping_under_pp_x_fsdp(ranks):
     records, _ = ranks
     runs = [r["accumulate:1f1b"] for r in records]
@@ -147,7 +150,7 @@ def test_meta_init_beside_the_pipeline_is_refused_naming_the_fix(tmp_path):
     assert not torch.distributed.is_initialized()
 
 
-@pytest.mark.skipif(not FULL, reason="8 processes: HOOKLOOP_TEST_FULL=1 (make test-full)")
+@pytest.mark.full  # 8 processes
 def test_fsdp_x_tp_x_pipeline_on_2x2x2_equals_the_one_process_loop(tmp_path):
     """fsdp,tp,pipeline on pp=2,dp_shard=2,tp=2: each rank's stage split by tp, then sharded
     by fsdp on (dp_shard, tp) (was: tp ended wrap_model's chain, fsdp never sharded and the

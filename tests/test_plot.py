@@ -12,7 +12,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
 import hookloop
-from conftest import TinyModule, run_python, tiny_data
+from conftest import TinyModule, tiny_data
 from hookloop import cli
 from hookloop import plot as hplot
 
@@ -103,11 +103,13 @@ def test_figure_panels_and_lines_are_the_csv_columns(run_root):
     assert all(ax.get_xlabel() == "step" for ax in axes)
 
 
-def test_command_writes_png_of_newest_run(run_root, tmp_path, capsys):
-    # The command in a subprocess, as a user runs it: no arguments = newest ./logs/version_N.
-    out = run_python([sys.executable, "-m", "hookloop", "plot"], cwd=run_root)
+def test_command_writes_png_of_newest_run(run_root, tmp_path, capsys, monkeypatch):
+    # The command as a user runs it in the run's folder (through cli.main, in this process):
+    # no arguments = newest ./logs/version_N.
+    monkeypatch.chdir(run_root)
+    assert cli.main(["plot"]) == 0
     report = run_root / "logs" / "version_0" / "report.png"
-    assert out.stdout.strip() == str(Path("logs") / "version_0" / "report.png")
+    assert capsys.readouterr().out.strip() == str(Path("logs") / "version_0" / "report.png")
     assert report.read_bytes()[:8] == PNG_MAGIC
     # -o chooses the file.
     target = tmp_path / "sub" / "r.png"

@@ -163,6 +163,7 @@ TRAIN = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 def test_the_documented_localsgd_example_takes_its_options_from_the_command_line(site, tmp_path):
     install_fake_distribution(site, "hookloop-localsgd", {"localsgd": "localsgd_plugin:LocalSGD"},
                               {"localsgd_plugin": documented_localsgd()})

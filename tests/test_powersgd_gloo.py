@@ -27,6 +27,7 @@ def max_abs_diff(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
+@pytest.mark.slow
 def test_powersgd_with_several_buckets_on_gloo_matches_a_hand_written_loop(tmp_path):
     proc = start_hookloop_run(["--plugins", "ddp", "--devices", "2", "--accelerator", "cpu", SCRIPT, tmp_path], cwd=tmp_path)
     finish_job(proc, timeout=240)
@@ -41,8 +42,7 @@ def test_powersgd_with_several_buckets_on_gloo_matches_a_hand_written_loop(tmp_p
     assert max_abs_diff(ranks[0]["hookloop"], ranks[1]["hookloop"]) == 0.0
 
 
-@pytest.mark.skipif(os.environ.get("HOOKLOOP_TEST_FULL") != "1",
-                    reason="a 2-process job that waits out a timeout: HOOKLOOP_TEST_FULL=1 (make test-full)")
+@pytest.mark.full  # a 2-process job that waits out a timeout
 def test_a_rank_that_stops_while_the_other_is_in_the_powersgd_hook_fails_it_at_the_timeout(tmp_path):
     proc = start_hookloop_run(["--plugins", "ddp", "--devices", "2", "--accelerator", "cpu", SCRIPT, tmp_path, "stall"],
                               cwd=tmp_path)

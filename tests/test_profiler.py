@@ -2,7 +2,8 @@
 model, the traces read back as JSON and the phase counts checked against closed forms.
 
 tests/scripts/wandb_job.py is the run: 16 samples in batches of 4 (4 optimizer steps per
-epoch in one process, 2 per rank in two), a validation per epoch.
+epoch in one process, 2 per rank in two), a validation per epoch; the two-process one is
+tests/scripts/profiler_ddp.py in the shared ddp job (tests/jobs.py).
 """
 
 from __future__ import annotations
@@ -15,12 +16,11 @@ from pathlib import Path
 import pytest
 
 import hookloop
-from conftest import REPO, run_python
+from conftest import REPO
 
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
 import wandb_job  # noqa: E402
 
-SCRIPT = REPO / "tests" / "scripts" / "wandb_job.py"
 STEPS = wandb_job.SAMPLES // wandb_job.BATCH
 
 
@@ -71,11 +71,12 @@ def test_simple_mode_counts_the_phases_and_stays_within_fit(tmp_path):
     assert all(row["total"] >= 0 for row in report["phases"].values())
 
 
-def test_two_process_ddp_writes_a_trace_per_rank(tmp_path):
-    run_python([sys.executable, "-m", "hookloop", "run", "--plugins", "ddp,profiler", "--devices", "2",
-                "--plugin-option", "profiler.wait=0", "--plugin-option", "profiler.warmup=1",
-                "--plugin-option", "profiler.active=2", str(SCRIPT), str(tmp_path), "--epochs", "2"], cwd=tmp_path)
-    log_dir = Path(json.loads((tmp_path / "rank0.json").read_text())["log_dir"])
+@pytest.mark.check  # reads the shared ddp job
+def test_two_process_ddp_writes_a_trace_per_rank(jobs):
+    # tests/scripts/profiler_ddp.py in the shared ddp job (tests/jobs.py): wandb_job.py's run,
+    # 2 epochs, with the profiler's wait=0, warmup=1, active=2
+    out = jobs.run("ddp").dir("profiler_ddp")
+    log_dir = Path(json.loads((out / "rank0.json").read_text())["log_dir"])
     for rank in (0, 1):
         (trace,) = sorted((log_dir / "profiler" / f"rank{rank}").iterdir())
         events = trace_events(trace)

@@ -27,15 +27,16 @@ import pytest
 
 from hookloop.testing import ResumeConformance
 
-FULL = pytest.mark.skipif(os.environ.get("HOOKLOOP_TEST_FULL") != "1",
-                          reason="the rest of the strategy matrix: HOOKLOOP_TEST_FULL=1 (make test-full)")
+FULL = pytest.mark.full  # the rest of the strategy matrix
 
 
+@pytest.mark.slow
 class TestSingleProcess(ResumeConformance):
     plugin = ""
     world_size = 1
 
 
+@pytest.mark.slow
 class TestDDP(ResumeConformance):
     plugin = "ddp"
 
@@ -94,6 +95,7 @@ class TestDDP2(ResumeConformance):
     world_size = 1
 
 
+@pytest.mark.slow
 class TestHorovod(ResumeConformance):
     plugin = "horovod"
     refuses_restarts = "horovod cannot restart failed workers"

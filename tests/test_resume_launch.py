@@ -85,11 +85,13 @@ def kill_and_check(proc: subprocess.Popen, out: Path, term_first: bool = False) 
                 os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
 def test_a_sigkilled_launcher_leaves_no_worker_behind(tmp_path, strategy):
     kill_and_check(start(["--plugins", strategy, "--devices", "2", SCRIPT, tmp_path], tmp_path), tmp_path)
 
 
+@pytest.mark.slow
 def test_a_hung_job_killed_from_outside_leaves_no_process_behind(tmp_path):
     proc = start(["--plugins", "ddp", "--devices", "2", SCRIPT, tmp_path, "--hang"], tmp_path)
     kill_and_check(proc, tmp_path, term_first=True)
@@ -126,9 +128,10 @@ def uninterrupted_powersgd(tmp_path_factory):
     return powersgd_run(tmp_path_factory.mktemp("powersgd") / "reference", BUILTIN)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", [
     "subclass",  # the issue's case; the built-in by name runs the same code, in the full suite
-    pytest.param("ddp", marks=pytest.mark.skipif(not os.environ.get("HOOKLOOP_TEST_FULL"), reason="make test-full")),
+    pytest.param("ddp", marks=pytest.mark.full),
 ])
 def test_powersgd_killed_and_restarted_is_bit_identical(tmp_path, uninterrupted_powersgd, strategy):
     # Killed after step 7 of 12, resumed from step 6's checkpoint (mid-epoch), where PowerSGD

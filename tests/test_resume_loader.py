@@ -228,8 +228,7 @@ def test_a_plain_iterable_dataset_warns_once_that_it_cannot_resume_exactly(tmp_p
         fit(tmp_path / "c", Recorder(), make_loader(), max_epochs=1)  # no resume: no warning
 
 
-@pytest.mark.skipif(not os.environ.get("HOOKLOOP_TEST_FULL"), reason="three 2-process jobs (~2 min on 2 cores): "
-                    "make test-full (HOOKLOOP_TEST_FULL=1)")
+@pytest.mark.full  # three 2-process jobs (~2 min on 2 cores)
 def test_under_ddp_each_rank_resumes_its_shard_with_its_workers_draws(tmp_path):
     # DistributedSampler (seed + epoch) draws nothing; what the persistent workers draw
     # used to start again from a new base seed at the resume.

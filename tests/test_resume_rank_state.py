@@ -59,6 +59,7 @@ def jobs(tmp_path_factory):
     return root, outputs
 
 
+@pytest.mark.slow
 def test_the_ranks_draw_different_numbers(jobs):
     root, _ = jobs
     rank0, rank1 = draws(root / "straight", 0, 0), draws(root / "straight", 1, 0)
@@ -66,6 +67,7 @@ def test_the_ranks_draw_different_numbers(jobs):
     assert all(rank0[k] != rank1[k] for k in rank0)
 
 
+@pytest.mark.slow
 def test_a_killed_ddp_run_with_per_rank_randomness_resumes_bit_identical(jobs):
     root, outputs = jobs
     straight, killed = root / "straight", root / "killed"
@@ -80,6 +82,7 @@ def test_a_killed_ddp_run_with_per_rank_randomness_resumes_bit_identical(jobs):
         assert resumed == {k: v for k, v in draws(straight, rank, 0).items() if k >= (0, 4)}, f"rank {rank}"
 
 
+@pytest.mark.slow
 def test_the_checkpoint_holds_every_ranks_rng_state_loadable_weights_only(jobs):
     root, _ = jobs
     last = root / "straight" / "root" / "logs" / "version_0" / "checkpoints" / "last.ckpt"
@@ -90,6 +93,7 @@ def test_the_checkpoint_holds_every_ranks_rng_state_loadable_weights_only(jobs):
     assert torch.equal(per_rank[0]["rng"]["torch"], checkpoint["rng"]["torch"])  # rank 0's, for older readers
 
 
+@pytest.mark.slow
 def test_a_second_kill_inside_the_accumulation_window_after_a_resume_loses_nothing(jobs):
     """Before the fix, the first micro-batch after the resume saved last.ckpt again
     (global step 2 still), in the middle of the window; the second kill then resumed
@@ -108,7 +112,7 @@ def test_a_second_kill_inside_the_accumulation_window_after_a_resume_loses_nothi
 
 # The sharded strategies write the loop state through the same checkpoint_dict (fsdp's
 # single file or hookloop.pt, DeepSpeed's client state): the same kill resumes exactly.
-@pytest.mark.skipif(os.environ.get("HOOKLOOP_TEST_FULL") != "1", reason="long matrix: make test-full")
+@pytest.mark.full  # long matrix
 @pytest.mark.parametrize("strategy", ["fsdp", "deepspeed_stage_2"])
 def test_sharded_strategies_resume_each_ranks_rng_state(tmp_path, strategy):
     pytest.importorskip(f"hookloop_{strategy.split('_')[0]}")

@@ -102,6 +102,7 @@ def test_a_hookloop_checkpoint_file_with_a_planted_pickle_is_refused(tmp_path):
 # -- fairscale's ddp_sharded: the consolidated optimizer state, in hookloop's file --------
 
 
+@pytest.mark.slow
 def test_a_ddp_sharded_checkpoint_with_a_planted_optimizer_state_is_refused(tmp_path):
     clean, evil = tmp_path / "clean" / LAST, tmp_path / "shared.ckpt"
     marker = tmp_path / "ran"
@@ -144,6 +145,7 @@ def _planted_copy(source: Path, target: Path, shard_glob: str, marker: Path) -> 
     return shard
 
 
+@pytest.mark.slow
 def test_deepspeed_resume_and_validate_refuse_a_planted_shard(deepspeed_checkpoints, tmp_path):
     out, written = deepspeed_checkpoints
     evil = {s: tmp_path / f"shared{s}" for s in (0, 2, 3)}
@@ -173,6 +175,7 @@ def test_deepspeed_resume_and_validate_refuse_a_planted_shard(deepspeed_checkpoi
         assert str(shards[stage]) in result["message"]  # the file that holds it
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 2])
 def test_hookloop_deepspeed_collate_refuses_a_planted_shard(deepspeed_checkpoints, tmp_path, stage):
     out, written = deepspeed_checkpoints
@@ -254,6 +257,7 @@ def plant_in_entry(directory: Path, marker: Path, where) -> None:
             assert control.exists(), "the plant is not live: torch's converter did not run it"
 
 
+@pytest.mark.slow
 def test_fsdp_resume_refuses_planted_dcp_metadata_and_entries(fsdp_checkpoint, tmp_path):
     clean, written = fsdp_checkpoint
     in_metadata, in_entry = tmp_path / "shared_meta", tmp_path / "shared_entry"
@@ -278,6 +282,7 @@ def test_fsdp_resume_refuses_planted_dcp_metadata_and_entries(fsdp_checkpoint, t
     assert_refused(refused[1]["message"], _tag(in_entry), tmp_path / "ran_entry")
 
 
+@pytest.mark.slow
 def test_hookloop_fsdp_collate_refuses_planted_dcp_metadata_and_entries(fsdp_checkpoint, tmp_path):
     clean, written = fsdp_checkpoint
     run_python([sys.executable, "-m", "hookloop", "fsdp", "collate", str(clean), str(tmp_path / "clean.pt")], cwd=tmp_path)

@@ -41,8 +41,7 @@ def steps(out, rank: int, attempt: int) -> list[int]:
 
 #: The four DeepSpeed jobs behind ``jobs`` (8 processes, ~75 s on 2 cores) run in ``make
 #: test-full``; the DCP kill and the unit tests of the tag directory run in ``make test``.
-JOBS_FULL = pytest.mark.skipif(os.environ.get("HOOKLOOP_TEST_FULL") != "1",
-                               reason="four 2-process DeepSpeed jobs: HOOKLOOP_TEST_FULL=1 (make test-full)")
+JOBS_FULL = pytest.mark.full  # four 2-process DeepSpeed jobs
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +146,7 @@ FSDP_SHARDED = ["--plugins", "fsdp", "--plugin-option", "fsdp.state_dict_type=sh
                 "--max-restarts", "1", SCRIPT]
 
 
+@pytest.mark.slow
 def test_a_rank_killed_inside_its_background_dcp_write_resumes_from_the_previous_checkpoint(tmp_path):
     """fsdp's sharded directories saved asynchronously (``async_save=True``: DCP's
     ``async_save``): global rank 1 is SIGKILLed in DCP's background thread as it starts

@@ -143,6 +143,7 @@ def _fit_ranks(strategy: str) -> dict:
     return {k: v.detach().clone() for k, v in module.state_dict().items() if k.startswith("net.")}
 
 
+@pytest.mark.slow
 def test_ddp_find_unused_parameters_true_trains_as_the_reference_on_two_processes():
     reference = concatenated_batches_run(tiny_data(64), epochs=2, batch=8)
     ranks = run_processes(_fit_ranks, nprocs=2, args=("ddp_find_unused_parameters_true",), timeout=240)
@@ -150,6 +151,7 @@ def test_ddp_find_unused_parameters_true_trains_as_the_reference_on_two_processe
         assert max_abs_diff(weights, reference) <= 1e-5
 
 
+@pytest.mark.slow
 def test_ddp_spawn_string_trains_as_the_reference():
     module = TinyModule()
     with tempfile.TemporaryDirectory() as root:

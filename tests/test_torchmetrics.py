@@ -12,10 +12,8 @@ The Lightning oracle's ``torchmetrics`` case (tests/oracle) compares a full run
 from __future__ import annotations
 
 import logging
-import os
 import subprocess
 import sys
-import warnings
 
 import pytest
 import torch
@@ -24,7 +22,6 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import hookloop
-from hookloop.testing import run_processes
 
 logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
 logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
@@ -137,6 +134,7 @@ def test_bad_values_are_named(tmp_path, make_value, error, message):
         trainer.fit(_Logs(make_value), _loader())
 
 
+@pytest.mark.slow  # a fresh interpreter: this one imported torchmetrics
 def test_hookloop_does_not_import_torchmetrics(tmp_path):
     code = (
         "import sys, torch, hookloop\n"
@@ -161,26 +159,11 @@ def test_hookloop_does_not_import_torchmetrics(tmp_path):
 # ---------------------------------------------------------------------------------------
 
 
-def _ddp_worker(root: str) -> dict:
-    import pytorch_lightning as pl  # the reference (tests only)
-
-    warnings.filterwarnings("ignore")
-    out = {"rank": int(os.environ["RANK"])}
-    trainer = hookloop.Trainer(plugins=["ddp"], max_epochs=1, default_root_dir=os.path.join(root, "hl"),
-                               enable_checkpointing=False, enable_progress_bar=False, logger=False,
-                               num_sanity_val_steps=0)
-    trainer.fit(accuracy_class(hookloop.Module)(), _loader(shuffle=True), _loader())
-    out["hookloop"] = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, default_root_dir=os.path.join(root, "pl"))
-    trainer.fit(accuracy_class(pl.LightningModule)(), _loader(shuffle=True), _loader())
-    out["lightning"] = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    return out
-
-
-def test_ddp_metric_syncs_itself_once(tmp_path):
-    ranks = run_processes(_ddp_worker, nprocs=2, args=(str(tmp_path),), timeout=240)
+@pytest.mark.check  # reads the shared ddp job
+def test_ddp_metric_syncs_itself_once(jobs):
+    # tests/scripts/torchmetrics_ddp.py in the shared ddp job (tests/jobs.py): hookloop's
+    # ddp, then pytorch-lightning's, on accuracy_class's module
+    ranks = jobs.run("ddp").ranks("torchmetrics_ddp")
     # Training: DistributedSampler(shuffle=True, seed=0) at epoch 0 gives rank r the
     # samples randperm(16)[r::2], two batches of 4; a rank's step value is its own batch's.
     correct = (PREDS == LABELS).float()[torch.randperm(16, generator=torch.Generator().manual_seed(0))]

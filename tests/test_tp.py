@@ -39,6 +39,7 @@ def battery(tmp_path_factory):
     return ranks, proc.stdout + proc.stderr, out
 
 
+@pytest.mark.check
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 @pytest.mark.parametrize("attention", [False, True], ids=["mlp", "attention"])
 def test_two_process_tensor_parallel_equals_one_process_training(battery, attention, optimizer):
@@ -53,6 +54,7 @@ def test_two_process_tensor_parallel_equals_one_process_training(battery, attent
                     ranks[1][("parity", attention, optimizer)]["final"]) == 0.0
 
 
+@pytest.mark.check
 def test_the_automatic_plan_splits_the_blocks_and_replicates_the_rest(battery):
     ranks, _, _ = battery
     layouts = ranks[0][("parity", True, "sgd")]["layouts"]
@@ -64,6 +66,7 @@ def test_the_automatic_plan_splits_the_blocks_and_replicates_the_rest(battery):
         assert layouts[name] == "plain"
 
 
+@pytest.mark.check
 def test_every_tp_rank_sees_the_same_batches_in_the_users_order(battery):
     ranks, output, _ = battery
     x = data().tensors[0]
@@ -77,6 +80,7 @@ def test_every_tp_rank_sees_the_same_batches_in_the_users_order(battery):
     assert "effective batch size" not in output
 
 
+@pytest.mark.check
 def test_the_modules_own_plan_with_loss_parallel_equals_one_process_training(battery):
     ranks, _, _ = battery
     expected, grads = reference(True, "adam", STEPS)
@@ -88,6 +92,7 @@ def test_the_modules_own_plan_with_loss_parallel_equals_one_process_training(bat
         assert max_diff(run["grads"], grads) <= 1e-5
 
 
+@pytest.mark.check
 def test_configure_tensor_parallel_gets_the_tp_mesh_and_the_module_is_whole_after_fit(battery):
     ranks, _, out = battery
     expected, _ = reference(False, "sgd", STEPS)
@@ -107,6 +112,7 @@ def test_configure_tensor_parallel_gets_the_tp_mesh_and_the_module_is_whole_afte
     assert [r["after_fit_file"] for r in ranks] == [True, False]
 
 
+@pytest.mark.check
 def test_a_sharded_checkpoint_resumes_under_tp2_like_an_uninterrupted_run(battery):
     ranks, _, _ = battery
     assert {"latest", "step2/model/.metadata", "step2/model/__0_0.distcp", "step2/model/__1_0.distcp",
@@ -116,6 +122,7 @@ def test_a_sharded_checkpoint_resumes_under_tp2_like_an_uninterrupted_run(batter
         assert max_diff(record["resumed"], expected) <= 1e-5
 
 
+@pytest.mark.check
 def test_one_process_loads_the_full_weights_of_a_tp2_checkpoint(battery):
     import torch.distributed.checkpoint as dcp
 
@@ -183,6 +190,7 @@ def test_bad_options_are_refused_when_set():
     assert TP.hookloop_mesh_dims == ("tp",) and TP.hookloop_requires == ">=2,<3"
 
 
+@pytest.mark.check
 def test_a_tp2_checkpoint_resumes_under_one_process_like_an_uninterrupted_run(battery, tmp_path):
     import torch.distributed as dist
     from torch.utils.data import DataLoader

@@ -40,6 +40,7 @@ def battery(tmp_path_factory):
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_two_process_sequence_parallel_equals_one_process_training(battery, optimizer):
     expected, grads = reference(optimizer, STEPS)
@@ -51,6 +52,7 @@ def test_two_process_sequence_parallel_equals_one_process_training(battery, opti
     assert max_diff(battery[0][optimizer]["final"], battery[1][optimizer]["final"]) == 0.0
 
 
+@pytest.mark.slow
 def test_the_activations_between_the_blocks_are_sharded_on_the_sequence(battery):
     for record in battery:
         seen = record["sgd"]["norm_inputs"]
@@ -62,6 +64,7 @@ def test_the_activations_between_the_blocks_are_sharded_on_the_sequence(battery)
             assert placements == ("S(1)",), (name, placements)
 
 
+@pytest.mark.slow
 def test_the_plan_splits_the_blocks_and_replicates_the_norms_and_head_as_dtensors(battery):
     layouts = battery[0]["sgd"]["layouts"]
     for b in (0, 1):
@@ -73,6 +76,7 @@ def test_the_plan_splits_the_blocks_and_replicates_the_norms_and_head_as_dtensor
         assert layouts[name] == ("R",), name
 
 
+@pytest.mark.slow
 def test_the_modules_own_sequence_parallel_plan_equals_one_process_training(battery):
     expected, grads = reference("sgd", STEPS)
     for record in battery:
@@ -137,6 +141,7 @@ def test_a_bad_sequence_parallel_option_is_refused():
     assert TP(sequence_parallel=True).sequence_parallel is True
 
 
+@pytest.mark.slow
 def test_a_sequence_that_does_not_split_evenly_is_refused_on_every_rank(battery):
     for record in battery:
         assert record["uneven"] is not None
@@ -144,6 +149,7 @@ def test_a_sequence_that_does_not_split_evenly_is_refused_on_every_rank(battery)
         assert "(4, 5, 8)" in record["uneven"]
 
 
+@pytest.mark.slow
 def test_after_fit_the_module_is_whole_and_runs_alone(battery):
     expected, _ = reference("adam", STEPS)
     model = Transformer()

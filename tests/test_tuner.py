@@ -2,7 +2,8 @@
 finder, against a hand-written PyTorch loop, against pytorch-lightning 2.6.6's ``Tuner``,
 and under ddp (2 processes, gloo), where every rank must take the same decisions.
 
-The module and data are tests/scripts/tuner_job.py's (also the ddp job)."""
+The module and data are tests/scripts/tuner_job.py's (also the ddp run, in the shared ddp
+job of tests/jobs.py)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,6 @@ from torch.utils.data import DataLoader
 
 import hookloop
 from hookloop.tuner import lr_schedule
-
-from conftest import finish_job, start_hookloop_run
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -216,16 +215,14 @@ def test_scale_batch_size_raises_other_errors(tmp_path):
         hookloop.Tuner(_trainer(tmp_path)).scale_batch_size(Broken(), init_val=2, steps_per_trial=1)
 
 
-def test_finders_under_ddp_agree_on_every_rank(tmp_path):
+@pytest.mark.check  # reads the shared ddp job
+def test_finders_under_ddp_agree_on_every_rank(jobs):
     """2 processes, gloo: the lr finder records the mean of the two ranks' losses (the
     one-process reference: the same steps on the union of the two ranks' batches), both
     ranks hold the same results and suggestion; the batch-size finder, with rank 1 alone
-    running out of memory above 8 samples, ends at 8 on both ranks."""
-    out = tmp_path / "out"
-    out.mkdir()
-    proc = start_hookloop_run(["--plugins", "ddp", "--devices", "2", "--default-root-dir", tmp_path,
-                               SCRIPTS / "tuner_job.py", out], cwd=tmp_path)
-    finish_job(proc, timeout=300)
+    running out of memory above 8 samples, ends at 8 on both ranks. tests/scripts/tuner_job.py
+    in the shared ddp job (tests/jobs.py)."""
+    out = jobs.run("ddp").dir("tuner_job")
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0] == ranks[1]
     result = ranks[0]
@@ -239,8 +236,7 @@ def test_finders_under_ddp_agree_on_every_rank(tmp_path):
     assert result["batch_size"] == result["model_batch_size"] == job.OOM_ABOVE
 
 
-@pytest.mark.skipif(os.environ.get("HOOKLOOP_TEST_FULL") != "1",
-                    reason="two launched runs (~80 s on 2 busy cores): HOOKLOOP_TEST_FULL=1 (make test-full)")
+@pytest.mark.full  # two launched runs (~80 s on 2 busy cores)
 def test_hookloop_tune_prints_the_suggestion_and_the_table(tmp_path):
     """``hookloop tune lr SCRIPT`` runs the finder at the script's fit, prints the table
     and the suggestion (the hand loop's), and ends the script there; ``hookloop tune

@@ -26,9 +26,7 @@ sys.path.insert(0, str(SCRIPTS))
 import tuner_job as job  # noqa: E402
 from test_tuner import hand_lr_find, hand_suggestion  # noqa: E402
 
-FULL = pytest.mark.skipif(os.environ.get("HOOKLOOP_TEST_FULL") != "1",
-                          reason="2-process fsdp/deepspeed launches (~15-60 s each on 2 busy cores): "
-                                 "HOOKLOOP_TEST_FULL=1 (make test-full)")
+FULL = pytest.mark.full  # 2-process fsdp/deepspeed launches (~15-60 s each on 2 busy cores)
 QUIET = dict(enable_progress_bar=False, enable_model_summary=False, logger=False, enable_checkpointing=False)
 
 

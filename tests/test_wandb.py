@@ -29,8 +29,7 @@ pytest.importorskip("wandb")
 
 SCRIPT = REPO / "tests" / "scripts" / "wandb_job.py"
 # a launched run costs a minute on a loaded 2-core machine: the long tier (make test-full)
-FULL = pytest.mark.skipif(os.environ.get("HOOKLOOP_TEST_FULL") != "1",
-                          reason="launched runs: HOOKLOOP_TEST_FULL=1 (make test-full)")
+FULL = pytest.mark.full  # launched runs
 STEPS = wandb_job.SAMPLES // wandb_job.BATCH  # optimizer steps per epoch in one process
 
 
@@ -132,6 +131,7 @@ def marks(epochs: int, first_step: int = 1) -> dict[int, float]:
     return {s: float(100 * ((s - 1) // STEPS) + (s - 1) % STEPS) for s in range(first_step, epochs * STEPS + 1)}
 
 
+@pytest.mark.slow
 def test_offline_run_metrics_config_and_checkpoints(tmp_path):
     from hookloop_wandb import WandbLogger
 
@@ -158,6 +158,7 @@ def test_offline_run_metrics_config_and_checkpoints(tmp_path):
                                 (f"model-{run['id']}", "model", ["latest"])]
 
 
+@pytest.mark.slow
 def test_ckpt_path_resume_logs_into_the_same_run_without_repeating_steps(tmp_path):
     first = wandb_job.fit(tmp_path, plugins=["wandb"], epochs=1)
     ckpt = Path(first.log_dir) / "checkpoints" / "last.ckpt"

@@ -79,6 +79,7 @@ def uninterrupted():
         return float((module(x).argmax(-1) == y).float().mean())
 
 
+@pytest.mark.slow
 def test_the_checkpoint_records_what_its_position_means(runs):
     root, _ = runs
     loop = ckpt.safe_load(last_of(root / "two"))["loop"]
@@ -86,6 +87,7 @@ def test_the_checkpoint_records_what_its_position_means(runs):
     assert loop["epoch_batches"] == STEPS[2] and loop["stage"] == "epoch_end"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("change, out, old, new", [("2->1", "two_to_one", 2, 1), ("1->2", "one_to_two", 1, 2)])
 def test_training_continues_on_the_new_world_size_to_the_expected_accuracy(runs, uninterrupted, change, out,
                                                                            old, new):
@@ -106,6 +108,7 @@ def test_training_continues_on_the_new_world_size_to_the_expected_accuracy(runs,
     ]
 
 
+@pytest.mark.slow
 def test_a_checkpoint_without_a_world_size_resumes_as_before(runs, tmp_path, capsys):
     """Checkpoints written before the world size was saved: taken as this world size's."""
     root, _ = runs
@@ -123,6 +126,7 @@ def test_a_checkpoint_without_a_world_size_resumes_as_before(runs, tmp_path, cap
     assert "resuming a checkpoint of" not in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_zero_checkpoint_of_another_world_size_is_refused_naming_the_conversion(tmp_path):
     """DeepSpeed does not re-partition ZeRO optimizer shards (its loader raises
     ZeRORuntimeException); hookloop refuses before the engine loads anything, and says
@@ -140,6 +144,7 @@ def test_a_zero_checkpoint_of_another_world_size_is_refused_naming_the_conversio
     assert not (tmp_path / "one" / "result.json").exists()
 
 
+@pytest.mark.slow
 def test_a_mid_epoch_position_is_converted_by_samples_seen(tmp_path, uninterrupted):
     """Stopped after 10 of epoch 2's 23 two-process batches (640 samples), resumed on one
     process: it goes on at batch 20 of that epoch's 45, so the epoch trains 25 more steps."""
