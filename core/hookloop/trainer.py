@@ -447,7 +447,10 @@ class Trainer:
             if sync_grads:
                 from torch.distributed.nn.functional import all_gather as differentiable_all_gather
 
-                return torch.stack(differentiable_all_gather(tensor))
+                # group= given: its default (group.WORLD) is bound when torch first imports the
+                # module, so a process that made a new group since (a second fit) would gather
+                # on the destroyed one ("not initialized in the world group map" in backward).
+                return torch.stack(differentiable_all_gather(tensor, group=dist.group.WORLD))
             with torch.no_grad():
                 parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
                 dist.all_gather(parts, tensor)

@@ -29,14 +29,6 @@ RANK = int(os.environ["RANK"])
 os.chdir(OUT)  # the working directory a launch of its own had (the job driver puts it back)
 out: dict = {}
 
-# torch.distributed.nn.functional.all_gather (what all_gather(sync_grads=True) calls) binds
-# its default group, group.WORLD, when the module is first imported. A launch of its own
-# imports it in this fit, with this fit's group; in the shared job an earlier script's
-# workers imported it with their group, since destroyed (its backward then fails). So it
-# is imported afresh here, as in a new process, and the earlier module put back after.
-EARLIER = sys.modules.pop("torch.distributed.nn.functional", None)
-
-
 class Gather(hookloop.Module):
     def __init__(self):
         super().__init__()
@@ -55,14 +47,22 @@ class Gather(hookloop.Module):
         return torch.optim.SGD(self.parameters(), lr=1.0)
 
 
+
+def fit(module):
+    with tempfile.TemporaryDirectory() as root:
+        hookloop.Trainer(plugins=["ddp"], accelerator="cpu", max_steps=1, enable_checkpointing=False, logger=False,
+                         enable_progress_bar=False, default_root_dir=root,
+                         use_distributed_sampler=False).fit(module, DataLoader(TensorDataset(torch.ones(2, 1)), batch_size=2))
+
+
+# A fit before the observed one, as in a notebook or a script that fits twice: torch binds
+# the default group of torch.distributed.nn.functional (what all_gather(sync_grads=True)
+# calls) when this first fit imports it, and that group is destroyed when the fit ends.
+# The second fit's gather must use its own group (it gathered on the destroyed one: its
+# backward failed with "not initialized in the world group map").
+fit(Gather())
+out.clear()
 module = Gather()
-with tempfile.TemporaryDirectory() as root:
-    hookloop.Trainer(plugins=["ddp"], accelerator="cpu", max_steps=1, enable_checkpointing=False, logger=False,
-                     enable_progress_bar=False, default_root_dir=root,
-                     use_distributed_sampler=False).fit(module, DataLoader(TensorDataset(torch.ones(2, 1)), batch_size=2))
+fit(module)
 out["w"] = module.w.detach().clone()
 torch.save(out, OUT / f"rank{RANK}.pt")
-if EARLIER is not None:
-    import torch.distributed.nn
-
-    sys.modules["torch.distributed.nn.functional"] = torch.distributed.nn.functional = EARLIER
