@@ -200,4 +200,7 @@ def jobs(tmp_path_factory):
     """The shared launched jobs of tests/jobs.py, each run at most once per session."""
     from jobs import Registry
 
-    return Registry(tmp_path_factory.mktemp("jobs"))
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the session's folder, shared by its xdist workers
+    return Registry(base / "jobs")

@@ -19,6 +19,7 @@ under test) keep it; a test that only observes an ordinary run reads a job's out
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -71,6 +72,13 @@ JOBS = {job.name: job for job in [
         ("tuner_job.py",),  # test_tuner.py
         ("amp_ddp_digits.py", 10),  # test_amp.py: 10 epochs of digits, fp32 then bf16-mixed
     )),
+    # Large allocations straight from the OS and back, so the peak resident size measures
+    # the tensors alive at the peak (not malloc's cache): test_fsdp's memory checks.
+    Job("fsdp", scripts=(("fsdp_battery.py",),), plugins="fsdp", env=(("MALLOC_MMAP_THRESHOLD_", "65536"),)),
+    Job("tp", scripts=(("tp_battery.py",),  # test_tp.py
+                       ("tp_sp_battery.py",)), plugins="tp"),  # test_tp_sp.py: sequence parallel
+    Job("ddp_sharded", scripts=(("fairscale_sharded_battery.py",),), plugins="ddp_sharded"),
+    Job("ddp_sequential", scripts=(("fairscale_sequential_battery.py",),), plugins="ddp_sequential"),
 ]}
 
 
@@ -108,23 +116,41 @@ class JobRun:
 
 
 class Registry:
-    """Runs each job at most once per pytest session (the ``jobs`` fixture)."""
+    """Runs each job at most once per pytest session (the ``jobs`` fixture). ``base`` is
+    shared by the workers of a pytest-xdist session: the first worker to ask launches the
+    job under a file lock, and the others read what it left (``job.json``, the folders)."""
 
     def __init__(self, base: Path):
         self.base = base
+        self.base.mkdir(parents=True, exist_ok=True)
         self.done: dict[str, JobRun | JobFailed] = {}
 
     def run(self, name: str) -> JobRun:
         if name not in self.done:
-            self.done[name] = self._launch(JOBS[name])
+            self.done[name] = self._once(JOBS[name])
         result = self.done[name]
         if isinstance(result, JobFailed):
             raise result
         return result
 
+    def _once(self, job: Job) -> JobRun | JobFailed:
+        record = self.base / job.name / "job.json"
+        with open(self.base / f"{job.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another worker launching it: wait for its record
+            if not record.is_file():
+                result = self._launch(job)
+                fields = ({"failed": str(result)} if isinstance(result, JobFailed) else
+                          {"returncode": result.returncode, "launch_stdout": result.launch_stdout,
+                           "launch_stderr": result.launch_stderr, "seconds": result.seconds})
+                record.write_text(json.dumps(fields))
+        fields = json.loads(record.read_text())
+        if "failed" in fields:
+            return JobFailed(fields["failed"])
+        return JobRun(job, record.parent, **fields)
+
     def _launch(self, job: Job) -> JobRun | JobFailed:
         out = self.base / job.name
-        out.mkdir(parents=True)
+        out.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "HOOKLOOP_", "PL_"))}
         env.pop("LOCAL_RANK", None)
         env.update(dict(job.env))

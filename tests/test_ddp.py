@@ -14,12 +14,11 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler, WeightedRandomSampler
 
-from conftest import REPO, TinyModule, max_abs_diff, run_python, tiny_data
+from conftest import REPO, TinyModule, max_abs_diff, tiny_data
 
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
 from ddp_reference import concatenated_batches_run  # noqa: E402
 
-SCRIPT = REPO / "tests" / "scripts" / "ddp_battery.py"
 
 pytestmark = pytest.mark.check  # every test reads the shared ddp job (tests/jobs.py): the ddp family's job in make check
 

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import hookloop
-from conftest import REPO, max_abs_diff, run_python, state_of
+from conftest import REPO, max_abs_diff, state_of
 
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
 from fairscale_sequential_battery import DATA, VAL, Losses, SeqNet  # noqa: E402
@@ -24,11 +24,9 @@ SCRIPT = REPO / "tests" / "scripts" / "fairscale_sequential_battery.py"
 
 
 @pytest.fixture(scope="module")
-def battery(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fairscale_sequential")
-    proc = run_python([sys.executable, "-m", "hookloop", "run", "--plugins", "ddp_sequential", "--devices", "2",
-                       str(SCRIPT), str(out)], cwd=out, timeout=480)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)], proc.stdout
+def battery(jobs):
+    run = jobs.run("ddp_sequential")  # tests/jobs.py
+    return run.ranks(SCRIPT.name), run.stdout(SCRIPT.name)
 
 
 def single_process(batch_size=8, epochs=2, optimizer="sgd", **kwargs):

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import hookloop
-from conftest import REPO, max_abs_diff, run_python, tiny_data
+from conftest import REPO, max_abs_diff, tiny_data
 
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
 from ddp_reference import concatenated_batches_run  # noqa: E402
@@ -28,12 +28,9 @@ PARTITION_LINE = ("hookloop-fairscale: optimizer state sharded by whole paramete
 
 
 @pytest.fixture(scope="module")
-def battery(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fairscale_sharded")
-    proc = run_python([sys.executable, "-m", "hookloop", "run", "--plugins", "ddp_sharded", "--devices", "2",
-                       str(SCRIPT), str(out)], cwd=out, timeout=480)
-    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
-    return ranks, proc.stdout, out
+def battery(jobs):
+    run = jobs.run("ddp_sharded")  # tests/jobs.py
+    return run.ranks(SCRIPT.name), run.stdout(SCRIPT.name), run.dir(SCRIPT.name)
 
 
 def greedy_partition(sizes: list[int], world: int) -> list[int]:

@@ -40,15 +40,9 @@ def weights(module) -> dict:
 
 
 @pytest.fixture(scope="module")
-def battery(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp_battery")
-    # Large allocations straight from the OS and back to it when freed, so that the
-    # peak resident size measures the tensors alive at the peak (not malloc's cache).
-    env = {"MALLOC_MMAP_THRESHOLD_": "65536"}
-    proc = run_python([sys.executable, "-m", "hookloop", "run", "--plugins", "fsdp", "--devices", "2",
-                       str(SCRIPTS / "fsdp_battery.py"), str(out)], cwd=out, env=env, timeout=600)
-    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
-    return ranks, proc.stdout + proc.stderr, out
+def battery(jobs):
+    run = jobs.run("fsdp")  # tests/jobs.py
+    return run.ranks("fsdp_battery"), run.stdout("fsdp_battery") + run.stderr("fsdp_battery"), run.dir("fsdp_battery")
 
 
 # -- parity with ddp --------------------------------------------------------------------------

@@ -19,9 +19,8 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import hookloop
-from conftest import REPO, run_python
+from conftest import run_python
 
-BATTERY = REPO / "tests" / "scripts" / "limits_battery.py"
 
 
 def _data(n: int = 64, seed: int = 1) -> TensorDataset:

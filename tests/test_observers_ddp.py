@@ -8,15 +8,12 @@ expected number below, are in that script.
 from __future__ import annotations
 
 import csv
-import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from conftest import REPO, run_python
 
-SCRIPT = REPO / "tests" / "scripts" / "observers_battery.py"
+
 
 pytestmark = pytest.mark.check  # every test reads the shared ddp job (tests/jobs.py)
 

@@ -16,12 +16,11 @@ import torch
 from torch import nn
 
 import hookloop
-from conftest import REPO, run_python
+from conftest import REPO
 
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
 from tp_models import Attention, Net, data, reference  # noqa: E402
 
-SCRIPTS = REPO / "tests" / "scripts"
 STEPS = 4
 
 
@@ -31,12 +30,9 @@ def max_diff(a: dict, b: dict) -> float:
 
 
 @pytest.fixture(scope="module")
-def battery(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp_battery")
-    proc = run_python([sys.executable, "-m", "hookloop", "run", "--plugins", "tp", "--devices", "2",
-                       str(SCRIPTS / "tp_battery.py"), str(out)], cwd=out, timeout=600)
-    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
-    return ranks, proc.stdout + proc.stderr, out
+def battery(jobs):
+    run = jobs.run("tp")  # tests/jobs.py: tp_battery.py, then test_tp_sp's script in the same workers
+    return run.ranks("tp_battery"), run.stdout("tp_battery") + run.stderr("tp_battery"), run.dir("tp_battery")
 
 
 @pytest.mark.check

@@ -16,13 +16,12 @@ import pytest
 import torch
 
 import hookloop
-from conftest import REPO, run_python
+from conftest import REPO
 
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
 from tp_models import SEQ  # noqa: E402
 from tp_sp_models import Transformer, data, reference  # noqa: E402
 
-SCRIPTS = REPO / "tests" / "scripts"
 STEPS = 4
 NORMS = {"blocks.0.norm1", "blocks.0.norm2", "blocks.1.norm1", "blocks.1.norm2", "norm"}
 
@@ -33,14 +32,11 @@ def max_diff(a: dict, b: dict) -> float:
 
 
 @pytest.fixture(scope="module")
-def battery(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp_sp_battery")
-    run_python([sys.executable, "-m", "hookloop", "run", "--plugins", "tp", "--devices", "2",
-                str(SCRIPTS / "tp_sp_battery.py"), str(out)], cwd=out, timeout=600)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+def battery(jobs):
+    return jobs.run("tp").ranks("tp_sp_battery")  # tests/jobs.py: the tp job, after test_tp's script
 
 
-@pytest.mark.slow
+@pytest.mark.check
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_two_process_sequence_parallel_equals_one_process_training(battery, optimizer):
     expected, grads = reference(optimizer, STEPS)
@@ -52,7 +48,7 @@ def test_two_process_sequence_parallel_equals_one_process_training(battery, opti
     assert max_diff(battery[0][optimizer]["final"], battery[1][optimizer]["final"]) == 0.0
 
 
-@pytest.mark.slow
+@pytest.mark.check
 def test_the_activations_between_the_blocks_are_sharded_on_the_sequence(battery):
     for record in battery:
         seen = record["sgd"]["norm_inputs"]
@@ -64,7 +60,7 @@ def test_the_activations_between_the_blocks_are_sharded_on_the_sequence(battery)
             assert placements == ("S(1)",), (name, placements)
 
 
-@pytest.mark.slow
+@pytest.mark.check
 def test_the_plan_splits_the_blocks_and_replicates_the_norms_and_head_as_dtensors(battery):
     layouts = battery[0]["sgd"]["layouts"]
     for b in (0, 1):
@@ -76,7 +72,7 @@ def test_the_plan_splits_the_blocks_and_replicates_the_norms_and_head_as_dtensor
         assert layouts[name] == ("R",), name
 
 
-@pytest.mark.slow
+@pytest.mark.check
 def test_the_modules_own_sequence_parallel_plan_equals_one_process_training(battery):
     expected, grads = reference("sgd", STEPS)
     for record in battery:
@@ -141,7 +137,7 @@ def test_a_bad_sequence_parallel_option_is_refused():
     assert TP(sequence_parallel=True).sequence_parallel is True
 
 
-@pytest.mark.slow
+@pytest.mark.check
 def test_a_sequence_that_does_not_split_evenly_is_refused_on_every_rank(battery):
     for record in battery:
         assert record["uneven"] is not None
@@ -149,7 +145,7 @@ def test_a_sequence_that_does_not_split_evenly_is_refused_on_every_rank(battery)
         assert "(4, 5, 8)" in record["uneven"]
 
 
-@pytest.mark.slow
+@pytest.mark.check
 def test_after_fit_the_module_is_whole_and_runs_alone(battery):
     expected, _ = reference("adam", STEPS)
     model = Transformer()
