@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import json
 import re
-import runpy
 import sys
 import textwrap
 
@@ -28,7 +26,6 @@ import hookloop.testing
 from conftest import (REPO, TinyModule, fit_profiled, install_fake_distribution, max_abs_diff, run_python, state_of,
                       tiny_data)
 from hookloop import versioning
-from hookloop.config import DEFAULTS_ENV
 from hookloop.defaults import Defaults
 
 HOOKLOOP = [sys.executable, "-m", "hookloop"]
@@ -422,22 +419,13 @@ print(f"OPTIONS init_scale={amp.init_scale} growth_interval={amp.growth_interval
 '''
 
 
-def test_plugin_options_from_the_environment_the_command_line_and_code(tmp_path, monkeypatch, capsys):
-    """``hookloop run`` in this process up to its launch; the script then runs here as the
-    launched interpreter would: with the options in ``HOOKLOOP_TRAINER_DEFAULTS`` (that the
-    launch hands them on so is test_cli.py's test_run_options_become_trainer_defaults)."""
+@pytest.mark.slow  # the options reach a launched interpreter through hookloop run's real hand-off
+def test_plugin_options_from_the_environment_the_command_line_and_code(tmp_path):
     (tmp_path / "show.py").write_text(SHOW_OPTIONS)
-    monkeypatch.setenv("HOOKLOOP_PLUGIN_OPTIONS", "amp.init_scale=8; amp.allow_cpu_fp16=true; amp.growth_interval=3")
-    launched = []
-    monkeypatch.setattr(hookloop.cli, "run_command",
-                        lambda cmd, defaults=None, workers=True, root=None: launched.append((cmd, defaults, workers)) or 0)
-    assert hookloop.cli.main(["run", "--plugin-option", "amp.init_scale=1024", "show.py"]) == 0
-    ((cmd, defaults, workers),) = launched
-    assert cmd == [sys.executable, "show.py"] and workers is False  # one plain interpreter
-    monkeypatch.setenv(DEFAULTS_ENV, json.dumps(defaults))  # what run_command gives it
-    runpy.run_path("show.py", run_name="__main__")
+    env = {"HOOKLOOP_PLUGIN_OPTIONS": "amp.init_scale=8; amp.allow_cpu_fp16=true; amp.growth_interval=3"}
+    out = run_python(HOOKLOOP + ["run", "--plugin-option", "amp.init_scale=1024", "show.py"], cwd=tmp_path, env=env)
     # per option: code beats the command line, which beats the environment
-    assert "OPTIONS init_scale=1024 growth_interval=7 allow_cpu_fp16=True" in capsys.readouterr().out
+    assert "OPTIONS init_scale=1024 growth_interval=7 allow_cpu_fp16=True" in out.stdout
 
 
 def test_bad_plugin_options_are_clear_errors():
