@@ -164,3 +164,17 @@ class Registry:
         if proc.returncode != 0:
             return JobFailed(f"job {job.name!r} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")
         return run
+
+
+def begin_battery() -> tuple[Path, int]:
+    """The preamble of a battery script, in a job or launched on its own: a hang fails with
+    every thread's stack after 240 s, and the output folder (``sys.argv[1]``) becomes the
+    working directory, as a launch of its own had it (the job driver puts it back).
+    Returns ``(OUT, RANK)``."""
+    import faulthandler
+
+    faulthandler.enable()
+    faulthandler.dump_traceback_later(240, exit=True)
+    out = Path(sys.argv[1])
+    os.chdir(out)
+    return out, int(os.environ["RANK"])

@@ -8,8 +8,6 @@ all_gather_ddp.py OUT``), read by tests/test_lightning_names.py. Every rank writ
 
 from __future__ import annotations
 
-import faulthandler
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -20,13 +18,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hookloop  # noqa: E402
+from jobs import begin_battery  # noqa: E402
 from hookloop.utilities import rank_zero_only  # noqa: E402
 
-faulthandler.enable()
-faulthandler.dump_traceback_later(240, exit=True)  # a hang fails with the stacks
-OUT = Path(sys.argv[1])
-RANK = int(os.environ["RANK"])
-os.chdir(OUT)  # the working directory a launch of its own had (the job driver puts it back)
+OUT, RANK = begin_battery()  # tests/jobs.py: a watchdog, the output folder as working directory
 out: dict = {}
 
 class Gather(hookloop.Module):

@@ -10,9 +10,7 @@ whether it drew.
 
 from __future__ import annotations
 
-import faulthandler
 import io
-import os
 import sys
 import tempfile
 from contextlib import redirect_stdout
@@ -23,13 +21,10 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hookloop  # noqa: E402
+from jobs import begin_battery  # noqa: E402
 from test_bars_summary import _data, _module, frameworks  # noqa: E402
 
-faulthandler.enable()
-faulthandler.dump_traceback_later(240, exit=True)  # a hang fails with the stacks
-OUT = Path(sys.argv[1])
-RANK = int(os.environ["RANK"])
-os.chdir(OUT)  # the working directory a launch of its own had (the job driver puts it back)
+OUT, RANK = begin_battery()  # tests/jobs.py: a watchdog, the output folder as working directory
 
 torch.manual_seed(0)
 fw = frameworks.load("hookloop")

@@ -9,7 +9,6 @@ Every rank writes ``OUT/rank<R>.pt``: its rank and each framework's ``callback_m
 
 from __future__ import annotations
 
-import faulthandler
 import gc
 import os
 import sys
@@ -21,14 +20,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hookloop  # noqa: E402
+from jobs import begin_battery  # noqa: E402
 import pytorch_lightning as pl  # noqa: E402  the reference (tests only)
 from test_defects_metrics import STEPS_PER_RANK, _quiet, sync_logged_class  # noqa: E402
 
-faulthandler.enable()
-faulthandler.dump_traceback_later(240, exit=True)  # a hang fails with the stacks
-OUT = Path(sys.argv[1])
-RANK = int(os.environ["RANK"])
-os.chdir(OUT)  # the working directory a launch of its own had (the job driver puts it back)
+OUT, RANK = begin_battery()  # tests/jobs.py: a watchdog, the output folder as working directory
 
 # Lightning's ddp makes its default process group with torch's own key names, the same
 # for every group a process makes; the launcher's store (torchelastic's agent store,
