@@ -840,6 +840,17 @@ def _(tmp):
     quiet().fit(TinyModule(), loader(), ckpt_path=path)
 
 
+@row("K12")
+def _(tmp):
+    other = tmp / "other-run" / "checkpoints" / "last.ckpt" / "step16"
+    (other / "model").mkdir(parents=True)
+    (other / "model" / ".metadata").write_bytes(b"")
+    shared = tmp / "shared" / "last.ckpt"
+    shared.mkdir(parents=True)
+    (shared / "latest").write_text(os.path.relpath(other, shared) + "\n")
+    quiet(plugins=["fsdp"]).fit(TinyModule(), loader(), ckpt_path=shared)
+
+
 # -- run directories -----------------------------------------------------------------------
 
 

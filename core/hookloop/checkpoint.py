@@ -1,7 +1,8 @@
 """Checkpoint I/O: atomic writes, safe loads, RNG state, and model compatibility checks.
 
 Public helpers for plugins: :func:`atomic_save`, :func:`safe_load`,
-:func:`check_state_dict`, :func:`cpu_snapshot`, :func:`atomic_copy_tree`, :class:`TaggedCheckpointDir`.
+:func:`check_state_dict`, :func:`cpu_snapshot`, :func:`atomic_copy_tree`, :class:`TaggedCheckpointDir`,
+:func:`tag_entry`.
 """
 
 from __future__ import annotations
@@ -515,6 +516,11 @@ class TaggedCheckpointDir:
         except (OSError, UnicodeDecodeError):
             return None
 
+    def entry(self, tag: str, source: str | None = None) -> Path:
+        """The directory of ``tag`` inside this checkpoint directory: :func:`tag_entry`
+        (``source``: where the name came from, ``latest`` by default)."""
+        return tag_entry(self.path, tag, source or f"its '{self.LATEST}' file")
+
     def committed(self, warn: bool = True) -> Path:
         """The directory of the tag to load (see the class); ``CheckpointError`` when the
         directory holds no complete tag. Warns (``warn``: on one rank, say) when it is not
@@ -523,7 +529,9 @@ class TaggedCheckpointDir:
         import warnings
 
         latest, tags = self._latest(), self.tags()
-        complete = [t for t in tags if self.is_complete(t)]
+        if latest is not None:
+            self.entry(latest)  # a name that leads out of the directory is refused, never followed
+        complete = [t for t in tags if self.is_complete(t) and _inside(self.path, self.path / t)]
         if latest is not None and latest in complete:
             chosen = latest
         elif complete:
@@ -550,6 +558,44 @@ class TaggedCheckpointDir:
             warnings.warn(f"sharded checkpoint {str(self.path)!r}: a save was interrupted, leaving "
                           f"{', '.join(newer)} incomplete; loading the committed tag {chosen!r}", stacklevel=2)
         return self.path / chosen
+
+
+def tag_entry(directory: str | os.PathLike, tag: str, source: str = "its 'latest' file") -> Path:
+    """The entry named ``tag`` inside the checkpoint directory ``directory``: what every
+    strategy that follows a tag (a ``latest`` file, a ``--tag`` option) must use.
+
+    A tag is the plain name of an entry of the directory itself: an absolute path, ``.``,
+    ``..``, a path separator, or a symbolic link that resolves outside the directory is
+    refused with :class:`CheckpointError` (``source`` says where the name came from),
+    so a checkpoint cannot lead a resume into another run's files.
+    """
+    directory = Path(directory)
+    text = str(tag)
+    why = None
+    if not text:
+        why = "it is empty"
+    elif os.path.isabs(text) or text.startswith("~"):
+        why = "it is an absolute path"
+    elif text in (".", "..") or any(sep in text for sep in ("/", "\\", os.sep)) or "\0" in text:
+        why = "it is a path, not the name of an entry of the directory"
+    elif not _inside(directory, directory / text):
+        why = "it is a symbolic link that leads out of the directory"
+    if why is not None:
+        names = [p.name for p in sorted(directory.iterdir()) if p.is_dir() and not p.is_symlink()] if directory.is_dir() else []
+        raise CheckpointError(
+            f"checkpoint {str(directory)!r}: {source} names the tag {text!r}, and {why}; a tag is the name of a "
+            f"directory inside the checkpoint ({', '.join(names) or 'it holds none'}). hookloop does not follow "
+            f"a tag out of its checkpoint: the checkpoint was altered or written by other code. Write the name of "
+            f"one of its own tags there, or pass the checkpoint you mean as ckpt_path")
+    return directory / text
+
+
+def _inside(directory: Path, entry: Path) -> bool:
+    """Whether ``entry``, with every symbolic link resolved, is inside ``directory``."""
+    try:
+        return entry.resolve().is_relative_to(directory.resolve())
+    except (OSError, RuntimeError):  # a loop of links
+        return False
 
 
 def _short_write_cause(f) -> OSError | None:

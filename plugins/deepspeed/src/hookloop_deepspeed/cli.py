@@ -41,7 +41,7 @@ def collate(checkpoint_dir: str | os.PathLike, output: str | os.PathLike, tag: s
         if not (checkpoint_dir / "latest").is_file() and not tags.tags():
             raise CheckpointError(f"{str(checkpoint_dir)!r} is not a DeepSpeed checkpoint (no 'latest' file); pass --tag")
         tag = tags.committed().name  # the newest complete tag when 'latest' names an interrupted save's
-    shard_dir = checkpoint_dir / tag
+    shard_dir = hookloop.tag_entry(checkpoint_dir, tag, "--tag")
     if not shard_dir.is_dir():
         raise CheckpointError(f"{str(checkpoint_dir)!r} has no checkpoint tag {tag!r}")
     if not torch.cuda.is_available():
