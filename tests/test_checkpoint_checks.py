@@ -114,3 +114,140 @@ def test_tag_entry_refuses_every_name_that_is_not_an_entry_of_the_directory(tmp_
                      ("link", "symbolic link that leads out of the directory")]:
         with pytest.raises(hookloop.CheckpointError, match=why):
             hookloop.tag_entry(directory, tag)
+
+
+# -- 2. a checkpoint's format is checked ------------------------------------------------------
+
+
+def _single_file_run(root: Path, steps: int = 4, **kwargs) -> hookloop.Trainer:
+    return fit(root, steps, **kwargs)
+
+
+def _rewritten(source: Path, target: Path, change) -> Path:
+    checkpoint = hookloop.safe_load(source)
+    change(checkpoint)
+    torch.save(checkpoint, target)
+    return target
+
+
+def test_a_checkpoint_of_a_newer_format_is_refused_naming_both_versions(tmp_path):
+    from hookloop import _version
+    from hookloop.checkpoint import FORMAT_VERSION
+
+    saved = last_of(tmp_path / "run")
+    _single_file_run(tmp_path / "run")
+    newer = _rewritten(saved, tmp_path / "newer.ckpt",
+                       lambda c: c["hookloop"].update(format=FORMAT_VERSION + 1, version="99.0.0"))
+    module = TinyClassifier()
+    with pytest.raises(hookloop.CheckpointError) as raised:
+        fit(tmp_path / "resumed", 8, ckpt_path=newer, module=module)
+    assert str(raised.value) == (
+        f"checkpoint {str(newer)!r} was written by hookloop 99.0.0 in checkpoint format {FORMAT_VERSION + 1}, and "
+        f"this hookloop ({_version.__version__}) reads formats up to {FORMAT_VERSION}: upgrade hookloop (pip install "
+        f"--upgrade hookloop and its plugins) to resume from it")
+    assert torch.equal(module.net[0].weight, TinyClassifier().net[0].weight)  # nothing was loaded
+    with pytest.raises(hookloop.CheckpointError, match="checkpoint format 3, and this hookloop"):
+        TinyClassifier.load_from_checkpoint(newer)
+
+
+def test_a_checkpoint_of_an_older_format_or_without_one_still_loads(tmp_path):
+    saved = last_of(tmp_path / "run")
+    _single_file_run(tmp_path / "run")
+    older = _rewritten(saved, tmp_path / "older.ckpt", lambda c: c["hookloop"].update(format=1, version="0.1.0"))
+    unmarked = _rewritten(saved, tmp_path / "unmarked.ckpt", lambda c: c.pop("hookloop"))
+    for path in (older, unmarked):
+        assert fit(tmp_path / path.stem, 6, ckpt_path=path).global_step == 6
+
+
+# -- 3. an empty directory ---------------------------------------------------------------------
+
+
+def test_an_empty_directory_is_said_to_hold_no_checkpoint(tmp_path):
+    empty = tmp_path / "empty.ckpt"
+    empty.mkdir()
+    with pytest.raises(hookloop.CheckpointError) as raised:
+        fit(tmp_path / "run", ckpt_path=empty)
+    assert str(raised.value).startswith(f"checkpoint {str(empty)!r} is an empty directory: it holds no checkpoint")
+    assert "which only the strategy that wrote it" not in str(raised.value)
+
+
+# -- 4. a pytorch-lightning checkpoint ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lightning_checkpoint(tmp_path_factory):
+    """A real pytorch-lightning checkpoint: the tiny classifier's layers as a
+    LightningModule, one step of Lightning's Trainer, then ``trainer.save_checkpoint``."""
+    pl = pytest.importorskip("pytorch_lightning")
+    from torch import nn
+    from torch.nn import functional as F
+
+    class LitClassifier(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = TinyClassifier(seed=3).net
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch[0], batch[1]
+            return F.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    path = tmp_path_factory.mktemp("lightning") / "lightning.ckpt"
+    module = LitClassifier()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = pl.Trainer(max_steps=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(module, DataLoader(tiny_dataset(), batch_size=16))
+        trainer.save_checkpoint(path)
+    assert isinstance(module.net, nn.Sequential)
+    return path, {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def test_a_lightning_checkpoint_is_named_as_lightnings_with_how_to_load_its_weights(lightning_checkpoint, tmp_path):
+    import pytorch_lightning as pl
+
+    path, weights = lightning_checkpoint
+    saved = torch.load(path, weights_only=True)
+    with pytest.raises(hookloop.CheckpointError) as raised:
+        fit(tmp_path / "run", ckpt_path=path)
+    assert saved["global_step"] == 1
+    assert str(raised.value) == (
+        f"checkpoint {str(path)!r} was written by pytorch-lightning {pl.__version__} (epoch {saved['epoch']}, global "
+        f"step 1), not "
+        f"by hookloop: hookloop cannot resume Lightning's loop state (its 'loops' and callbacks). To start from its "
+        f"weights, load them into the module before fit: module.load_state_dict(torch.load(path, "
+        f"weights_only=True)['state_dict']), or MyModule.load_from_checkpoint(path)")
+    # and what it says works: the weights load into the same layers, exactly
+    module = TinyClassifier()
+    module.load_state_dict(torch.load(path, weights_only=True)["state_dict"])
+    assert all(torch.equal(module.state_dict()[k], v) for k, v in weights.items())
+    loaded = TinyClassifier.load_from_checkpoint(path)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in weights.items())
+
+
+# -- 5. last.ckpt and last.prev.ckpt damaged: the other checkpoints beside them ----------------
+
+
+def test_both_last_checkpoints_damaged_names_the_intact_checkpoints_beside_them(tmp_path):
+    trainer = fit(tmp_path, 12, max_epochs=None,
+                  callbacks=[hookloop.ModelCheckpoint(every_n_train_steps=4, every_n_epochs=0, save_top_k=-1)])
+    directory = Path(trainer.log_dir) / "checkpoints"
+    for name in ("last.ckpt", "last.prev.ckpt"):
+        data = bytearray((directory / name).read_bytes())
+        data[len(data) // 2] ^= 0x01
+        (directory / name).write_bytes(bytes(data))
+    damaged_topk = directory / "epoch=0-step=4.ckpt"
+    damaged_topk.write_bytes(damaged_topk.read_bytes()[:100])  # truncated: not listed
+    with pytest.raises(hookloop.CheckpointError) as raised:
+        fit(tmp_path, 16, max_epochs=None, ckpt_path="last")
+    message = str(raised.value)
+    assert message.startswith("neither checkpoint can be loaded: "), message
+    intact = [directory / "epoch=2-step=12.ckpt", directory / "epoch=1-step=8.ckpt"]  # newest first
+    assert message.endswith(
+        f" Intact checkpoints beside them, newest first: {', '.join(p.name for p in intact)} (in {str(directory)!r}): "
+        f"resume from one with ckpt_path={str(intact[0])!r}"), message
+    # and that works
+    assert fit(tmp_path / "again", 16, max_epochs=None, ckpt_path=intact[0]).global_step == 16

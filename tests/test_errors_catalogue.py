@@ -851,6 +851,55 @@ def _(tmp):
     quiet(plugins=["fsdp"]).fit(TinyModule(), loader(), ckpt_path=shared)
 
 
+def _marked(tmp: Path, fmt) -> Path:
+    checkpoint = hookloop.safe_load(saved_run(tmp / "run"))
+    checkpoint["hookloop"] = {"version": "99.0.0", "format": fmt}
+    torch.save(checkpoint, tmp / "marked.ckpt")
+    return tmp / "marked.ckpt"
+
+
+@row("K13")
+def _(tmp):
+    quiet(max_epochs=2).fit(TinyModule(), loader(), ckpt_path=_marked(tmp, 3))
+
+
+@row("K14")
+def _(tmp):
+    quiet(max_epochs=2).fit(TinyModule(), loader(), ckpt_path=_marked(tmp, "2"))
+
+
+@row("K15")
+def _(tmp):
+    (tmp / "empty.ckpt").mkdir()
+    quiet().fit(TinyModule(), loader(), ckpt_path=tmp / "empty.ckpt")
+
+
+@row("K16")
+def _(tmp):
+    import warnings
+
+    import pytorch_lightning as pl
+
+    class LitModel(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = TinyModule().net
+
+        def training_step(self, batch, batch_idx):
+            return F.cross_entropy(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = pl.Trainer(max_steps=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(LitModel(), loader())
+        trainer.save_checkpoint(tmp / "lightning.ckpt")
+    quiet().fit(TinyModule(), loader(), ckpt_path=tmp / "lightning.ckpt")
+
+
 # -- run directories -----------------------------------------------------------------------
 
 

@@ -788,6 +788,32 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     return _atomic_write(path, lambda f: f.write(data))
 
 
+def intact_checkpoints_beside(path: str | os.PathLike) -> list[Path]:
+    """The other checkpoints in the folder of ``path`` (``*.ckpt``, but not
+    ``last.ckpt``/``last.prev.ckpt``), newest first: files whose checksum and zip structure
+    are whole (:func:`verify_checksum`, nothing unpickled) and non-empty directories
+    (a strategy's sharded checkpoints, not verified here)."""
+    folder = Path(path).parent
+    found = []
+    try:
+        candidates = [p for p in folder.glob("*.ckpt") if p.name not in (LAST, PREVIOUS)]
+    except OSError:
+        return []
+    for candidate in candidates:
+        try:
+            if candidate.is_dir():
+                if not any(candidate.iterdir()):
+                    continue
+            elif candidate.stat().st_size == 0 or not zipfile.is_zipfile(candidate):
+                continue
+            else:
+                verify_checksum(candidate)
+            found.append((candidate.stat().st_mtime_ns, candidate.name, candidate))
+        except (CheckpointError, OSError):
+            continue
+    return [entry[-1] for entry in sorted(found, reverse=True)]
+
+
 def safe_load(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
     """``torch.load(weights_only=True)``, with errors that say what is wrong with the file."""
     path = Path(path)
@@ -799,6 +825,11 @@ def safe_load(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
                 hint = f" Checkpoints in {path.parent}: {', '.join(ckpts)}."
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist.{hint}")
     if path.is_dir():
+        if not any(path.iterdir()):
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} is an empty directory: it holds no checkpoint (nothing was saved "
+                f"there, or a save into it was removed). Pass a checkpoint file (.ckpt) or a sharded "
+                f"checkpoint directory, or ckpt_path='last' for this run's newest")
         raise CheckpointError(
             f"checkpoint {str(path)!r} is a directory: a sharded checkpoint, which only the "
             f"strategy that wrote it (e.g. --plugins deepspeed) can load"
@@ -818,6 +849,57 @@ def safe_load(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
             f"checkpoint {str(path)!r} cannot be read ({first}); it is corrupt or not a "
             f"hookloop/torch checkpoint. Resume from an earlier checkpoint."
         ) from exc
+
+
+def check_format(checkpoint: Any, source: str | os.PathLike) -> None:
+    """Refuse a checkpoint written in a newer format than this hookloop reads
+    (``checkpoint["hookloop"]["format"]`` above :data:`FORMAT_VERSION`), naming the
+    hookloop that wrote it and this one. Older formats, and checkpoints without the mark
+    (plain ``torch.save`` files, older hookloops), pass: the loaders read them as before.
+    The format is the compatibility contract: a newer hookloop that writes the same
+    format writes checkpoints this one reads."""
+    mark = checkpoint.get("hookloop") if isinstance(checkpoint, dict) else None
+    if not isinstance(mark, dict) or mark.get("format") is None:
+        return
+    written, version = mark.get("format"), mark.get("version")
+    by = f"hookloop {version}" if version else "a hookloop"
+    from . import _version
+
+    if not isinstance(written, int) or isinstance(written, bool):
+        raise CheckpointError(
+            f"checkpoint {str(source)!r} says it was written by {by} in checkpoint format {written!r}, which is not a "
+            f"format number; this hookloop ({_version.__version__}) reads formats 1 to {FORMAT_VERSION}: the file "
+            f"was altered or written by other code")
+    if written > FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {str(source)!r} was written by {by} in checkpoint format {written}, and this hookloop "
+            f"({_version.__version__}) reads formats up to {FORMAT_VERSION}: upgrade hookloop (pip install --upgrade "
+            f"hookloop and its plugins) to resume from it")
+
+
+#: Keys every checkpoint of pytorch-lightning's ``Trainer.save_checkpoint`` has.
+_LIGHTNING_KEYS = ("state_dict", "epoch", "global_step", "loops")
+
+
+def lightning_checkpoint_error(checkpoint: Any, source: str | os.PathLike) -> CheckpointError | None:
+    """The error for resuming from a pytorch-lightning checkpoint (recognised by its
+    ``pytorch-lightning_version``, or by Lightning's keys without hookloop's loop
+    state), saying how to start from its weights; ``None`` for any other checkpoint.
+    hookloop does not resume Lightning's loop state: its loops' and callbacks' states
+    are Lightning's own (docs/decisions.md, "Checkpoints")."""
+    if not isinstance(checkpoint, dict) or "loop" in checkpoint:
+        return None
+    version = checkpoint.get("pytorch-lightning_version") or checkpoint.get("lightning_version")
+    if version is None and not all(key in checkpoint for key in _LIGHTNING_KEYS):
+        return None
+    where = ""
+    if "epoch" in checkpoint and "global_step" in checkpoint:
+        where = f" (epoch {checkpoint['epoch']}, global step {checkpoint['global_step']})"
+    return CheckpointError(
+        f"checkpoint {str(source)!r} was written by pytorch-lightning{f' {version}' if version else ''}{where}, not "
+        f"by hookloop: hookloop cannot resume Lightning's loop state (its 'loops' and callbacks). To start from its "
+        f"weights, load them into the module before fit: module.load_state_dict(torch.load(path, "
+        f"weights_only=True)['state_dict']), or MyModule.load_from_checkpoint(path)")
 
 
 def optimizer_and_scheduler_states(checkpoint: dict) -> tuple[list, list]:
