@@ -116,6 +116,46 @@ def test_tag_entry_refuses_every_name_that_is_not_an_entry_of_the_directory(tmp_
             hookloop.tag_entry(directory, tag)
 
 
+
+# -- 7. an fsdp checkpoint missing a shard -----------------------------------------------------
+
+
+def _two_fsdp_saves(root: Path) -> Path:
+    """An fsdp run (sharded, a world of one) whose last.ckpt is at step 8 and
+    last.prev.ckpt at step 4 (4 steps an epoch); returns last.ckpt."""
+    fit(root, 8, max_epochs=None, **FSDP)
+    last = last_of(root)
+    assert committed(last).name == "step8" and committed(last.with_name("last.prev.ckpt")).name == "step4"
+    return last
+
+
+@pytest.mark.parametrize("shard", ["model", "optimizer"])
+def test_an_fsdp_checkpoint_missing_a_shard_names_it_and_falls_back_like_a_damaged_file(tmp_path, shard):
+    last = _two_fsdp_saves(tmp_path / "run")
+    missing = committed(last) / shard / "__0_0.distcp"
+    missing.unlink()
+    with pytest.raises(hookloop.CheckpointError) as raised:
+        fit(tmp_path / "explicit", 12, max_epochs=None, ckpt_path=last, **FSDP)
+    assert str(raised.value) == (
+        f"sharded checkpoint {str(committed(last))!r} is incomplete: its {shard} shards name {missing.name} "
+        f"(written by 1 process), which is missing. Resume from an earlier checkpoint (last.prev.ckpt is the one "
+        f"before last.ckpt)")
+    # ckpt_path="last" (and a restart) falls back to last.prev.ckpt, as for a damaged file
+    with pytest.warns(UserWarning, match=rf"newest checkpoint .*last\.ckpt.* cannot be loaded \(sharded checkpoint "
+                                         rf".*is incomplete: its {shard} shards name __0_0\.distcp"):
+        trainer = fit(tmp_path / "run", 12, max_epochs=None, ckpt_path="last", **FSDP)
+    assert trainer.global_step == 12
+
+
+def test_an_fsdp_checkpoint_with_a_truncated_shard_names_it(tmp_path):
+    last = _two_fsdp_saves(tmp_path / "run")
+    shard = committed(last) / "model" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(hookloop.CheckpointError, match=r"is incomplete: its model shards name __0_0\.distcp, shorter "
+                                                       r"than the metadata says \(truncated\)\. Resume from an earlier"):
+        fit(tmp_path / "explicit", 12, max_epochs=None, ckpt_path=last, **FSDP)
+
+
 # -- 2. a checkpoint's format is checked ------------------------------------------------------
 
 

@@ -858,6 +858,18 @@ def _marked(tmp: Path, fmt) -> Path:
     return tmp / "marked.ckpt"
 
 
+@row("K17")
+def _(tmp):
+    fsdp = hookloop.plugin("fsdp", state_dict_type="sharded")
+    trainer = hookloop.Trainer(plugins=[fsdp], max_steps=1, default_root_dir=str(tmp), enable_progress_bar=False,
+                               logger=False)
+    trainer.fit(TinyModule(), loader())
+    path = Path(trainer.checkpoint_callback.last_model_path)
+    (path / (path / "latest").read_text().strip() / "model" / "__0_0.distcp").unlink()
+    quiet(plugins=[hookloop.plugin("fsdp", state_dict_type="sharded")], max_steps=2).fit(
+        TinyModule(), loader(), ckpt_path=path)
+
+
 @row("K13")
 def _(tmp):
     quiet(max_epochs=2).fit(TinyModule(), loader(), ckpt_path=_marked(tmp, 3))
