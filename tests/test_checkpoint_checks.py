@@ -291,3 +291,51 @@ def test_both_last_checkpoints_damaged_names_the_intact_checkpoints_beside_them(
         f"resume from one with ckpt_path={str(intact[0])!r}"), message
     # and that works
     assert fit(tmp_path / "again", 16, max_epochs=None, ckpt_path=intact[0]).global_step == 16
+
+
+# -- 9. a non-finite state never replaces a finite last.ckpt -----------------------------------
+
+
+class NanFromEpoch(TinyClassifier):
+    """NaN data from epoch ``bad`` on (nan_guard is opt-in): the weights become NaN."""
+
+    def __init__(self, bad: int = 1):
+        super().__init__()
+        self.bad = bad
+
+    def training_step(self, batch, batch_idx):
+        if self.current_epoch >= self.bad:
+            batch = [batch[0] * float("nan"), *batch[1:]]
+        return super().training_step(batch, batch_idx)
+
+
+def finite(state: dict) -> bool:
+    return all(bool(torch.isfinite(v).all()) for v in state.values() if v.is_floating_point())
+
+
+def test_nan_weights_do_not_replace_a_finite_last_ckpt_and_are_written_beside_it(tmp_path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = fit(tmp_path, None, max_epochs=3, module=NanFromEpoch(bad=1))
+    directory = Path(trainer.log_dir) / "checkpoints"
+    last = hookloop.safe_load(directory / "last.ckpt")
+    assert finite(last["state_dict"]) and last["loop"]["global_step"] == 4  # epoch 0's, finite
+    nonfinite = hookloop.safe_load(directory / "last.nonfinite.ckpt")
+    assert not finite(nonfinite["state_dict"]) and nonfinite["loop"]["global_step"] == 12  # the newest state
+    previous = directory / "last.prev.ckpt"  # none: epoch 0's save was the first
+    assert not previous.exists() or finite(hookloop.safe_load(previous)["state_dict"])
+    messages = [str(w.message) for w in caught if "not finite" in str(w.message)]
+    assert messages == [
+        f"the model's weights are not finite (NaN or inf) at global step 8: {str(directory / 'last.ckpt')!r} keeps "
+        f"the last finite state (global step 4), and this one and later ones are written to "
+        f"{str(directory / 'last.nonfinite.ckpt')!r}. Plugins=['nan_guard'] (hookloop.NanGuard) skips or stops on a "
+        f"NaN loss before it reaches the weights"], messages
+    # ckpt_path="last" resumes from the finite state
+    assert fit(tmp_path, 5, max_epochs=None, ckpt_path="last").global_step == 5
+
+
+def test_finite_weights_are_written_as_before(tmp_path):
+    trainer = fit(tmp_path, None, max_epochs=2)
+    directory = Path(trainer.log_dir) / "checkpoints"
+    assert hookloop.safe_load(directory / "last.ckpt")["loop"]["global_step"] == 8
+    assert not (directory / "last.nonfinite.ckpt").exists()

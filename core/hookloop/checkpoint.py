@@ -35,6 +35,9 @@ FORMAT_VERSION = 2
 
 #: A replaced ``last.ckpt`` is kept under this name, so the last two always exist.
 LAST, PREVIOUS = "last.ckpt", "last.prev.ckpt"
+#: Where the checkpoint observer writes a state whose weights are not finite when a
+#: ``last.ckpt`` is there already: the finite one stays the one resumed.
+NONFINITE = "last.nonfinite.ckpt"
 
 #: The checksum trailer: the zip archive's comment (which ``torch.load`` ignores), the
 #: last bytes of the file: this prefix and the SHA-256 (64 hex digits) of every byte
@@ -790,13 +793,13 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
 
 def intact_checkpoints_beside(path: str | os.PathLike) -> list[Path]:
     """The other checkpoints in the folder of ``path`` (``*.ckpt``, but not
-    ``last.ckpt``/``last.prev.ckpt``), newest first: files whose checksum and zip structure
+    ``last.ckpt``, ``last.prev.ckpt`` or :data:`NONFINITE`), newest first: files whose checksum and zip structure
     are whole (:func:`verify_checksum`, nothing unpickled) and non-empty directories
     (a strategy's sharded checkpoints, not verified here)."""
     folder = Path(path).parent
     found = []
     try:
-        candidates = [p for p in folder.glob("*.ckpt") if p.name not in (LAST, PREVIOUS)]
+        candidates = [p for p in folder.glob("*.ckpt") if p.name not in (LAST, PREVIOUS, NONFINITE)]
     except OSError:
         return []
     for candidate in candidates:
