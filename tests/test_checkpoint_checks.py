@@ -156,6 +156,37 @@ def test_an_fsdp_checkpoint_with_a_truncated_shard_names_it(tmp_path):
         fit(tmp_path / "explicit", 12, max_epochs=None, ckpt_path=last, **FSDP)
 
 
+
+# -- 8. TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 -----------------------------------------------------
+
+
+class Payload:
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.system, (f"touch '{self.marker}'",)
+
+
+def test_torch_force_no_weights_only_load_neither_breaks_a_resume_nor_makes_loads_unsafe(fsdp_runs, tmp_path,
+                                                                                         monkeypatch):
+    """The workaround beside hookloop's TORCH_FORCE_WEIGHTS_ONLY_LOAD made torch refuse
+    every load inside hookloop.weights_only_loads (DCP's entries here, DeepSpeed's shards
+    in test_world_size_change.py); the loads inside stay weights-only, and the variable is
+    the user's again after."""
+    root, _ = fsdp_runs
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    assert fit(tmp_path / "resumed", 17, ckpt_path=last_of(root / "other"), **FSDP).global_step == 17
+    assert os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] == "1"
+    planted = tmp_path / "planted.pt"
+    torch.save({"x": Payload(tmp_path / "ran")}, planted)
+    with pytest.raises(hookloop.CheckpointError, match="posix.system"):
+        with hookloop.weights_only_loads(planted):
+            torch.load(planted, weights_only=False)  # as DeepSpeed's loader calls it
+    assert not (tmp_path / "ran").exists()
+    assert os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] == "1"
+
+
 # -- 2. a checkpoint's format is checked ------------------------------------------------------
 
 
