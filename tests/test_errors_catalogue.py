@@ -785,6 +785,7 @@ def _(tmp):
 @row("K05")
 def _(tmp):
     (tmp / "sharded.ckpt").mkdir()
+    (tmp / "sharded.ckpt" / "latest").write_text("global_step4\n")  # what a strategy's directory holds
     quiet().fit(TinyModule(), loader(), ckpt_path=tmp / "sharded.ckpt")
 
 
@@ -868,6 +869,19 @@ def _(tmp):
     (path / (path / "latest").read_text().strip() / "model" / "__0_0.distcp").unlink()
     quiet(plugins=[hookloop.plugin("fsdp", state_dict_type="sharded")], max_steps=2).fit(
         TinyModule(), loader(), ckpt_path=path)
+
+
+@row("K18")
+def _(tmp):
+    # The files a 2-process ZeRO-2 save writes (what collate reads of them), rank 1's shard lost.
+    tag = tmp / "copied" / "last.ckpt" / "global_step4"
+    tag.mkdir(parents=True)
+    (tag.parent / "latest").write_text("global_step4\n")
+    (tag / ".hookloop-complete").write_text("global_step4\n")
+    torch.save({"dp_world_size": 2, "ds_config": {"zero_optimization": {"stage": 2}}, "module": {}},
+               tag / "mp_rank_00_model_states.pt")
+    torch.save({"optimizer_state_dict": {}}, tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    return in_process_command("deepspeed", "collate", str(tag.parent), str(tmp / "OUT.pt"))
 
 
 @row("K13")
