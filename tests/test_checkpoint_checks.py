@@ -147,6 +147,17 @@ def test_an_fsdp_checkpoint_missing_a_shard_names_it_and_falls_back_like_a_damag
     assert trainer.global_step == 12
 
 
+def test_hookloop_fsdp_collate_names_a_missing_model_shard(tmp_path):
+    from hookloop_fsdp.cli import collate
+
+    last = _two_fsdp_saves(tmp_path / "run")
+    (committed(last) / "model" / "__0_0.distcp").unlink()
+    with pytest.raises(hookloop.CheckpointError, match=r"is incomplete: its model shards name __0_0\.distcp \(one per "
+                                                       r"rank\), which is missing"):
+        collate(last, tmp_path / "out.pt")
+    assert not (tmp_path / "out.pt").exists()
+
+
 def test_an_fsdp_checkpoint_with_a_truncated_shard_names_it(tmp_path):
     last = _two_fsdp_saves(tmp_path / "run")
     shard = committed(last) / "model" / "__0_0.distcp"

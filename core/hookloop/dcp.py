@@ -71,7 +71,7 @@ _SHARDED_KEYS = ("state_dict", "optimizer_states")
 
 __all__ = [
     "LATEST", "LOOP_FILE", "MODEL_DIR", "OPTIMIZER_DIR", "SHARDS_INFO", "SHARDS_KEY", "SafeFileSystemReader",
-    "committed_tag", "dcp_to_torch_save", "fqn_to_native", "load", "load_model_state", "native_to_fqn",
+    "check_shards", "committed_tag", "dcp_to_torch_save", "fqn_to_native", "load", "load_model_state", "native_to_fqn",
     "parameter_names", "safe_dcp_load", "save_sharded", "tagged",
 ]
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from hookloop import CheckpointError, tag_entry
+from hookloop.dcp import check_shards
 
 from .checkpoint import LATEST, MODEL_DIR, committed_tag
 
@@ -41,6 +42,7 @@ def collate(checkpoint_dir: str | os.PathLike, output: str | os.PathLike, tag: s
             raise CheckpointError(f"{str(checkpoint_dir)!r} has no complete checkpoint tag {tag!r}")
     else:
         shards = committed_tag(checkpoint_dir)
+    check_shards(shards, {"stepped": [False]})  # the model's shards: every file there, before DCP reads one
     output = Path(output)
     to_torch_save(shards / MODEL_DIR, output, source=shards)
     return torch.load(output, map_location="cpu", weights_only=True)
