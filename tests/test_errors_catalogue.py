@@ -785,6 +785,7 @@ def _(tmp):
 @row("K05")
 def _(tmp):
     (tmp / "sharded.ckpt").mkdir()
+    (tmp / "sharded.ckpt" / "latest").write_text("global_step4\n")  # what a strategy's directory holds
     quiet().fit(TinyModule(), loader(), ckpt_path=tmp / "sharded.ckpt")
 
 
@@ -838,6 +839,91 @@ def _(tmp):
     path = tmp / "shared.ckpt"
     torch.save({"loop": Payload()}, path)
     quiet().fit(TinyModule(), loader(), ckpt_path=path)
+
+
+@row("K12")
+def _(tmp):
+    other = tmp / "other-run" / "checkpoints" / "last.ckpt" / "step16"
+    (other / "model").mkdir(parents=True)
+    (other / "model" / ".metadata").write_bytes(b"")
+    shared = tmp / "shared" / "last.ckpt"
+    shared.mkdir(parents=True)
+    (shared / "latest").write_text(os.path.relpath(other, shared) + "\n")
+    quiet(plugins=["fsdp"]).fit(TinyModule(), loader(), ckpt_path=shared)
+
+
+def _marked(tmp: Path, fmt) -> Path:
+    checkpoint = hookloop.safe_load(saved_run(tmp / "run"))
+    checkpoint["hookloop"] = {"version": "99.0.0", "format": fmt}
+    torch.save(checkpoint, tmp / "marked.ckpt")
+    return tmp / "marked.ckpt"
+
+
+@row("K17")
+def _(tmp):
+    fsdp = hookloop.plugin("fsdp", state_dict_type="sharded")
+    trainer = hookloop.Trainer(plugins=[fsdp], max_steps=1, default_root_dir=str(tmp), enable_progress_bar=False,
+                               logger=False)
+    trainer.fit(TinyModule(), loader())
+    path = Path(trainer.checkpoint_callback.last_model_path)
+    (path / (path / "latest").read_text().strip() / "model" / "__0_0.distcp").unlink()
+    quiet(plugins=[hookloop.plugin("fsdp", state_dict_type="sharded")], max_steps=2).fit(
+        TinyModule(), loader(), ckpt_path=path)
+
+
+@row("K18")
+def _(tmp):
+    # The files a 2-process ZeRO-2 save writes (what collate reads of them), rank 1's shard lost.
+    tag = tmp / "copied" / "last.ckpt" / "global_step4"
+    tag.mkdir(parents=True)
+    (tag.parent / "latest").write_text("global_step4\n")
+    (tag / ".hookloop-complete").write_text("global_step4\n")
+    torch.save({"dp_world_size": 2, "ds_config": {"zero_optimization": {"stage": 2}}, "module": {}},
+               tag / "mp_rank_00_model_states.pt")
+    torch.save({"optimizer_state_dict": {}}, tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    return in_process_command("deepspeed", "collate", str(tag.parent), str(tmp / "OUT.pt"))
+
+
+@row("K13")
+def _(tmp):
+    quiet(max_epochs=2).fit(TinyModule(), loader(), ckpt_path=_marked(tmp, 3))
+
+
+@row("K14")
+def _(tmp):
+    quiet(max_epochs=2).fit(TinyModule(), loader(), ckpt_path=_marked(tmp, "2"))
+
+
+@row("K15")
+def _(tmp):
+    (tmp / "empty.ckpt").mkdir()
+    quiet().fit(TinyModule(), loader(), ckpt_path=tmp / "empty.ckpt")
+
+
+@row("K16")
+def _(tmp):
+    import warnings
+
+    import pytorch_lightning as pl
+
+    class LitModel(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = TinyModule().net
+
+        def training_step(self, batch, batch_idx):
+            return F.cross_entropy(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = pl.Trainer(max_steps=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(LitModel(), loader())
+        trainer.save_checkpoint(tmp / "lightning.ckpt")
+    quiet().fit(TinyModule(), loader(), ckpt_path=tmp / "lightning.ckpt")
 
 
 # -- run directories -----------------------------------------------------------------------

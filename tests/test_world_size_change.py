@@ -12,6 +12,7 @@ resumes as before, silently.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import time
 
@@ -126,14 +127,21 @@ def test_a_checkpoint_without_a_world_size_resumes_as_before(runs, tmp_path, cap
     assert "resuming a checkpoint of" not in capsys.readouterr().out
 
 
+@pytest.fixture(scope="module")
+def zero2_of_two(tmp_path_factory):
+    """One epoch of ZeRO-2 on 2 processes: its last.ckpt (a DeepSpeed directory)."""
+    pytest.importorskip("hookloop_deepspeed")
+    root = tmp_path_factory.mktemp("zero2")
+    finish(start(2, root / "two", "--epochs", "1", strategy="deepspeed_stage_2"))
+    return last_of(root / "two")
+
+
 @pytest.mark.slow
-def test_a_zero_checkpoint_of_another_world_size_is_refused_naming_the_conversion(tmp_path):
+def test_a_zero_checkpoint_of_another_world_size_is_refused_naming_the_conversion(zero2_of_two, tmp_path):
     """DeepSpeed does not re-partition ZeRO optimizer shards (its loader raises
     ZeRORuntimeException); hookloop refuses before the engine loads anything, and says
     how to carry the weights over."""
-    pytest.importorskip("hookloop_deepspeed")
-    finish(start(2, tmp_path / "two", "--epochs", "1", strategy="deepspeed_stage_2"))
-    checkpoint = last_of(tmp_path / "two")
+    checkpoint = zero2_of_two
     proc = start(1, tmp_path / "one", "--epochs", "2", "--ckpt", str(checkpoint), strategy="deepspeed_stage_2")
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode != 0
@@ -142,6 +150,44 @@ def test_a_zero_checkpoint_of_another_world_size_is_refused_naming_the_conversio
             f"(--devices 2), or start from its weights here: `hookloop deepspeed collate {checkpoint} OUT.pt`"
             ) in stdout + stderr
     assert not (tmp_path / "one" / "result.json").exists()
+
+
+@pytest.mark.slow
+def test_a_zero_checkpoint_missing_an_optimizer_shard_names_it_and_its_world_size(zero2_of_two, tmp_path):
+    """Rank 1's optimizer shard lost: before, resuming on the 2 processes it was written
+    with was refused as "a ZeRO-2 checkpoint of 1 processes ... resume it on 1 process"
+    (which then failed too). Now the missing file and the world size are named, by the
+    resume and by ``hookloop deepspeed collate`` (which reads nothing before)."""
+    from hookloop_deepspeed.cli import collate
+
+    broken = tmp_path / "copied" / "last.ckpt"
+    shutil.copytree(zero2_of_two, broken)
+    tag = broken / (broken / "latest").read_text().strip()
+    (tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    expected = (f"{str(broken)!r} is a ZeRO-2 checkpoint written by 2 processes, and its tag {tag.name!r} lacks "
+                f"zero_pp_rank_1_mp_rank_00_optim_states.pt: every process writes its own shard, so the checkpoint "
+                f"is incomplete (a file lost in a copy, or a save that did not finish) and no number of processes "
+                f"can resume it. Resume from an earlier checkpoint (last.prev.ckpt is the one before last.ckpt)")
+    with pytest.raises(hookloop.CheckpointError) as raised:
+        collate(broken, tmp_path / "out.pt")
+    assert str(raised.value) == expected
+    proc = start(2, tmp_path / "two", "--epochs", "2", "--ckpt", str(broken), strategy="deepspeed_stage_2")
+    stdout, stderr = proc.communicate(timeout=180)
+    assert proc.returncode != 0
+    assert f"CheckpointError: {expected}" in stdout + stderr, stdout + stderr
+    assert "checkpoint of 1 processes" not in stdout + stderr
+
+
+@pytest.mark.slow
+def test_a_deepspeed_resume_works_under_torch_force_no_weights_only_load(zero2_of_two, tmp_path, monkeypatch):
+    """TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 (a common torch >= 2.6 workaround) beside the
+    TORCH_FORCE_WEIGHTS_ONLY_LOAD that hookloop sets while DeepSpeed reads its shards made
+    every torch.load raise ("Only one of ... should be set"): the resume failed as
+    "neither checkpoint can be loaded". Now it resumes, and the loads stay weights-only."""
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    finish(start(2, tmp_path / "two", "--epochs", "2", "--ckpt", str(zero2_of_two), strategy="deepspeed_stage_2"))
+    done = result(tmp_path / "two")
+    assert done["epoch"] == 2 and done["global_step"] == 2 * STEPS[2]
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ from .checkpoint import (
     deferring,
     optimizer_and_scheduler_states,
     safe_load,
+    tag_entry,
 )
 from .config import TrainerConfig
 from .datamodule import DataModule
@@ -175,6 +176,7 @@ __all__ = [
     "repoint_lr_scheduler",
     "run_hparams",
     "safe_load",
+    "tag_entry",
     "schedulers_of",
     "reset_seed",
     "seed_everything",

@@ -1,7 +1,8 @@
 """Checkpoint I/O: atomic writes, safe loads, RNG state, and model compatibility checks.
 
 Public helpers for plugins: :func:`atomic_save`, :func:`safe_load`,
-:func:`check_state_dict`, :func:`cpu_snapshot`, :func:`atomic_copy_tree`, :class:`TaggedCheckpointDir`.
+:func:`check_state_dict`, :func:`cpu_snapshot`, :func:`atomic_copy_tree`, :class:`TaggedCheckpointDir`,
+:func:`tag_entry`.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ FORMAT_VERSION = 2
 
 #: A replaced ``last.ckpt`` is kept under this name, so the last two always exist.
 LAST, PREVIOUS = "last.ckpt", "last.prev.ckpt"
+#: Where the checkpoint observer writes a state whose weights are not finite when a
+#: ``last.ckpt`` is there already: the finite one stays the one resumed.
+NONFINITE = "last.nonfinite.ckpt"
 
 #: The checksum trailer: the zip archive's comment (which ``torch.load`` ignores), the
 #: last bytes of the file: this prefix and the SHA-256 (64 hex digits) of every byte
@@ -515,6 +519,11 @@ class TaggedCheckpointDir:
         except (OSError, UnicodeDecodeError):
             return None
 
+    def entry(self, tag: str, source: str | None = None) -> Path:
+        """The directory of ``tag`` inside this checkpoint directory: :func:`tag_entry`
+        (``source``: where the name came from, ``latest`` by default)."""
+        return tag_entry(self.path, tag, source or f"its '{self.LATEST}' file")
+
     def committed(self, warn: bool = True) -> Path:
         """The directory of the tag to load (see the class); ``CheckpointError`` when the
         directory holds no complete tag. Warns (``warn``: on one rank, say) when it is not
@@ -523,7 +532,9 @@ class TaggedCheckpointDir:
         import warnings
 
         latest, tags = self._latest(), self.tags()
-        complete = [t for t in tags if self.is_complete(t)]
+        if latest is not None:
+            self.entry(latest)  # a name that leads out of the directory is refused, never followed
+        complete = [t for t in tags if self.is_complete(t) and _inside(self.path, self.path / t)]
         if latest is not None and latest in complete:
             chosen = latest
         elif complete:
@@ -550,6 +561,44 @@ class TaggedCheckpointDir:
             warnings.warn(f"sharded checkpoint {str(self.path)!r}: a save was interrupted, leaving "
                           f"{', '.join(newer)} incomplete; loading the committed tag {chosen!r}", stacklevel=2)
         return self.path / chosen
+
+
+def tag_entry(directory: str | os.PathLike, tag: str, source: str = "its 'latest' file") -> Path:
+    """The entry named ``tag`` inside the checkpoint directory ``directory``: what every
+    strategy that follows a tag (a ``latest`` file, a ``--tag`` option) must use.
+
+    A tag is the plain name of an entry of the directory itself: an absolute path, ``.``,
+    ``..``, a path separator, or a symbolic link that resolves outside the directory is
+    refused with :class:`CheckpointError` (``source`` says where the name came from),
+    so a checkpoint cannot lead a resume into another run's files.
+    """
+    directory = Path(directory)
+    text = str(tag)
+    why = None
+    if not text:
+        why = "it is empty"
+    elif os.path.isabs(text) or text.startswith("~"):
+        why = "it is an absolute path"
+    elif text in (".", "..") or any(sep in text for sep in ("/", "\\", os.sep)) or "\0" in text:
+        why = "it is a path, not the name of an entry of the directory"
+    elif not _inside(directory, directory / text):
+        why = "it is a symbolic link that leads out of the directory"
+    if why is not None:
+        names = [p.name for p in sorted(directory.iterdir()) if p.is_dir() and not p.is_symlink()] if directory.is_dir() else []
+        raise CheckpointError(
+            f"checkpoint {str(directory)!r}: {source} names the tag {text!r}, and {why}; a tag is the name of a "
+            f"directory inside the checkpoint ({', '.join(names) or 'it holds none'}). hookloop does not follow "
+            f"a tag out of its checkpoint: the checkpoint was altered or written by other code. Write the name of "
+            f"one of its own tags there, or pass the checkpoint you mean as ckpt_path")
+    return directory / text
+
+
+def _inside(directory: Path, entry: Path) -> bool:
+    """Whether ``entry``, with every symbolic link resolved, is inside ``directory``."""
+    try:
+        return entry.resolve().is_relative_to(directory.resolve())
+    except (OSError, RuntimeError):  # a loop of links
+        return False
 
 
 def _short_write_cause(f) -> OSError | None:
@@ -742,6 +791,32 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     return _atomic_write(path, lambda f: f.write(data))
 
 
+def intact_checkpoints_beside(path: str | os.PathLike) -> list[Path]:
+    """The other checkpoints in the folder of ``path`` (``*.ckpt``, but not
+    ``last.ckpt``, ``last.prev.ckpt`` or :data:`NONFINITE`), newest first: files whose checksum and zip structure
+    are whole (:func:`verify_checksum`, nothing unpickled) and non-empty directories
+    (a strategy's sharded checkpoints, not verified here)."""
+    folder = Path(path).parent
+    found = []
+    try:
+        candidates = [p for p in folder.glob("*.ckpt") if p.name not in (LAST, PREVIOUS, NONFINITE)]
+    except OSError:
+        return []
+    for candidate in candidates:
+        try:
+            if candidate.is_dir():
+                if not any(candidate.iterdir()):
+                    continue
+            elif candidate.stat().st_size == 0 or not zipfile.is_zipfile(candidate):
+                continue
+            else:
+                verify_checksum(candidate)
+            found.append((candidate.stat().st_mtime_ns, candidate.name, candidate))
+        except (CheckpointError, OSError):
+            continue
+    return [entry[-1] for entry in sorted(found, reverse=True)]
+
+
 def safe_load(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
     """``torch.load(weights_only=True)``, with errors that say what is wrong with the file."""
     path = Path(path)
@@ -753,6 +828,11 @@ def safe_load(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
                 hint = f" Checkpoints in {path.parent}: {', '.join(ckpts)}."
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist.{hint}")
     if path.is_dir():
+        if not any(path.iterdir()):
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} is an empty directory: it holds no checkpoint (nothing was saved "
+                f"there, or a save into it was removed). Pass a checkpoint file (.ckpt) or a sharded "
+                f"checkpoint directory, or ckpt_path='last' for this run's newest")
         raise CheckpointError(
             f"checkpoint {str(path)!r} is a directory: a sharded checkpoint, which only the "
             f"strategy that wrote it (e.g. --plugins deepspeed) can load"
@@ -772,6 +852,57 @@ def safe_load(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
             f"checkpoint {str(path)!r} cannot be read ({first}); it is corrupt or not a "
             f"hookloop/torch checkpoint. Resume from an earlier checkpoint."
         ) from exc
+
+
+def check_format(checkpoint: Any, source: str | os.PathLike) -> None:
+    """Refuse a checkpoint written in a newer format than this hookloop reads
+    (``checkpoint["hookloop"]["format"]`` above :data:`FORMAT_VERSION`), naming the
+    hookloop that wrote it and this one. Older formats, and checkpoints without the mark
+    (plain ``torch.save`` files, older hookloops), pass: the loaders read them as before.
+    The format is the compatibility contract: a newer hookloop that writes the same
+    format writes checkpoints this one reads."""
+    mark = checkpoint.get("hookloop") if isinstance(checkpoint, dict) else None
+    if not isinstance(mark, dict) or mark.get("format") is None:
+        return
+    written, version = mark.get("format"), mark.get("version")
+    by = f"hookloop {version}" if version else "a hookloop"
+    from . import _version
+
+    if not isinstance(written, int) or isinstance(written, bool):
+        raise CheckpointError(
+            f"checkpoint {str(source)!r} says it was written by {by} in checkpoint format {written!r}, which is not a "
+            f"format number; this hookloop ({_version.__version__}) reads formats 1 to {FORMAT_VERSION}: the file "
+            f"was altered or written by other code")
+    if written > FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {str(source)!r} was written by {by} in checkpoint format {written}, and this hookloop "
+            f"({_version.__version__}) reads formats up to {FORMAT_VERSION}: upgrade hookloop (pip install --upgrade "
+            f"hookloop and its plugins) to resume from it")
+
+
+#: Keys every checkpoint of pytorch-lightning's ``Trainer.save_checkpoint`` has.
+_LIGHTNING_KEYS = ("state_dict", "epoch", "global_step", "loops")
+
+
+def lightning_checkpoint_error(checkpoint: Any, source: str | os.PathLike) -> CheckpointError | None:
+    """The error for resuming from a pytorch-lightning checkpoint (recognised by its
+    ``pytorch-lightning_version``, or by Lightning's keys without hookloop's loop
+    state), saying how to start from its weights; ``None`` for any other checkpoint.
+    hookloop does not resume Lightning's loop state: its loops' and callbacks' states
+    are Lightning's own (docs/decisions.md, "Checkpoints")."""
+    if not isinstance(checkpoint, dict) or "loop" in checkpoint:
+        return None
+    version = checkpoint.get("pytorch-lightning_version") or checkpoint.get("lightning_version")
+    if version is None and not all(key in checkpoint for key in _LIGHTNING_KEYS):
+        return None
+    where = ""
+    if "epoch" in checkpoint and "global_step" in checkpoint:
+        where = f" (epoch {checkpoint['epoch']}, global step {checkpoint['global_step']})"
+    return CheckpointError(
+        f"checkpoint {str(source)!r} was written by pytorch-lightning{f' {version}' if version else ''}{where}, not "
+        f"by hookloop: hookloop cannot resume Lightning's loop state (its 'loops' and callbacks). To start from its "
+        f"weights, load them into the module before fit: module.load_state_dict(torch.load(path, "
+        f"weights_only=True)['state_dict']), or MyModule.load_from_checkpoint(path)")
 
 
 def optimizer_and_scheduler_states(checkpoint: dict) -> tuple[list, list]:

@@ -71,7 +71,7 @@ _SHARDED_KEYS = ("state_dict", "optimizer_states")
 
 __all__ = [
     "LATEST", "LOOP_FILE", "MODEL_DIR", "OPTIMIZER_DIR", "SHARDS_INFO", "SHARDS_KEY", "SafeFileSystemReader",
-    "committed_tag", "dcp_to_torch_save", "fqn_to_native", "load", "load_model_state", "native_to_fqn",
+    "check_shards", "committed_tag", "dcp_to_torch_save", "fqn_to_native", "load", "load_model_state", "native_to_fqn",
     "parameter_names", "safe_dcp_load", "save_sharded", "tagged",
 ]
 
@@ -178,8 +178,43 @@ def load(trainer, path: Path) -> dict:
         return safe_load(path)
     tag = committed_tag(path, warn=trainer.global_rank == 0)
     checkpoint = safe_load(tag / LOOP_FILE)
+    check_shards(tag, checkpoint.get(SHARDS_INFO, {}))
     checkpoint[SHARDS_KEY] = str(tag)
     return checkpoint
+
+
+def check_shards(tag: Path, info: dict) -> None:
+    """Refuse a tag whose shard files are not all there, or shorter than its metadata
+    says (a copy that lost a rank's file, a disk that lost its end): named, before DCP
+    reads anything, in ``load_checkpoint``, so that ``ckpt_path="last"`` and a restart
+    fall back to ``last.prev.ckpt`` as for a damaged file. Reads only the metadata."""
+    world = info.get("world_size")
+    written = f"written by {world} process{'es' if world != 1 else ''}" if world else "one per rank"
+    stepped = any(info.get("stepped", [True]))
+    for part in (MODEL_DIR, OPTIMIZER_DIR):
+        directory = tag / part
+        if part == OPTIMIZER_DIR and not (stepped and directory.is_dir()):
+            continue
+        if not (directory / ".metadata").is_file():
+            raise CheckpointError(
+                f"sharded checkpoint {str(tag)!r} is incomplete: {part}/.metadata is missing. Resume from an "
+                f"earlier checkpoint (last.prev.ckpt is the one before last.ckpt)")
+        metadata = SafeFileSystemReader(str(directory)).read_metadata()
+        ends: dict[str, int] = {}
+        for item in metadata.storage_data.values():
+            ends[item.relative_path] = max(ends.get(item.relative_path, 0), item.offset + item.length)
+        missing = sorted(name for name in ends if not (directory / name).is_file())
+        short = sorted(name for name, end in ends.items()
+                       if name not in missing and (directory / name).stat().st_size < end)
+        if missing or short:
+            what = []
+            if missing:
+                what.append(f"{', '.join(missing)} ({written}), which {'is' if len(missing) == 1 else 'are'} missing")
+            if short:
+                what.append(f"{', '.join(short)}, shorter than the metadata says (truncated)")
+            raise CheckpointError(
+                f"sharded checkpoint {str(tag)!r} is incomplete: its {part} shards name {'; and '.join(what)}. "
+                f"Resume from an earlier checkpoint (last.prev.ckpt is the one before last.ckpt)")
 
 
 def load_model_state(owner, trainer, checkpoint: dict) -> None:

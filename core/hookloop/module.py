@@ -351,9 +351,10 @@ class Module(HyperparametersMixin, nn.Module):
         (checked against the model first when ``strict``). The file is read with
         ``torch.load(weights_only=True)``.
         """
-        from .checkpoint import check_state_dict, safe_load
+        from .checkpoint import check_format, check_state_dict, safe_load
 
         checkpoint = safe_load(checkpoint_path, map_location=map_location)
+        check_format(checkpoint, checkpoint_path)
         if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
             from .errors import CheckpointError
 

@@ -152,6 +152,7 @@ def restore(trainer, ckpt_path: Any, fall_back: bool = False, train_loader: Any 
             return None
         path, fall_back = found, True
     checkpoint, path = _read_checkpoint(trainer, path, fall_back)
+    ckpt.check_format(checkpoint, path)  # a readable file of a newer hookloop: no falling back
     callbacks = trainer._callback_hooks
     if callbacks is not None and trainer.state.fn == "fit":
         # Lightning restores the callbacks before the optimizer states (BaseFinetuning
@@ -284,12 +285,25 @@ def _adapt_position(trainer, loop: dict, train_loader: Any) -> None:
                   f"{position}", flush=True)
 
 
+def _others_beside(path: Path) -> str:
+    """The sentence naming the intact checkpoints beside a damaged ``last.ckpt`` and
+    ``last.prev.ckpt`` (the top-k files), and how to resume from one."""
+    others = ckpt.intact_checkpoints_beside(path)
+    if not others:
+        return f" No other checkpoint is beside them in {str(path.parent)!r}."
+    return (f" Intact checkpoints beside them, newest first: {', '.join(p.name for p in others)} (in "
+            f"{str(path.parent)!r}): resume from one with ckpt_path={str(others[0])!r}")
+
+
 def _read_checkpoint(trainer, path: Path, fall_back: bool) -> tuple[dict, Path]:
     """Read the checkpoint at ``path``; with ``fall_back``, one that cannot be read makes
     the previous one (``last.prev.ckpt`` beside a ``last.ckpt``) the one read."""
 
     def read(p: Path) -> dict:
         checkpoint = trainer.hook.load_checkpoint(trainer=trainer, path=p)
+        lightning = ckpt.lightning_checkpoint_error(checkpoint, p)
+        if lightning is not None:
+            raise lightning
         if not isinstance(checkpoint, dict) or "loop" not in checkpoint:
             raise CheckpointError(f"{str(p)!r} is not a hookloop checkpoint (no loop state)")
         return checkpoint
@@ -304,7 +318,8 @@ def _read_checkpoint(trainer, path: Path, fall_back: bool) -> tuple[dict, Path]:
     try:
         checkpoint = read(previous)
     except CheckpointError as exc:
-        raise CheckpointError(f"neither checkpoint can be loaded: {newest}; and the previous one: {exc}") from exc
+        raise CheckpointError(f"neither checkpoint can be loaded: {str(newest).rstrip('.')}; and the previous one: {exc}"
+                              f"{_others_beside(path)}") from exc
     if trainer.is_global_zero:
         warnings.warn(f"newest checkpoint {str(path)!r} cannot be loaded ({newest}); resuming from the previous "
                       f"checkpoint {str(previous)!r} instead")

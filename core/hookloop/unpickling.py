@@ -29,6 +29,9 @@ from .errors import CheckpointError
 _TORCH_REFUSAL = "Weights only load failed"
 _GLOBAL = re.compile(r"GLOBAL (\S+)")
 _FORCE = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
+#: The opposite switch (a common workaround since torch 2.6 made weights-only the
+#: default): torch raises on every load while both are set, so it is lifted for the block.
+_FORCE_NO = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
 _SCANNED_FILES = 256  # at most this many files of a directory are searched for the culprit
 
 
@@ -93,9 +96,12 @@ def weights_only_loads(source: str | os.PathLike, safe_globals: list[Any] | tupl
     for a directory, the files in it that hold such objects.
 
     Works through torch's ``TORCH_FORCE_WEIGHTS_ONLY_LOAD``, which is process-wide: other
-    threads' ``torch.load`` calls during the block are weights-only loads as well.
+    threads' ``torch.load`` calls during the block are weights-only loads as well. A
+    ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` set by the user is lifted for the block (torch
+    refuses every load while both are set) and put back after it: the loads inside stay
+    weights-only whatever it says.
     """
-    previous = os.environ.get(_FORCE)
+    previous, previous_no = os.environ.get(_FORCE), os.environ.pop(_FORCE_NO, None)
     os.environ[_FORCE] = "1"
     try:
         with torch.serialization.safe_globals(list(safe_globals)):
@@ -116,6 +122,8 @@ def weights_only_loads(source: str | os.PathLike, safe_globals: list[Any] | tupl
             os.environ.pop(_FORCE, None)
         else:
             os.environ[_FORCE] = previous
+        if previous_no is not None:
+            os.environ[_FORCE_NO] = previous_no
 
 
 def _culprits(source: Path) -> list[str]:

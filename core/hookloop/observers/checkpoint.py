@@ -28,7 +28,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from hookloop.checkpoint import _write_checkpoint, atomic_copy, atomic_copy_tree, deferred_writes
+from hookloop.checkpoint import NONFINITE, _write_checkpoint, atomic_copy, atomic_copy_tree, deferred_writes
 from hookloop.errors import CheckpointError, ConfigurationError
 from hookloop.hookspecs import hookimpl
 from hookloop.pluginspec import plugin_name
@@ -119,6 +119,7 @@ class ModelCheckpoint:
         self._warned_missing = False
         self._async = False  # async_save, where this run's strategy allows it (setup)
         self._sharded = False  # this run's strategy writes checkpoint directories (setup)
+        self._warned_nonfinite = False
 
     def _check_async_save(self) -> None:
         if self.async_save not in (True, False):
@@ -328,6 +329,7 @@ class ModelCheckpoint:
         lasts = self._last_paths()
         if lasts:
             self.last_model_path = str(lasts[-1])
+            lasts = self._keep_finite_lasts(trainer, lasts)
         for last in lasts:
             if written is not None:
                 self._copy(trainer, written, str(last), background)
@@ -336,6 +338,30 @@ class ModelCheckpoint:
                 written = str(last)
         if background is not None and written is not None and (writes or background):
             trainer.state.checkpoint_writer.submit(_Job(writes, background, trainer.state.checkpoint_writer.spare), written)
+
+    def _keep_finite_lasts(self, trainer, lasts: list[Path]) -> list[Path]:
+        """Where this save's ``last.ckpt`` copies go: ``lasts``, or, when the weights are
+        not finite (NaN data without nan_guard) and a ``last.ckpt`` is there already,
+        :data:`NONFINITE` beside it, so the last finite state stays the one resumed
+        (docs/decisions.md, "Checkpoints"). Warns once per run."""
+        if _weights_finite(trainer):
+            return lasts
+        kept = [last.with_name(NONFINITE) if os.path.lexists(last) else last for last in lasts]
+        if kept != lasts and not self._warned_nonfinite and trainer.is_global_zero:
+            self._warned_nonfinite = True
+            resume = next(last for last, target in zip(lasts, kept) if target != last)
+            try:
+                from hookloop.checkpoint import safe_load
+
+                step = f" (global step {int(safe_load(resume)['loop']['global_step'])})" if resume.is_file() else ""
+            except Exception:  # noqa: BLE001 - the warning only names the step where it can
+                step = ""
+            warnings.warn(
+                f"the model's weights are not finite (NaN or inf) at global step {trainer.global_step}: "
+                f"{str(resume)!r} keeps the last finite state{step}, and this one and later ones are written to "
+                f"{str(resume.with_name(NONFINITE))!r}. Plugins=['nan_guard'] (hookloop.NanGuard) skips or stops "
+                f"on a NaN loss before it reaches the weights", stacklevel=2)
+        return kept
 
     def _write(self, trainer, path: str) -> list:
         """``trainer.save_checkpoint(path)``; with async_save, the ``atomic_save`` calls
@@ -443,6 +469,23 @@ class ModelCheckpoint:
         self.best_k_models = {p: s for p, s in state["best_k_models"].items() if Path(p).exists()}
         self.best_model_path, self.best_model_score = state["best_model_path"], state["best_model_score"]
         self.last_model_path, self.latest = state["last_model_path"], list(state["latest"])
+
+
+def _weights_finite(trainer) -> bool:
+    """Whether every floating-point parameter of the module is finite, on every rank
+    (one small all-reduce with several processes: sharded strategies hold different
+    parts). One device sync: the per-parameter checks are stacked first."""
+    import torch
+
+    checks = []
+    for p in trainer.module.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p  # a DTensor: this rank's shard
+        if local.is_floating_point() and local.numel():
+            checks.append(torch.isfinite(local.detach()).all())
+    ok = torch.stack(checks).all() if checks else torch.tensor(True)
+    if trainer.world_size > 1:
+        ok = trainer.reduce(ok.to(torch.float32), "min") > 0
+    return bool(ok)
 
 
 def _remove_files(paths: list[str]) -> None:

@@ -41,9 +41,12 @@ def collate(checkpoint_dir: str | os.PathLike, output: str | os.PathLike, tag: s
         if not (checkpoint_dir / "latest").is_file() and not tags.tags():
             raise CheckpointError(f"{str(checkpoint_dir)!r} is not a DeepSpeed checkpoint (no 'latest' file); pass --tag")
         tag = tags.committed().name  # the newest complete tag when 'latest' names an interrupted save's
-    shard_dir = checkpoint_dir / tag
+    shard_dir = hookloop.tag_entry(checkpoint_dir, tag, "--tag")
     if not shard_dir.is_dir():
         raise CheckpointError(f"{str(checkpoint_dir)!r} has no checkpoint tag {tag!r}")
+    from .strategy import check_zero_shards
+
+    check_zero_shards(checkpoint_dir, tag, stage=0)  # every shard there, before DeepSpeed reads any
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     # DeepSpeed reads its shards with torch.load(weights_only=False): inside this block

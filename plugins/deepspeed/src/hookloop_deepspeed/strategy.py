@@ -547,7 +547,7 @@ class DeepSpeedStrategy(hookloop.TorchDistributed):
             )
         # The tag 'latest' names, or the newest complete one when it names an interrupted save's.
         tag = tags.committed(warn=trainer.is_global_zero).name
-        _check_zero_world_size(trainer, path, tag, zero_stage(self.ds_config))
+        check_zero_shards(path, tag, zero_stage(self.ds_config), trainer.world_size)
         try:
             # DeepSpeed reads its shards with torch.load(weights_only=False): inside this
             # block every load is weights-only, so a shared checkpoint cannot run code.
@@ -801,25 +801,70 @@ def _tagged(path: Path) -> hookloop.TaggedCheckpointDir:
                                         legacy_complete=lambda tag: any(tag.glob("*model_states.pt")))
 
 
-def _check_zero_world_size(trainer, path: Path, tag: str, stage: int) -> None:
-    """Refuse, before DeepSpeed touches the engine, a ZeRO 1-3 checkpoint written by
-    another number of processes: its optimizer (and for ZeRO-3 parameter) shards are
-    partitioned for that many ranks, and DeepSpeed (0.19) refuses to re-partition them
-    ("Automatic adjustment of ZeRO's optimizer state partitioning with a new world size is
-    not currently supported"; docs/decisions.md, "Changing world size")."""
-    if stage < 1:
-        return
-    ranks = {re.search(r"zero_pp_rank_(\d+)_", p.name).group(1) for p in (path / tag).glob("*zero_pp_rank_*_optim_states.pt")}
-    if ranks and len(ranks) != trainer.world_size:
+_SHARD_RANK = re.compile(r"zero_pp_rank_(\d+)_")
+
+
+def check_zero_shards(path: Path, tag: str, stage: int, world_size: int | None = None) -> None:
+    """Refuse, before DeepSpeed touches the engine, a tag of ``path`` whose shards are not
+    all there, naming the missing files and the number of processes that wrote it (the
+    model states' ``dp_world_size``, read weights-only without DeepSpeed); then, with
+    ``world_size`` (a resume), a ZeRO 1-3 checkpoint written by another number of
+    processes: its optimizer (and for ZeRO-3 parameter) shards are partitioned for that
+    many ranks, and DeepSpeed (0.19) refuses to re-partition them ("Automatic adjustment
+    of ZeRO's optimizer state partitioning with a new world size is not currently
+    supported"; docs/decisions.md, "Changing world size")."""
+    shard_dir = path / tag
+    written, saved_stage = _written_with(shard_dir)
+    stage = saved_stage if saved_stage is not None else stage
+    optim = {int(_SHARD_RANK.search(p.name)[1]): p.name for p in shard_dir.glob("*zero_pp_rank_*_optim_states.pt")}
+    models = {int(_SHARD_RANK.search(p.name)[1]): p.name for p in shard_dir.glob("zero_pp_rank_*_model_states.pt")}
+    if written is None:  # no readable model states: the shard files are all there is to go by
+        written = max([*optim, *models], default=-1) + 1 or None
+    missing = []
+    if not any(shard_dir.glob("*model_states.pt")):
+        missing.append("mp_rank_00_model_states.pt")
+    if written is not None:
+        for shards, example in ((optim, "zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+                                (models, "zero_pp_rank_0_mp_rank_00_model_states.pt")):
+            if not shards and (shards is models or stage < 1):
+                continue  # ZeRO 1/2 keep one model states file; ZeRO 0 no optimizer shards
+            pattern = next(iter(shards.values()), example)
+            missing += [_SHARD_RANK.sub(f"zero_pp_rank_{rank}_", pattern, count=1)
+                        for rank in range(written) if rank not in shards]
+    if missing:
+        by = f"written by {written} process{'es' if written != 1 else ''}" if written else "written by DeepSpeed"
         raise CheckpointError(
-            f"{str(path)!r} is a ZeRO-{stage} checkpoint of {len(ranks)} processes and this run has "
-            f"{trainer.world_size}: its shards are partitioned for {len(ranks)} ranks and DeepSpeed cannot "
-            f"reshard them. "
-            f"Resume it on {len(ranks)} processes (--devices {len(ranks)}), or start from its weights here: "
-            f"`hookloop deepspeed collate {path} OUT.pt`, then load OUT.pt into the module before fit "
-            f"(module.load_state_dict(torch.load('OUT.pt', weights_only=True))); the optimizer state and the "
-            f"loop position are not carried over"
-        )
+            f"{str(path)!r} is a ZeRO-{stage} checkpoint {by}, and its tag {tag!r} lacks {', '.join(missing)}: every "
+            f"process writes its own shard, so the checkpoint is incomplete (a file lost in a copy, or a save that "
+            f"did not finish) and no number of processes can resume it. Resume from an earlier checkpoint "
+            f"(last.prev.ckpt is the one before last.ckpt)")
+    if world_size is None or stage < 1 or written is None or written == world_size:
+        return
+    raise CheckpointError(
+        f"{str(path)!r} is a ZeRO-{stage} checkpoint of {written} processes and this run has "
+        f"{world_size}: its shards are partitioned for {written} ranks and DeepSpeed cannot "
+        f"reshard them. "
+        f"Resume it on {written} processes (--devices {written}), or start from its weights here: "
+        f"`hookloop deepspeed collate {path} OUT.pt`, then load OUT.pt into the module before fit "
+        f"(module.load_state_dict(torch.load('OUT.pt', weights_only=True))); the optimizer state and the "
+        f"loop position are not carried over"
+    )
+
+
+def _written_with(shard_dir: Path) -> tuple[int | None, int | None]:
+    """(processes, ZeRO stage) that wrote the tag, from its first model states file's
+    ``dp_world_size`` and config: a weights-only, memory-mapped load (plain data, no
+    DeepSpeed class); ``(None, None)`` when there is none, or it cannot be read."""
+    for states in sorted(shard_dir.glob("*model_states.pt")):
+        try:
+            saved = torch.load(states, map_location="cpu", weights_only=True, mmap=True)
+        except Exception:  # noqa: BLE001 - unreadable: DeepSpeed's own load says why
+            continue
+        world = saved.get("dp_world_size") if isinstance(saved, dict) else None
+        config = saved.get("ds_config") if isinstance(saved, dict) else None
+        stage = (config.get("zero_optimization") or {}).get("stage") if isinstance(config, dict) else None
+        return (int(world) if isinstance(world, int) else None), (int(stage) if isinstance(stage, int) else None)
+    return None, None
 
 
 @contextlib.contextmanager

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from hookloop import CheckpointError
+from hookloop import CheckpointError, tag_entry
+from hookloop.dcp import check_shards
 
 from .checkpoint import LATEST, MODEL_DIR, committed_tag
 
@@ -36,11 +37,12 @@ def collate(checkpoint_dir: str | os.PathLike, output: str | os.PathLike, tag: s
             f"{str(checkpoint_dir)!r} is not a directory: pass the directory that the fsdp strategy "
             f"wrote with state_dict_type='sharded' (e.g. checkpoints/last.ckpt)")
     if tag is not None:
-        shards = checkpoint_dir / tag
+        shards = tag_entry(checkpoint_dir, tag, "--tag")
         if not (shards / MODEL_DIR / ".metadata").is_file():
             raise CheckpointError(f"{str(checkpoint_dir)!r} has no complete checkpoint tag {tag!r}")
     else:
         shards = committed_tag(checkpoint_dir)
+    check_shards(shards, {"stepped": [False]})  # the model's shards: every file there, before DCP reads one
     output = Path(output)
     to_torch_save(shards / MODEL_DIR, output, source=shards)
     return torch.load(output, map_location="cpu", weights_only=True)
