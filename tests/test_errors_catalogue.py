@@ -805,6 +805,22 @@ def _(tmp):
     quiet().fit(MyModel(), loader())
 
 
+@row("M17")
+def _(tmp):
+    class MyModel(TinyModule):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            self.manual_backward(super().training_step(batch, batch_idx))
+            self.clip_gradients(opt, gradient_clip_val=float("nan"))
+            opt.step()
+
+    quiet().fit(MyModel(), loader())
+
+
 # -- checkpoints ---------------------------------------------------------------------------
 
 

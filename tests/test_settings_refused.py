@@ -92,6 +92,30 @@ def test_gradient_clip_val_nan_no_longer_trains_the_weights_into_nan():
     assert all(torch.isfinite(p).all() for p in module.parameters())
 
 
+@pytest.mark.parametrize("value", [NAN, INF, -INF, -1.0])
+def test_clip_gradients_in_the_module_refuses_a_value_that_is_not_finite(value):
+    """``self.clip_gradients(opt, gradient_clip_val=nan)`` clipped every weight into NaN; a
+    negative or infinite value is refused too (0 does not clip, as in Lightning)."""
+
+    class ClipsItself(TinyModule):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            loss = super().training_step(batch, batch_idx)
+            self.manual_backward(loss)
+            self.clip_gradients(opt, gradient_clip_val=value)
+            opt.step()
+            opt.zero_grad()
+
+    module = ClipsItself()
+    with pytest.raises(hookloop.ConfigurationError, match=rf"^self.clip_gradients\(gradient_clip_val={value!r}\): "
+                                                          r"gradient_clip_val must be a finite number \(> 0 clips"):
+        quiet().fit(module, DataLoader(tiny_data(16), batch_size=8))
+
+
 @pytest.mark.parametrize("max_time", [{"hours": NAN}, {"hours": INF}, {"days": 1e10}, "99999999999:00:00:00"])
 def test_a_max_time_that_is_not_a_finite_duration_is_refused_with_the_setting_named(max_time):
     # Before: a bare ValueError/OverflowError from datetime.timedelta.

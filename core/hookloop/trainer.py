@@ -8,6 +8,7 @@ package root."""
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from dataclasses import fields
@@ -612,6 +613,13 @@ class Trainer:
                 f"the strategy {plugin_registry.plugin_name(self.strategy)!r} clips gradients "
                 f"itself: set Trainer(gradient_clip_val=...) instead of calling self.clip_gradients"
             )
+        # NaN clipped every weight into NaN; 0 does not clip (Lightning's, kept)
+        if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                      and math.isfinite(value) and value >= 0):
+            raise ConfigurationError(
+                f"self.clip_gradients(gradient_clip_val={value!r}): gradient_clip_val must be a finite number "
+                f"(> 0 clips the gradients' norm, or values, to it; 0 does not clip), or None for "
+                f"Trainer(gradient_clip_val=...)'s")
         algorithm = algorithm or self.config.gradient_clip_algorithm
         if algorithm not in ("norm", "value"):
             raise ConfigurationError(f"gradient_clip_algorithm={algorithm!r} must be 'norm' or 'value'")
