@@ -313,3 +313,22 @@ def test_a_lightning_module_whose_import_was_not_changed_is_refused_with_the_imp
                               "not changed)"), message
     assert "from hookloop import Module" in message, message
 
+
+
+def test_a_lightning_pytorch_module_is_named_with_its_own_import():
+    """``lightning.pytorch`` (the unified package; not installed here): found by the
+    class's module name, as hookloop never imports Lightning."""
+    base = type("LightningModule", (torch.nn.Module,), {"__module__": "lightning.pytorch.core.module"})
+
+    class Ported(base):
+        def training_step(self, batch, batch_idx):
+            return None
+
+        def configure_optimizers(self):
+            return None
+
+    with pytest.raises(hookloop.ConfigurationError) as caught:
+        quiet().fit(Ported(), DataLoader(tiny_data(16), batch_size=8))
+    message = str(caught.value)
+    assert message.startswith("Ported subclasses lightning.pytorch.LightningModule (Lightning's own: the import was "
+                              "not changed)") and "change `from lightning.pytorch import LightningModule`" in message, message
