@@ -145,8 +145,17 @@ def cmd_tune(args) -> int:
     else:
         options = {"mode": args.mode, "steps_per_trial": args.steps_per_trial, "init_val": args.init_val,
                    "max_trials": args.max_trials, "max_val": args.max_val, "batch_arg_name": args.batch_arg_name}
+    check_script(args.script)
+    # for the launched script only: an in-process caller (hookloop.cli.main) keeps its environment
+    previous = os.environ.get("HOOKLOOP_TUNE")
     os.environ["HOOKLOOP_TUNE"] = json.dumps({"finder": args.finder, "options": options})
-    return cmd_run(args)
+    try:
+        return cmd_run(args)
+    finally:
+        if previous is None:
+            os.environ.pop("HOOKLOOP_TUNE", None)
+        else:
+            os.environ["HOOKLOOP_TUNE"] = previous
 
 
 def _parse_devices(text: str | None):
