@@ -45,7 +45,7 @@ def test_backend_missing_from_this_torch_build():
 @pytest.mark.parametrize("option,value,match", [
     ("comm_hook", "zip", "must be None, one of 'fp16', 'bf16', 'powersgd', 'post_localsgd'"),
     ("powersgd_start_iter", 1, "PowerSGD can only start after DDP's first two steps"),
-    ("bucket_cap_mb", -1, "must be a positive number"),
+    ("bucket_cap_mb", -1, "must be a finite number of MiB > 0"),
     ("find_unused_parameters", "yes", "must be True or False"),
     ("model_averaging_period", 0, "must be an integer >= 1"),
 ])

@@ -272,6 +272,36 @@ def _(tmp):
     hookloop.Trainer(default_root_dir=None)
 
 
+@row("C23")
+def _(tmp):
+    hookloop.Trainer(gradient_clip_val=float("nan"))
+
+
+@row("C24")
+def _(tmp):
+    hookloop.Trainer(process_group_timeout=float("inf"))
+
+
+@row("C25")
+def _(tmp):
+    hookloop.Trainer(devices=2.5)
+
+
+@row("C26")
+def _(tmp):
+    hookloop.Trainer(max_time={"hours": float("nan")})
+
+
+@row("C27")
+def _(tmp):
+    quiet(devices=[0, 3], accelerator="cpu").fit(TinyModule(), loader())
+
+
+@row("C28")
+def _(tmp):
+    quiet().fit(TinyModule(), loader(), ckpt_path=3)
+
+
 # -- plugins ------------------------------------------------------------------------------
 
 
@@ -529,6 +559,18 @@ def _(tmp):
                               str(tmp / "train.py"))
 
 
+@row("L08")
+def _(tmp):
+    (tmp / "train.py").write_text("print('must not run')\n")
+    return in_process_command("run", "--plugins", "ddp", "--devices", "2", "trian.py")
+
+
+@row("L09")
+def _(tmp):
+    (tmp / "train.py").write_text("print('must not run')\n")
+    return in_process_command("run", "--plugins", "ddp", "--accelerator", "cpu", "--devices", "0,3", "train.py")
+
+
 # -- data ---------------------------------------------------------------------------------
 
 
@@ -747,6 +789,36 @@ def _(tmp):
             return self(batch[0])
 
     quiet().predict(MyModel(), loader())
+
+
+@row("M16")
+def _(tmp):
+    pl = pytest.importorskip("pytorch_lightning")
+
+    class MyModel(pl.LightningModule):
+        def training_step(self, batch, batch_idx):
+            return self(batch)
+
+        def configure_optimizers(self):
+            return None
+
+    quiet().fit(MyModel(), loader())
+
+
+@row("M17")
+def _(tmp):
+    class MyModel(TinyModule):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            self.manual_backward(super().training_step(batch, batch_idx))
+            self.clip_gradients(opt, gradient_clip_val=float("nan"))
+            opt.step()
+
+    quiet().fit(MyModel(), loader())
 
 
 # -- checkpoints ---------------------------------------------------------------------------

@@ -4,6 +4,10 @@ Real 2-process gloo jobs whose module raises in ``configure_optimizers``: the co
 gets one summary (the first failing rank, its host, the exception's type and message, the
 paths of the tracebacks), a one-line note for the ranks the agent stopped after it, no
 traceback and no torch ``ChildFailedError`` report; the tracebacks are in the logs named.
+
+The headline names the cause whatever the timing (issue 32): a rank killed by a signal
+comes before a rank whose collective failed because of it, and a rank the agent stopped
+(SIGTERM, then SIGKILL) after a collective timed out comes after that collective.
 """
 
 from __future__ import annotations
@@ -15,7 +19,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
 from conftest import REPO, finish_job, start_hookloop_run
+from hookloop import failures
+from hookloop.errors import CollectiveTimeoutError
 
 SCRIPT = REPO / "tests" / "scripts" / "failing_job.py"
 MESSAGE = "ValueError: optimizer offload refuses SGD: use torch.optim.Adam"
@@ -91,3 +100,112 @@ def test_a_scripts_own_relaunch_reports_an_error_of_every_rank_once(tmp_path):
     stdout, stderr = finish_job(proc, timeout=120, succeed=False)
     assert proc.returncode == 1
     check_report(console_lines(stdout, stderr), failing=[0, 1])
+
+
+# ---------------------------------------------------------------------------------------
+# The cause first: a killed rank before the collective that failed because of it
+# ---------------------------------------------------------------------------------------
+
+TIMED_OUT = ("global rank 0: the all_reduce of the gradients in backward failed after global step 3 "
+             "(process-group timeout 300 s): Connection reset by peer. Suspected rank(s): 1")
+
+
+def recorded(tmp_path, monkeypatch, rank: int, error: BaseException) -> str:
+    """The error file a worker of global rank ``rank`` writes for ``error``
+    (:func:`hookloop.failures.record_failure`, as its excepthook does); its path."""
+    error_file = tmp_path / f"error{rank}.json"
+    monkeypatch.setenv(failures.FAILURE_DIR_ENV, str(tmp_path / "failures"))
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    monkeypatch.setenv("RANK", str(rank))
+    try:
+        raise error
+    except type(error) as exc:
+        failures.record_failure(type(exc), exc, exc.__traceback__)
+    return str(error_file)
+
+
+def process_failure(rank: int, exitcode: int, error_file: str = "/nonexistent", by_itself: bool | None = None):
+    failure = ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=error_file)
+    if by_itself is not None:  # what the agent marks when it starts stopping the others
+        setattr(failure, failures.FAILED_BY_ITSELF, by_itself)
+    return failure
+
+
+KILLED_FIRST = [
+    "hookloop: rank 1 of job.py failed first (host {host}): it was stopped by SIGKILL (no Python exception was recorded)",
+    f"hookloop: then rank 0 failed in a collective, a consequence: CollectiveTimeoutError: {TIMED_OUT}",
+    "hookloop: traceback: {log}",
+]
+
+
+# by_itself of (rank 0, rank 1): both failed before the agent acted; rank 0's collective
+# failed after the agent began stopping it; torch did not say (no marks).
+@pytest.mark.parametrize("marks", [(True, True), (False, True), (None, None)], ids=["both-before", "rank0-after", "unmarked"])
+@pytest.mark.parametrize("listed", [(0, 1), (1, 0)], ids=["rank0-listed-first", "rank1-listed-first"])
+def test_a_rank_killed_by_a_signal_is_named_before_the_collective_that_failed_because_of_it(tmp_path, monkeypatch, marks, listed):
+    import socket
+
+    error_file = recorded(tmp_path, monkeypatch, 0, CollectiveTimeoutError(TIMED_OUT))
+    made = {0: process_failure(0, 1, error_file, marks[0]), 1: process_failure(1, -9, by_itself=marks[1])}
+    lines, code = failures.summary({r: made[r] for r in listed}, "job.py")
+    log = tmp_path / "failures" / "rank0.log"
+    assert lines == [line.format(host=socket.gethostname(), log=log) for line in KILLED_FIRST]
+    assert code == 128 + 9  # the cause's status
+
+
+def test_a_collective_that_timed_out_is_named_before_the_rank_the_agent_stopped_after_it(tmp_path, monkeypatch):
+    # A rank that hung (SIGSTOP): rank 0's collective timed out first; the agent then
+    # stopped rank 1 (SIGTERM, then SIGKILL after its grace period).
+    error_file = recorded(tmp_path, monkeypatch, 0, CollectiveTimeoutError(TIMED_OUT))
+    lines, code = failures.summary({1: process_failure(1, -9, by_itself=False),
+                                    0: process_failure(0, 1, error_file, by_itself=True)}, "job.py")
+    assert lines[0].endswith(f"failed first (host {lines[0].split('(host ')[1].split(')')[0]}): CollectiveTimeoutError: {TIMED_OUT}")
+    assert lines[0].startswith("hookloop: rank 0 of job.py")
+    assert lines[1:] == [f"hookloop: traceback: {tmp_path / 'failures' / 'rank0.log'}", "hookloop: then stopped: rank 1 (SIGKILL)"]
+    assert code == 1
+
+
+def test_a_python_error_is_named_before_the_collective_that_failed_because_of_it(tmp_path, monkeypatch):
+    collective = recorded(tmp_path, monkeypatch, 0, CollectiveTimeoutError(TIMED_OUT))
+    own = recorded(tmp_path, monkeypatch, 1, ValueError("bad batch"))
+    lines, _ = failures.summary({0: process_failure(0, 1, collective, True), 1: process_failure(1, 1, own, True)}, "job.py")
+    assert lines[0].startswith("hookloop: rank 1 of job.py failed first") and lines[0].endswith("ValueError: bad batch")
+    assert lines[1] == f"hookloop: then rank 0 failed in a collective, a consequence: CollectiveTimeoutError: {TIMED_OUT}"
+
+
+def test_the_error_file_says_whether_a_collective_failed(tmp_path, monkeypatch):
+    import json
+
+    for rank, error, collective in [(0, CollectiveTimeoutError(TIMED_OUT), True), (1, ValueError("x"), False)]:
+        data = json.loads(open(recorded(tmp_path, monkeypatch, rank, error)).read())
+        assert data["message"]["extraInfo"]["hookloop"]["collective"] is collective
+
+
+@pytest.mark.slow
+def test_hookloop_run_names_the_killed_rank_first_not_the_rank_whose_collective_failed(tmp_path, monkeypatch):
+    """Rank 1 SIGKILLs itself after step 3; rank 0's next all-reduce loses its peer. The
+    agent polls its workers every 15 s here (torchrun's PET_MONITOR_INTERVAL; 0.1 s by
+    default), so rank 0 has recorded its CollectiveTimeoutError before the agent sees
+    either failure: the order in which hookloop named rank 0 first and rank 1 as
+    "then stopped" (issue 32). Whatever the timing, rank 1 is the cause."""
+    monkeypatch.setenv("PET_MONITOR_INTERVAL", "15")
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = start_hookloop_run(["--plugins", "ddp", "--devices", "2", REPO / "tests" / "scripts" / "restart_job.py",
+                               out, "3"], cwd=tmp_path)
+    stdout, stderr = finish_job(proc, timeout=150, succeed=False)
+    lines = [line for line in console_lines(stdout, stderr) if line.startswith("hookloop: ") and "effective batch" not in line]
+    text = "\n".join(lines)
+    assert re.fullmatch(r"hookloop: rank 1 of restart_job\.py failed first \(host [^)]+\): it was stopped by SIGKILL "
+                        r"\(no Python exception was recorded\)", lines[0]), text
+    assert proc.returncode == 128 + 9, text
+    # rank 0: its collective's failure as the consequence (recorded before the agent
+    # stopped it), or, had the agent stopped it first, one line
+    consequence = [line for line in lines if "a consequence" in line]
+    if consequence:
+        assert consequence == [line for line in lines if line.startswith("hookloop: then rank 0 failed in a collective, a "
+                                                                          "consequence: CollectiveTimeoutError: global rank 0: ")], text
+        assert "then stopped" not in text
+    else:
+        assert "hookloop: then stopped: rank 0 (SIGTERM)" in lines, text
+    assert "failed first" not in "\n".join(lines[1:])

@@ -132,9 +132,9 @@ def test_logger_must_be_a_switch_or_loggers(value):
         hookloop.Trainer(logger=value)
 
 
-@pytest.mark.parametrize("value", ["1.0", True, 0.0])
+@pytest.mark.parametrize("value", ["1.0", True, 0.0, float("nan"), float("inf")])
 def test_gradient_clip_val_must_be_a_positive_number(value):
-    with pytest.raises(hookloop.ConfigurationError, match="must be a positive number"):
+    with pytest.raises(hookloop.ConfigurationError, match="must be a finite number > 0"):
         hookloop.Trainer(gradient_clip_val=value)
 
 

@@ -16,8 +16,8 @@ import sys
 
 from . import contract, plot, scaffold, versioning
 from . import plugins as registry
-from .config import TrainerConfig, env_defaults
-from .errors import CheckpointError, HookloopError
+from .config import TrainerConfig, check_devices_on_cpu, env_defaults
+from .errors import CheckpointError, ConfigurationError, HookloopError
 from .launch import is_plain_interpreter, run_command
 from .mesh import check_sizes, claims, parse_mesh
 from .sourcescan import declared_role
@@ -145,8 +145,17 @@ def cmd_tune(args) -> int:
     else:
         options = {"mode": args.mode, "steps_per_trial": args.steps_per_trial, "init_val": args.init_val,
                    "max_trials": args.max_trials, "max_val": args.max_val, "batch_arg_name": args.batch_arg_name}
+    check_script(args.script)
+    # for the launched script only: an in-process caller (hookloop.cli.main) keeps its environment
+    previous = os.environ.get("HOOKLOOP_TUNE")
     os.environ["HOOKLOOP_TUNE"] = json.dumps({"finder": args.finder, "options": options})
-    return cmd_run(args)
+    try:
+        return cmd_run(args)
+    finally:
+        if previous is None:
+            os.environ.pop("HOOKLOOP_TUNE", None)
+        else:
+            os.environ["HOOKLOOP_TUNE"] = previous
 
 
 def _parse_devices(text: str | None):
@@ -159,7 +168,10 @@ def _parse_devices(text: str | None):
         return text
     if text.startswith("[") and text.endswith("]"):
         text = text[1:-1]
-    return [int(t) for t in text.split(",") if t.strip()]
+    parts = [t.strip() for t in text.split(",") if t.strip()]
+    if not parts or not all(p.isdigit() for p in parts):
+        return text  # '2.5', 'two': the settings' check says what to give instead
+    return [int(p) for p in parts]
 
 
 def cmd_check(args) -> int:
@@ -219,7 +231,35 @@ def cmd_plugins(args) -> int:
     return 1 if problems else 0
 
 
+def check_script(script: str) -> None:
+    """``hookloop run SCRIPT``: the script must be a file, checked before any process starts
+    (the workers would each fail to open it); a close name in its folder is suggested."""
+    import difflib
+    import os
+    from pathlib import Path
+
+    path = Path(script)
+    if path.is_file():
+        return
+    if path.is_dir():
+        raise ConfigurationError(
+            f"the script {script!r} is a folder, not a Python file: give the path of the training script: "
+            f"hookloop run [OPTIONS] SCRIPT [ARGS]")
+    folder = path.parent
+    try:
+        names = sorted(entry.name for entry in os.scandir(folder) if entry.is_file())
+    except OSError:
+        names = []
+    close = difflib.get_close_matches(path.name, names, n=1, cutoff=0.75)
+    suggestion = (close[0] if str(folder) == "." else str(folder / close[0])) if close else None
+    hint = f"; did you mean {suggestion!r}?" if suggestion else "."
+    raise ConfigurationError(
+        f"the script {script!r} does not exist (in {folder.absolute() if str(folder) != '.' else Path.cwd()}){hint} "
+        f"Give the path of the training script: hookloop run [OPTIONS] SCRIPT [ARGS]")
+
+
 def cmd_run(args) -> int:
+    check_script(args.script)
     settings = env_defaults()
     explicit = {
         "devices": _parse_devices(args.devices),
@@ -263,6 +303,7 @@ def cmd_run(args) -> int:
     pm = registry.make_plugin_manager(chosen, Defaults())
     # The devices plugin chooses (and may narrow config.devices) before processes are counted.
     pm.hook.select_devices(config=config)
+    check_devices_on_cpu(config)  # after the devices plugin resolved the accelerator
     world = config.num_processes() * config.nodes
     if world > 1 and not any(registry.plugin_role(p) == "strategy" for p in chosen):
         # The script may name its strategy in code (Trainer(plugins=["ddp"])): plugins from

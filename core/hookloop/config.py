@@ -8,6 +8,7 @@ starts from them, and arguments given in code win.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -145,20 +146,18 @@ class TrainerConfig:
             # Lightning: the same first batches for training and validation, unshuffled.
             self.limit_train_batches = self.limit_val_batches = self.overfit_batches
         clip = self.gradient_clip_val
-        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip <= 0):
+        # NaN compares false with everything: `clip <= 0` let it through, and clipping to NaN
+        # made every weight NaN.
+        if clip is not None and not (_is_number(clip) and math.isfinite(clip) and clip > 0):
             raise ConfigurationError(
-                f"gradient_clip_val={clip!r} must be a positive number (or None)"
+                f"gradient_clip_val={clip!r} must be a finite number > 0 (the largest gradient norm, or "
+                f"value, to keep), or None for no clipping"
             )
         if self.gradient_clip_algorithm not in ("norm", "value"):
             raise ConfigurationError(
                 f"gradient_clip_algorithm={self.gradient_clip_algorithm!r} must be 'norm' or 'value'"
             )
-        timeout = self.process_group_timeout
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
-            raise ConfigurationError(
-                f"process_group_timeout={timeout!r} must be a number of seconds > 0, or None for the "
-                f"backend's default (gloo 300, nccl 600)"
-            )
+        check_timeout_seconds("process_group_timeout", self.process_group_timeout)
         for name in _SWITCHES:
             # A string is truthy: enable_checkpointing="no" would silently mean yes.
             value = getattr(self, name)
@@ -210,6 +209,29 @@ _SWITCHES = ("enable_checkpointing", "enable_progress_bar", "enable_model_summar
              "autoload_plugins", "requeue_on_preemption")
 
 
+#: The longest process-group timeout, in seconds (about 31 years). torch turns a timeout
+#: into int64 milliseconds (gloo refuses ~9.2e12 s and more) and ``datetime.timedelta``
+#: overflows at ~8.6e13 s; infinity fails in every worker with an OverflowError.
+MAX_PROCESS_GROUP_TIMEOUT = 1e9
+
+
+def check_timeout_seconds(name: str, value: Any) -> None:
+    """Refuse a collective timeout that is not a number of seconds in
+    ``(0, MAX_PROCESS_GROUP_TIMEOUT]`` (``None`` passes: the backend's default):
+    ``Trainer(process_group_timeout=...)`` and the strategies' own ``timeout`` option."""
+    if value is None or (_is_number(value) and 0 < value <= MAX_PROCESS_GROUP_TIMEOUT):
+        return
+    raise ConfigurationError(
+        f"{name}={value!r} must be a number of seconds > 0 and at most {MAX_PROCESS_GROUP_TIMEOUT:g} "
+        f"(about 31 years: torch cannot wait without a limit), or None for the backend's default "
+        f"(gloo 300, nccl 600)"
+    )
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -234,10 +256,18 @@ def count_devices(devices: Any) -> int:
                 f"or 'auto' for all devices, or a list of device indices"
             )
         return devices
+    if isinstance(devices, float):
+        raise _not_whole(devices, devices)
     if isinstance(devices, str):
         text = devices.strip()
         if text.lstrip("-").isdigit():
             return count_devices(int(text))
+        try:
+            number = float(text)
+        except ValueError:
+            number = None
+        if number is not None:
+            raise _not_whole(devices, number)
         parts = [p for p in text.split(",") if p.strip()]
         if parts and all(p.strip().isdigit() for p in parts):
             return len(parts)
@@ -251,6 +281,45 @@ def count_devices(devices: Any) -> int:
             raise ConfigurationError(f"devices={devices!r} names a device twice")
         return len(devices)
     raise ConfigurationError(f"devices={devices!r} is not a number, 'auto' or a list")
+
+
+def _not_whole(devices: Any, number: float) -> ConfigurationError:
+    """``devices=2.5``: the error that says which whole numbers to write instead."""
+    if math.isfinite(number) and number >= 1:
+        low, high = math.floor(number), math.ceil(number)
+        instead = f"devices={low}" if low == high else f"devices={low} or devices={high}"
+    else:
+        instead = "e.g. devices=2"
+    return ConfigurationError(
+        f"devices={devices!r} is not a whole number: give the number of processes per node as an "
+        f"integer ({instead}), -1 or 'auto' for all devices, or a list of GPU indices"
+    )
+
+
+def check_devices_on_cpu(config: "TrainerConfig") -> None:
+    """A list of device indices names GPUs: on the CPU (``accelerator="cpu"``, or ``"auto"``
+    on a machine without CUDA; read after a devices plugin resolved it) it is refused, as
+    Lightning refuses it, instead of running one process per entry."""
+    devices = config.devices
+    listed = isinstance(devices, (list, tuple)) or (isinstance(devices, str) and "," in devices)
+    if not listed or not _on_cpu(config.accelerator):
+        return
+    n = count_devices(devices)
+    raise ConfigurationError(
+        f"devices={devices!r}: device indices name GPUs, and this run is on the CPU (accelerator="
+        f"{config.accelerator!r}{', no CUDA GPU here' if config.accelerator == 'auto' else ''}): give a number of "
+        f"processes instead, devices={n} (--devices {n}), or run on GPUs with accelerator='gpu'"
+    )
+
+
+def _on_cpu(accelerator: str) -> bool:
+    if accelerator == "cpu":
+        return True
+    if accelerator != "auto":
+        return False
+    import torch
+
+    return not torch.cuda.is_available()
 
 
 def _auto_devices() -> int:

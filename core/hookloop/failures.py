@@ -69,7 +69,8 @@ def record_failure(etype, value, tb) -> Path | None:
                 "py_callstack": text,
                 "timestamp": str(int(now)),
                 "hookloop": {"rank": rank, "host": socket.gethostname(), "time": now,
-                             "type": etype.__name__, "text": str(value), "log": str(path)},
+                             "type": etype.__name__, "text": str(value), "log": str(path),
+                             "collective": _is_collective_failure(value)},
             },
         }}
         try:
@@ -78,6 +79,18 @@ def record_failure(etype, value, tb) -> Path | None:
         except OSError:
             pass
     return path
+
+
+def _is_collective_failure(value: BaseException) -> bool:
+    """A collective that timed out or lost a peer: the consequence of another rank's
+    failure (:func:`summary` names that rank first)."""
+    try:
+        from .dist import is_collective_failure
+        from .errors import CollectiveTimeoutError
+
+        return isinstance(value, CollectiveTimeoutError) or is_collective_failure(value)
+    except Exception:  # noqa: BLE001 - never lose the error over its classification
+        return False
 
 
 def install_worker_hook() -> bool:
@@ -251,61 +264,116 @@ def _signal_name(code: int) -> str:
         return f"signal {-code}"
 
 
+#: Set (True) by the agent on each ``ProcessFailure`` that was there before it began to
+#: stop the other workers (:func:`_mark_failures_before_stopping`): a rank that failed by
+#: itself. A failure without it, in a launch where some have it, is a rank the agent
+#: stopped (SIGTERM, then SIGKILL after its grace period).
+FAILED_BY_ITSELF = "hookloop_failed_by_itself"
+
+
 def summary(failures: dict, name: str = "", output: str | os.PathLike | None = None) -> tuple[list[str], int]:
     """The lines that report a failed launch, and its exit status, from torch's
-    ``ChildFailedError.failures`` (global rank -> ``ProcessFailure``): the first rank
-    that failed by itself (an exception recorded by :func:`record_failure`, else an exit
-    status that no signal caused, else the earliest), its host, type and message, and
-    where its traceback and the other ranks' are (and, with ``output``, the folder of
-    every rank's stdout and stderr: :func:`capture_worker_output`); one line for the rest."""
+    ``ChildFailedError.failures`` (global rank -> ``ProcessFailure``).
+
+    The headline names the cause, the same rank whatever the timing: a recorded Python
+    exception (:func:`record_failure`; the earliest) other than a collective's failure,
+    else a rank that died by itself without one (an exit status, else a signal: SIGKILL,
+    a segfault), else a collective that failed (timed out, lost a peer: the failure of a
+    rank that hung), else the earliest. A collective's failure after the cause is reported
+    as its consequence; ranks the agent stopped are one line. Then where the tracebacks
+    are (and, with ``output``, the folder of every rank's stdout and stderr:
+    :func:`capture_worker_output`)."""
     def info(failure) -> dict:
         data = failure.error_file_data.get("message") if isinstance(failure.error_file_data, dict) else None
         extra = data.get("extraInfo", {}) if isinstance(data, dict) else {}
         return extra.get("hookloop") or {}
 
+    # Whether the agent said which failures came before it stopped anyone (agent_main).
+    known = any(getattr(f, FAILED_BY_ITSELF, False) for f in failures.values())
+
+    def by_itself(failure) -> bool:
+        if known:
+            return bool(getattr(failure, FAILED_BY_ITSELF, False))
+        return failure.exitcode != -signal.SIGTERM  # SIGTERM is what the agent sends the others
+
     def order(item):
         rank, failure = item
         found = info(failure)
-        if found:
+        if found and not found.get("collective"):
             return (0, found.get("time", 0.0), rank)
-        # An exit status before a signal, and SIGTERM (what the agent sends the others
-        # after a failure) last: the errors' times are whole seconds, alike for all.
-        kind = 1 if failure.exitcode > 0 else 3 if failure.exitcode == -signal.SIGTERM else 2
-        return (kind, failure.timestamp, rank)
+        if not found and by_itself(failure):
+            # The errors' times are whole seconds, alike for all: an exit status first.
+            return (1 if failure.exitcode > 0 else 2, failure.timestamp, rank)
+        if found:
+            return (3, found.get("time", 0.0), rank)
+        return (4, failure.timestamp, rank)
 
     ranked = sorted(failures.items(), key=order)
     rank, first = ranked[0]
     found = info(first)
     host = found.get("host") or socket.gethostname()
     what = f" of {Path(name).name}" if name else ""
-    lines = []
+    lines, same = [], []
     if found:
         lines.append(f"hookloop: rank {rank}{what} failed first (host {host}): {found['type']}: {found['text']}")
         same = [r for r, f in ranked[1:] if (i := info(f)) and (i.get("type"), i.get("text")) == (found["type"], found["text"])]
         if same:
             lines.append(f"hookloop: rank{'s' if len(same) > 1 else ''} {', '.join(map(str, same))} raised the same error")
-        logs = sorted({str(Path(i["log"])) for _, f in ranked if (i := info(f)).get("log")})
-        for log in logs:
-            lines.append(f"hookloop: traceback: {log}")
     else:
         how = (f"was stopped by {_signal_name(first.exitcode)}" if first.exitcode < 0
                else f"exited with status {first.exitcode}")
         lines.append(f"hookloop: rank {rank}{what} failed first (host {host}): it {how} (no Python exception was recorded)")
-        same = []
+    recorded = [(r, info(f)) for r, f in ranked[1:] if r not in same and info(f)]
+    consequences = [(r, i) for r, i in recorded if i.get("collective") and not found.get("collective")]
+    for r, i in consequences:
+        lines.append(f"hookloop: then rank {r} failed in a collective, a consequence: {i['type']}: {i['text']}")
+    logs = sorted({str(Path(i["log"])) for _, f in ranked if (i := info(f)).get("log")})
+    for log in logs:
+        lines.append(f"hookloop: traceback: {log}")
     rest = [(r, f) for r, f in ranked[1:] if r not in same and not info(f)]
     if rest:
         parts = [f"{r} ({_signal_name(f.exitcode) if f.exitcode < 0 else f'status {f.exitcode}'})" for r, f in rest]
         lines.append(f"hookloop: then stopped: rank{'s' if len(parts) > 1 else ''} {', '.join(parts)}")
-    others = [(r, f) for r, f in ranked[1:] if r not in same and info(f)]
-    for r, f in others:
-        i = info(f)
-        lines.append(f"hookloop: rank {r} also failed: {i['type']}: {i['text']}")
+    for r, i in recorded:
+        if (r, i) not in consequences:
+            lines.append(f"hookloop: rank {r} also failed: {i['type']}: {i['text']}")
     if output is not None:
         lines.append(f"hookloop: every rank's output: {output} (attempt_<N>/rank<R>/stdout.log, stderr.log)")
     # A recorded exception exits 1 (Python's status for it), even where the agent's SIGTERM
     # reached that rank after it recorded the error and before it had exited (seen: 143).
     code = 1 if found else first.exitcode if first.exitcode > 0 else 128 - first.exitcode
     return lines, code
+
+
+def _mark_failures_before_stopping() -> None:
+    """Make torch's process context mark (:data:`FAILED_BY_ITSELF`) the failures it has
+    when it begins to stop the other workers: they failed by themselves; those it records
+    after are the workers it stopped. :func:`summary` then names the cause, not a rank
+    whose collective failed because the cause had died. Without torch's ``PContext.close``
+    (another torch), nothing is marked and :func:`summary` goes by the signals."""
+    try:
+        from torch.distributed.elastic.multiprocessing.api import PContext
+    except ImportError:
+        return
+    close = getattr(PContext, "close", None)
+    if close is None or getattr(close, "_hookloop_marking", False):
+        return
+
+    def closing(self, *args, **kwargs):
+        # close() runs again later (the agent's _stop_workers): what appeared after the
+        # first one was stopped by it.
+        stopping_first = not getattr(self, "_hookloop_stopped", False)
+        for failure in (getattr(self, "_failures", None) or {}).values():
+            if not hasattr(failure, FAILED_BY_ITSELF):
+                try:
+                    setattr(failure, FAILED_BY_ITSELF, stopping_first)
+                except AttributeError:
+                    pass
+        self._hookloop_stopped = True
+        return close(self, *args, **kwargs)
+
+    closing._hookloop_marking = True  # type: ignore[attr-defined]
+    PContext.close = closing
 
 
 def _report_restarted_failures() -> None:
@@ -347,6 +415,7 @@ def agent_main(argv: list[str]) -> int:
     # summary says; restarts (the agent's own logger) are still reported.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     _report_restarted_failures()
+    _mark_failures_before_stopping()
     args = torchrun.parse_args(argv)
     folder = os.environ.get(FAILURE_DIR_ENV)
     if folder:

@@ -35,6 +35,7 @@ from .dist import (  # noqa: F401
     release_process_group,
     torch_reduce_op,
 )
+from .config import MAX_PROCESS_GROUP_TIMEOUT, check_timeout_seconds  # noqa: F401 (strategies' timeout option)
 from .errors import ConfigurationError
 from .pluginspec import plugin_name
 from .utilities import env_int  # noqa: F401

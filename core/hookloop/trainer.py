@@ -8,6 +8,7 @@ package root."""
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from dataclasses import fields
@@ -23,7 +24,7 @@ from . import loggers as loggers_module
 from . import mesh as mesh_module
 from . import plugins as plugin_registry
 from . import rundir, session, strategies, tuner
-from .config import TrainerConfig, env_defaults
+from .config import TrainerConfig, check_devices_on_cpu, env_defaults
 from .datamodule import DataModule
 from .defaults import Defaults
 from .errors import ConfigurationError
@@ -509,6 +510,7 @@ class Trainer:
         if isinstance(train_dataloaders, DataModule) or _is_datamodule(train_dataloaders):
             datamodule, train_dataloaders = train_dataloaders, None
         _check_module(model, needs=("training_step", "configure_optimizers"))
+        _check_ckpt_path("fit", ckpt_path)
         if datamodule is not None and (train_dataloaders is not None or val_dataloaders is not None):
             raise ConfigurationError("fit got both dataloaders and a datamodule: pass one or the other")
         if train_dataloaders is not None:
@@ -547,6 +549,8 @@ class Trainer:
         if isinstance(dataloaders, DataModule) or _is_datamodule(dataloaders):
             datamodule, dataloaders = dataloaders, None
         model = self._model_for("predict", model)
+        _check_lightning_import(model)
+        _check_ckpt_path("predict", ckpt_path)
         self._start(model, datamodule, ckpt_path, predict=as_loader_list(dataloaders, "dataloaders"))
         self.state.return_predictions = return_predictions is not False
         result = self._launch_or_run(run_predict)
@@ -568,6 +572,7 @@ class Trainer:
             datamodule, dataloaders = dataloaders, None
         model = self._model_for(stage, model)
         _check_module(model, needs=(STEP_METHODS[stage],))
+        _check_ckpt_path(stage, ckpt_path)
         loaders = as_loader_list(dataloaders, "dataloaders")
         if stage == VALIDATE:
             self._start(model, datamodule, ckpt_path, val=loaders)
@@ -608,6 +613,13 @@ class Trainer:
                 f"the strategy {plugin_registry.plugin_name(self.strategy)!r} clips gradients "
                 f"itself: set Trainer(gradient_clip_val=...) instead of calling self.clip_gradients"
             )
+        # NaN clipped every weight into NaN; 0 does not clip (Lightning's, kept)
+        if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                      and math.isfinite(value) and value >= 0):
+            raise ConfigurationError(
+                f"self.clip_gradients(gradient_clip_val={value!r}): gradient_clip_val must be a finite number "
+                f"(> 0 clips the gradients' norm, or values, to it; 0 does not clip), or None for "
+                f"Trainer(gradient_clip_val=...)'s")
         algorithm = algorithm or self.config.gradient_clip_algorithm
         if algorithm not in ("norm", "value"):
             raise ConfigurationError(f"gradient_clip_algorithm={algorithm!r} must be 'norm' or 'value'")
@@ -639,6 +651,7 @@ class Trainer:
         # The devices plugin chooses first: it may narrow ``config.devices`` (gpus="3"
         # is GPU 3, one process), so the process count is read after its choice.
         self.device_ids = self.hook.select_devices(config=self.config)
+        check_devices_on_cpu(self.config)  # after the devices plugin resolved the accelerator
         nproc = self.config.num_processes()
         if nproc * self.config.nodes > 1 and self.strategy is None:
             installed = sorted(plugin_registry.installed_plugins())
@@ -736,12 +749,45 @@ def _is_datamodule(obj: Any) -> bool:
 def _check_module(module: Any, needs: tuple[str, ...]) -> None:
     if not isinstance(module, nn.Module):
         raise TypeError(f"expected a torch.nn.Module, got {type(module).__name__}")
+    _check_lightning_import(module)
     missing = [m for m in needs if not callable(getattr(module, m, None))]
     if missing:
         raise ConfigurationError(
             f"{type(module).__name__} must define {' and '.join(m + '()' for m in missing)}; "
             f"see hookloop.Module"
         )
+
+
+def _check_lightning_import(module: nn.Module) -> None:
+    """A ``lightning.pytorch``/``pytorch_lightning`` ``LightningModule`` whose import was not
+    changed: its stubs (``val_dataloader`` "must be implemented to be used with the
+    Lightning Trainer") would fail deep inside the run. Found by the classes' module names;
+    hookloop never imports Lightning."""
+    cls = type(module)
+    lightning = next((c for c in cls.__mro__ if c.__name__ == "LightningModule"
+                      and c.__module__.split(".")[0] in ("lightning", "pytorch_lightning")), None)
+    if lightning is None:
+        return
+    package = lightning.__module__.split(".")[0]
+    where = "pytorch_lightning" if package == "pytorch_lightning" else "lightning.pytorch"
+    raise ConfigurationError(
+        f"{cls.__name__} subclasses {where}.LightningModule (Lightning's own: the import was not changed), "
+        f"which hookloop's Trainer does not run: change `from {where} import LightningModule` (or "
+        f"`{'import pytorch_lightning as pl' if package == 'pytorch_lightning' else 'import lightning.pytorch as pl'}`"
+        f"; pl.LightningModule) to `from hookloop import Module` and subclass Module: the same hooks "
+        f"(docs/lightning.md lists the other names)"
+    )
+
+
+def _check_ckpt_path(entry: str, ckpt_path: Any) -> None:
+    """Before any process starts: ``ckpt_path`` is a path, ``"last"``, ``"best"`` or None."""
+    if ckpt_path is None or isinstance(ckpt_path, (str, os.PathLike)):
+        return
+    raise ConfigurationError(
+        f"{entry}(ckpt_path={ckpt_path!r}): ckpt_path must be the path of a checkpoint (a str or os.PathLike), "
+        f"'last', 'best' or None, got {type(ckpt_path).__name__}: 'last' is the newest last.ckpt under "
+        f"default_root_dir, 'best' the checkpoint callback's best, None no checkpoint"
+    )
 
 
 def _check_training_step(module: nn.Module) -> None:

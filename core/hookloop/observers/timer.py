@@ -40,7 +40,10 @@ def parse_duration(duration: Any, what: str = "Timer(duration=...)") -> float | 
                 f"{what.format(duration)} is not a valid duration: give a string DD:HH:MM:SS "
                 f"(e.g. '00:12:00:00' for 12 hours), a datetime.timedelta or a dict such as {{'hours': 12}}")
         days, hours, minutes, seconds = (int(g) for g in match.groups())
-        duration = timedelta(days=days, hours=hours, minutes=minutes, seconds=seconds)
+        try:
+            duration = timedelta(days=days, hours=hours, minutes=minutes, seconds=seconds)
+        except OverflowError as exc:
+            raise _not_finite(what, duration, exc) from None
     elif isinstance(duration, dict):
         try:
             duration = timedelta(**duration)
@@ -48,11 +51,20 @@ def parse_duration(duration: Any, what: str = "Timer(duration=...)") -> float | 
             raise ConfigurationError(
                 f"{what.format(duration)}: {exc}; the keys are datetime.timedelta's (weeks, days, hours, "
                 f"minutes, seconds, milliseconds, microseconds)") from None
+        except (ValueError, OverflowError) as exc:  # NaN, infinity, more than 999999999 days
+            raise _not_finite(what, duration, exc) from None
     if not isinstance(duration, timedelta):
         raise ConfigurationError(
             f"{what.format(duration)} must be a string DD:HH:MM:SS, a datetime.timedelta, a dict of "
             f"timedelta arguments, or None")
     return duration.total_seconds()
+
+
+def _not_finite(what: str, duration: Any, exc: Exception) -> ConfigurationError:
+    return ConfigurationError(
+        f"{what.format(duration)} is not a valid duration ({exc}): give a finite time of at most "
+        f"999999999 days, as a string DD:HH:MM:SS (e.g. '00:12:00:00' for 12 hours), a datetime.timedelta "
+        f"or a dict such as {{'hours': 12}}; None for no limit")
 
 
 class Timer:

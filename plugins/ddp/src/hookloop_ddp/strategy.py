@@ -9,6 +9,7 @@ be pickled. Advanced users subclass :class:`DDP` and override
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 import hookloop
+from hookloop.helpers import check_timeout_seconds
 
 from . import comm
 from .environment import ClusterEnvironment
@@ -152,9 +154,13 @@ class DDP(hookloop.TorchDistributed):
             _check_type(name, value, (bool,), "must be True or False")
         elif name == "broadcast_buffers":
             _check_type(name, value, (bool, type(None)), "must be True, False or None")
-        elif name in ("bucket_cap_mb", "timeout"):
+        elif name == "timeout":
+            # the process group's timeout: the range of Trainer(process_group_timeout=...)
+            check_timeout_seconds(f"{self.hookloop_name} option timeout", value)
+        elif name == "bucket_cap_mb":
             if value is not None:
-                _check_type(name, value, (int, float), "must be a positive number or None", ok=value > 0 if isinstance(value, (int, float)) else False)
+                _check_type(name, value, (int, float), "must be a finite number of MiB > 0, or None",
+                            ok=isinstance(value, (int, float)) and math.isfinite(value) and value > 0)
         elif name == "comm_hook":
             if value is not None and not callable(value) and value not in comm.COMM_HOOKS:
                 raise hookloop.ConfigurationError(
