@@ -302,6 +302,11 @@ def _(tmp):
     quiet().fit(TinyModule(), loader(), ckpt_path=3)
 
 
+@row("C29")
+def _(tmp):
+    hookloop.Trainer(max_time={"hours": -1})
+
+
 # -- plugins ------------------------------------------------------------------------------
 
 
@@ -520,6 +525,26 @@ def _(tmp):
 @row("S18")
 def _(tmp):
     quiet(plugins=["pipeline", "ema"]).fit(TinyModule(), loader())
+
+
+@row("S19")
+def _(tmp):
+    hookloop.EarlyStopping(monitor="val_loss", min_delta=float("nan"))
+
+
+@row("S20")
+def _(tmp):
+    hookloop.EarlyStopping(monitor="val_loss", stopping_threshold=float("nan"))
+
+
+@row("S21")
+def _(tmp):
+    hookloop.Trainer(plugins=["amp"], plugin_options={"amp": {"init_scale": float("inf")}})
+
+
+@row("S22")
+def _(tmp):
+    hookloop.Trainer(plugins=["amp"], plugin_options={"amp": {"growth_interval": 0}})
 
 
 # -- launch -------------------------------------------------------------------------------

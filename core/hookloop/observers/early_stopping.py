@@ -57,10 +57,16 @@ class EarlyStopping:
                 f"early_stopping mode={mode!r} must be 'min' (lower {monitor} is better) or 'max'")
         if not isinstance(patience, int) or patience < 0:
             raise ConfigurationError(f"early_stopping patience={patience!r} must be an integer >= 0")
+        if isinstance(min_delta, bool) or not isinstance(min_delta, (int, float)) or not math.isfinite(min_delta):
+            raise ConfigurationError(
+                f"early_stopping min_delta={min_delta!r} must be a finite number (the least change of {monitor} "
+                f"that counts as an improvement; 0.0 counts every change)")
         self.monitor, self.mode, self.patience, self.min_delta = monitor, mode, patience, abs(min_delta)
         for name, threshold in (("stopping_threshold", stopping_threshold), ("divergence_threshold", divergence_threshold)):
-            if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))):
-                raise ConfigurationError(f"early_stopping {name}={threshold!r} must be a number or None")
+            if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
+                                          or not math.isfinite(threshold)):
+                raise ConfigurationError(
+                    f"early_stopping {name}={threshold!r} must be a finite number (a value of {monitor}) or None")
         self.check_finite, self.stopping_threshold = check_finite, stopping_threshold
         self.divergence_threshold = divergence_threshold
         self.check_on_train_epoch_end = check_on_train_epoch_end

@@ -31,6 +31,7 @@ def parse_duration(duration: Any, what: str = "Timer(duration=...)") -> float | 
     """``"DD:HH:MM:SS"``, a ``timedelta`` or a dict of ``timedelta`` arguments, in seconds;
     ``what`` names the argument in the error (``Trainer(max_time=...)``)."""
     what = what.replace("...", "{!r}")
+    given = duration
     if duration is None:
         return None
     if isinstance(duration, str):
@@ -57,6 +58,11 @@ def parse_duration(duration: Any, what: str = "Timer(duration=...)") -> float | 
         raise ConfigurationError(
             f"{what.format(duration)} must be a string DD:HH:MM:SS, a datetime.timedelta, a dict of "
             f"timedelta arguments, or None")
+    if duration.total_seconds() < 0:
+        raise ConfigurationError(
+            f"{what.format(given)} is a negative time ({duration}): give a time >= 0, as a string DD:HH:MM:SS "
+            f"(e.g. '00:12:00:00' for 12 hours), a datetime.timedelta or a dict such as {{'hours': 12}}; None "
+            f"for no limit")
     return duration.total_seconds()
 
 

@@ -17,6 +17,8 @@ so once.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 import hookloop
@@ -42,6 +44,15 @@ class AMP:
     hookloop_requires = ">=2,<3"  # the plugin contract versions it is written for
 
     def __init__(self, allow_cpu_fp16: bool = False, init_scale: float = 2.0**16, growth_interval: int = 2000):
+        if isinstance(init_scale, bool) or not isinstance(init_scale, (int, float)) or not (
+                math.isfinite(init_scale) and init_scale > 0):
+            raise hookloop.ConfigurationError(
+                f"amp init_scale={init_scale!r} must be a finite number > 0 (the first loss scale of an fp16 run; "
+                f"the default is 65536.0)")
+        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
+            raise hookloop.ConfigurationError(
+                f"amp growth_interval={growth_interval!r} must be an integer >= 1 (the steps without inf/NaN "
+                f"gradients before the loss scale doubles; the default is 2000)")
         self.allow_cpu_fp16 = allow_cpu_fp16
         self.init_scale = init_scale
         self.growth_interval = growth_interval
