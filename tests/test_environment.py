@@ -201,7 +201,7 @@ def test_an_inherited_run_token_is_not_this_jobs_id(monkeypatch):
 
 
 def test_a_first_attempt_never_takes_a_marked_directory(tmp_path, monkeypatch):
-    for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT", rundir.RUN_ID_ENV):
+    for name in ("TORCHELASTIC_RESTART_COUNT", rundir.RUN_ID_ENV):
         monkeypatch.delenv(name, raising=False)
     first = rundir.claim(tmp_path, "hookloop", 0)  # torchrun's default rendezvous id, shared by two jobs
     second = rundir.claim(tmp_path, "hookloop", 0)
@@ -209,8 +209,8 @@ def test_a_first_attempt_never_takes_a_marked_directory(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # the second job's restarted worker
     assert rundir.claim(tmp_path, "hookloop", 0) == second  # its own: the newest marked
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")  # a requeued job
-    assert rundir.claim(tmp_path, "hookloop", 0) == second
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")  # a requeued job: a new run (ckpt_path="last" resumes)
+    assert rundir.claim(tmp_path, "hookloop", 0).name == "version_2"
     monkeypatch.delenv("SLURM_RESTART_COUNT")
     monkeypatch.setenv(rundir.RUN_ID_ENV, "named")  # a job named by the user: its runs continue
     named = rundir.claim(tmp_path, "named", 0)

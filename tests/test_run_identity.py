@@ -5,7 +5,7 @@ jobs that torchrun gives the same run id (``--rdzv-id``, ``hookloop`` without a 
 and two scripts started by a process that had itself run a fit. A restarted attempt of a
 job still takes its own directory (the newest one marked with its id), which the restart
 tests of tests/test_faults.py, tests/test_checkpoint_integrity.py and tests/test_cli.py
-check for one node. Every test here launches real jobs (marked slow)."""
+check for one node. The tests that launch real jobs are marked slow."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import hookloop
+import hookloop.cli
 from conftest import REPO
 
 JOB = REPO / "tests" / "scripts" / "run_identity_job.py"
@@ -95,6 +96,7 @@ PARENT = """
 import subprocess, sys
 sys.path.insert(0, {tests!r})
 import hookloop
+import hookloop.cli
 from conftest import TinyModule, tiny_data
 from torch.utils.data import DataLoader
 
@@ -124,3 +126,32 @@ def test_scripts_started_by_a_process_that_fitted_get_a_directory_each(tmp_path)
         rows = (logs / version / "metrics.csv").read_text().splitlines()
         assert len(rows) == len(set(rows))  # one run's rows, none appended by another
     assert hookloop.safe_load(logs / "version_0" / "checkpoints" / "last.ckpt")["loop"]["global_step"] == 2
+
+
+def rdzv_id(**config) -> str:
+    cmd = hookloop.elastic_command(hookloop.TrainerConfig(plugins=["ddp"], nodes=2, rdzv_endpoint="host:29400",
+                                                          **config), "train.py", [])
+    (found,) = [a.split("=", 1)[1] for a in cmd if a.startswith("--rdzv-id=")]
+    return found
+
+
+def test_the_rendezvous_id_of_several_nodes_is_the_jobs_id(monkeypatch):
+    for name in ("HOOKLOOP_RUN_ID", "SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "PBS_JOBID",
+                 "LSB_JOBID", "FLUX_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    assert rdzv_id() == "hookloop"  # no job id known: the shared default (a first attempt claims anew)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    assert rdzv_id() == "slurm-4242"
+    monkeypatch.setenv("HOOKLOOP_RUN_ID", "exp-7")  # the user's (hookloop run --run-id) wins
+    assert rdzv_id() == "exp-7"
+
+
+@pytest.mark.slow  # hookloop run starts the script
+def test_run_id_option_names_the_job_for_the_processes_it_starts(tmp_path, monkeypatch):
+    """``hookloop run --run-id ID``: the script it starts sees ``HOOKLOOP_RUN_ID=ID``."""
+    monkeypatch.delenv("HOOKLOOP_RUN_ID", raising=False)
+    script = tmp_path / "report.py"
+    script.write_text("import os, sys\nopen(sys.argv[1], 'w').write(os.environ.get('HOOKLOOP_RUN_ID', ''))\n")
+    out = tmp_path / "seen.txt"
+    assert hookloop.cli.main(["run", "--run-id", "exp-7", str(script), str(out)]) == 0
+    assert out.read_text() == "exp-7"

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import threading
 import warnings
-from pathlib import Path
 from typing import Callable, Iterator
 
 from .config import DEFAULTS_ENV, TrainerConfig
@@ -26,7 +25,7 @@ from .rundir import TOKEN_ENV, run_token
 # (``hookloop run``, a Trainer that re-launches its script, ``ddp_spawn``'s ``fit``): a
 # process that has it dies with its parent, and exits at once when the chain up to it
 # is already broken.
-from .utilities import LAUNCHER_ENV, descends_from as _descends_from, launched_by_hookloop, launcher_pid
+from .utilities import LAUNCHER_ENV, descends_from as _descends_from, launcher_pid
 
 WORKER_ENV = "HOOKLOOP_WORKER"
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -47,8 +46,13 @@ def die_with_launcher() -> bool:
     """Make this process end when the process that started it ends (even by SIGKILL), in
     a process that a hookloop launcher started (:data:`LAUNCHER_ENV` is set): Linux's
     parent-death signal (``prctl(PR_SET_PDEATHSIG, SIGKILL)``), then a check that the
-    chain of parents up to the launcher still stands; when it does not (a parent died
-    before the ``prctl``, so no signal will ever come), the process exits at once.
+    chain of parents up to the launcher still stands. When it does not and the process
+    is orphaned (its parent is init: a parent died before the ``prctl``, so no signal
+    will ever come), the process exits at once, naming the variable. When it does not and
+    the process has a living parent, the variable is left over from another job (a
+    shell that exported it): it is ignored with a warning naming it, and removed from
+    this process's environment (the launcher's other private variables are then
+    ignored too, :func:`hookloop.utilities.launched_by_hookloop`).
 
     ``import hookloop`` calls it, so every worker (torchrun's, ``ddp_spawn``'s, any
     launcher's that runs a script importing hookloop) has it from its first line; a

@@ -8,13 +8,13 @@ two on every rank and after every restart).
 
 A marked directory is taken again only by a later attempt of the same job
 (:func:`reuses_marked_directories`): a worker that an elastic agent restarted
-(``TORCHELASTIC_RESTART_COUNT`` > 0), a requeued scheduler job (``SLURM_RESTART_COUNT``
-> 0), or a job the user named (``HOOKLOOP_RUN_ID``, ``hookloop run --run-id``: the same
-name is the same job, as a resubmitted job means). A first attempt always claims a new
-``version_N``, so an id that unrelated jobs share (torchrun's rendezvous id, a process's
-leftover variables) cannot make them share a directory. The id is never exported into
-this process's environment: a child process of a run is a job of its own unless a
-hookloop launcher hands it the id (:data:`TOKEN_ENV`, in the worker's environment only).
+(``TORCHELASTIC_RESTART_COUNT`` > 0, which resumes from the directory's ``last.ckpt``), or
+a job the user named (``HOOKLOOP_RUN_ID``, ``hookloop run --run-id``: the same name is the
+same job, as a resubmitted job means). A first attempt always claims a new ``version_N``,
+so an id that unrelated jobs share (torchrun's rendezvous id, a process's leftover
+variables) cannot make them share a directory. The id is never exported into this
+process's environment: a child process of a run is a job of its own unless a hookloop
+launcher hands it the id (:data:`TOKEN_ENV`, in the worker's environment only).
 """
 
 from __future__ import annotations
@@ -56,13 +56,14 @@ def scheduler_job_id() -> str | None:
 
 
 def run_token() -> str:
-    """This job's id: torchrun's run id (``--rdzv-id``; a fresh one for every
-    single-node launch), else the user's ``HOOKLOOP_RUN_ID``, else the one a hookloop
+    """This job's id: the user's ``HOOKLOOP_RUN_ID``, else torchrun's run id
+    (``--rdzv-id``; a fresh one for every single-node launch), else the one a hookloop
     launcher handed this worker, else the scheduler's job id, else one made up for this
     process (kept in this process: a child process it starts is a job of its own)."""
     global _process_token
-    for token in (os.environ.get("TORCHELASTIC_RUN_ID"), os.environ.get(RUN_ID_ENV), _launcher_token(),
-                  scheduler_job_id()):
+    for source in (lambda: os.environ.get(RUN_ID_ENV), lambda: os.environ.get("TORCHELASTIC_RUN_ID"),
+                   _launcher_token, scheduler_job_id):
+        token = source()
         if token and token != "none":
             return token
     if _process_token is None:
@@ -84,11 +85,12 @@ def _launcher_token() -> str | None:
 
 def reuses_marked_directories() -> bool:
     """Whether this process is a later attempt of a job that may already have marked its
-    directories: restarted by torchrun's agent or requeued by SLURM, or named by the
-    user (``HOOKLOOP_RUN_ID``). A first attempt of an unnamed job never is."""
-    return bool(_restart_count("TORCHELASTIC_RESTART_COUNT") or _restart_count("SLURM_RESTART_COUNT")
-                or os.environ.get(RUN_ID_ENV))
-
+    directories: restarted by torchrun's agent (its ``fit`` resumes from the directory's
+    ``last.ckpt``), or named by the user (``HOOKLOOP_RUN_ID``). A first attempt of an
+    unnamed job never is; nor is a requeued SLURM job (a new run, which
+    ``ckpt_path="last"`` resumes from the newest ``last.ckpt`` in any directory, while the
+    old one's stays as it was)."""
+    return bool(_restart_count("TORCHELASTIC_RESTART_COUNT") or os.environ.get(RUN_ID_ENV))
 
 
 def next_index() -> int:
