@@ -180,12 +180,12 @@ def _clean_env(monkeypatch, tmp_path):
 
 @pytest.fixture(autouse=True)
 def _seed_environment_per_test():
-    """``seed_everything`` records its seed in the environment (``PL_GLOBAL_SEED``), and an
-    in-process fit its run's identity (``HOOKLOOP_RUN_TOKEN``); the processes a later test
-    starts would inherit them (their distributed samplers' seed, the strategies'
-    ``reset_seed``, the run directory they claim): each test starts with the environment it
-    found, whichever test ran before it (in another order under pytest-xdist too)."""
-    keys = ("PL_GLOBAL_SEED", "HOOKLOOP_RUN_TOKEN")
+    """``seed_everything`` records its seed in the environment (``PL_GLOBAL_SEED``); the
+    processes a later test starts would inherit it (their distributed samplers' seed, the
+    strategies' ``reset_seed``), and a test may set a job id (``HOOKLOOP_RUN_ID``) or hand
+    one (``HOOKLOOP_RUN_TOKEN``): each test starts with the environment it found,
+    whichever test ran before it (in another order under pytest-xdist too)."""
+    keys = ("PL_GLOBAL_SEED", "HOOKLOOP_RUN_TOKEN", "HOOKLOOP_RUN_ID")
     before = {key: os.environ.get(key) for key in keys}
     yield
     for key, value in before.items():

@@ -229,7 +229,7 @@ def job(root: Path, out: Path, expect_rc: int = 0, **env):
     return proc
 
 
-RUN = {"HOOKLOOP_RUN_TOKEN": "job-19"}  # every attempt of the job gets the same run directory
+RUN = {"HOOKLOOP_RUN_ID": "job-19"}  # every attempt of the job (named by its id) gets the same run directory
 RESTART = {**RUN, "TORCHELASTIC_RESTART_COUNT": 1}
 
 

@@ -10,6 +10,7 @@ runs on 2 real processes (gloo): tests/scripts/bars_timer_ddp.py in the shared d
 from __future__ import annotations
 
 import io
+import os
 import sys
 import tempfile
 from contextlib import redirect_stdout
@@ -466,6 +467,7 @@ def test_benchmark_and_deterministic_set_torch_as_lightnings(kw, torch_flags):
 def test_the_flags_travel_from_hookloop_run_and_bad_values_are_refused(monkeypatch, torch_flags):
     torch.backends.cudnn.benchmark = False
     monkeypatch.setenv("HOOKLOOP_TRAINER_DEFAULTS", '{"benchmark": true, "enable_model_summary": false}')
+    monkeypatch.setenv("HOOKLOOP_LAUNCHER_PID", str(os.getppid()))  # as in a process `hookloop run` started
     trainer = hookloop.Trainer(logger=False, enable_checkpointing=False)
     assert torch.backends.cudnn.benchmark is True
     assert not any(getattr(p, "hookloop_name", "") == "model_summary" for p in trainer.plugins)

@@ -162,7 +162,7 @@ def straight_job(tmp_path_factory):
     return torch.load(root / "final.pt", weights_only=True)
 
 
-RUN = {"HOOKLOOP_RUN_TOKEN": "job-7"}  # every attempt of the job gets the same run directory
+RUN = {"HOOKLOOP_RUN_ID": "job-7"}  # every attempt of the job (named by its id) gets the same run directory
 RESTART = {**RUN, "TORCHELASTIC_RESTART_COUNT": 1}
 
 

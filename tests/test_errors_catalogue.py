@@ -33,7 +33,7 @@ import hookloop.cli
 from conftest import REPO, TinyModule, install_fake_distribution, tiny_data
 
 DOC = REPO / "docs" / "errors.md"
-SECTIONS = ("configuration", "plugins", "strategies' options", "launch", "data", "module", "checkpoints",
+SECTIONS = ("configuration", "plugins", "strategies' options", "launch", "environment", "data", "module", "checkpoints",
             "run directories")
 
 # ---------------------------------------------------------------------------------------
@@ -594,6 +594,65 @@ def _(tmp):
 def _(tmp):
     (tmp / "train.py").write_text("print('must not run')\n")
     return in_process_command("run", "--plugins", "ddp", "--accelerator", "cpu", "--devices", "0,3", "train.py")
+
+
+# -- environment ----------------------------------------------------------------------------
+
+
+def _environment_rows(**variables: str):
+    """Set ``variables`` in this process's environment for one trigger (restored after)."""
+    import contextlib
+    import os
+
+    @contextlib.contextmanager
+    def scope():
+        before = {name: os.environ.get(name) for name in [*variables, "HOOKLOOP_LAUNCHER_PID"]}
+        os.environ.pop("HOOKLOOP_LAUNCHER_PID", None)
+        os.environ.update(variables)
+        try:
+            yield
+        finally:
+            for name, value in before.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+    return scope()
+
+
+@row("E01")
+def _(tmp):
+    with _environment_rows(HOOKLOOP_PLUGINS="ddpp"):
+        hookloop.Trainer()
+
+
+@row("E02")
+def _(tmp):
+    (tmp / "train.py").write_text("print('must not run')\n")
+    with _environment_rows(HOOKLOOP_PLUGINS="ddpp"):
+        return in_process_command("run", "train.py")
+
+
+@row("E03")
+def _(tmp):
+    with _environment_rows(HOOKLOOP_AUTOLOAD_PLUGINS="maybe"):
+        hookloop.Trainer()
+
+
+@row("E04")
+def _(tmp):
+    with _environment_rows(HOOKLOOP_MESH="tp=x"):
+        hookloop.Trainer()
+
+
+@row("E05")
+def _(tmp):
+    import warnings
+
+    with _environment_rows(HOOKLOOP_TRAINER_DEFAULTS='{"max_epochs": 1}'), warnings.catch_warnings():
+        warnings.simplefilter("error")  # the warning, raised: its class and message
+        hookloop.Trainer(max_epochs=3, default_root_dir=str(tmp))
 
 
 # -- data ---------------------------------------------------------------------------------

@@ -267,7 +267,7 @@ def test_csv_after_a_restart_has_every_row_once(tmp_path):
     reference = read_csv(Path(straight.stdout.strip().splitlines()[-1]) / "metrics.csv")
     # the same job restarted (same run id): crashes after step 13, whose checkpoint is at
     # step 12 and whose csv already has the row of step 12 (and those of 2..12 before it)
-    env = {"HOOKLOOP_RUN_TOKEN": "job-42"}
+    env = {"HOOKLOOP_RUN_ID": "job-42"}
     crashed = subprocess_returncode([sys.executable, str(script), str(tmp_path / "b")], tmp_path, {**env, "CRASH_AT": "13"})
     assert crashed == 3
     written = read_csv(tmp_path / "b" / "logs" / "version_0" / "metrics.csv")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import os
 import sys
 
 from . import contract, plot, scaffold, versioning
@@ -20,6 +21,7 @@ from .config import TrainerConfig, check_devices_on_cpu, env_defaults
 from .errors import CheckpointError, ConfigurationError, HookloopError
 from .launch import is_plain_interpreter, run_command
 from .mesh import check_sizes, claims, parse_mesh
+from .rundir import RUN_ID_ENV
 from .sourcescan import declared_role
 
 
@@ -86,6 +88,10 @@ def _build_parser(commands: dict) -> argparse.ArgumentParser:
     r.add_argument("--node-rank", type=int, default=None, help="this machine's rank, 0..nodes-1")
     r.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of node 0's rendezvous")
     r.add_argument("--max-restarts", type=int, default=None, help="restarts of failed workers")
+    r.add_argument("--run-id", default=None, metavar="ID",
+                   help="this job's id (HOOKLOOP_RUN_ID): a job started again with the same id takes the run "
+                        "directory its earlier attempt marked; with several nodes, torchrun's --rdzv-id "
+                        "(default: the scheduler's job id)")
     r.add_argument("--process-group-timeout", type=float, default=None, metavar="SECONDS",
                    help="seconds a collective may wait before the ranks fail (default: gloo 300, nccl 600)")
     r.add_argument("--requeue-on-preemption", action="store_true", default=None,
@@ -260,6 +266,8 @@ def check_script(script: str) -> None:
 
 def cmd_run(args) -> int:
     check_script(args.script)
+    if args.run_id:
+        os.environ[RUN_ID_ENV] = args.run_id  # this job's id, for every process it starts
     settings = env_defaults()
     explicit = {
         "devices": _parse_devices(args.devices),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -338,9 +339,26 @@ def normalize_precision(precision: Any) -> str:
 
 
 def env_defaults() -> dict:
-    """The defaults ``hookloop run`` left for this process, or ``{}``."""
+    """The defaults ``hookloop run`` left for this process, or ``{}``.
+
+    :data:`DEFAULTS_ENV` is the launcher's private channel to the processes it starts: it
+    is honoured only in a process a hookloop launcher started for its job
+    (:func:`hookloop.utilities.launched_by_hookloop`). Anywhere else (a shell that exported
+    it, a child of a worker run on its own) it is left over from another job and ignored,
+    with a warning naming it."""
+    from .utilities import LAUNCHER_ENV, launched_by_hookloop
+
     raw = os.environ.get(DEFAULTS_ENV)
     if not raw:
+        return {}
+    if not launched_by_hookloop():
+        warnings.warn(
+            f"{DEFAULTS_ENV} is set, but no hookloop launcher started this process ({LAUNCHER_ENV} does not "
+            f"name its parent): the settings are left over from another `hookloop run` and are ignored "
+            f"({raw[:200]}). Unset it: `unset {DEFAULTS_ENV}`; give settings to Trainer(...) or to "
+            f"`hookloop run` (docs/environment.md)",
+            stacklevel=3,
+        )
         return {}
     try:
         data = json.loads(raw)

@@ -15,17 +15,19 @@ import signal
 import subprocess
 import sys
 import threading
-from pathlib import Path
+import warnings
 from typing import Callable, Iterator
 
 from .config import DEFAULTS_ENV, TrainerConfig
 from .failures import FAILURE_DIR_ENV, failure_dir
+from .rundir import TOKEN_ENV, run_token
+# LAUNCHER_ENV: the pid of the hookloop process that started this job's processes
+# (``hookloop run``, a Trainer that re-launches its script, ``ddp_spawn``'s ``fit``): a
+# process that has it dies with its parent, and exits at once when the chain up to it
+# is already broken.
+from .utilities import LAUNCHER_ENV, descends_from as _descends_from, launcher_pid
 
 WORKER_ENV = "HOOKLOOP_WORKER"
-#: The pid of the hookloop process that started this job's processes (``hookloop run``,
-#: a Trainer that re-launches its script, ``ddp_spawn``'s ``fit``): a process that has it
-#: dies with its parent, and exits at once when the chain up to it is already broken.
-LAUNCHER_ENV = "HOOKLOOP_LAUNCHER_PID"
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -40,36 +42,17 @@ def _prctl():
         return None
 
 
-def _parent_of(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[1])  # field 4, after the (name)
-
-
-def _descends_from(ancestor: int) -> bool | None:
-    """Whether ``ancestor`` is this process's parent, grandparent...; ``None`` when /proc
-    cannot tell."""
-    pid = os.getppid()
-    for _ in range(64):
-        if pid == ancestor:
-            return True
-        if pid in (0, 1):
-            return False
-        parent = _parent_of(pid)
-        if parent is None:
-            return None
-        pid = parent
-    return False
-
-
 def die_with_launcher() -> bool:
     """Make this process end when the process that started it ends (even by SIGKILL), in
     a process that a hookloop launcher started (:data:`LAUNCHER_ENV` is set): Linux's
     parent-death signal (``prctl(PR_SET_PDEATHSIG, SIGKILL)``), then a check that the
-    chain of parents up to the launcher still stands; when it does not (a parent died
-    before the ``prctl``, so no signal will ever come), the process exits at once.
+    chain of parents up to the launcher still stands. When it does not and the process
+    is orphaned (its parent is init: a parent died before the ``prctl``, so no signal
+    will ever come), the process exits at once, naming the variable. When it does not and
+    the process has a living parent, the variable is left over from another job (a
+    shell that exported it): it is ignored with a warning naming it, and removed from
+    this process's environment (the launcher's other private variables are then
+    ignored too, :func:`hookloop.utilities.launched_by_hookloop`).
 
     ``import hookloop`` calls it, so every worker (torchrun's, ``ddp_spawn``'s, any
     launcher's that runs a script importing hookloop) has it from its first line; a
@@ -79,20 +62,30 @@ def die_with_launcher() -> bool:
     its own parent, so a SIGKILL to ``hookloop run`` ends the elastic agent (see
     :func:`run_command`), whose death ends the workers. Returns whether the signal is set
     (False off Linux, or outside a launched process)."""
-    try:
-        launcher = int(os.environ.get(LAUNCHER_ENV, ""))
-    except ValueError:
-        return False
-    if launcher == os.getpid():
-        return False  # the launcher itself (its own environment names it)
+    launcher = launcher_pid()
+    if launcher is None or launcher == os.getpid():
+        return False  # outside a launched process, or the launcher itself (its own environment names it)
     prctl = _prctl()
     if prctl is None or prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         return False
-    if _descends_from(launcher) is False:
-        print(f"hookloop: process {os.getpid()} exits: the launcher that started it (pid {launcher}) or a "
-              f"process between them is gone", file=sys.stderr, flush=True)
+    if _descends_from(launcher) is not False:
+        return True
+    if os.getppid() == 1:  # orphaned: the parent died before the prctl, no signal will come
+        print(f"hookloop: process {os.getpid()} exits: the launcher that started it (pid {launcher}, "
+              f"{LAUNCHER_ENV}) or a process between them is gone", file=sys.stderr, flush=True)
         os._exit(1)
-    return True
+    # Not started by that launcher, and not orphaned: the variable is left over from
+    # another job (a shell that exported it, a worker's own child). This process lives on.
+    prctl(_PR_SET_PDEATHSIG, 0, 0, 0, 0)
+    os.environ.pop(LAUNCHER_ENV, None)  # nor do the processes it starts inherit it
+    warnings.warn(
+        f"{LAUNCHER_ENV}={launcher} is set, but process {launcher} did not start this one (pid "
+        f"{os.getpid()}, parent {os.getppid()}): a variable left over from a hookloop launcher (a shell "
+        f"that exported it?), ignored, with the launcher's other private variables. Unset it: "
+        f"`unset {LAUNCHER_ENV}` (docs/environment.md)",
+        stacklevel=2,
+    )
+    return False
 
 
 @contextlib.contextmanager
@@ -100,21 +93,37 @@ def as_launcher() -> Iterator[None]:
     """Within it, processes started from this one (a plugin's own launcher:
     ``torch.multiprocessing``, a subprocess) carry :data:`LAUNCHER_ENV` naming this
     process, so when they import hookloop they die with their parent
-    (:func:`die_with_launcher`) instead of training on, orphaned, after it was killed."""
-    previous = os.environ.get(LAUNCHER_ENV)
+    (:func:`die_with_launcher`) instead of training on, orphaned, after it was killed;
+    and this job's id (:data:`hookloop.rundir.TOKEN_ENV`, honoured only in them), so they
+    take part in the same run. This process's own environment is as before afterwards:
+    a process it starts later is a job of its own."""
+    previous = {name: os.environ.get(name) for name in (LAUNCHER_ENV, TOKEN_ENV)}
+    os.environ[TOKEN_ENV] = run_token()
     os.environ[LAUNCHER_ENV] = str(os.getpid())
     try:
         yield
     finally:
-        if previous is None:
-            os.environ.pop(LAUNCHER_ENV, None)
-        else:
-            os.environ[LAUNCHER_ENV] = previous
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def in_worker() -> bool:
     """True inside a process that a launcher started (hookloop's, torchrun, or a plugin's)."""
     return os.environ.get(WORKER_ENV) == "1" or "LOCAL_RANK" in os.environ
+
+
+def rendezvous_id() -> str:
+    """torchrun's ``--rdzv-id`` for a job of several nodes, the same on every node without
+    any communication between them: the user's ``HOOKLOOP_RUN_ID`` (``hookloop run
+    --run-id``), else the scheduler's job id, else ``hookloop``. Unrelated jobs that share
+    the last do not share a run directory: a first attempt always claims a new one
+    (:mod:`hookloop.rundir`; docs/decisions.md, "Run identity")."""
+    from .rundir import RUN_ID_ENV, scheduler_job_id
+
+    return os.environ.get(RUN_ID_ENV) or scheduler_job_id() or "hookloop"
 
 
 def elastic_command(config: TrainerConfig, script: str, script_args: list[str]) -> list[str]:
@@ -129,7 +138,7 @@ def elastic_command(config: TrainerConfig, script: str, script_args: list[str]) 
             f"--node-rank={config.node_rank}",
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={config.rdzv_endpoint}",
-            f"--rdzv-id={os.environ.get('HOOKLOOP_RUN_ID', 'hookloop')}",
+            f"--rdzv-id={rendezvous_id()}",
             # node 0 hosts the rendezvous store, so two agents on one host agree.
             f"--rdzv-conf=is_host={'1' if config.node_rank == 0 else '0'}",
         ]

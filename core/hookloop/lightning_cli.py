@@ -101,7 +101,7 @@ def _trainer_base_defaults() -> dict[str, Any]:
     for f in fields(TrainerConfig):
         out[f.name] = f.default_factory() if f.default is MISSING else f.default
     # As Trainer.__init__ decides it when not given.
-    out["autoload_plugins"] = os.environ.get("HOOKLOOP_AUTOLOAD_PLUGINS", "") in ("1", "true", "yes")
+    out["autoload_plugins"] = registry.environment_autoload()
     return out
 
 

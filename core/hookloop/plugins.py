@@ -451,7 +451,8 @@ def split_names(spec: str | None) -> list[str]:
 
 
 def collect(requested: Iterable[Any], defaults: Iterable[Any] = (), autoload: bool = False,
-            builtin: Iterable[str] = (), options: dict[str, dict] | None = None) -> list[Any]:
+            builtin: Iterable[str] = (), options: dict[str, dict] | None = None,
+            autoloaded: list[str] | None = None) -> list[Any]:
     """Turn the user's plugin specs into plugin objects, in a stable order.
 
     ``requested`` come from code (``Trainer(plugins=...)``), ``defaults`` from the CLI
@@ -461,7 +462,9 @@ def collect(requested: Iterable[Any], defaults: Iterable[Any] = (), autoload: bo
     dimension is loaded too (strategies exclude each other and a mesh dimension is a layout
     the user sizes, so they are always chosen by name), except those that declare
     ``hookloop_autoload = False`` (they need options to mean anything); ``no:NAME``
-    blocks one.
+    blocks one. A strategy is recognised by its class (``hookloop_role``) before it is
+    made: one that needs what is not installed (``ddp2`` without hookloop-dp) is not
+    constructed. The names of the plugins autoloading added go to ``autoloaded``.
     ``builtin`` names the core's own observers (progress, csv, checkpoint): added last,
     unless blocked or already given (a user's ``ModelCheckpoint(...)`` replaces the
     default one). A plugin this makes from a class is made with its ``options``
@@ -536,11 +539,15 @@ def collect(requested: Iterable[Any], defaults: Iterable[Any] = (), autoload: bo
             obj = _load_entry_point(infos[name])
             if getattr(obj, "hookloop_autoload", True) is False:
                 continue  # only useful configured (early_stopping: which metric): by name only
+            if getattr(obj, "hookloop_role", None) == "strategy" or getattr(obj, "hookloop_mesh_dims", ()):
+                continue  # known from the class: not even constructed
             p = make(obj, name)
             if plugin_role(p) == "strategy" or getattr(p, "hookloop_mesh_dims", ()):
                 continue  # a strategy or a mesh dimension is a layout the user chooses
             names_seen.add(name)
             chosen.append(p)
+            if autoloaded is not None:
+                autoloaded.append(name)
     return chosen
 
 
@@ -781,5 +788,39 @@ def merge_plugin_options(*sources: dict) -> dict[str, dict]:
     return merged
 
 
+PLUGINS_ENV = "HOOKLOOP_PLUGINS"
+AUTOLOAD_ENV = "HOOKLOOP_AUTOLOAD_PLUGINS"
+_ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def environment_autoload() -> bool:
+    """``HOOKLOOP_AUTOLOAD_PLUGINS``: on (``1``, ``true``, ``yes``, ``on``) or off (unset,
+    empty, ``0``, ``false``, ``no``, ``off``); anything else is refused, naming it."""
+    raw = os.environ.get(AUTOLOAD_ENV, "")
+    value = raw.strip().lower()
+    if value in _ON:
+        return True
+    if value in _OFF:
+        return False
+    raise ConfigurationError(
+        f"{AUTOLOAD_ENV}={raw!r} is neither on (1, true, yes) nor off (0, false, no, or unset): set one of "
+        f"those, or unset it (`unset {AUTOLOAD_ENV}`)"
+    )
+
+
 def environment_plugins() -> list[str]:
-    return split_names(os.environ.get("HOOKLOOP_PLUGINS"))
+    """The plugin names of ``HOOKLOOP_PLUGINS`` (``no:NAME`` blocks one). A name that no
+    installed plugin has is refused here, saying it came from the environment."""
+    raw = os.environ.get(PLUGINS_ENV)
+    names = split_names(raw)
+    wanted = [n for n in names if not n.startswith("no:")]
+    if wanted:
+        infos = installed_plugins()
+        unknown = [n for n in wanted if n not in infos]
+        if unknown:
+            error = unknown_plugin_error(unknown[0], infos)
+            raise PluginNotFoundError(
+                f"{error} The name comes from the environment variable {PLUGINS_ENV}={raw!r}, not from the "
+                f"code or the command line: correct it there, or unset it (`unset {PLUGINS_ENV}`)"
+            )
+    return names

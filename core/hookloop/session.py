@@ -142,6 +142,7 @@ def session(trainer, stage: str):
     try:
         hook.setup_environment(trainer=trainer)
         rank_zero_only.rank = trainer.global_rank
+        _say_environment_settings(trainer)
         build_device_mesh(trainer)  # the process group exists: the run's one mesh, on_device_mesh
         _resolve_run_dir(trainer)
         _prepare_data(trainer)
@@ -180,6 +181,17 @@ def session(trainer, stage: str):
             trainer.state.backward_events = None
             if state.status == "running":
                 state.status = "finished"
+
+
+def _say_environment_settings(trainer) -> None:
+    """The run's first lines, on global rank 0, once per Trainer: the settings that came
+    from the environment (``Trainer._environment_settings``), which nothing else shows."""
+    if trainer.__dict__.get("_environment_said"):
+        return
+    trainer.__dict__["_environment_said"] = True
+    if trainer.global_rank == 0:
+        for line in getattr(trainer, "_environment_settings", ()):
+            print(line, flush=True)
 
 
 def _attach_datamodule(datamodule: Any, trainer) -> None:

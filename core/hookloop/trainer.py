@@ -193,11 +193,13 @@ class Trainer:
             fallbacks.get("plugin_options"), from_env.get("plugin_options"), given.get("plugin_options"),
         )
         settings["plugins"] = _as_list(settings.get("plugins"))
-        if "autoload_plugins" not in settings:
-            settings["autoload_plugins"] = os.environ.get("HOOKLOOP_AUTOLOAD_PLUGINS", "") in ("1", "true", "yes")
+        autoload_from_env = "autoload_plugins" not in settings
+        if autoload_from_env:
+            settings["autoload_plugins"] = plugin_registry.environment_autoload()
         # The mesh's sizes: code < hookloop run --mesh < HOOKLOOP_MESH (hookloop.mesh).
-        settings["mesh"] = (mesh_module.parse_mesh(settings["mesh"]) if "mesh" in settings
-                            else mesh_module.environment_mesh())
+        mesh_from_env = "mesh" not in settings
+        settings["mesh"] = (mesh_module.environment_mesh() if mesh_from_env
+                            else mesh_module.parse_mesh(settings["mesh"]))
         self.config = TrainerConfig(**settings)
         self.config.validate()
         _check_progress_bars(in_code, self.config)
@@ -216,8 +218,9 @@ class Trainer:
         options = self.config.plugin_options
         _name_loggers_apart(logger_objects or [])
         builtin = _builtin_observers(self.config, logger_objects is None)
+        autoloaded: list[str] = []
         chosen = plugin_registry.collect(requested, defaults, autoload=self.config.autoload_plugins,
-                                         builtin=builtin, options=options)
+                                         builtin=builtin, options=options, autoloaded=autoloaded)
         if self.config.max_time is not None:
             chosen.append(_max_time_timer(self.config.max_time, chosen))
         chosen += plugin_registry.default_precision_plugin(chosen, self.config.precision)
@@ -226,6 +229,10 @@ class Trainer:
         plugin_registry.check_composition(chosen)
         mesh_module.check_sizes(self.config.mesh, mesh_module.claims(chosen))
         self.plugins = chosen
+        #: what the environment changed in this run, said in its first lines (rank 0)
+        self._environment_settings = environment_settings(
+            from_env, chosen, autoloaded if autoload_from_env and self.config.autoload_plugins else None,
+            self.config.mesh if mesh_from_env else None)
         self.plugin_manager = plugin_registry.make_plugin_manager(chosen, Defaults())
         self.hook = self.plugin_manager.hook
         # the lifecycle's owner: beside tp, the data-parallel strategy (fsdp), whatever the order
@@ -662,6 +669,38 @@ class Trainer:
                 f"plugins=['ddp'] or --plugins ddp (pip install hookloop-ddp). Installed "
                 f"plugins: {', '.join(installed) or 'none'}."
             )
+
+
+def environment_settings(from_launcher: dict, plugins: list, autoloaded: list[str] | None,
+                         mesh: dict | None) -> list[str]:
+    """The lines that say which settings of a run came from the environment (printed on
+    global rank 0 as its first lines): each variable that changes what the run does
+    (docs/environment.md, "Reported at the start"), when it is set and used. Plugins
+    name their own in ``hookloop_environment`` (``{variable: what it sets}``)."""
+    env = os.environ
+    lines = []
+    if from_launcher:
+        given = ", ".join(f"{k}={v!r}" for k, v in sorted(from_launcher.items()))
+        lines.append(f"the options of `hookloop run` (HOOKLOOP_TRAINER_DEFAULTS): {given}")
+    if env.get(plugin_registry.PLUGINS_ENV, "").strip():
+        lines.append(f"{plugin_registry.PLUGINS_ENV}={env[plugin_registry.PLUGINS_ENV]!r}: plugins added to the run")
+    if env.get(plugin_registry.OPTIONS_ENV, "").strip():
+        lines.append(f"{plugin_registry.OPTIONS_ENV}={env[plugin_registry.OPTIONS_ENV]!r}: plugin options "
+                     f"(--plugin-option and code win per option)")
+    if autoloaded is not None:
+        added = ", ".join(autoloaded) or "none"
+        lines.append(f"{plugin_registry.AUTOLOAD_ENV}={env.get(plugin_registry.AUTOLOAD_ENV)!r}: added the installed "
+                     f"plugins {added} (block one with no:NAME)")
+    if mesh:
+        lines.append(f"{mesh_module.MESH_ENV}={env.get(mesh_module.MESH_ENV)!r}: the device mesh's sizes")
+    if env.get(rundir.RUN_ID_ENV):
+        lines.append(f"{rundir.RUN_ID_ENV}={env[rundir.RUN_ID_ENV]!r}: this job's id (its runs take the run "
+                     f"directories an earlier job of that id marked)")
+    for plugin in plugins:
+        for name, meaning in (getattr(plugin, "hookloop_environment", None) or {}).items():
+            if env.get(name):
+                lines.append(f"{name}={env[name]!r}: {meaning} ({plugin_registry.plugin_name(plugin)})")
+    return [f"hookloop: from the environment: {line}" for line in lines]
 
 
 def _max_time_timer(max_time: Any, chosen: list) -> Any:

@@ -73,3 +73,61 @@ def env_int(*names: str, default: int | None = None) -> int | None:
         if value not in (None, ""):
             return int(value)
     return default
+
+
+# ---------------------------------------------------------------------------------------
+# Which hookloop launcher started this process
+# ---------------------------------------------------------------------------------------
+
+#: The pid of the hookloop process that started this job's processes (``hookloop run``,
+#: a Trainer that re-launches its script, ``ddp_spawn``'s ``fit``); set by the launcher in
+#: the environment of the processes it starts (:mod:`hookloop.launch`).
+LAUNCHER_ENV = "HOOKLOOP_LAUNCHER_PID"
+
+
+def parent_of(pid: int) -> int | None:
+    """The parent pid of process ``pid`` (from /proc); ``None`` when /proc cannot tell."""
+    try:
+        from pathlib import Path
+
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])  # field 4, after the (name)
+
+
+def descends_from(ancestor: int) -> bool | None:
+    """Whether ``ancestor`` is this process's parent, grandparent...; ``None`` when /proc
+    cannot tell."""
+    pid = os.getppid()
+    for _ in range(64):
+        if pid == ancestor:
+            return True
+        if pid in (0, 1):
+            return False
+        parent = parent_of(pid)
+        if parent is None:
+            return None
+        pid = parent
+    return False
+
+
+def launcher_pid() -> int | None:
+    """The pid :data:`LAUNCHER_ENV` names, or ``None`` (unset or not a number)."""
+    try:
+        return int(os.environ.get(LAUNCHER_ENV, ""))
+    except ValueError:
+        return None
+
+
+def launched_by_hookloop() -> bool:
+    """Whether a hookloop launcher started this process for its job: :data:`LAUNCHER_ENV`
+    names this process's parent or an ancestor (where /proc cannot tell, whether it is
+    set). The launcher's private variables (``HOOKLOOP_TRAINER_DEFAULTS``,
+    ``HOOKLOOP_RUN_TOKEN``) are honoured only then: inherited by any other process (a
+    shell that exported them, a child of a worker started on its own) they are left
+    over from another job."""
+    launcher = launcher_pid()
+    if launcher is None or launcher == os.getpid():
+        return False
+    return descends_from(launcher) is not False

@@ -60,6 +60,8 @@ def environment(framework: str, ddp: bool) -> dict:
             env.update(PL_TRAINER_ACCELERATOR="cpu", PL_TRAINER_DEVICES="2", PL_TRAINER_STRATEGY="ddp")
         else:
             env["HOOKLOOP_TRAINER_DEFAULTS"] = json.dumps({"plugins": ["ddp"], "devices": 2, "accelerator": "cpu"})
+            # as `hookloop run` hands it over: to the processes it started (this one is their launcher)
+            env["HOOKLOOP_LAUNCHER_PID"] = str(os.getpid())
     return env
 
 

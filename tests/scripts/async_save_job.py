@@ -3,7 +3,7 @@
 ``python async_save_job.py ROOT OUT``: trains ``Scripted`` (7 batches an epoch) for
 ``MAX_STEPS`` steps (default 10) with ``ModelCheckpoint(every_n_train_steps=2,
 every_n_epochs=0, async_save=ASYNC)`` under ROOT, and writes the final weights and
-optimizer state to OUT. With ``HOOKLOOP_RUN_TOKEN`` fixed and
+optimizer state to OUT. With ``HOOKLOOP_RUN_ID`` fixed and
 ``TORCHELASTIC_RESTART_COUNT=1`` a second attempt is a restarted worker: it resumes from
 the run's ``last.ckpt``.
 

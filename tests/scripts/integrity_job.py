@@ -3,7 +3,7 @@
 ``python integrity_job.py ROOT OUT``: trains ``Scripted`` (7 batches an epoch) for 2
 epochs, or ``MAX_STEPS`` steps, with ``ModelCheckpoint(every_n_train_steps=4,
 every_n_epochs=0, save_top_k=SAVE_TOP_K)`` under ROOT, and writes the final weights to
-OUT. With ``HOOKLOOP_RUN_TOKEN`` fixed and ``TORCHELASTIC_RESTART_COUNT=1`` a second
+OUT. With ``HOOKLOOP_RUN_ID`` fixed and ``TORCHELASTIC_RESTART_COUNT=1`` a second
 attempt is a restarted worker: it resumes from the run's ``last.ckpt``.
 
 Faults, each a real process at the real point:

@@ -21,6 +21,7 @@ from hookloop import CheckpointError, ConfigurationError, MissingDependencyError
 from . import activations
 from .safe_globals import checkpoint_safe_globals
 from .config import (
+    CONFIG_ENV,
     DEFAULT_OPTIONS,
     build_config,
     check_options,
@@ -77,6 +78,8 @@ class DeepSpeedStrategy(hookloop.TorchDistributed):
     #: owns the model/optimizer lifecycle (its engine) alone: no mesh plugin beside it
     hookloop_composes = False
     hookloop_role = "strategy"
+    #: variables that change the run, said in its first lines (docs/environment.md)
+    hookloop_environment = {CONFIG_ENV: "the DeepSpeed config file, where the strategy is given no config"}
     hookloop_requires = ">=2,<3"  # the plugin contract versions it is written for
     # Precision plugins hand their setting over: the engine casts the model itself.
     # and the engine clips (its config's gradient_clipping), so self.clip_gradients is refused.

@@ -57,6 +57,8 @@ class Horovod(hookloop.DistributedSampling):
     #: owns the model/optimizer lifecycle (hvd.init, its optimizer) alone: no mesh plugin beside it
     hookloop_composes = False
     hookloop_role = "strategy"
+    #: variables that change the run, said in its first lines (docs/environment.md)
+    hookloop_environment = {HOSTS_ENV: "the hosts horovodrun starts the workers on"}
     hookloop_requires = ">=2,<3"  # the plugin contract versions it is written for
     # `hookloop plugins` shows "not built: ..." until Horovod's PyTorch extension is built.
     hookloop_build_status = staticmethod(build_status)
