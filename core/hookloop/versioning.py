@@ -34,8 +34,9 @@ from .errors import PluginValidationError
 #: of hookloop 0.1-0.5, numbered after the fact; 2.0.0 came with hookloop 0.6, 2.1.0 (the
 #: device mesh: a hook, two plugin attributes, helpers; nothing removed) with 0.7, 2.2.0 (helpers
 #: around the loop: the per-step agreement, hook-call observers, errors marked alike on every
-#: rank; nothing removed) with 0.8 (CHANGELOG.md).
-CONTRACT_VERSION = "2.2.0"
+#: rank; nothing removed) with 0.8, 2.3.0 (checkpoint tags, shard checks, timeouts, a plugin's
+#: environment variables; nothing removed) with 0.9 (CHANGELOG.md).
+CONTRACT_VERSION = "2.3.0"
 
 #: The attribute a plugin (class, instance or module) declares its range with.
 REQUIRES = "hookloop_requires"
