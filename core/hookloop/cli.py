@@ -265,7 +265,6 @@ def check_script(script: str) -> None:
 
 
 def cmd_run(args) -> int:
-    check_script(args.script)
     if args.run_id:
         os.environ[RUN_ID_ENV] = args.run_id  # this job's id, for every process it starts
     settings = env_defaults()
@@ -312,6 +311,7 @@ def cmd_run(args) -> int:
     # The devices plugin chooses (and may narrow config.devices) before processes are counted.
     pm.hook.select_devices(config=config)
     check_devices_on_cpu(config)  # after the devices plugin resolved the accelerator
+    check_script(args.script)  # after the options (their errors first), before any process starts
     world = config.num_processes() * config.nodes
     if world > 1 and not any(registry.plugin_role(p) == "strategy" for p in chosen):
         # The script may name its strategy in code (Trainer(plugins=["ddp"])): plugins from

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from . import failures
 from .errors import CollectiveTimeoutError, ConfigurationError
 from .utilities import env_int
 
@@ -218,6 +219,9 @@ def is_collective_failure(exc: BaseException) -> bool:
         return False
     text = str(exc).lower()
     return any(word in text for word in _TIMEOUT_WORDS) and _distributed_in_traceback(exc)
+
+
+failures.COLLECTIVE_FAILURE_TESTS.append(is_collective_failure)  # the worker's error file says so
 
 
 def _distributed_in_traceback(exc: BaseException) -> bool:

@@ -81,14 +81,18 @@ def record_failure(etype, value, tb) -> Path | None:
     return path
 
 
+#: Tests telling a failed collective from a cause; :mod:`hookloop.dist` (a layer above this
+#: module) adds torch.distributed's when it is imported, as every training worker does.
+COLLECTIVE_FAILURE_TESTS: list = []
+
+
 def _is_collective_failure(value: BaseException) -> bool:
     """A collective that timed out or lost a peer: the consequence of another rank's
     failure (:func:`summary` names that rank first)."""
     try:
-        from .dist import is_collective_failure
         from .errors import CollectiveTimeoutError
 
-        return isinstance(value, CollectiveTimeoutError) or is_collective_failure(value)
+        return isinstance(value, CollectiveTimeoutError) or any(test(value) for test in COLLECTIVE_FAILURE_TESTS)
     except Exception:  # noqa: BLE001 - never lose the error over its classification
         return False
 
