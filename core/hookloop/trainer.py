@@ -231,7 +231,7 @@ class Trainer:
         self.plugins = chosen
         #: what the environment changed in this run, said in its first lines (rank 0)
         self._environment_settings = environment_settings(
-            from_env, chosen, autoloaded if autoload_from_env and self.config.autoload_plugins else None,
+            chosen, autoloaded if autoload_from_env and self.config.autoload_plugins else None,
             self.config.mesh if mesh_from_env else None)
         self.plugin_manager = plugin_registry.make_plugin_manager(chosen, Defaults())
         self.hook = self.plugin_manager.hook
@@ -671,17 +671,15 @@ class Trainer:
             )
 
 
-def environment_settings(from_launcher: dict, plugins: list, autoloaded: list[str] | None,
-                         mesh: dict | None) -> list[str]:
+def environment_settings(plugins: list, autoloaded: list[str] | None, mesh: dict | None) -> list[str]:
     """The lines that say which settings of a run came from the environment (printed on
     global rank 0 as its first lines): each variable that changes what the run does
-    (docs/environment.md, "Reported at the start"), when it is set and used. Plugins
+    (docs/environment.md, "Reported at the start"), when it is set and used; not the
+    options a hookloop launcher hands its workers (``HOOKLOOP_TRAINER_DEFAULTS``: the
+    user's own command line or code, which they know, printed again at every restart). Plugins
     name their own in ``hookloop_environment`` (``{variable: what it sets}``)."""
     env = os.environ
     lines = []
-    if from_launcher:
-        given = ", ".join(f"{k}={v!r}" for k, v in sorted(from_launcher.items()))
-        lines.append(f"the options of `hookloop run` (HOOKLOOP_TRAINER_DEFAULTS): {given}")
     if env.get(plugin_registry.PLUGINS_ENV, "").strip():
         lines.append(f"{plugin_registry.PLUGINS_ENV}={env[plugin_registry.PLUGINS_ENV]!r}: plugins added to the run")
     if env.get(plugin_registry.OPTIONS_ENV, "").strip():
