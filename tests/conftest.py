@@ -171,6 +171,34 @@ def finish_job(proc: subprocess.Popen, timeout: float, succeed: bool = True) -> 
     return stdout, stderr
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (a rendezvous endpoint for a test's nodes)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_nodes(commands: list[list[str]], cwd: Path, env: dict, timeout: float = 300) -> list[str]:
+    """Start the nodes of one multi-node job at once (each in its own session, so a hang is
+    killed with every agent and worker under it), wait for all of them, and return each
+    node's output (stdout and stderr together); every node must exit 0."""
+    import signal
+
+    nodes = [subprocess.Popen(c, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True) for c in commands]
+    try:
+        outputs = [node.communicate(timeout=timeout)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+    for node, output in zip(nodes, outputs):
+        assert node.returncode == 0, output
+    return outputs
+
+
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch, tmp_path):
     for key in ("HOOKLOOP_TRAINER_DEFAULTS", "HOOKLOOP_WORKER", "LOCAL_RANK", "HOOKLOOP_PLUGINS", "HOOKLOOP_AUTOLOAD_PLUGINS"):

@@ -12,15 +12,13 @@ which re-launches itself through the same agent command (the in-code path, teste
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import REPO, max_abs_diff, tiny_data
+from conftest import REPO, free_port, max_abs_diff, run_nodes, tiny_data
 
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
 from ddp_reference import concatenated_batches_run  # noqa: E402
@@ -28,16 +26,10 @@ from ddp_reference import concatenated_batches_run  # noqa: E402
 SCRIPT = REPO / "tests" / "scripts" / "ddp_multinode.py"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "ddp2"])
 def test_two_nodes_on_localhost(tmp_path, strategy):
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("HOOKLOOP_") and k not in ("LOCAL_RANK", "RANK")}
     env["HOOKLOOP_RUN_ID"] = f"ddp-test-{os.getpid()}"
     commands = [
@@ -45,17 +37,7 @@ def test_two_nodes_on_localhost(tmp_path, strategy):
          "--node-rank", "0", "--rdzv-endpoint", endpoint, str(SCRIPT), str(tmp_path)],
         [sys.executable, str(SCRIPT), str(tmp_path), "--relaunch", "1", endpoint, strategy],
     ]
-    # Own process groups, so a hang can be killed with every agent and worker under it.
-    nodes = [subprocess.Popen(c, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, start_new_session=True) for c in commands]
-    try:
-        outputs = [node.communicate(timeout=300)[0] for node in nodes]
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                os.killpg(node.pid, signal.SIGKILL)
-    for node, output in zip(nodes, outputs):
-        assert node.returncode == 0, output
+    run_nodes(commands, cwd=tmp_path, env=env)
 
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     assert sorted((r["global_rank"], r["world_size"]) for r in ranks) == [(0, 2), (1, 2)]

@@ -6,9 +6,6 @@ shards within each: a (2 nodes, 2 processes) mesh of (Replicate(), Shard(0)) par
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
 import sys
 
 import pytest
@@ -16,18 +13,12 @@ import torch
 from torch.nn import functional as F
 from torch.utils.data import DistributedSampler, default_collate
 
-from conftest import REPO
+from conftest import REPO, free_port, run_nodes
 
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
 from fsdp_models import Net, data  # noqa: E402
 
 SCRIPT = REPO / "tests" / "scripts" / "fsdp_multinode.py"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def reference(epochs: int = 2, batch: int = 16, ranks: int = 4) -> dict:
@@ -56,25 +47,13 @@ def reference(epochs: int = 2, batch: int = 16, ranks: int = 4) -> dict:
 
 @pytest.mark.full  # two simulated nodes of 2 processes (~30 s)
 def test_hybrid_shard_on_two_nodes(tmp_path):
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("HOOKLOOP_") and k not in ("LOCAL_RANK", "RANK", "PL_GLOBAL_SEED")}
     env["HOOKLOOP_RUN_ID"] = f"fsdp-hybrid-{os.getpid()}"
-    nodes = [
-        subprocess.Popen([sys.executable, "-m", "hookloop", "run", "--plugins", "fsdp", "--devices", "2", "--nodes", "2",
-                          "--node-rank", str(node), "--rdzv-endpoint", endpoint, str(SCRIPT), str(tmp_path)],
-                         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)
-        for node in (0, 1)
-    ]
-    try:
-        outputs = [node.communicate(timeout=300)[0] for node in nodes]
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                os.killpg(node.pid, signal.SIGKILL)
-    for node, output in zip(nodes, outputs):
-        assert node.returncode == 0, output
+    run_nodes([[sys.executable, "-m", "hookloop", "run", "--plugins", "fsdp", "--devices", "2", "--nodes", "2",
+                "--node-rank", str(node), "--rdzv-endpoint", endpoint, str(SCRIPT), str(tmp_path)] for node in (0, 1)],
+              cwd=tmp_path, env=env)
 
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
     assert [(r["global_rank"], r["world_size"], r["node_rank"]) for r in ranks] == [(0, 4, 0), (1, 4, 0), (2, 4, 1), (3, 4, 1)]

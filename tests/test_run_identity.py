@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +20,7 @@ import torch
 
 import hookloop
 import hookloop.cli
-from conftest import REPO
+from conftest import REPO, free_port, run_nodes
 
 JOB = REPO / "tests" / "scripts" / "run_identity_job.py"
 
@@ -35,12 +33,6 @@ def clean_env(**extra: str) -> dict:
     return {**env, **extra}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def two_node_job(root: Path, out: Path, seed: int, **env: str) -> str:
     """A 2-node job on this machine (one process per node, c10d rendezvous on localhost),
     started as two `hookloop run --node-rank R` with no job id; the nodes' output."""
@@ -49,17 +41,7 @@ def two_node_job(root: Path, out: Path, seed: int, **env: str) -> str:
     commands = [[sys.executable, "-m", "hookloop", "run", "--plugins", "ddp", "--devices", "1", "--nodes", "2",
                  "--node-rank", str(node), "--rdzv-endpoint", endpoint, *extra, str(JOB), str(root), str(out), str(seed)]
                 for node in (0, 1)]
-    nodes = [subprocess.Popen(c, cwd=root.parent, env=clean_env(**env), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, start_new_session=True) for c in commands]
-    try:
-        outputs = [node.communicate(timeout=300)[0] for node in nodes]
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                os.killpg(node.pid, signal.SIGKILL)
-    for node, output in zip(nodes, outputs):
-        assert node.returncode == 0, output
-    return "\n".join(outputs)
+    return "\n".join(run_nodes(commands, cwd=root.parent, env=clean_env(**env)))
 
 
 def weights_of(path: Path) -> dict:
