@@ -29,6 +29,9 @@ TORCH   ?= torch==2.13.0
 ORACLE  ?= pytorch-lightning==2.6.6
 # torchao: the float8 plugin's equality test runs on the CPU (its wheel declares no torch requirement)
 TORCHAO ?= torchao==0.18.0
+# transformers: tp's Hugging Face plans are checked on a LlamaForCausalLM built from a config
+# (tests/test_tp_plan.py; no download), installed with torch pinned beside it
+TRANSFORMERS ?= transformers==5.23.0
 PLUGINS := $(sort $(dir $(wildcard plugins/*/pyproject.toml)))
 DEMO_PLUGINS := $(sort $(dir $(wildcard plugins/ddp/pyproject.toml plugins/amp/pyproject.toml)))
 PYTEST_ARGS ?=
@@ -68,7 +71,7 @@ $(BACKENDS_STAMP): $(DEMO_STAMP) $(wildcard plugins/*/build_*.sh plugins/deepspe
 # Every other in-tree plugin (the demo's and the backends' are already in).
 install: $(STAMP)
 $(STAMP): $(BACKENDS_STAMP) pyproject.toml $(wildcard plugins/*/pyproject.toml) Makefile
-	$(PIP) -e '.[plot,cli,rich]' $(foreach p,$(filter-out $(DEMO_PLUGINS),$(PLUGINS)),-e $(p)) pytest scikit-learn $(ORACLE) $(TORCHAO) $(TORCH)
+	$(PIP) -e '.[plot,cli,rich]' $(foreach p,$(filter-out $(DEMO_PLUGINS),$(PLUGINS)),-e $(p)) pytest scikit-learn $(ORACLE) $(TORCHAO) $(TRANSFORMERS) $(TORCH)
 	$(COMPILE)
 	touch $@
 

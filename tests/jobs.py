@@ -76,7 +76,8 @@ JOBS = {job.name: job for job in [
     # the tensors alive at the peak (not malloc's cache): test_fsdp's memory checks.
     Job("fsdp", scripts=(("fsdp_battery.py",),), plugins="fsdp", env=(("MALLOC_MMAP_THRESHOLD_", "65536"),)),
     Job("tp", scripts=(("tp_battery.py",),  # test_tp.py
-                       ("tp_sp_battery.py",)), plugins="tp"),  # test_tp_sp.py: sequence parallel
+                       ("tp_sp_battery.py",),  # test_tp_sp.py: sequence parallel
+                       ("tp_plan_battery.py",)), plugins="tp"),  # test_tp_plan.py: nanoGPT, Hugging Face Llama
     Job("ddp_sharded", scripts=(("fairscale_sharded_battery.py",),), plugins="ddp_sharded"),
     Job("ddp_sequential", scripts=(("fairscale_sequential_battery.py",),), plugins="ddp_sequential"),
 ]}

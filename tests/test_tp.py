@@ -168,8 +168,8 @@ def test_a_module_plan_naming_no_submodule_is_refused():
     module.tensor_parallel_plan = {"mlp.fc9": ColwiseParallel()}
     with pytest.raises(hookloop.ConfigurationError, match="mlp.fc9.*no submodule"):
         module_plan(module)
-    module.tensor_parallel_plan = {"mlp.fc1": "colwise"}
-    with pytest.raises(hookloop.ConfigurationError, match="ParallelStyle"):
+    module.tensor_parallel_plan = {"mlp.fc1": "colwize"}
+    with pytest.raises(hookloop.ConfigurationError, match=r"\['mlp.fc1'\] = 'colwize'.*ParallelStyle"):
         module_plan(module)
 
 

@@ -5,10 +5,12 @@
     Trainer(plugins=[hookloop.plugin("tp", colwise=("fc_in",), rowwise=("fc_out",))], devices=2)
 
 The plan comes from the module (``tensor_parallel_plan`` or
-``configure_tensor_parallel(mesh)``) or is made automatically (:func:`auto_plan`).
+``configure_tensor_parallel(mesh)``), from a Hugging Face model's
+``config.base_model_tp_plan`` (:func:`hf_plan`), from the option ``plan``, or is made
+automatically (:func:`auto_plan`); :func:`resolve` picks it.
 """
 
-from .plan import auto_plan, module_plan
+from .plan import Plan, auto_plan, expand_plan, hf_plan, module_plan, resolve
 from .strategy import TP, TensorParallel
 
-__all__ = ["TP", "TensorParallel", "auto_plan", "module_plan"]
+__all__ = ["TP", "TensorParallel", "Plan", "auto_plan", "expand_plan", "hf_plan", "module_plan", "resolve"]

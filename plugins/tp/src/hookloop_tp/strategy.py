@@ -66,20 +66,29 @@ class TP(DDP):
     """Tensor parallelism: each of the ``tp`` processes holds a slice of the split layers
     and computes its part of every step; all of them see the same batches.
 
-    The plan (which layers are split, and how), in this order of precedence:
+    The plan (which layers are split, and how; :func:`hookloop_tp.resolve`): the option
+    ``plan`` when it is a dict, else in this order of precedence:
 
     1. the module's ``configure_tensor_parallel(self, mesh)`` hook, which calls
        ``parallelize_module`` (or anything else) itself on the ``tp`` mesh;
     2. the module's ``tensor_parallel_plan`` attribute: a dict for
        ``torch.distributed.tensor.parallel.parallelize_module``
-       (``{"mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}``);
-    3. the automatic plan (:func:`hookloop_tp.auto_plan`): consecutive ``nn.Linear`` pairs
-       colwise then rowwise, attention query/key/value projections colwise and the
-       output projection rowwise, everything else replicated.
+       (``{"mlp.fc1": ColwiseParallel(), "mlp.fc2": "rowwise", "layers.*.attn.q": "colwise"}``:
+       torch's styles or their names, wildcards one level of the name at a time);
+    3. a Hugging Face model's ``config.base_model_tp_plan`` (:func:`hookloop_tp.hf_plan`);
+    4. the automatic plan (:func:`hookloop_tp.auto_plan`): separate attention q/k/v
+       projections colwise and the output projection rowwise (a fused q/k/v left whole),
+       gated MLPs' gate and up colwise and down rowwise, consecutive ``nn.Linear`` pairs
+       colwise then rowwise, everything else replicated.
 
     Options (constructor arguments, ``plugin_options={"tp": {...}}`` or
     ``--plugin-option tp.NAME=VALUE``):
 
+    ``plan``
+        ``"auto"`` (default: the precedence above), ``"hf"`` (the Hugging Face plan;
+        refused when the module carries none), ``"infer"`` (the automatic plan, whatever
+        the module carries) or the plan itself, a dict as ``tensor_parallel_plan``
+        (JSON on the command line).
     ``colwise`` / ``rowwise``
         the automatic plan's attention projection names (fnmatch patterns matched
         against a ``nn.Linear``'s attribute name): defaults
@@ -109,12 +118,13 @@ class TP(DDP):
     hookloop_requires = ">=2,<3"  # the plugin contract versions it is written for
     hookloop_mesh_dims = ("tp",)
 
-    _TP_OPTIONS = ("colwise", "rowwise", "loss_parallel", "sequence_parallel")
+    _TP_OPTIONS = ("plan", "colwise", "rowwise", "loss_parallel", "sequence_parallel")
     # ddp's DistributedDataParallel options are not tp's (its constructor does not take them).
     _OPTIONS = _DDP_OPTIONS_KEPT + _TP_OPTIONS
 
     def __init__(
         self,
+        plan: str | dict = "auto",
         colwise: tuple[str, ...] | list[str] | str = plans.COLWISE,
         rowwise: tuple[str, ...] | list[str] | str = plans.ROWWISE,
         loss_parallel: bool = False,
@@ -124,6 +134,7 @@ class TP(DDP):
         timeout: float | None = None,
     ):
         super().__init__(process_group_backend=process_group_backend, sampler_seed=sampler_seed, timeout=timeout)
+        self.plan = plan
         self.colwise = colwise
         self.rowwise = rowwise
         self.loss_parallel = loss_parallel
@@ -136,7 +147,9 @@ class TP(DDP):
         self._leader_gathers = False  # that leader gathers the split parameters at its teardown
 
     def _check_option(self, name: str, value: Any) -> None:
-        if name in ("colwise", "rowwise"):
+        if name == "plan":
+            plans.check_plan_option(value)
+        elif name in ("colwise", "rowwise"):
             _patterns(name, value)
         elif name in ("loss_parallel", "sequence_parallel"):
             if not isinstance(value, bool):
@@ -237,19 +250,20 @@ class TP(DDP):
         hooks = {m: {d: set(getattr(m, d, {}).keys()) for d in _HOOK_DICTS} for m in module.modules()}
         self.parallel = _Parallelized(module, hooks)
         self._wrapped = None
-        hook = getattr(module, "configure_tensor_parallel", None)
-        if callable(hook):
-            hook(self.mesh)
+        plan = plans.resolve(module, self.plan, _patterns("colwise", self.colwise), _patterns("rowwise", self.rowwise),
+                             sequence_parallel=self.sequence_parallel)
+        if trainer.global_rank == 0:
+            for note in plan.notes:
+                print(f"hookloop-tp: {note}", flush=True)
+        if plan.source == "configure_tensor_parallel":
+            module.configure_tensor_parallel(self.mesh)
         else:
-            plan = plans.module_plan(module)
-            if plan is None:
-                plan = plans.auto_plan(module, _patterns("colwise", self.colwise), _patterns("rowwise", self.rowwise),
-                                       sequence_parallel=self.sequence_parallel)
-            if not plan and trainer.global_rank == 0:
+            if not plan.styles and trainer.global_rank == 0:
                 print(f"hookloop-tp: the automatic plan found nothing to split in {type(module).__name__}: "
                       f"every process computes the whole model (give it a tensor_parallel_plan)", flush=True)
-            if plan:
-                parallelize_module(module, self.mesh, plan)
+            if plan.styles:
+                plans.check_sizes(module, plan.styles, self.mesh.size())
+                parallelize_module(module, self.mesh, plan.styles)
         hookloop.repoint_optimizers(optimizers or [], names, module, owner="tp")
         return None if self.lead is not None else model
 
