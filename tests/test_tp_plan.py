@@ -16,7 +16,6 @@ from __future__ import annotations
 import sys
 
 import pytest
-import torch
 from torch import nn
 
 import hookloop
@@ -227,7 +226,7 @@ def test_grouped_query_heads_a_tp_size_cannot_share_are_refused_at_start():
 
 
 def test_the_plan_option_is_checked_when_set():
-    from hookloop_tp import TP
+    from hookloop_tp import TP, expand_plan
 
     assert TP().plan == "auto" and TP(plan="hf").plan == "hf"
     assert TP(plan={"mlp.fc1": "colwise"}).plan == {"mlp.fc1": "colwise"}
@@ -235,6 +234,14 @@ def test_the_plan_option_is_checked_when_set():
         TP(plan="hugging")
     with pytest.raises(hookloop.ConfigurationError, match=r"tp option plan\['mlp.fc1'\] = 'col'"):
         TP(plan={"mlp.fc1": "col"})
+    # the command line: a name, or the plan as JSON
+    from hookloop.plugins import parse_plugin_options
+
+    given = parse_plugin_options(["tp.plan=hf", 'tp.plan={"attn.[qkv]": "colwise", "attn.out": "rowwise"}'])
+    plan = TP(**given["tp"]).plan
+    assert _styles(expand_plan(Net(attention=True), plan, "tp option plan")) == {
+        "attn.q": COL, "attn.k": COL, "attn.v": COL, "attn.out": ROW}
+    assert TP(**parse_plugin_options(["tp.plan=hf"])["tp"]).plan == "hf"
 
 
 # -- 2 processes: outside models equal one process ---------------------------------------------

@@ -160,10 +160,13 @@ def test_after_fit_the_module_is_whole_and_runs_alone(battery):
 
 
 def test_an_attention_that_is_the_module_itself_is_refused_by_the_automatic_plan():
-    from cp_models import CausalNet  # its qkv and out projections are the module's own children
+    from cp_models import CausalNet  # its fused qkv and out projections are the module's own children
+    from tp_models import Attention  # q, k, v and out: the module's own children
 
     from hookloop_tp import auto_plan
 
-    assert set(auto_plan(CausalNet())) == {"qkv", "out"}  # plain tp splits it
-    with pytest.raises(hookloop.ConfigurationError, match="CausalNet's attention projections are its own children"):
-        auto_plan(CausalNet(), sequence_parallel=True)
+    assert set(auto_plan(Attention())) == {"q", "k", "v", "out"}  # plain tp splits it
+    with pytest.raises(hookloop.ConfigurationError, match="Attention's attention projections are its own children"):
+        auto_plan(Attention(), sequence_parallel=True)
+    # a fused q/k/v (view(b, t, 3, heads, -1)) is never split contiguously: left whole, so nothing to refuse
+    assert auto_plan(CausalNet()) == auto_plan(CausalNet(), sequence_parallel=True) == {}
