@@ -23,7 +23,7 @@ from conftest import REPO
 
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
 from tp_models import Attention, Net  # noqa: E402
-from tp_plan_models import GPT, LM, reference  # noqa: E402
+from tp_plan_models import CASES, GPT, LM, reference  # noqa: E402
 
 
 def _styles(plan: dict) -> dict:
@@ -211,6 +211,35 @@ def test_a_transformers_llama_plan_and_the_automatic_plan_agree():
     assert _styles(auto_plan(module, notes=notes)) == hf and notes == []
 
 
+def test_a_hugging_face_plan_torch_cannot_follow_is_refused_or_by_default_replaced_by_the_automatic_one():
+    from hookloop_tp import hf_plan, resolve
+
+    module = LM("qwen3")  # base_model_tp_plan: q_norm/k_norm "replicated_with_grad_allreduce"
+    with pytest.raises(hookloop.ConfigurationError, match=r"\['net.model.layers.\*.self_attn.q_norm'\] = "
+                                                          r"'replicated_with_grad_allreduce'"):
+        hf_plan(module)
+    with pytest.raises(hookloop.ConfigurationError, match="replicated_with_grad_allreduce"):
+        resolve(module, "hf")
+    plan = resolve(module)
+    assert plan.source == "automatic" and "the automatic plan instead" in plan.notes[0]
+    # the attention's q_norm/k_norm see its heads: on split heads their gradients would be partial
+    assert "q_norm, k_norm hold parameters" in plan.notes[1]
+    assert _styles(plan.styles) == {f"net.model.layers.{i}.mlp.{n}": s for i in (0, 1) for n, s in (
+        ("gate_proj", COL), ("up_proj", COL), ("down_proj", ROW))}
+
+
+def test_a_phi3_plan_gathers_its_fused_projections():
+    from torch.distributed.tensor import Replicate
+
+    from hookloop_tp import resolve
+
+    module = LM("phi3")  # qkv_proj and gate_up_proj fused: "colwise_gather_output", "rowwise_split_input"
+    plan = resolve(module, "hf").styles
+    assert plan["net.model.layers.0.self_attn.qkv_proj"].output_layouts == (Replicate(),)
+    assert plan["net.model.layers.0.mlp.down_proj"].input_layouts == (Replicate(),)
+    assert "'qkv_proj' (32 -> 64) is fused" in resolve(module, "infer").notes[0]  # the automatic plan: whole
+
+
 def test_grouped_query_heads_a_tp_size_cannot_share_are_refused_at_start():
     from hookloop_tp import hf_plan
     from hookloop_tp.plan import check_sizes
@@ -259,7 +288,7 @@ def _max_diff(a: dict, b: dict) -> float:
 
 
 @pytest.mark.check
-@pytest.mark.parametrize("kind, plan", [("nanogpt", "auto"), ("llama", "hf"), ("llama", "infer")])
+@pytest.mark.parametrize("kind, plan", CASES)
 def test_outside_models_under_tp2_equal_one_process_training(battery, kind, plan):
     ranks, _ = battery
     expected, losses = reference(kind)
@@ -268,17 +297,23 @@ def test_outside_models_under_tp2_equal_one_process_training(battery, kind, plan
         assert _max_diff(run["final"], expected) <= 1e-5
         assert max(abs(a - b) for a, b in zip(run["losses"], losses, strict=True)) <= 1e-5
     layouts = ranks[0][(kind, plan)]["layouts"]
-    if kind == "llama":  # every projection split: gate and up colwise, down rowwise; GQA's k/v too
-        for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
-            assert layouts[f"net.model.layers.1.{n}.weight"] == ("S(0)",), n
-        for n in ("self_attn.o_proj", "mlp.down_proj"):
-            assert layouts[f"net.model.layers.1.{n}.weight"] == ("S(1)",), n
-    else:  # the MLPs split, the fused attention whole
-        assert layouts["net.transformer.h.1.mlp.c_fc.weight"] == ("S(0)",)
-        assert layouts["net.transformer.h.1.attn.c_attn.weight"] == "plain"
+    layer = "net.model.layers.1." if kind != "nanogpt" else "net.transformer.h.1."
+    split = {"llama": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
+             "qwen3": ("mlp.gate_proj", "mlp.up_proj"),  # the attention whole: q_norm/k_norm on the heads
+             "phi3": ("self_attn.qkv_proj", "mlp.gate_up_proj"),  # colwise_gather_output
+             "nanogpt": ("mlp.c_fc",)}[kind]
+    whole = {"llama": (), "qwen3": ("self_attn.q_proj", "self_attn.q_norm"), "phi3": (),
+             "nanogpt": ("attn.c_attn", "attn.c_proj")}[kind]
+    for name in split:
+        assert layouts[f"{layer}{name}.weight"] == ("S(0)",), name
+    for name in whole:
+        assert layouts[f"{layer}{name}.weight"] == "plain", name
 
 
 @pytest.mark.check
-def test_the_nanogpt_run_says_which_attention_it_left_whole(battery):
+def test_the_runs_say_what_the_automatic_plan_left_whole_and_why(battery):
     _, output = battery
     assert output.count("hookloop-tp: CausalSelfAttention 'net.transformer.h.0.attn': attention left whole") == 1
+    assert "'replicated_with_grad_allreduce' is a Hugging Face style" in output  # qwen3's plan, refused
+    assert "Qwen3Attention 'net.model.layers.0.self_attn': attention left whole" in output
+    assert "q_norm, k_norm hold parameters" in output

@@ -1,7 +1,9 @@
 """Outside models under tp's plans, in the "tp" job (tests/jobs.py; tests/test_tp_plan.py):
 a nanoGPT-shaped model under the automatic plan (its fused attention left whole, its MLPs
-split), and a Hugging Face LlamaForCausalLM under its own plan (``plan="hf"``) and under
-the automatic one (``plan="infer"``), each trained 4 steps. Every rank writes
+split); a Hugging Face LlamaForCausalLM under its own plan (``plan="hf"``) and under the
+automatic one (``plan="infer"``); a Qwen3ForCausalLM by default (its plan refused, the
+automatic one instead: the attention with q_norm/k_norm whole); a Phi3ForCausalLM under
+its plan (fused projections, gathered outputs): each trained 4 steps. Every rank writes
 ``OUT/rank<R>.pt``: the weights after the steps, each step's loss and the parameters'
 layouts; the test compares them with tp_plan_models.reference (one process)."""
 
@@ -16,7 +18,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hookloop  # noqa: E402
-from tp_plan_models import BATCH, LM, STEPS, tokens  # noqa: E402
+from tp_plan_models import BATCH, CASES, LM, STEPS, tokens  # noqa: E402
 
 faulthandler.enable()
 faulthandler.dump_traceback_later(300, exit=True)  # a hang fails with the stacks
@@ -44,7 +46,7 @@ class Probe:
 
 
 record: dict = {}
-for kind, plan in (("nanogpt", "auto"), ("llama", "hf"), ("llama", "infer")):
+for kind, plan in CASES:
     module, probe = LM(kind), Probe()
     trainer = hookloop.Trainer(max_steps=STEPS, plugins=[probe, hookloop.plugin("tp", plan=plan)],
                                enable_checkpointing=False, logger=False, enable_progress_bar=False,

@@ -19,6 +19,8 @@ import hookloop
 
 VOCAB, SEQ, EMBD, HEADS = 128, 8, 32, 4
 STEPS, BATCH = 4, 4
+#: (model, tp option plan) trained by tp_plan_battery.py
+CASES = (("nanogpt", "auto"), ("llama", "hf"), ("llama", "infer"), ("qwen3", "auto"), ("phi3", "hf"))
 
 
 def tokens(n: int = STEPS * BATCH, seed: int = 3) -> TensorDataset:
@@ -90,26 +92,37 @@ class GPT(nn.Module):
         return self.lm_head(self.transformer.ln_f(x))
 
 
-def llama():
-    """A tiny ``LlamaForCausalLM`` from a config (no download): 4 query heads, 2 key/value
-    heads, a gated MLP, 2 layers."""
+def hugging_face(kind: str):
+    """A tiny Hugging Face causal LM from a config (no download), 4 query heads and 2
+    key/value heads: ``llama`` (a gated MLP), ``qwen3`` (``q_norm``/``k_norm`` on the heads:
+    its plan's ``replicated_with_grad_allreduce`` has no torch style), ``phi3`` (fused
+    ``qkv_proj`` and ``gate_up_proj``, ``colwise_gather_output``/``rowwise_split_input``)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
-    config = LlamaConfig(hidden_size=EMBD, intermediate_size=64, num_attention_heads=HEADS, num_key_value_heads=2,
-                         num_hidden_layers=2, vocab_size=VOCAB, max_position_embeddings=SEQ, use_cache=False,
-                         attn_implementation="sdpa")
-    return LlamaForCausalLM(config)
+    config, model = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+                     "phi3": ("Phi3Config", "Phi3ForCausalLM")}[kind]
+    config = getattr(transformers, config)(
+        hidden_size=EMBD, intermediate_size=64, num_attention_heads=HEADS, num_key_value_heads=2,
+        num_hidden_layers=2, vocab_size=VOCAB, max_position_embeddings=SEQ, use_cache=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, attn_implementation="sdpa")
+    return getattr(transformers, model)(config)
+
+
+def llama():
+    """A tiny ``LlamaForCausalLM`` from a config: grouped-query attention, a gated MLP."""
+    return hugging_face("llama")
 
 
 class LM(hookloop.Module):
-    """``kind`` (``"nanogpt"`` or ``"llama"``) as a language model trained with SGD."""
+    """``kind`` (``"nanogpt"``, or a Hugging Face one: ``"llama"``, ``"qwen3"``, ``"phi3"``) as a
+    language model trained with SGD."""
 
     def __init__(self, kind: str, seed: int = 0):
         super().__init__()
         torch.manual_seed(seed)
         self.kind = kind
-        self.net = GPT() if kind == "nanogpt" else llama()
+        self.net = GPT() if kind == "nanogpt" else hugging_face(kind)
 
     def forward(self, idx):
         out = self.net(idx)

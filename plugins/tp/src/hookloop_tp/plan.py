@@ -3,7 +3,8 @@
 A plan is what ``torch.distributed.tensor.parallel.parallelize_module`` takes: a dict
 ``{module name: ParallelStyle}``. Here a plan may also name its styles by strings
 (:data:`STYLES`: ``"colwise"``, ``"rowwise"``, ``"sequence_parallel"``, ``"replicate"``,
-and Hugging Face's ``"colwise_rep"``/``"rowwise_rep"``) and its keys may hold fnmatch
+and Hugging Face's ``"colwise_gather_output"``/``"rowwise_split_input"``, formerly
+``"colwise_rep"``/``"rowwise_rep"``) and its keys may hold fnmatch
 wildcards matched one level of the name at a time, as torch does (``"layers.*.attn.q"``);
 :func:`expand_plan` turns it into concrete names and torch's styles, every key checked.
 :func:`module_plan` reads the module's ``tensor_parallel_plan``, :func:`hf_plan` the
@@ -20,8 +21,10 @@ The automatic plan, module by module (each module's ``nn.Linear`` children):
   (``qkv``, ``c_attn``, ``in_proj``, ``Wqkv``: one linear computing q, k and v, or one
   wider than the output) is never split: split contiguously it would hand a process all
   of q and part of k. The attention is then left whole (replicated: exact, only less
-  parallel) and the plan's notes say so. Projections named like q/k/v without an output
-  projection are left whole too (never paired as an MLP);
+  parallel) and the plan's notes say so. So is an attention holding other modules with
+  parameters (Qwen3's ``q_norm``/``k_norm`` on the heads: on split heads their gradients
+  would be partial), and projections named like q/k/v without an output projection
+  (never paired as an MLP);
 * gated MLPs (Llama, Mistral, Qwen, torchtitan): three linears ``gate``, ``up`` (both
   E -> F) and ``down`` (F -> E) under the names of :data:`GATED` (``gate_proj``/``up_proj``/
   ``down_proj``, ``w1``/``w3``/``w2``, ...): gate and up colwise, down rowwise. Three
@@ -104,15 +107,18 @@ def _styles() -> dict[str, Any]:
             "replicate": None,
             # Hugging Face's: colwise with its output gathered, rowwise of a replicated input
             "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
-            "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate())}
+            "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+            "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+            "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate())}
 
 
 #: Hugging Face styles refused (besides ``local*`` and ``packed*``): no torch style does what they do
-_HF_REFUSED = ("gather", "isolated", "embedding_rowwise", "colwise_gather_output", "ep_router", "grouped_gemm",
-               "mla_kv_a_proj", "moe_tp_experts")
+_HF_REFUSED = ("gather", "isolated", "embedding_rowwise", "embedding_colwise", "replicated_with_grad_allreduce",
+               "all_reduce", "ep_router", "grouped_gemm", "mla_kv_a_proj", "moe_tp_experts", "moe_identity_expert")
 
 #: the strings a plan may use for its styles (:func:`expand_plan`)
-STYLES = ("colwise", "rowwise", "sequence_parallel", "replicate", "colwise_rep", "rowwise_rep")
+STYLES = ("colwise", "rowwise", "sequence_parallel", "replicate", "colwise_rep", "colwise_gather_output",
+          "rowwise_rep", "rowwise_split_input")
 
 
 @dataclass
@@ -149,7 +155,7 @@ def auto_plan(module: nn.Module, colwise: tuple[str, ...] = COLWISE, rowwise: tu
         if cols:  # an attention: its projections are never paired as an MLP
             rows = [n for n in linears if _matches(n, rowwise) and n not in cols]
             done = set(cols) | set(rows)
-            if _attention(where, linears, cols, rows, notes):
+            if _attention(where, parent, linears, cols, rows, notes):
                 plan.update({_join(prefix, n): ColwiseParallel() for n in cols})
                 plan.update({_join(prefix, n): RowwiseParallel() for n in rows})
                 attention.append(prefix)
@@ -171,7 +177,8 @@ def auto_plan(module: nn.Module, colwise: tuple[str, ...] = COLWISE, rowwise: tu
     return plan
 
 
-def _attention(where: str, linears: dict[str, nn.Linear], cols: list[str], rows: list[str], notes: list[str]) -> bool:
+def _attention(where: str, parent: nn.Module, linears: dict[str, nn.Linear], cols: list[str], rows: list[str],
+               notes: list[str]) -> bool:
     """Whether the attention's projections ``cols`` (q/k/v) and ``rows`` (output) can be
     split; else a note saying why it is left whole."""
     if not rows:
@@ -188,6 +195,16 @@ def _attention(where: str, linears: dict[str, nn.Linear], cols: list[str], rows:
         notes.append(f"{where}: attention left whole (every process computes it): its projection {name!r} "
                      f"({layer.in_features} -> {layer.out_features}) {why}, and split contiguously it would "
                      f"hand a process all of q and part of k. To split it: separate q/k/v projections, or a "
+                     f"tensor_parallel_plan")
+        return False
+    # a norm on the heads (Qwen3's q_norm/k_norm) would see this process's heads only: its
+    # gradient partial, a replicated parameter drifting apart on every process
+    held = [n for n, c in parent.named_children()
+            if not isinstance(c, nn.Linear) and any(True for _ in c.parameters())]
+    if held:
+        notes.append(f"{where}: attention left whole (every process computes it): {', '.join(held)} "
+                     f"{'holds' if len(held) == 1 else 'hold'} parameters beside its projections, and on split "
+                     f"heads each process would compute their gradient from its own heads only. To split it: a "
                      f"tensor_parallel_plan")
         return False
     return True
@@ -320,9 +337,8 @@ def to_style(value: Any, where: str) -> Any:
         make = known[value]
         return None if make is None else make()
     hf = isinstance(value, str) and (value.startswith(("local", "packed")) or value in _HF_REFUSED)
-    hint = (f" ({value!r} is a Hugging Face style with no exact torch ParallelStyle, its layer computing on local "
-            f"tensors or gathering them where the model's own code expects it: give torch's styles in a "
-            f"tensor_parallel_plan, or leave the layer whole)") if hf else ""
+    hint = (f" ({value!r} is a Hugging Face style that no torch ParallelStyle follows exactly: give torch's styles "
+            f"in a tensor_parallel_plan, or leave the layer whole)") if hf else ""
     raise hookloop.ConfigurationError(
         f"{where} = {value!r}: a plan's values are torch.distributed.tensor.parallel ParallelStyles "
         f"(ColwiseParallel(), RowwiseParallel(), ...) or one of the strings {', '.join(map(repr, STYLES))}{hint}")
@@ -417,7 +433,9 @@ def resolve(module: nn.Module, option: Any = "auto", colwise: tuple[str, ...] = 
     * ``"infer"``: the automatic plan (:func:`auto_plan`), whatever the module carries;
     * ``"auto"`` (the default): the module's ``configure_tensor_parallel`` hook (the
       ``Plan`` is then empty and the caller calls the hook), else its
-      ``tensor_parallel_plan``, else its Hugging Face plan, else the automatic plan.
+      ``tensor_parallel_plan``, else its Hugging Face plan, else the automatic plan (also
+      when the Hugging Face plan uses a style torch has no exact equivalent of: a note
+      says so).
 
     ``sequence_parallel`` applies to the automatic plan only."""
     name = type(module).__name__
@@ -429,8 +447,15 @@ def resolve(module: nn.Module, option: Any = "auto", colwise: tuple[str, ...] = 
         own = module_plan(module)
         if own is not None:
             return Plan(own, "tensor_parallel_plan")
+    notes: list[str] = []
     if option in ("auto", "hf"):
-        hf = hf_plan(module)
+        try:
+            hf = hf_plan(module)
+        except hookloop.ConfigurationError as refused:
+            if option == "hf":
+                raise
+            hf = None  # by default a Hugging Face plan torch cannot follow exactly gives way to the automatic one
+            notes.append(f"{refused}; the automatic plan instead")
         if hf is None and option == "hf":
             raise hookloop.ConfigurationError(
                 f"tp option plan='hf': {name} holds no Hugging Face model with a config.base_model_tp_plan; "
@@ -442,7 +467,6 @@ def resolve(module: nn.Module, option: Any = "auto", colwise: tuple[str, ...] = 
                 f"sequence_parallel")
         if hf is not None:
             return Plan(hf, "hf")
-    notes: list[str] = []
     styles = auto_plan(module, colwise, rowwise, sequence_parallel=sequence_parallel, notes=notes)
     return Plan(styles, "automatic", notes)
 
@@ -452,6 +476,7 @@ def check_sizes(module: nn.Module, styles: dict[str, Any], size: int) -> None:
     ``nn.Linear``'s ``out_features`` (rowwise: ``in_features``) not a multiple of
     ``size``, or, in an attention that declares its ``head_dim``, a projection's heads
     (the key/value heads of grouped-query attention too) not a multiple of ``size``."""
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     modules = dict(module.named_modules())
@@ -463,7 +488,8 @@ def check_sizes(module: nn.Module, styles: dict[str, Any], size: int) -> None:
         features = layer.out_features if colwise else layer.in_features
         parent = modules.get(name.rpartition(".")[0])
         head_dim = getattr(parent, "head_dim", None)
-        if colwise and isinstance(head_dim, int) and head_dim > 0 and features % head_dim == 0:
+        gathered = colwise and all(not isinstance(layout, Shard) for layout in style.output_layouts)
+        if colwise and not gathered and isinstance(head_dim, int) and head_dim > 0 and features % head_dim == 0:
             heads = features // head_dim
             if heads % size:
                 raise hookloop.ConfigurationError(
