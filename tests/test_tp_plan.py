@@ -64,6 +64,10 @@ def test_a_nanogpt_model_splits_its_mlps_and_leaves_its_fused_attention_whole_sa
     assert notes[0].startswith("CausalSelfAttention 'transformer.h.0.attn'")
     # the workaround: naming c_proj rowwise split c_attn contiguously (a wrong function)
     assert _styles(auto_plan(GPT(), rowwise=("c_proj",))) == _styles(plan)
+    # sequence parallel around a whole attention would attend over each process's positions only
+    with pytest.raises(hookloop.ConfigurationError, match="leaves CausalSelfAttention 'transformer.h.0.attn', "
+                                                          "CausalSelfAttention 'transformer.h.1.attn' whole"):
+        auto_plan(GPT(), sequence_parallel=True)
 
 
 def test_separate_projections_with_a_wider_one_count_as_fused():

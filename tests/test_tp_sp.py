@@ -168,5 +168,9 @@ def test_an_attention_that_is_the_module_itself_is_refused_by_the_automatic_plan
     assert set(auto_plan(Attention())) == {"q", "k", "v", "out"}  # plain tp splits it
     with pytest.raises(hookloop.ConfigurationError, match="Attention's attention projections are its own children"):
         auto_plan(Attention(), sequence_parallel=True)
-    # a fused q/k/v (view(b, t, 3, heads, -1)) is never split contiguously: left whole, so nothing to refuse
-    assert auto_plan(CausalNet()) == auto_plan(CausalNet(), sequence_parallel=True) == {}
+    # a fused q/k/v (view(b, t, 3, heads, -1)) is never split contiguously: left whole, and then the
+    # sequence-parallel plan would hand that attention each process's share of the sequence only
+    assert auto_plan(CausalNet()) == {}
+    with pytest.raises(hookloop.ConfigurationError, match="sequence_parallel: the automatic plan leaves CausalNet "
+                                                          "whole .*'qkv'.*drop sequence_parallel"):
+        auto_plan(CausalNet(), sequence_parallel=True)

@@ -146,6 +146,7 @@ def auto_plan(module: nn.Module, colwise: tuple[str, ...] = COLWISE, rowwise: tu
     notes = [] if notes is None else notes
     plan: dict[str, Any] = {}
     attention: list[str] = []
+    whole: list[str] = []  # attentions left whole
     for prefix, parent in module.named_modules():
         children = list(parent.named_children())
         linears = {n: c for n, c in children if isinstance(c, nn.Linear)}
@@ -159,6 +160,8 @@ def auto_plan(module: nn.Module, colwise: tuple[str, ...] = COLWISE, rowwise: tu
                 plan.update({_join(prefix, n): ColwiseParallel() for n in cols})
                 plan.update({_join(prefix, n): RowwiseParallel() for n in rows})
                 attention.append(prefix)
+            else:
+                whole.append(where)
         if not isinstance(parent, _CONTAINERS):
             done |= _gated(prefix, where, {n: c for n, c in linears.items() if n not in done}, plan, notes)
         pending: tuple[str, nn.Linear] | None = None
@@ -172,6 +175,13 @@ def auto_plan(module: nn.Module, colwise: tuple[str, ...] = COLWISE, rowwise: tu
                     pending = (name, child)
             elif not isinstance(child, ELEMENTWISE):
                 pending = None
+    if sequence_parallel and whole:
+        # around a whole attention the sequence-parallel plan would hand it this process's positions only
+        raise hookloop.ConfigurationError(
+            f"tp option sequence_parallel: the automatic plan leaves {', '.join(whole)} whole (see the notes: "
+            f"{notes[0] if notes else ''}), and the sequence-parallel plan would then compute that attention on "
+            f"each process's share of the sequence only; drop sequence_parallel, or give "
+            f"{type(module).__name__} a tensor_parallel_plan")
     if sequence_parallel and plan:
         plan = sequence_parallel_plan(module, plan, attention)
     return plan
