@@ -146,7 +146,7 @@ def auto_plan(module: nn.Module, colwise: tuple[str, ...] = COLWISE, rowwise: tu
     notes = [] if notes is None else notes
     plan: dict[str, Any] = {}
     attention: list[str] = []
-    whole: list[str] = []  # attentions left whole
+    whole: list[tuple[str, str]] = []  # attentions left whole, and why
     for prefix, parent in module.named_modules():
         children = list(parent.named_children())
         linears = {n: c for n, c in children if isinstance(c, nn.Linear)}
@@ -161,7 +161,7 @@ def auto_plan(module: nn.Module, colwise: tuple[str, ...] = COLWISE, rowwise: tu
                 plan.update({_join(prefix, n): RowwiseParallel() for n in rows})
                 attention.append(prefix)
             else:
-                whole.append(where)
+                whole.append((where, notes[-1]))
         if not isinstance(parent, _CONTAINERS):
             done |= _gated(prefix, where, {n: c for n, c in linears.items() if n not in done}, plan, notes)
         pending: tuple[str, nn.Linear] | None = None
@@ -178,8 +178,8 @@ def auto_plan(module: nn.Module, colwise: tuple[str, ...] = COLWISE, rowwise: tu
     if sequence_parallel and whole:
         # around a whole attention the sequence-parallel plan would hand it this process's positions only
         raise hookloop.ConfigurationError(
-            f"tp option sequence_parallel: the automatic plan leaves {', '.join(whole)} whole (see the notes: "
-            f"{notes[0] if notes else ''}), and the sequence-parallel plan would then compute that attention on "
+            f"tp option sequence_parallel: the automatic plan leaves {', '.join(w for w, _ in whole)} whole "
+            f"({whole[0][1]}), and the sequence-parallel plan would then compute that attention on "
             f"each process's share of the sequence only; drop sequence_parallel, or give "
             f"{type(module).__name__} a tensor_parallel_plan")
     if sequence_parallel and plan:

@@ -259,7 +259,8 @@ class TP(DDP):
             module.configure_tensor_parallel(self.mesh)
         else:
             if not plan.styles and trainer.global_rank == 0:
-                print(f"hookloop-tp: the automatic plan found nothing to split in {type(module).__name__}: "
+                found = "the automatic plan found" if plan.source == "automatic" else f"the {plan.source} plan has"
+                print(f"hookloop-tp: {found} nothing to split in {type(module).__name__}: "
                       f"every process computes the whole model (give it a tensor_parallel_plan)", flush=True)
             if plan.styles:
                 plans.check_sizes(module, plan.styles, self.mesh.size())
