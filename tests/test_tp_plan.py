@@ -245,7 +245,7 @@ def test_a_phi3_plan_gathers_its_fused_projections():
 
 
 def test_grouped_query_heads_a_tp_size_cannot_share_are_refused_at_start():
-    from hookloop_tp import hf_plan
+    from hookloop_tp import expand_plan, hf_plan
     from hookloop_tp.plan import check_sizes
 
     module = LM("llama")  # 4 query heads, 2 key/value heads of 8 features
@@ -253,9 +253,17 @@ def test_grouped_query_heads_a_tp_size_cannot_share_are_refused_at_start():
     with pytest.raises(hookloop.ConfigurationError, match="'net.model.layers.0.self_attn.k_proj' computes 2 heads "
                                                           "of 8 features, which 4 tp processes"):
         check_sizes(module, hf_plan(module), 4)
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    odd = _linears([("fc1", (8, 9)), ("fc2", (9, 8)), ("head", (8, 9))])
     with pytest.raises(hookloop.ConfigurationError, match="'fc1' is split colwise on its 9 output features"):
-        check_sizes(_linears([("fc1", (8, 9)), ("fc2", (9, 8))]), {"fc1": hf_plan(module)[
-            "net.model.layers.0.self_attn.q_proj"]}, 2)
+        check_sizes(odd, {"fc1": ColwiseParallel()}, 2)
+    with pytest.raises(hookloop.ConfigurationError, match="'fc2' is split rowwise on its 9 input features"):
+        check_sizes(odd, expand_plan(odd, {"fc2": "rowwise"}, "plan"), 2)
+    # a gathered output, or one left a DTensor (loss_parallel), may be uneven
+    check_sizes(odd, {"head": ColwiseParallel(use_local_output=False), "fc1": ColwiseParallel(
+        output_layouts=Replicate())}, 2)
 
 
 def test_the_plan_option_is_checked_when_set():

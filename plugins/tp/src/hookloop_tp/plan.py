@@ -482,10 +482,14 @@ def resolve(module: nn.Module, option: Any = "auto", colwise: tuple[str, ...] = 
 
 
 def check_sizes(module: nn.Module, styles: dict[str, Any], size: int) -> None:
-    """Refuse, at start, a split ``size`` processes cannot share evenly: a colwise
-    ``nn.Linear``'s ``out_features`` (rowwise: ``in_features``) not a multiple of
-    ``size``, or, in an attention that declares its ``head_dim``, a projection's heads
-    (the key/value heads of grouped-query attention too) not a multiple of ``size``."""
+    """Refuse, at start, a split whose local shards ``size`` processes cannot share
+    evenly where the model's own code sees them: a colwise ``nn.Linear`` handing its
+    caller a local slice of its output (``use_local_output``, the output sharded) whose
+    ``out_features`` are not a multiple of ``size`` (rowwise: taking a sharded input, its
+    ``in_features``), or, in an attention that declares its ``head_dim``, such a
+    projection's heads (grouped-query attention's key/value heads too) not a multiple of
+    ``size``. A gathered output, or one left a DTensor (a ``loss_parallel`` head over a
+    vocabulary of 50257), may be uneven."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -495,11 +499,15 @@ def check_sizes(module: nn.Module, styles: dict[str, Any], size: int) -> None:
         if not isinstance(layer, nn.Linear) or not isinstance(style, (ColwiseParallel, RowwiseParallel)):
             continue
         colwise = isinstance(style, ColwiseParallel)
+        if colwise:
+            local = style.use_local_output and any(isinstance(layout, Shard) for layout in style.output_layouts)
+        else:
+            local = any(isinstance(layout, Shard) for layout in style.input_layouts)
+        if not local:
+            continue
         features = layer.out_features if colwise else layer.in_features
-        parent = modules.get(name.rpartition(".")[0])
-        head_dim = getattr(parent, "head_dim", None)
-        gathered = colwise and all(not isinstance(layout, Shard) for layout in style.output_layouts)
-        if colwise and not gathered and isinstance(head_dim, int) and head_dim > 0 and features % head_dim == 0:
+        head_dim = getattr(modules.get(name.rpartition(".")[0]), "head_dim", None)
+        if colwise and isinstance(head_dim, int) and head_dim > 0 and features % head_dim == 0:
             heads = features // head_dim
             if heads % size:
                 raise hookloop.ConfigurationError(
