@@ -124,11 +124,11 @@ def test_a_module_plan_takes_strings_and_wildcards_one_level_at_a_time():
 
     module = Net(attention=True)
     module.tensor_parallel_plan = {"attn.[qkv]": "colwise", "attn.out": RowwiseParallel(), "norm": "replicate",
-                                   "mlp.fc*": "colwise_rep"}
+                                   "mlp.fc*": "colwise_rep", "head": "sequence_parallel"}
     plan = module_plan(module)
     assert _styles(plan) == {"attn.q": COL, "attn.k": COL, "attn.v": COL, "attn.out": ROW,
-                             "mlp.fc1": COL, "mlp.fc2": COL}  # "replicate": left whole
-    assert plan["mlp.fc1"].output_layouts == (Replicate(),)
+                             "mlp.fc1": COL, "mlp.fc2": COL, "head": "SequenceParallel"}  # "replicate": left whole
+    assert plan["mlp.fc1"].output_layouts == (Replicate(),) and plan["head"].use_local_output
     module.tensor_parallel_plan = {"*.q": "colwise"}  # one level: attn.q, not a deeper q
     assert list(module_plan(module)) == ["attn.q"]
     module.tensor_parallel_plan = {"*q": "colwise"}  # no top-level name ends in q

@@ -103,7 +103,9 @@ def _styles() -> dict[str, Any]:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-    return {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence_parallel": SequenceParallel,
+    return {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+            # local outputs, as the automatic sequence-parallel plan's and Hugging Face's
+            "sequence_parallel": lambda: SequenceParallel(use_local_output=True),
             "replicate": None,
             # Hugging Face's: colwise with its output gathered, rowwise of a replicated input
             "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
