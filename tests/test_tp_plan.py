@@ -303,6 +303,7 @@ def _max_diff(a: dict, b: dict) -> float:
 @pytest.mark.parametrize("kind, plan", CASES)
 def test_outside_models_under_tp2_equal_one_process_training(battery, kind, plan):
     ranks, _ = battery
+    assert "missing" not in ranks[0][(kind, plan)], ranks[0][(kind, plan)].get("missing")
     expected, losses = reference(kind)
     for record in ranks:
         run = record[(kind, plan)]
