@@ -30,7 +30,8 @@ from .dist import init_process_group, release_process_group, torch_reduce_op
 from .helpers import distributed_sampler, reset_seed
 from .hookspecs import hookimpl
 
-__all__ = ["DistributedSampling", "RankZeroOrder", "TorchCollectives", "TorchDistributed", "check_sampler_seed", "data_parallel_rank"]
+__all__ = ["DistributedSampling", "RankZeroOrder", "TorchCollectives", "TorchDistributed", "check_sampler_seed",
+           "data_parallel_rank"]
 
 #: The device-mesh dimensions over which the data is split; every other dimension (tp,
 #: cp, pp, a third party's) sees the same batches as its neighbours on that dimension.

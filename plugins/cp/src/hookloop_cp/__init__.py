@@ -28,9 +28,10 @@ attention. Everything else in the model works position by position on the local 
   the mean over the whole sequence). Validation, test and predict run unsharded (every
   cp process computes the whole batch).
 * **Composition.** An extension claiming ``cp`` (``hookloop_mesh_dims = ("cp",)``): it
-  needs the strategy that starts the process group and owns the model (ddp, fsdp, tp),
-  which keep doing so on their own dimensions: ``--plugins ddp,cp --mesh cp=2``,
-  ``--plugins fsdp,cp --mesh dp_shard=2,cp=2``.
+  needs the strategy that starts the process group and owns the model, ddp, which keeps
+  doing so on its own dimension: ``--plugins ddp,cp --mesh cp=2``. Beside tp, fsdp,
+  compile or float8 it is refused at construction (``hookloop_refuses_beside``): no test
+  checks those layouts yet.
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ DDP_X_TP = ("DistributedDataParallel replicates plain tensors, and tp's split la
             "--plugins ddp,tp --mesh dp_replicate=R,tp=T is not supported. For R data-parallel replicas of a "
             "tensor-parallel model use fsdp: --plugins fsdp,tp --mesh dp_shard=R,tp=T, or replicas of fsdp "
             "shards (HSDP): --plugins fsdp,tp --plugin-option fsdp.sharding_strategy=HYBRID_SHARD "
-            "--mesh dp_replicate=R,dp_shard=S,tp=T")
+            "--mesh dp_replicate=R,dp_shard=S,tp=T (dp_shard=1: whole replicas, ddp's layout)")
 
 
 class DDP(hookloop.TorchDistributed):
