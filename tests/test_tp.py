@@ -1,7 +1,8 @@
 """hookloop-tp under `hookloop run --plugins tp --devices 2` (2 processes, gloo, CPU).
 
 One run of tests/scripts/tp_battery.py trains an MLP block and an attention + MLP block
-with SGD (momentum) and Adam, saves a sharded checkpoint mid-run and resumes from it;
+with SGD (momentum) and Adam, the attention block compiled beside tp, a shuffling loader
+(both ranks must see the one-process order), saves a sharded checkpoint mid-run and resumes from it;
 each test compares what the ranks recorded with the same model and batches trained by a
 hand-written PyTorch loop in this process (tp_models.reference). Bad input is checked
 in this process.

@@ -78,7 +78,9 @@ class DistributedSampling:
     on every rank, as Lightning's samplers are.
 
     A world of one, ``use_distributed_sampler=False``, iterable datasets and loaders
-    that already shard are left alone.
+    that already shard are left alone. With one data-parallel replica (tp, cp or the
+    pipeline alone) every process gets the user's loader as it is: in order, or with its
+    own sampler drawn by global rank 0 (:class:`RankZeroOrder`), the one-process order.
     """
 
     #: seed of the distributed samplers; ``None``: ``seed_everything``'s

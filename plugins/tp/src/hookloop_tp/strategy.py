@@ -282,7 +282,9 @@ class TP(DDP):
 
     @hookloop.hookimpl
     def configure_sampler(self, trainer, dataloader, training):
-        """The data-parallel share (``hookloop.data_parallel_rank``): one for the whole tp group."""
+        """The data-parallel share (``hookloop.data_parallel_rank``): one for the whole tp group.
+        Alone (one replica) the user's loader as it is: its own sampler, in the order global
+        rank 0 draws, as one process would (:class:`hookloop.distributed.RankZeroOrder`)."""
         if self.lead is not None:
             return None  # the leader's: the same split (data_parallel_rank)
         return hookloop.DistributedSampling.configure_sampler(self, trainer, dataloader, training)
