@@ -1,7 +1,8 @@
 """hookloop-tp under `hookloop run --plugins tp --devices 2` (2 processes, gloo, CPU).
 
 One run of tests/scripts/tp_battery.py trains an MLP block and an attention + MLP block
-with SGD (momentum) and Adam, saves a sharded checkpoint mid-run and resumes from it;
+with SGD (momentum) and Adam, the attention block compiled beside tp, a shuffling loader
+(both ranks must see the one-process order), saves a sharded checkpoint mid-run and resumes from it;
 each test compares what the ranks recorded with the same model and batches trained by a
 hand-written PyTorch loop in this process (tp_models.reference). Bad input is checked
 in this process.
@@ -19,7 +20,7 @@ import hookloop
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
-from tp_models import Attention, Net, data, reference  # noqa: E402
+from tp_models import Attention, Net, data, reference, shuffled_order  # noqa: E402
 
 STEPS = 4
 
@@ -74,6 +75,26 @@ def test_every_tp_rank_sees_the_same_batches_in_the_users_order(battery):
             assert torch.equal(seen[1][i], seen[0][i])
     # a tp group is one data-parallel replica: the batch is the per-device one (no note)
     assert "effective batch size" not in output
+    # a shuffling loader: every rank trains on the order one process draws (issue 33: it
+    # was DistributedSampler(1, 0, seed=0)'s, another order)
+    expected = shuffled_order(STEPS)
+    for record in ranks:
+        assert len(record["shuffled"]) == STEPS
+        assert all(torch.equal(got, want) for got, want in zip(record["shuffled"], expected))
+
+
+@pytest.mark.check
+def test_tp_with_compile_equals_one_eager_process(battery):
+    """``compile`` beside ``tp`` (refused before issue 33: compile's wrap_model ran first):
+    the split attention + MLP block compiled in place trains like the eager one-process loop."""
+    ranks, _, _ = battery
+    expected, grads = reference(True, "adam", STEPS)
+    for record in ranks:
+        run = record["compiled"]
+        assert run["layouts"]["attn.q.weight"] == ("S(0)",)  # split, then compiled
+        assert max_diff(run["final"], expected) <= 1e-5
+        assert max_diff(run["grads"], grads) <= 1e-5
+        assert run["graphs"] >= 1  # Dynamo compiled the module
 
 
 @pytest.mark.check

@@ -19,18 +19,19 @@ Strategies whose collectives are not ``torch.distributed``'s (Horovod) take
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import SequentialSampler
+from torch.utils.data import DistributedSampler, IterableDataset, Sampler, SequentialSampler
 
 from .errors import ConfigurationError
 from .dist import init_process_group, release_process_group, torch_reduce_op
 from .helpers import distributed_sampler, reset_seed
 from .hookspecs import hookimpl
 
-__all__ = ["DistributedSampling", "TorchCollectives", "TorchDistributed", "check_sampler_seed", "data_parallel_rank"]
+__all__ = ["DistributedSampling", "RankZeroOrder", "TorchCollectives", "TorchDistributed", "check_sampler_seed",
+           "data_parallel_rank"]
 
 #: The device-mesh dimensions over which the data is split; every other dimension (tp,
 #: cp, pp, a third party's) sees the same batches as its neighbours on that dimension.
@@ -77,7 +78,9 @@ class DistributedSampling:
     on every rank, as Lightning's samplers are.
 
     A world of one, ``use_distributed_sampler=False``, iterable datasets and loaders
-    that already shard are left alone.
+    that already shard are left alone. With one data-parallel replica (tp, cp or the
+    pipeline alone) every process gets the user's loader as it is: in order, or with its
+    own sampler drawn by global rank 0 (:class:`RankZeroOrder`), the one-process order.
     """
 
     #: seed of the distributed samplers; ``None``: ``seed_everything``'s
@@ -89,10 +92,45 @@ class DistributedSampling:
         if trainer.world_size == 1 or not trainer.config.use_distributed_sampler:
             return None
         replicas, rank = data_parallel_rank(trainer)
-        if replicas == 1 and isinstance(dataloader.sampler, SequentialSampler):
-            return None  # one replica (tp only): every process the user's batches, in order
-        # One replica and a random order: a seeded sampler, so every process draws the same.
+        if replicas == 1:  # one replica (tp, cp, pp alone): the user's loader, as in one process
+            if isinstance(dataloader.sampler, (SequentialSampler, DistributedSampler, RankZeroOrder)) \
+                    or isinstance(dataloader.dataset, IterableDataset):
+                return None  # in order, the user's own split, or nothing to index
+            # the user's own sampler and order, drawn by global rank 0 and sent to the others
+            return RankZeroOrder(dataloader.sampler)
         return distributed_sampler(dataloader, replicas, rank, training, seed=self.sampler_seed)
+
+
+class RankZeroOrder(Sampler):
+    """The user's sampler, unchanged, for processes that all load the same batches (one
+    data-parallel replica: a tp, cp or pipeline group): at each epoch global rank 0 draws
+    the epoch's indices from it, exactly as one process would (a ``RandomSampler`` seeds
+    itself from torch's global generator), and broadcasts them, so every process of the
+    group sees rank 0's order (one collective per epoch, none per step). Without a
+    process group it is the user's sampler."""
+
+    def __init__(self, sampler: Sampler):
+        self.sampler = sampler
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return iter(self.sampler)
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+        indices = torch.tensor(list(self.sampler) if dist.get_rank() == 0 else [], dtype=torch.int64)
+        size = torch.tensor([indices.numel()], dtype=torch.int64, device=device)
+        dist.broadcast(size, src=0)
+        if dist.get_rank() != 0:
+            indices = torch.empty(int(size), dtype=torch.int64)
+        moved = indices.to(device) if device is not None else indices
+        dist.broadcast(moved, src=0)
+        return iter(moved.cpu().tolist())
 
 
 class TorchCollectives:

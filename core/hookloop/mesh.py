@@ -89,6 +89,42 @@ def check_layout(plugins: Iterable[Any]) -> None:
             f"plugins {a!r} and {b!r} both wrap the model for data parallelism (dimensions "
             f"{', '.join(DATA_PARALLEL_DIMS)}), and the backends cannot nest one in the other: keep "
             f"one (replicas x shards is fsdp's sharding_strategy='HYBRID_SHARD').")
+    check_refusals(plugins)
+
+
+def refusals(plugin: Any) -> dict[str, str]:
+    """``plugin``'s ``hookloop_refuses_beside``: ``{what: why and what to run instead}``,
+    where ``what`` is a mesh dimension another enabled plugin claims or another plugin's
+    name. A mesh plugin declares the layouts it does not run (or that no test checks yet)
+    there, and :func:`check_layout` refuses them at construction in the user's words."""
+    table = getattr(plugin, "hookloop_refuses_beside", None)
+    if table is None or isinstance(table, property):
+        return {}
+    if not isinstance(table, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in table.items()):
+        raise ConfigurationError(
+            f"plugin {plugin_name(plugin)!r} declares hookloop_refuses_beside={table!r}: it must be a dict "
+            f"{{dimension or plugin name: the reason and what to run instead}}")
+    return table
+
+
+def check_refusals(plugins: Iterable[Any]) -> None:
+    """Refuse a pair of enabled plugins that one of them declares it does not compose with
+    (:func:`refusals`), naming both and giving the declared reason and alternative."""
+    plugins = list(plugins)
+    for p in plugins:
+        table = refusals(p)
+        if not table:
+            continue
+        for other in plugins:
+            if other is p:
+                continue
+            name = plugin_name(other)
+            keys = [name, *(mesh_dims(other) or ())]
+            hit = next((k for k in keys if k in table), None)
+            if hit is not None:
+                raise PluginConflictError(
+                    f"plugins {plugin_name(p)!r} and {name!r} do not run together: {table[hit]} "
+                    f"(docs/configurations.md, \"Every pair of mesh plugins\").")
 
 
 def lifecycle_lead(plugins: Iterable[Any]) -> Any:
@@ -235,15 +271,19 @@ def submesh(trainer, plugin: Any) -> Any:
 
 #: The order of the model transforms in ``wrap_model`` (torchtitan's): pipeline split,
 #: then tensor-like dimensions (tp, cp, a third party's such as ep), then plugins that
-#: claim nothing (compile), then the data-parallel wrapper.
+#: claim nothing (compile, float8), then the data-parallel wrapper (or the strategy that
+#: owns the lifecycle alone).
 TRANSFORM_STAGES = ("pp", "tp", "compile", "dp")
 
 
 def transform_stage(plugin: Any) -> int | None:
-    """The index in :data:`TRANSFORM_STAGES` of a mesh plugin (``None`` for others)."""
+    """The index in :data:`TRANSFORM_STAGES` of a mesh plugin; a strategy that owns the
+    lifecycle alone (deepspeed, horovod, dp...) wraps last, as a data-parallel wrapper
+    does, so a model transform beside it (compile) runs before it without ``tryfirst``;
+    ``None`` for other plugins."""
     dims = mesh_dims(plugin)
     if dims is None:
-        return None
+        return 3 if getattr(plugin, "hookloop_role", None) == "strategy" else None
     if "pp" in dims:
         return 0
     if not dims:

@@ -72,6 +72,24 @@ for attention in (False, True):
         fit(module, STEPS, probe)
         record[("parity", attention, optimizer)] = {"final": weights(module), **probe.seen}
 
+# The user's loader as it is (a tp group is one data-parallel replica): a shuffling
+# loader gives every process the order one process gets (tp_models.shuffled_order).
+probe = Probe()
+module = Net(optimizer="sgd")
+hookloop.Trainer(max_steps=STEPS, plugins=[probe], enable_checkpointing=False, logger=False, enable_progress_bar=False,
+                 num_sanity_val_steps=0).fit(module, DataLoader(data(), batch_size=4, shuffle=True))
+record["shuffled"] = probe.seen["batches"]
+
+# compile beside tp (tp on the command line, compile in code): the split model compiled
+# in place (aot_eager: exact), trained as one process trains the eager model.
+from torch._dynamo.utils import counters  # noqa: E402
+
+graphs = counters["stats"]["unique_graphs"]
+probe = Probe()
+module = Net(attention=True, optimizer="adam")
+fit(module, STEPS, probe, plugins=[hookloop.plugin("compile", backend="aot_eager")])
+record["compiled"] = {"final": weights(module), "graphs": counters["stats"]["unique_graphs"] - graphs, **probe.seen}
+
 # The module's own plan, the loss computed on class-sharded logits (loss_parallel).
 probe = Probe()
 module = PlannedNet(attention=True, optimizer="adam")

@@ -98,6 +98,17 @@ def reference(attention: bool, optimizer: str, steps: int, batch_size: int = 4) 
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, grads
 
 
+def shuffled_order(steps: int, batch_size: int = 4) -> list:
+    """The inputs of the first ``steps`` batches of ``DataLoader(data(), batch_size,
+    shuffle=True)`` in one process, right after ``Net()`` is built (which seeds torch's
+    generator): the order a script of one process trains on."""
+    from torch.utils.data import DataLoader
+
+    Net()
+    batches = iter(DataLoader(data(), batch_size=batch_size, shuffle=True))
+    return [next(batches)[0] for _ in range(steps)]
+
+
 class PlannedNet(Net):
     """``Net`` with its own plan: the MLP split, and the head colwise with its output left
     a DTensor sharded on the classes, for ``loss_parallel``."""

@@ -7,13 +7,15 @@
   loads into an uncompiled one and back. ``teardown`` takes the compilation off again: the
   module a script gets back after ``fit`` is the one it gave.
 * **Where it sits among the model transforms** (torchtitan's order: pipeline split, tp,
-  compile, then data-parallel wrapping). ``wrap_model`` runs ``tryfirst``, before the
-  strategy's wrapper (ddp's ``DistributedDataParallel``, fsdp's ``fully_shard``), and
-  returns ``None`` so the strategy still wraps. Compiling is lazy: Dynamo traces a module
-  at its first call, in the first training step, so it traces the module as every
-  ``wrap_model`` left it (tp's DTensor parameters, fsdp's hooks) whatever the order of
-  the ``tryfirst`` implementations. Per block, each block is marked before ``fully_shard``
-  makes it a unit, as torchtitan does.
+  compile, then data-parallel wrapping). The core calls the mesh plugins' ``wrap_model`` in
+  that order whatever order the run lists them in (``hookloop.mesh.registration_order``:
+  ``--plugins tp,compile`` and ``compile,tp`` alike), and a strategy that owns the
+  lifecycle alone (deepspeed, horovod) after compile too; ``wrap_model`` returns ``None``
+  so the strategy still wraps. Compiling is lazy: Dynamo traces a module at its first
+  call, in the first training step, so it traces the module as every ``wrap_model`` left
+  it (tp's DTensor parameters, fsdp's hooks). Per block, each block is marked before
+  ``fully_shard`` makes it a unit, as torchtitan does. Beside the pipeline it is refused
+  at construction (no test checks it).
 * **Under ddp** the compiled module is the user's module inside the step module that
   ``DistributedDataParallel`` wraps; Dynamo traces it while DDP's forward runs, so its
   DDPOptimizer splits the graph at DDP's bucket boundaries and the all-reduce overlaps
@@ -99,6 +101,11 @@ class Compile:
     hookloop_requires = ">=2,<3"
     #: it composes with any mesh plugin: it claims no mesh dimension
     hookloop_mesh_dims: tuple[str, ...] = ()
+    #: refused at construction (hookloop.mesh.check_refusals): the pipeline runs stage
+    #: modules cut out of the user's module, which a whole-model compile never calls
+    hookloop_refuses_beside = {
+        "pp": "the pipeline runs stages cut out of the module, and no test checks torch.compile on them yet: "
+              "run the pipeline without compile, or compile without the pipeline"}
 
     def __init__(self, mode: str | None = None, backend: str | Callable = "inductor", fullgraph: bool = False,
                  dynamic: bool | None = None, blocks: list[str] | str | None = None,
@@ -165,7 +172,7 @@ class Compile:
         return {"mode": self.mode, "backend": self.backend, "fullgraph": self.fullgraph,
                 "dynamic": self.dynamic, "options": self.options}
 
-    @hookloop.hookimpl(tryfirst=True)
+    @hookloop.hookimpl
     def wrap_model(self, trainer, model):
         """Compile the chosen modules of the user's module in place, then let the
         strategy wrap (returns ``None``)."""

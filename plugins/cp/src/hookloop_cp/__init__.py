@@ -28,9 +28,10 @@ attention. Everything else in the model works position by position on the local 
   the mean over the whole sequence). Validation, test and predict run unsharded (every
   cp process computes the whole batch).
 * **Composition.** An extension claiming ``cp`` (``hookloop_mesh_dims = ("cp",)``): it
-  needs the strategy that starts the process group and owns the model (ddp, fsdp, tp),
-  which keep doing so on their own dimensions: ``--plugins ddp,cp --mesh cp=2``,
-  ``--plugins fsdp,cp --mesh dp_shard=2,cp=2``.
+  needs the strategy that starts the process group and owns the model, ddp, which keeps
+  doing so on its own dimension: ``--plugins ddp,cp --mesh cp=2``. Beside tp, fsdp,
+  compile or float8 it is refused at construction (``hookloop_refuses_beside``): no test
+  checks those layouts yet.
 """
 
 from __future__ import annotations
@@ -96,6 +97,13 @@ class CP:
     hookloop_role = "extension"
     hookloop_requires = ">=2,<3"
     hookloop_mesh_dims = ("cp",)
+    #: the layouts no test checks yet: refused at construction (hookloop.mesh.check_refusals;
+    #: docs/configurations.md, "Every pair of mesh plugins"). ddp x cp is checked; pipeline x
+    #: cp is refused by the pipeline at start (P08).
+    hookloop_refuses_beside = {
+        d: f"context parallelism is checked beside ddp only (tests/test_cp.py, tests/gpu/test_cp_gpu.py); "
+           f"beside {what} no test checks it yet. Run --plugins ddp,cp --mesh dp_replicate=R,cp=C"
+        for d, what in (("tp", "tp"), ("dp_shard", "fsdp"), ("compile", "compile"), ("float8", "float8"))}
 
     def __init__(self, seq_dim: int = 1, buffers: list[str] | str | None = None, rotate_method: str = "allgather"):
         if isinstance(seq_dim, bool) or not isinstance(seq_dim, int) or seq_dim < 1:

@@ -67,6 +67,14 @@ def _check_type(name: str, value: Any, kinds: tuple, rule: str, ok: bool = True)
         raise hookloop.ConfigurationError(f"ddp option {name}={value!r}: {rule}")
 
 
+#: Why ddp x tp is refused, and what to run instead (docs/configurations.md).
+DDP_X_TP = ("DistributedDataParallel replicates plain tensors, and tp's split layers hold DTensors, so "
+            "--plugins ddp,tp --mesh dp_replicate=R,tp=T is not supported. For R data-parallel replicas of a "
+            "tensor-parallel model use fsdp: --plugins fsdp,tp --mesh dp_shard=R,tp=T, or replicas of fsdp "
+            "shards (HSDP): --plugins fsdp,tp --plugin-option fsdp.sharding_strategy=HYBRID_SHARD "
+            "--mesh dp_replicate=R,dp_shard=S,tp=T (dp_shard=1: whole replicas, ddp's layout)")
+
+
 class DDP(hookloop.TorchDistributed):
     """Distributed data parallel training with ``torch.nn.parallel.DistributedDataParallel``.
 
@@ -103,6 +111,17 @@ class DDP(hookloop.TorchDistributed):
     hookloop_mesh_dims = ("dp_replicate",)
     hookloop_role = "strategy"
     hookloop_requires = ">=2,<3"  # the plugin contract versions it is written for
+
+    @property
+    def hookloop_refuses_beside(self) -> dict[str, str]:
+        """ddp x tp is refused at construction (hookloop.mesh.check_refusals; docs/decisions.md,
+        "ddp x tp is refused"). A property: fsdp, the pipeline and tp inherit this class and
+        compose with tp; only DistributedDataParallel on ``dp_replicate`` alone refuses it."""
+        from hookloop.mesh import mesh_dims
+
+        if tuple(mesh_dims(self) or ()) != ("dp_replicate",):
+            return {}
+        return {"tp": DDP_X_TP}
 
     _OPTIONS = (
         "process_group_backend", "find_unused_parameters", "static_graph",

@@ -16,9 +16,11 @@ run in float8 (e4m3 for inputs and weights, e5m2 for output gradients) with the
   a slower, less precise float32 run.
 * **torchao** is imported at ``setup``; missing, it is a
   :class:`hookloop.MissingDependencyError` naming ``pip install torchao``.
-* **Order.** ``wrap_model`` runs ``tryfirst`` and returns ``None``: the layers are
-  converted before the strategy wraps the model (ddp, fsdp), as torchtitan converts before
-  it parallelizes. It claims no mesh dimension (``hookloop_mesh_dims = ()``).
+* **Order.** ``wrap_model`` returns ``None``: the layers are converted before a strategy
+  that owns the lifecycle wraps the model (the core orders the transforms). It claims no
+  mesh dimension (``hookloop_mesh_dims = ()``) and runs alone: beside any mesh plugin it is
+  refused at construction, since no test checks those layouts yet
+  (``hookloop_refuses_beside``; docs/configurations.md, "Every pair of mesh plugins").
 """
 
 from __future__ import annotations
@@ -84,6 +86,16 @@ class Float8:
     hookloop_requires = ">=2,<3"
     #: it composes with the mesh plugins: it claims no mesh dimension
     hookloop_mesh_dims: tuple[str, ...] = ()
+    #: refused at construction (hookloop.mesh.check_refusals): float8 is checked alone on
+    #: one GPU (tests/gpu/test_float8_gpu.py); tp needs torchao's float8 tensor-parallel
+    #: styles, and no test checks any other layout yet
+    hookloop_refuses_beside = {
+        d: f"float8 is checked alone on one GPU (tests/gpu/test_float8_gpu.py), and beside {what} no test "
+           f"checks it yet{extra}: train float8 on one GPU, or {what} without float8"
+        for d, what, extra in (
+            ("tp", "tp", " (tp needs torchao's Float8ColwiseParallel/Float8RowwiseParallel styles)"),
+            ("cp", "cp", ""), ("pp", "the pipeline", ""), ("dp_replicate", "ddp", ""), ("dp_shard", "fsdp", ""),
+            ("compile", "compile", ""))}
 
     def __init__(self, recipe: str = "tensorwise", skip: list[str] | str | None = None):
         if recipe not in RECIPES:
@@ -113,7 +125,7 @@ class Float8:
         return (isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
                 and not any(fnmatch.fnmatchcase(name, p) for p in self.skip))
 
-    @hookloop.hookimpl(tryfirst=True)
+    @hookloop.hookimpl
     def wrap_model(self, trainer, model):
         """Convert the chosen layers of the user's module in place, before the strategy
         wraps it (returns ``None``)."""

@@ -120,6 +120,27 @@ class FSDP(DDP):
             return ("dp_replicate", "dp_shard")
         return ("dp_shard",)
 
+    @property
+    def hookloop_refuses_beside(self) -> dict[str, str]:
+        """The layouts of an fsdp variant that no test checks yet, refused at construction
+        (:func:`hookloop.mesh.check_refusals`; docs/configurations.md, "Every pair of mesh
+        plugins"): ``cpu_offload`` and ``NO_SHARD`` beside tp, the pipeline or compile;
+        ``HYBRID_SHARD`` (HSDP, checked beside tp) beside the pipeline or compile. The
+        default (``FULL_SHARD``) is checked beside all three; ``SHARD_GRAD_OP`` (the same
+        ``fully_shard`` without resharding after the forward) is taken as it."""
+        strategy = opts.sharding_strategy(self.sharding_strategy)
+        variant = [f"sharding_strategy={strategy!r}"] if strategy in ("HYBRID_SHARD", "NO_SHARD") else []
+        if self.cpu_offload:
+            variant.append("cpu_offload=True")
+        if not variant:
+            return {}
+        others = {"pp": "the pipeline", "compile": "compile"}
+        if self.cpu_offload or strategy == "NO_SHARD":
+            others["tp"] = "tp"
+        return {key: (f"fsdp with {' and '.join(variant)} is not checked beside {what} by any test yet: beside "
+                      f"{what} use fsdp's default sharding (FULL_SHARD) without cpu_offload, or run fsdp with "
+                      f"{' and '.join(variant)} without {what}") for key, what in others.items()}
+
     def hookloop_mesh_sizes(self, trainer) -> dict[str, int]:
         """Sizes of its own dimensions when the run gives none (``--mesh`` wins):
         ``HYBRID_SHARD``'s ``device_mesh`` option or (nodes, processes per node), and

@@ -8,7 +8,8 @@ see the same batches) and checkpoints (``torch.distributed.checkpoint`` in the c
 format, :mod:`hookloop.dcp`: resumable under another layout, loadable by one process).
 
 Beside a data-parallel mesh plugin (fsdp on ``dp_shard``, HSDP on ``dp_replicate`` x
-``dp_shard``, ddp on ``dp_replicate``) tp only transforms the model: the data-parallel
+``dp_shard``; ddp x tp is refused at construction, see ``hookloop_ddp.strategy.DDP_X_TP``)
+tp only transforms the model: the data-parallel
 plugin leads the lifecycle (process group, samplers, gradient accumulation, backward,
 optimizer, checkpoints, teardown's gathering) and tp's ``wrap_model`` splits the layers
 in place and returns ``None``, so the leader's ``wrap_model`` (called next: the core
@@ -235,8 +236,9 @@ class TP(DDP):
     def wrap_model(self, trainer, model, optimizers):
         """Split the user's module over the ``tp`` mesh with its plan (see :class:`TP`);
         point the optimizers of ``configure_optimizers`` at the distributed parameters.
-        Every process starts from global rank 0's weights. Beside a data-parallel plugin,
-        returns ``None`` (the module is split in place; the leader wraps it next)."""
+        Every process starts from global rank 0's weights. Returns ``None``: the module is
+        split in place, and the next transform (compile), then the leader beside a
+        data-parallel plugin (or the core's default alone), wraps it."""
         from torch.distributed.tensor.parallel import parallelize_module
 
         module = model.module
@@ -266,7 +268,7 @@ class TP(DDP):
                 plans.check_sizes(module, plan.styles, self.mesh.size())
                 parallelize_module(module, self.mesh, plan.styles)
         hookloop.repoint_optimizers(optimizers or [], names, module, owner="tp")
-        return None if self.lead is not None else model
+        return None  # split in place: the next transform (compile), then the leader or the default, wraps
 
     @hookloop.hookimpl
     def wrap_optimizer(self, optimizer):
@@ -295,7 +297,9 @@ class TP(DDP):
 
     @hookloop.hookimpl
     def configure_sampler(self, trainer, dataloader, training):
-        """The data-parallel share (``hookloop.data_parallel_rank``): one for the whole tp group."""
+        """The data-parallel share (``hookloop.data_parallel_rank``): one for the whole tp group.
+        Alone (one replica) the user's loader as it is: its own sampler, in the order global
+        rank 0 draws, as one process would (:class:`hookloop.distributed.RankZeroOrder`)."""
         if self.lead is not None:
             return None  # the leader's: the same split (data_parallel_rank)
         return hookloop.DistributedSampling.configure_sampler(self, trainer, dataloader, training)
