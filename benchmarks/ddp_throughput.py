@@ -14,11 +14,13 @@ per-round ratios are reported; the last line is ``hookloop/raw <ratio>``.
 
     python benchmarks/ddp_throughput.py [--rounds 9] [--epochs 3] [--samples 16384]
 
-``--agreement`` measures instead what the SIGTERM agreement (``hookloop.faults``, once
-per optimizer step) costs per step, at a small step (batch 64 per rank, ~2 ms) and a
-medium one (batch 512): hookloop's ddp with the agreement ``off``, ``blocking`` (what
-it was: the strategy's all-reduce of the flag, waited on at every boundary) and
-``async`` (what it is: started at a boundary, read at the next, on a gloo side group).
+``--agreement`` measures instead what the SIGTERM agreement (``hookloop.faults``) costs
+per step, at a small step (batch 64 per rank, ~2 ms) and a medium one (batch 512):
+hookloop's ddp with the agreement ``off``, ``blocking`` (what it was before issue 17: the
+strategy's all-reduce of the flag, waited on at every boundary) and ``async`` (the
+default: started at a boundary, read at the next agreement, on a gloo side group; since
+issue 33 every ``stop_check_every_n_steps`` = 16 boundaries: benchmarks/agreement.py
+compares that with an agreement at every step).
 The three run back to back in a rotating order each round; reported are the median
 ms/step and the medians of the per-round step-time ratios to ``off``.
 

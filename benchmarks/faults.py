@@ -8,11 +8,12 @@ trained twice (steps lost: trained by the faulted attempt after its last checkpo
 whether the final weights equal the uninterrupted run's bit for bit.
 
 * ``kill``: rank 1 SIGKILLs itself after step 3 (last checkpoint: step 2);
-* ``term``: rank 1 receives SIGTERM after step 3 (preemption: checkpoint at the next
-  boundary the ranks agree on, one step after the signal since the agreement is
-  asynchronous: no steps are lost, one more is trained before the stop);
-* ``term-agent``: the agent receives SIGTERM after step 3; the job ends with a checkpoint
-  and is run again with ``ckpt_path="last"``;
+* ``term``: rank 1 receives SIGTERM after step 3 (preemption: checkpoint at the boundary
+  the ranks agree on; with ``stop_check_every_n_steps=2`` the flag goes into boundary 4's
+  asynchronous all-reduce, read at boundary 6: no steps are lost, three more are trained
+  before the stop);
+* ``term-agent``: the agent receives SIGTERM after step 3 (``stop_check_every_n_steps=1``);
+  the job ends with a checkpoint and is run again with ``ckpt_path="last"``;
 * ``stop``: rank 1 is SIGSTOPped after step 3; ``process_group_timeout=5`` s.
 
 Part 2, checkpoint interval: one process trains an MLP (about 1.1 M parameters, a 12 MiB
@@ -55,8 +56,8 @@ TOTAL_STEPS = 8
 FAULTS = {  # name: (restart_job.py arguments, a re-run with ckpt_path="last" after it)
     "none": ([], False),
     "kill": (["3", "--fault", "kill"], False),
-    "term": (["3", "--fault", "term"], False),
-    "term-agent": (["3", "--fault", "term-agent", "--slow", "0.5"], True),
+    "term": (["3", "--fault", "term", "--stop-every", "2"], False),
+    "term-agent": (["3", "--fault", "term-agent", "--slow", "0.5", "--stop-every", "1"], True),
     "stop": (["3", "--fault", "stop", "--timeout", "5"], False),
 }
 

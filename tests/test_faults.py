@@ -218,19 +218,21 @@ def assert_same_weights(out, reference):
 def test_sigterm_to_a_worker_checkpoints_at_the_next_step_boundary_and_the_restart_resumes_exactly(tmp_path, reference):
     started = time.monotonic()
     out = tmp_path / "term"
-    # Global rank 1 receives SIGTERM at the end of step 3 (in on_train_batch_end).
-    stdout, stderr = finish(start_job(out, "3", "--fault", "term"), stderr_too=True)
+    # Global rank 1 receives SIGTERM at the end of step 3 (in on_train_batch_end); the
+    # ranks agree every 2 steps (stop_check_every_n_steps=2).
+    stdout, stderr = finish(start_job(out, "3", "--fault", "term", "--stop-every", "2"), stderr_too=True)
     print(f"SIGTERM to a worker, whole job: {time.monotonic() - started:.1f}s")
     last = out / "root" / "logs" / "version_0" / "checkpoints" / "last.ckpt"
-    # Both ranks agreed to stop at the boundary after step 4 (the flag rank 1 had before
-    # boundary 3 is read at boundary 4: the agreement does not wait): neither took step 5...
-    assert steps(out, 0, 0) == steps(out, 1, 0) == [1, 2, 3, 4]
+    # The agreements are at boundaries 2, 4, 6, 8, each reading the one before. Rank 1's
+    # flag (set during step 3) went into boundary 4's all-reduce, read at boundary 6
+    # (across the epoch's end): both ranks stopped there, neither took step 7...
+    assert steps(out, 0, 0) == steps(out, 1, 0) == [1, 2, 3, 4, 5, 6]
     assert "hookloop: global rank 1 received SIGTERM" in stderr
-    assert ("hookloop: preempted (SIGTERM): stopped at the optimizer-step boundary after epoch 0, global step 4 "
-            f"(batch 4 of the epoch); checkpoint written to {last}; exiting with status 143") in stdout
-    # ...and the restarted workers continued from that checkpoint, not from step 2's.
-    assert f"resumed from {last} at epoch 0, global step 4" in stdout
-    assert steps(out, 0, 1) == steps(out, 1, 1) == [5, 6, 7, 8]
+    assert ("hookloop: preempted (SIGTERM): stopped at the optimizer-step boundary after epoch 1, global step 6 "
+            f"(batch 2 of the epoch); checkpoint written to {last}; exiting with status 143") in stdout
+    # ...and the restarted workers continued from that checkpoint, not from step 4's.
+    assert f"resumed from {last} at epoch 1, global step 6" in stdout
+    assert steps(out, 0, 1) == steps(out, 1, 1) == [7, 8]
     assert_same_weights(out, reference)
 
 
@@ -243,8 +245,9 @@ def test_sigterm_to_the_agent_ends_the_job_with_a_checkpoint_and_a_rerun_resumes
     started = time.monotonic()
     out = tmp_path / "agent"
     # SIGTERM at the end of step 3; the agent forwards it to both workers and exits. Later
-    # steps take 0.5 s each, so the forwarded signal lands inside the run.
-    stdout, stderr = finish(start_job(out, "3", "--fault", fault, "--slow", "0.5"),
+    # steps take 0.5 s each, so the forwarded signal lands inside the run; the ranks agree
+    # at every step (stop_check_every_n_steps=1), so they stop within the 8 steps.
+    stdout, stderr = finish(start_job(out, "3", "--fault", fault, "--slow", "0.5", "--stop-every", "1"),
                             stderr_too=True, status="failure")
     first = time.monotonic() - started
     assert "Received 15 death signal, shutting down workers" in stderr  # the agent's own log
@@ -396,3 +399,113 @@ def test_process_group_timeout_is_checked_and_defaults_per_backend():
     for bad in (0, -1, "10", True):
         with pytest.raises(hookloop.ConfigurationError, match="process_group_timeout=.* must be a number of seconds"):
             hookloop.Trainer(process_group_timeout=bad)
+
+
+def test_stop_check_every_n_steps_defaults_to_16_and_is_checked():
+    assert hookloop.Trainer().config.stop_check_every_n_steps == 16 == hookloop.faults.DEFAULT_STOP_CHECK_EVERY_N_STEPS
+    assert hookloop.Trainer(stop_check_every_n_steps=1).config.stop_check_every_n_steps == 1
+    for bad in (0, -2, 2.0, True, "4", None):
+        with pytest.raises(hookloop.ConfigurationError,
+                           match=r"stop_check_every_n_steps=.* must be a whole number of optimizer steps >= 1: how "
+                                 r"often the processes agree on stopping for a SIGTERM or max_time"):
+            hookloop.Trainer(stop_check_every_n_steps=bad)
+
+
+class _Plugins:
+    def __init__(self, plugins):
+        self.plugins = plugins
+
+    def get_plugins(self):
+        return self.plugins
+
+
+class _Vote:
+    """A plugin whose ``stop_vote`` says stop from boundary ``at`` on (rank 0's clock)."""
+
+    def __init__(self, preemption, at):
+        self.preemption, self.at = preemption, at
+
+    def stop_vote(self, trainer):
+        return self.preemption.boundaries >= self.at
+
+
+@pytest.mark.parametrize("every", [1, 4])
+def test_the_stop_agreement_runs_every_k_boundaries_and_stops_at_the_one_after_the_signal(monkeypatch, tmp_path,
+                                                                                          every):
+    # The schedule of Preemption, in one process of a real gloo group standing for one of
+    # two ranks: the all-reduces (counted) happen at boundaries K, 2K, ... only, and a
+    # SIGTERM seen between agreement boundaries (m - 1)K and mK stops at (m + 1)K (K = 1:
+    # the boundary after the next, the behaviour before issue 33); a stop vote as well.
+    from types import SimpleNamespace
+
+    started = []
+    all_reduce = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: (started.append(k.get("async_op")), all_reduce(*a, **k))[1])
+    monkeypatch.setattr(hookloop.faults, "cpu_process_group", lambda: None)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        for signal_at, vote_at in ((5, None), (None, 5)):
+            started.clear()
+            preemption = hookloop.faults.Preemption()
+            plugins = [_Vote(preemption, vote_at)] if vote_at else []
+            trainer = SimpleNamespace(world_size=2, global_rank=0, plugin_manager=_Plugins(plugins),
+                                      config=SimpleNamespace(stop_check_every_n_steps=every))
+            preemption.prepare(trainer)
+            preemption._group = dist.group.WORLD  # the side group of a real 2-rank run
+            collectives, stop = [], None
+            for boundary in range(1, 40):
+                if boundary == signal_at:
+                    preemption.requested = True  # SIGTERM during this step, before its boundary
+                before = len(started)
+                voted = preemption.agree_stop(trainer)
+                if preemption.agreed(trainer) or voted:
+                    stop = boundary
+                if len(started) > before:
+                    collectives.append(boundary)
+                if stop:
+                    break
+            preemption.finish()
+            expected = {1: 6, 4: 12}[every]  # the flag enters the agreement at 5 (K=1) or 8 (K=4)
+            assert stop == expected, (signal_at, vote_at, stop)
+            assert set(started) == {True}  # every one asynchronous, none waited on at once
+            # an all-reduce at each agreement boundary but the SIGTERM's last (nothing left pending)
+            last = expected if signal_at is None else expected - every
+            assert collectives == list(range(every, last + 1, every))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_failed_wait_for_the_stop_agreement_is_named_whichever_call_reached_the_boundary_first():
+    # The wait for the agreement's all-reduce is in Preemption._boundary, reached from the
+    # loop's agreed() or from max_time's agree_stop(): a collective failure there names the
+    # preemption check either way (it said "a collective" when reached from agree_stop).
+    from types import SimpleNamespace
+
+    class FailedWork:
+        def wait(self):
+            raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+
+    trainer = SimpleNamespace(world_size=2, global_rank=0, plugin_manager=_Plugins([]),
+                              config=SimpleNamespace(stop_check_every_n_steps=2))
+    for call in ("agreed", "agree_stop"):
+        preemption = hookloop.faults.Preemption()
+        preemption.prepare(trainer)
+        preemption._group, preemption._pending, preemption.boundaries = object(), FailedWork(), 1
+        with pytest.raises(RuntimeError) as failed:
+            getattr(preemption, call)(trainer)
+        assert hookloop.faults.describe_collective(failed.value) == (
+            "all_reduce of the preemption check (the SIGTERM flag, at an optimizer-step boundary)"), call
+
+
+def test_hookloop_run_passes_stop_check_every_n_steps_and_refuses_a_bad_one_before_launching(
+        tmp_path, monkeypatch, capsys):
+    from hookloop import cli
+
+    script = tmp_path / "train.py"
+    script.write_text("import hookloop\n")
+    given = {}
+    monkeypatch.setattr(cli, "run_command", lambda cmd, settings, workers=True: given.update(settings) or 0)
+    assert cli.main(["run", "--stop-check-every-n-steps", "4", str(script)]) == 0
+    assert given["stop_check_every_n_steps"] == 4  # the workers' Trainer defaults (HOOKLOOP_TRAINER_DEFAULTS)
+    assert cli.main(["run", "--stop-check-every-n-steps", "0", str(script)]) == 2
+    assert "stop_check_every_n_steps=0 must be a whole number of optimizer steps >= 1" in capsys.readouterr().err

@@ -133,6 +133,27 @@ def test_two_all_reduces_per_step_under_ddp(jobs):
     assert "two_all_reduces.on_train_batch_end" in text and CORE in text and TOTAL in text
 
 
+@pytest.mark.check  # reads the shared ddp job
+def test_the_stop_agreement_costs_the_core_nothing_between_its_boundaries_under_ddp(jobs):
+    # tests/scripts/ledger_collectives.py: the ledger counts optimizer steps 2 and 6 of 8.
+    # Before issue 33 every step of a ddp run started the agreement's all-reduce and read
+    # the previous one (.item()): 1 collective and 1 host read per step in the core.
+    tmp_path = jobs.run("ddp").dir("ledger_collectives")
+    for rank in (0, 1):
+        def core(every):
+            record = json.loads((tmp_path / f"agreement{every}.rank{rank}.json").read_text())
+            assert record["counted"] == 2
+            return record["every"], record["rows"][CORE]["collectives/step"], record["rows"][CORE]["syncs/step"]
+
+        # the default (every 16 steps: none in these 8) and every 4 (steps 4 and 8): none
+        # of the counted steps is an agreement boundary
+        assert core("default") == (16, 0, 0)
+        assert core(4) == (4, 0, 0)
+        # every 2: both counted steps are; the ledger sees the all-reduce started at each,
+        # and the read of the one before at step 6 (step 2 is the first: nothing to read)
+        assert core(2) == (2, 1, 0.5)
+
+
 @pytest.mark.filterwarnings("ignore::hookloop.HookloopContractWarning")  # the stand-in distribution is not "hookloop"
 def test_enabled_by_name_through_the_core_entry_point(site):
     # pyproject.toml declares `ledger`; an installed copy of that entry point (what pip

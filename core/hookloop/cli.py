@@ -96,6 +96,10 @@ def _build_parser(commands: dict) -> argparse.ArgumentParser:
                    help="seconds a collective may wait before the ranks fail (default: gloo 300, nccl 600)")
     r.add_argument("--requeue-on-preemption", action="store_true", default=None,
                    help="under SLURM, requeue the job (scontrol requeue) after a SIGTERM checkpoint")
+    r.add_argument("--stop-check-every-n-steps", type=int, default=None, metavar="K",
+                   help="the processes agree on stopping (SIGTERM, --max-time) every K optimizer steps, "
+                        "without waiting; a stop comes K to 2K steps after the signal (default 16; 1 for "
+                        "steps of a second or more)")
     r.add_argument("--mesh", default=None, metavar="DIM=SIZE,...",
                    help="the device mesh's sizes, e.g. dp_shard=2,tp=2 (product = processes; a claimed "
                         "dimension left out takes the rest); default: HOOKLOOP_MESH")
@@ -283,6 +287,7 @@ def cmd_run(args) -> int:
         "max_restarts": args.max_restarts,
         "process_group_timeout": args.process_group_timeout,
         "requeue_on_preemption": args.requeue_on_preemption,
+        "stop_check_every_n_steps": args.stop_check_every_n_steps,
     }
     settings.update({k: v for k, v in explicit.items() if v is not None})
     if args.plugins is not None:

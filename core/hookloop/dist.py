@@ -240,6 +240,10 @@ def _frames(exc: BaseException) -> list:
     return frames
 
 
+#: hookloop.faults.Preemption's methods that start or wait for the stop agreement's all_reduce
+_AGREEMENT_FRAMES = frozenset({"agreed", "_boundary", "agree_now", "agree_stop", "finish"})
+
+
 def _frame_kind(frame) -> str | None:
     path = frame.f_code.co_filename.replace("\\", "/")
     name = frame.f_code.co_name
@@ -247,8 +251,8 @@ def _frame_kind(frame) -> str | None:
         return name
     if name in ("backward", "run_backward", "_engine_run_backward") and "/torch/" in path:
         return "backward"
-    if name == "agreed" and path.endswith("hookloop/faults.py"):
-        return "agreement"  # the wait for the preemption check's asynchronous all_reduce
+    if name in _AGREEMENT_FRAMES and path.endswith("hookloop/faults.py"):
+        return "agreement"  # the preemption check's all_reduce, or the wait for it
     return None
 
 
@@ -276,7 +280,7 @@ def describe_collective(exc: BaseException) -> str:
     if caller is not None:
         name = caller.f_code.co_name
         label = caller.f_locals.get("name") if name == "barrier" else None
-        if name == "agreed":
+        if name in _AGREEMENT_FRAMES:
             where = " of the preemption check (the SIGTERM flag, at an optimizer-step boundary)"
         elif label:
             where = f" {label!r}"

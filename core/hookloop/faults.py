@@ -3,31 +3,48 @@ a rank stops making progress.
 
 Preemption
     SIGTERM (what SLURM, Kubernetes and torch's elastic agent send before killing) sets a
-    flag; at every optimizer-step boundary the ranks agree on it (the flag itself for one
-    process; for several, an all-reduce MAX of one number, started at a boundary without
-    waiting and read at the next, so a rank that had it before boundary k stops every rank
-    at boundary k + 1: one optimizer step later than a blocking agreement, which cost a
-    wait for the slowest rank at every step), and the first boundary where the ranks
-    agree on it ends the run on every rank: ``last.ckpt`` of this run
-    is written through ``trainer.save_checkpoint``, global rank 0 asks SLURM to requeue
+    flag. One process reads its flag at every optimizer-step boundary. Several processes
+    agree on it off the critical path: at every K-th optimizer-step boundary of the fit
+    (K = ``Trainer(stop_check_every_n_steps=...)``, default
+    :data:`DEFAULT_STOP_CHECK_EVERY_N_STEPS` = 16), each rank starts an all-reduce (MAX)
+    of ``[SIGTERM, -, -, stop vote]`` without waiting, on a gloo side group (a CPU
+    tensor), and reads the one it started K boundaries before, long finished; at the
+    boundaries between, nothing is done (no collective, no host read). Every rank reads
+    the same value at the same boundary, so **every rank stops at the same optimizer
+    step, after writing the checkpoint first**: a SIGTERM that reached any rank after
+    agreement boundary (m - 1)K and before boundary mK is read at boundary (m + 1)K, so
+    the run stops K to 2K optimizer steps after the step in which the signal came (with
+    K = 1: at the boundary after that step's, as before issue 33). The boundary that
+    stops the run writes ``last.ckpt`` of this run
+    through ``trainer.save_checkpoint`` (every rank), global rank 0 asks SLURM to requeue
     the job when ``requeue_on_preemption`` is set, and every rank exits with
     :data:`PREEMPTED_EXIT_CODE`, a failure that the elastic agent restarts (while
-    restarts remain); the restarted workers resume from that checkpoint.
+    restarts remain); the restarted workers resume from that checkpoint. A SIGTERM that
+    the run has not agreed on when training ends (in its last 2K steps) lets ``fit``
+    complete and goes to the previous handler after it. The grace period between SIGTERM
+    and SIGKILL (SLURM's ``KillWait``, Kubernetes' ``terminationGracePeriodSeconds``,
+    often 30 s) must hold 2K steps and the checkpoint: with steps of a second or more,
+    give ``stop_check_every_n_steps`` a smaller K (an agreement costs about an all-reduce
+    of four numbers on the CPU, which such steps do not notice).
 
 Rank-agreed flags of the step (``nan_guard``)
     A plugin that must act on every rank at the same step on something one rank saw (a
     NaN loss) folds its flag into the same all-reduce: :meth:`Preemption.agree_now`,
-    called before the optimizer step, all-reduces ``[SIGTERM, flag, rank]`` (MAX) and
-    waits for it; the loop's :meth:`Preemption.agreed` at that boundary then reads its
-    SIGTERM part instead of starting its own. One collective per step either way: while
-    such a plugin is enabled, it is blocking (a wait for the slowest rank, and a read of
-    the loss, a device sync on GPUs) and a SIGTERM stops at the boundary where it came.
+    called before the optimizer step, all-reduces ``[SIGTERM, flag, rank, stop vote]``
+    (MAX) and waits for it; the loop's :meth:`Preemption.agreed` at that boundary then
+    reads its SIGTERM part instead of starting its own. While such a plugin is enabled,
+    every boundary is an agreement and it is blocking (a wait for the slowest rank, and
+    a read of the loss, a device sync on GPUs; a SIGTERM stops at the boundary where it
+    came): only the runs that enable it pay.
+
+Stop votes (``max_time``)
     A stop that one rank decides for all (the ``Timer`` behind ``max_time``: rank 0's
     clock) rides the same all-reduce: a plugin with a ``stop_vote(trainer) -> bool``
-    method votes in every agreement of the step (``agree_now``), and
-    :meth:`Preemption.agree_stop`, called at a step boundary after the optimizer step,
-    returns the vote of any rank (agreeing now, blocking, if nothing agreed yet at this
-    boundary).
+    method votes in every agreement, and :meth:`Preemption.agree_stop`, called at a step
+    boundary after the optimizer step, returns the vote agreed at this boundary (the
+    votes given K boundaries before, or :meth:`agree_now`'s of this boundary; False at
+    the boundaries between): so ``max_time`` stops every rank at the same step, at most
+    2K optimizer steps after rank 0's clock said the time was up.
 
 Hung collectives
     The process group's timeout (``Trainer(process_group_timeout=...)``, default per
@@ -47,6 +64,8 @@ import sys
 import threading
 from pathlib import Path
 from typing import Any
+
+from .config import DEFAULT_STOP_CHECK_EVERY_N_STEPS  # noqa: F401  (the schedule's default, K)
 
 # What a failed collective is and how it is reported, and the timeouts, moved to
 # hookloop.dist with the process groups; they stay importable from here.
@@ -78,18 +97,24 @@ class Preemption:
     there, and only there can they be set); :meth:`uninstall` puts the previous handler
     back. A SIGTERM that arrives after the last step boundary (training was complete) is
     handed to that previous handler once ``fit`` is over.
+
+    With several processes the ranks agree at every ``stop_check_every_n_steps``-th
+    optimizer-step boundary of the ``fit`` (K, counted from the fit's first boundary):
+    the all-reduce started at boundary m*K is read at boundary (m + 1)*K, and nothing is
+    done at the boundaries between (no collective, no read).
     """
 
     def __init__(self) -> None:
         self.requested = False  # this rank received SIGTERM
         self.acted = False  # the run stopped for it
         self.installed = False
+        self.every = DEFAULT_STOP_CHECK_EVERY_N_STEPS  # K (prepare: the Trainer's stop_check_every_n_steps)
+        self.boundaries = 0  # optimizer-step boundaries of this fit so far (the agreement's schedule)
         self._previous: Any = None
         self._flag: Any = None  # the tensor the ranks all-reduce, made once
         self._group: Any = None  # its process group (gloo); None: the strategy's reduce
-        self._pending: Any = None  # the all-reduce started at the last boundary
-        self._agreed_now: bool | None = None  # agree_now's SIGTERM verdict for this boundary
-        self._stop_now = False  # agree_now's stop vote for this boundary
+        self._pending: Any = None  # the all-reduce started at the last agreement boundary
+        self._settled: tuple[bool, bool] | None = None  # this boundary's (SIGTERM, stop vote), once agreed
         self._votes: list = []  # the plugins' stop_vote methods (prepare)
 
     def _handler(self, signum, frame) -> None:
@@ -117,92 +142,119 @@ class Preemption:
         import torch
         import torch.distributed as dist
 
+        self.every = getattr(trainer.config, "stop_check_every_n_steps", DEFAULT_STOP_CHECK_EVERY_N_STEPS)
         # [SIGTERM, a plugin's flag (agree_now), 1 + the global rank that raised it, a stop vote]
-        self._flag = torch.zeros(4)
+        self._flag = torch.zeros(4)  # on the CPU: reading it never waits for a device
         self._votes = [vote for vote in (getattr(p, "stop_vote", None) for p in trainer.plugin_manager.get_plugins())
                        if callable(vote)]
         if (trainer.world_size > 1 and dist.is_available() and dist.is_initialized()
                 and dist.get_world_size() == trainer.world_size):
             self._group = cpu_process_group()
 
-    def agreed(self, trainer) -> bool:
-        """Whether the ranks agree to stop; called by every rank at every optimizer-step
-        boundary. With ``torch.distributed``, the all-reduce (MAX) of this rank's flag is
-        started here without waiting, on a gloo side group (no device sync under NCCL),
-        and the one started at the previous boundary, long finished, is read: every rank
-        reads the same value at the same boundary, so all stop together, one boundary
-        after the one where the first rank had the flag. Without it (horovod), the
-        strategy's ``reduce`` of the flag, at every boundary (a wait per step)."""
-        if self._agreed_now is not None:  # agree_now ran at this boundary: its verdict
-            agreed, self._agreed_now = self._agreed_now, None
-            return agreed
-        if trainer.world_size == 1:
-            return self.requested
-        import torch.distributed as dist
+    def _fill(self, trainer, flag: float = 0.0) -> None:
+        self._flag[0] = 1.0 if self.requested else 0.0
+        self._flag[1] = float(flag)
+        self._flag[2] = float(trainer.global_rank + 1) if flag else 0.0
+        self._flag[3] = 1.0 if any(vote(trainer) for vote in self._votes) else 0.0
 
+    def _boundary(self, trainer) -> tuple[bool, bool]:
+        """This optimizer-step boundary's agreement, done once per boundary (by whichever of
+        :meth:`agree_stop` and :meth:`agreed` comes first; :meth:`agreed`, the loop's call,
+        ends the boundary): ``(SIGTERM, stop vote)`` as every rank reads it here. Off the
+        schedule (a boundary that is not a multiple of K): nothing, ``(False, False)``."""
+        if self._settled is not None:
+            return self._settled
         if self._flag is None:
             self.prepare(trainer)
-        if self._group is None:
-            self._flag.zero_()[0] = 1.0 if self.requested else 0.0
-            return bool(trainer.reduce(self._flag, "max")[0].item())
+        self.boundaries += 1
+        if self.boundaries % self.every:
+            self._settled = (False, False)  # no collective, no read
+            return self._settled
+        if self._group is None:  # not torch.distributed (horovod): the strategy's reduce, blocking
+            self._fill(trainer)
+            sigterm, _, _, stop = trainer.reduce(self._flag, "max").tolist()
+            self._settled = (bool(sigterm), bool(stop))
+            return self._settled
+        import torch.distributed as dist
+
+        sigterm = stop = 0.0
         pending, self._pending = self._pending, None
         if pending is not None:
-            pending.wait()  # started one boundary ago: finished unless a rank lags behind
-            if self._flag[0].item():
-                return True  # nothing new is started: stop() leaves no collective behind
-        self._flag.zero_()[0] = 1.0 if self.requested else 0.0
+            pending.wait()  # started K boundaries ago: finished unless a rank lags behind
+            sigterm, _, _, stop = self._flag.tolist()
+        self._settled = (bool(sigterm), bool(stop))
+        if sigterm:
+            return self._settled  # nothing new is started: stop() leaves no collective behind
+        self._fill(trainer)
         self._pending = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
-        return False
+        return self._settled
+
+    def agreed(self, trainer) -> bool:
+        """Whether the ranks agree to stop for a SIGTERM; called by every rank at every
+        optimizer-step boundary (with several processes). At every K-th boundary (K:
+        ``Trainer(stop_check_every_n_steps=...)``), with ``torch.distributed``, the
+        all-reduce (MAX) of this rank's flag is started here without waiting, on a gloo
+        side group (a CPU tensor: no device sync under NCCL), and the one started K
+        boundaries ago, long finished, is read: every rank reads the same value at the
+        same boundary, so all stop together, at the first agreement boundary after the one
+        where the first rank had the flag (at most 2K boundaries after the signal). At the
+        other boundaries: nothing (no collective, no read). Without torch.distributed
+        (horovod), the strategy's ``reduce`` of the flag at every K-th boundary (a wait)."""
+        if trainer.world_size == 1:
+            return self.requested
+        sigterm, _ = self._boundary(trainer)
+        self._settled = None  # the boundary is over
+        return sigterm
 
     def agree_now(self, trainer, flag: float) -> tuple[float, int]:
         """Agree now, before this boundary's optimizer step, on this rank's ``flag`` (a
-        number >= 0; 0: nothing to report) together with the SIGTERM flag, in one blocking
-        all-reduce (MAX) of ``[SIGTERM, flag, 1 + rank if flag]``: the largest flag of any
-        rank and the highest global rank that raised it (-1: none). Every rank must call
-        it at the same boundary. :meth:`agreed` at this boundary then returns the SIGTERM
-        verdict of this same collective (none of its own: one collective per step)."""
+        number >= 0; 0: nothing to report) together with the SIGTERM flag and the stop
+        votes, in one blocking all-reduce (MAX) of ``[SIGTERM, flag, 1 + rank if flag,
+        vote]``: the largest flag of any rank and the highest global rank that raised it
+        (-1: none). Every rank must call it at the same boundary, whatever the schedule
+        (a plugin that calls it at every step, nan_guard, makes every boundary an
+        agreement, blocking). :meth:`agreed` and :meth:`agree_stop` at this boundary then
+        return the SIGTERM verdict and the vote of this same collective (none of their
+        own: one collective per step)."""
         if trainer.world_size == 1:  # (the loop reads the SIGTERM flag itself)
             return float(flag), (trainer.global_rank if flag else -1)
         import torch.distributed as dist
 
         if self._flag is None:
             self.prepare(trainer)
-        earlier = False
+        if self._settled is None:
+            self.boundaries += 1
+        earlier = (False, False)
         pending, self._pending = self._pending, None
         if pending is not None:  # an asynchronous agreement of an earlier boundary
             pending.wait()
-            earlier = bool(self._flag[0].item())
-        self._flag[0] = 1.0 if self.requested else 0.0
-        self._flag[1] = float(flag)
-        self._flag[2] = float(trainer.global_rank + 1) if flag else 0.0
-        self._flag[3] = 1.0 if any(vote(trainer) for vote in self._votes) else 0.0
+            sigterm, _, _, stop = self._flag.tolist()
+            earlier = (bool(sigterm), bool(stop))
+        self._fill(trainer, flag)
         if self._group is None:
             out = trainer.reduce(self._flag, "max")
         else:
             dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group)
             out = self._flag
         sigterm, agreed, rank, stop = out.tolist()
-        self._agreed_now = earlier or bool(sigterm)
-        self._stop_now = bool(stop)
+        self._settled = (earlier[0] or bool(sigterm), earlier[1] or bool(stop))
         return agreed, int(rank) - 1
 
     def agree_stop(self, trainer) -> bool:
         """At an optimizer-step boundary, after the optimizer step (``on_train_batch_end``),
-        on every rank: whether any rank's ``stop_vote`` says stop. It is the vote carried
-        by this boundary's :meth:`agree_now` (a plugin's, before the optimizer step) or,
-        when none ran, by one run now (blocking): the step's one collective either way
-        (:meth:`agreed` at this boundary reads its SIGTERM part)."""
+        on every rank: whether the ranks agreed that some rank's ``stop_vote`` said stop.
+        It is the vote read at this boundary's agreement (:meth:`agree_now`'s, or the
+        asynchronous one of :meth:`agreed`'s schedule: the votes given K boundaries ago;
+        False at the boundaries between): no collective of its own."""
         if trainer.world_size == 1:
             return any(vote(trainer) for vote in self._votes)
-        if self._agreed_now is None:
-            self.agree_now(trainer, 0.0)
-        return self._stop_now
+        return self._boundary(trainer)[1]
 
     def finish(self) -> None:
         """At the end of a ``fit`` that ran to completion, on every rank: wait for the last
-        boundary's all-reduce (every rank started it), so no collective outlives the run."""
+        agreement's all-reduce (every rank started it), so no collective outlives the run."""
         pending, self._pending = self._pending, None
-        self._agreed_now = None
+        self._settled = None
         if pending is not None:
             pending.wait()
 

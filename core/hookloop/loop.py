@@ -102,7 +102,8 @@ def fit(trainer, train_loader: Any, val_loaders: list) -> None:
     if max_epochs is None:
         max_epochs = 1000 if config.max_steps is None else sys.maxsize
     step = make_training_step(trainer)
-    # SIGTERM: stop at the next optimizer-step boundary with a checkpoint (hookloop.faults).
+    # SIGTERM: stop at an optimizer-step boundary the ranks agree on, with a checkpoint
+    # (hookloop.faults: every stop_check_every_n_steps boundaries, asynchronously).
     preemption = state.preemption = faults.Preemption().install()
     try:
         preemption.prepare(trainer)
@@ -333,6 +334,7 @@ def _train_epoch(trainer, loader: DataLoader, step, validation: _ValidationSched
             return EPOCH_CUT
         boundary = is_last or (batch_idx + 1) % accumulate == 0
         stop = step(batch, batch_idx, boundary, is_last)  # it counts the batch as done (_batch_done)
+        # Several processes: the agreement, a no-op off its every-K schedule (hookloop.faults).
         if boundary and preemption is not None and (preemption.requested if single else preemption.agreed(trainer)):
             preemption.stop(trainer)  # checkpoint and SystemExit, on every rank
         # As Lightning: validation when due, and when should_stop ends the epoch early;

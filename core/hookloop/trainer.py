@@ -101,11 +101,17 @@ class Trainer:
 
     ``max_time``: Lightning's time limit ("DD:HH:MM:SS", a timedelta or a dict such as
     ``{"hours": 12}``; ``hookloop run --max-time``): a :class:`hookloop.Timer` with that
-    duration checked after every training batch, rank 0's clock deciding for every rank.
+    duration checked after every training batch, rank 0's clock deciding for every rank
+    (with several processes: its vote rides the stop agreement, ``stop_check_every_n_steps``).
 
     Faults (:mod:`hookloop.faults`): ``process_group_timeout`` (seconds a collective may
-    wait; default gloo 300, nccl 600) and ``requeue_on_preemption`` (under SLURM, global
-    rank 0 runs ``scontrol requeue`` after the checkpoint a SIGTERM causes).
+    wait; default gloo 300, nccl 600), ``requeue_on_preemption`` (under SLURM, global
+    rank 0 runs ``scontrol requeue`` after the checkpoint a SIGTERM causes) and
+    ``stop_check_every_n_steps`` (default 16: with several processes, the ranks agree on
+    stopping for a SIGTERM or ``max_time`` at every 16th optimizer step, without waiting:
+    the all-reduce started there is read 16 steps later, and the steps between do nothing;
+    every rank stops at the same step, at most 2 x 16 steps after the signal or the time
+    limit; 1: every step, as before issue 33, for long steps).
 
     Attributes plugins read (see :mod:`hookloop.hookspecs`): ``config``, ``module`` (the
     user's module), ``model`` (what the strategy wrapped), ``optimizers`` (and
@@ -157,6 +163,7 @@ class Trainer:
         mesh: Any = _UNSET,
         process_group_timeout: float | None = _UNSET,
         requeue_on_preemption: bool = _UNSET,
+        stop_check_every_n_steps: int = _UNSET,
         benchmark: bool | None = _UNSET,
         deterministic: bool | str | None = _UNSET,
     ):

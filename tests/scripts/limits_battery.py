@@ -86,9 +86,10 @@ def weights(module):
 record = {}
 
 # 1. max_time: rank 1's clock is up after step 1 (ignored: rank 0's decides), rank 0's after
-#    step 3: every rank stops after the batch of step 3, global_step 4.
+#    step 3. The ranks agree every 2 steps: rank 0's vote goes into boundary 4's all-reduce,
+#    read at boundary 6: every rank stops there, global_step 6.
 module = Net(time_up={1: 1, 3: 0})
-t = trainer("max_time", max_time="00:01:00:00")
+t = trainer("max_time", max_time="00:01:00:00", stop_check_every_n_steps=2)
 t.fit(module, loader())
 record["max_time"] = {"global_step": t.global_step, "calls": module.calls_at_step}
 

@@ -1,7 +1,9 @@
 """A small deterministic ddp job that may fault one of its workers (tests/test_faults.py).
 
 Run as ``hookloop run --plugins ddp --devices 2 --max-restarts 1 restart_job.py OUT [AT]
-[--fault KIND] [--rerun N] [--ckpt-last] [--timeout S] [--slow S]``.
+[--fault KIND] [--rerun N] [--ckpt-last] [--timeout S] [--slow S] [--stop-every K]``
+(``--stop-every``: ``Trainer(stop_check_every_n_steps=K)``, how often the ranks agree on
+a SIGTERM; the default's 16 is more than the job's 8 steps).
 With ``AT``, in the first attempt only (``TORCHELASTIC_RESTART_COUNT`` 0) of run 0 (``--rerun 0``):
 
 * ``--fault kill`` (default): global rank 1 sends itself SIGKILL at the end of the batch
@@ -50,6 +52,7 @@ parser.add_argument("--rerun", type=int, default=0)
 parser.add_argument("--ckpt-last", action="store_true")
 parser.add_argument("--timeout", type=float, default=None)
 parser.add_argument("--slow", type=float, default=0.0)
+parser.add_argument("--stop-every", type=int, default=None)
 ARGS = parser.parse_args()
 OUT, KILL_AT, FAULT = ARGS.out, ARGS.at, ARGS.fault
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -97,6 +100,7 @@ trainer = hookloop.Trainer(
     max_epochs=2, default_root_dir=str(OUT / "root"), num_sanity_val_steps=0,
     callbacks=[hookloop.ModelCheckpoint(every_n_train_steps=2)],
     **({"process_group_timeout": ARGS.timeout} if ARGS.timeout else {}),
+    **({"stop_check_every_n_steps": ARGS.stop_every} if ARGS.stop_every else {}),
 )
 trainer.fit(module, DataLoader(tiny_dataset(64), batch_size=8, shuffle=True),
             ckpt_path="last" if ARGS.ckpt_last else None)

@@ -11,9 +11,12 @@ checks the loss of the step's accumulation window (and, with ``check_grad_norm``
 of its gradients) for a non-finite value, or, with ``spike_factor``, a loss above
 ``spike_factor`` times the median of the last ``window`` good steps' losses (of this rank;
 the check starts once ``window`` are known). The ranks agree on the verdict in the
-per-step all-reduce that preemption uses (:meth:`hookloop.faults.Preemption.agree_now`),
-which is then blocking (see hookloop.faults): a decision one step late would apply the
-bad update on every rank. So every rank takes the same action at the same step:
+all-reduce that the preemption agreement uses (:meth:`hookloop.faults.Preemption.agree_now`),
+which then runs at every step and is blocking (see hookloop.faults; without the guard it
+runs every ``stop_check_every_n_steps`` steps, asynchronously): a verdict is per step by
+nature, and a decision one step late would apply the bad update on every rank. The guard
+is opt-in: only the runs that enable it pay that wait and the read of the loss. So every
+rank takes the same action at the same step:
 
 ``action="skip"``: the optimizer does not step on any rank (the update is dropped, as
     ``GradScaler`` drops an inf/nan step; ``global_step`` and the schedulers still count

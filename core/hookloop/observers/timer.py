@@ -6,11 +6,15 @@ already up trains nothing), then after every training batch (``interval="step"``
 every epoch's end (``interval="epoch"``), as Lightning 2.6 does. Rank 0's clock decides
 for every rank. The elapsed training time is saved in checkpoints and resumed.
 
-With several processes, the per-step check adds no collective: rank 0's verdict rides the
-step's preemption all-reduce (:meth:`hookloop.faults.Preemption.agree_stop`, which makes
-that all-reduce blocking), so it is checked at optimizer-step boundaries only (with
-``accumulate_grad_batches`` > 1 a run stops at the end of the window where the time came,
-its update applied; one process checks after every batch, as Lightning).
+With several processes, the per-step check adds no collective: rank 0's verdict is its
+vote in the preemption agreement (:meth:`hookloop.faults.Preemption.agree_stop`), which
+runs every ``stop_check_every_n_steps`` optimizer steps without waiting (its all-reduce
+read at the next agreement), so every rank stops at the same step, K to 2K optimizer
+steps after the one where rank 0's time came (K = 16 by default; 1: the step after; with
+``accumulate_grad_batches`` > 1 at the end of a window, its update applied). Lightning
+broadcasts rank 0's verdict at every batch; hookloop's later stop is the price of a step
+with no collective (docs/decisions.md). One process checks after every batch, as
+Lightning.
 """
 
 from __future__ import annotations
@@ -217,7 +221,7 @@ class _StepCheck:
         self.timer = timer
 
     def stop_vote(self, trainer) -> bool:
-        """Rank 0's clock, in the step's preemption all-reduce (hookloop.faults)."""
+        """Rank 0's clock, in the preemption agreement's all-reduce (hookloop.faults)."""
         return trainer.global_rank == 0 and self.timer.time_elapsed() >= self.timer._duration
 
     @hookimpl
@@ -226,7 +230,8 @@ class _StepCheck:
         if trainer.world_size == 1 or preemption is None:
             self.timer._check(trainer)  # one process: no collective; outside fit's loop: a broadcast
         elif trainer.is_last_batch or trainer.batch_idx % trainer.accumulate_grad_batches == 0:
-            # an optimizer-step boundary (batch_idx is the next batch's here)
+            # an optimizer-step boundary (batch_idx is the next batch's here): the vote
+            # agreed there (False between the agreement boundaries: nothing is done)
             self.timer._stop(trainer, preemption.agree_stop(trainer))
 
 
