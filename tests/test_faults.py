@@ -401,13 +401,13 @@ def test_process_group_timeout_is_checked_and_defaults_per_backend():
             hookloop.Trainer(process_group_timeout=bad)
 
 
-def test_stop_check_every_n_steps_defaults_to_16_and_is_checked():
-    assert hookloop.Trainer().config.stop_check_every_n_steps == 16 == hookloop.faults.DEFAULT_STOP_CHECK_EVERY_N_STEPS
+def test_stop_check_every_n_steps_defaults_to_auto_and_is_checked():
+    assert hookloop.Trainer().config.stop_check_every_n_steps == "auto" == hookloop.faults.DEFAULT_STOP_CHECK_EVERY_N_STEPS
     assert hookloop.Trainer(stop_check_every_n_steps=1).config.stop_check_every_n_steps == 1
-    for bad in (0, -2, 2.0, True, "4", None):
+    for bad in (0, -2, 2.0, True, "4", "Auto", None):
         with pytest.raises(hookloop.ConfigurationError,
-                           match=r"stop_check_every_n_steps=.* must be a whole number of optimizer steps >= 1: how "
-                                 r"often the processes agree on stopping for a SIGTERM or max_time"):
+                           match=r"stop_check_every_n_steps=.* must be 'auto' or a whole number of optimizer steps "
+                                 r">= 1: how often the processes agree on stopping for a SIGTERM or max_time"):
             hookloop.Trainer(stop_check_every_n_steps=bad)
 
 
@@ -475,6 +475,46 @@ def test_the_stop_agreement_runs_every_k_boundaries_and_stops_at_the_one_after_t
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("pace", [1 / 512, 0.25, 2.5], ids=["2ms", "250ms", "2.5s"])  # exact in binary
+def test_the_auto_schedule_agrees_about_once_a_second_of_the_slowest_ranks_steps(monkeypatch, tmp_path, pace):
+    # stop_check_every_n_steps="auto": the agreement carries each rank's seconds per step
+    # since the last one (MAX: the slowest rank's), and every rank takes the same next K
+    # from the number it read, int(AGREEMENT_SECONDS / pace) between 1 and AUTO_MAX_STEPS:
+    # 1 at the first boundaries (no pace known), then ~1 s of steps; a SIGTERM then stops
+    # the run within about 2 s (2 steps for steps of a second or more). A clock advancing
+    # `pace` per step stands for the steps; a real 1-process gloo group for the all-reduce.
+    from types import SimpleNamespace
+
+    clock = [1024.0]
+    monkeypatch.setattr(hookloop.faults.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(hookloop.faults, "cpu_process_group", lambda: None)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        preemption = hookloop.faults.Preemption()
+        trainer = SimpleNamespace(world_size=2, global_rank=0, plugin_manager=_Plugins([]),
+                                  config=SimpleNamespace(stop_check_every_n_steps="auto"))
+        preemption.prepare(trainer)
+        preemption._group = dist.group.WORLD
+        k = max(1, min(hookloop.faults.AUTO_MAX_STEPS, int(hookloop.faults.AGREEMENT_SECONDS / pace)))
+        signal_at, stop = 2 + 2 * k + 1, None
+        for boundary in range(1, 2 + 4 * k + 3):
+            clock[0] += pace
+            if boundary == signal_at:
+                preemption.requested = True
+            if preemption.agreed(trainer):
+                stop = boundary
+                break
+        preemption.finish()
+        # agreements at 1 and 2 (K = 1 while no pace is known), then every K
+        assert preemption.agreements == [1, 2, *range(2 + k, signal_at + k, k)][:len(preemption.agreements)]
+        assert preemption.agreements[-1] == stop - k
+        # the flag entered the first agreement at or after the signal, read K steps later
+        assert stop == 2 + k * (-(-(signal_at - 2) // k) + 1)
+        assert (stop - signal_at) * pace <= 2 * max(hookloop.faults.AGREEMENT_SECONDS, pace)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_failed_wait_for_the_stop_agreement_is_named_whichever_call_reached_the_boundary_first():
     # The wait for the agreement's all-reduce is in Preemption._boundary, reached from the
     # loop's agreed() or from max_time's agree_stop(): a collective failure there names the
@@ -508,4 +548,7 @@ def test_hookloop_run_passes_stop_check_every_n_steps_and_refuses_a_bad_one_befo
     assert cli.main(["run", "--stop-check-every-n-steps", "4", str(script)]) == 0
     assert given["stop_check_every_n_steps"] == 4  # the workers' Trainer defaults (HOOKLOOP_TRAINER_DEFAULTS)
     assert cli.main(["run", "--stop-check-every-n-steps", "0", str(script)]) == 2
-    assert "stop_check_every_n_steps=0 must be a whole number of optimizer steps >= 1" in capsys.readouterr().err
+    assert "stop_check_every_n_steps=0 must be 'auto' or a whole number of optimizer steps >= 1" in (
+        capsys.readouterr().err)
+    assert cli.main(["run", "--stop-check-every-n-steps", "auto", str(script)]) == 0
+    assert given["stop_check_every_n_steps"] == "auto"

@@ -145,10 +145,17 @@ def test_the_stop_agreement_costs_the_core_nothing_between_its_boundaries_under_
             assert record["counted"] == 2
             return record["every"], record["rows"][CORE]["collectives/step"], record["rows"][CORE]["syncs/step"]
 
-        # the default (every 16 steps: none in these 8) and every 4 (steps 4 and 8): none
-        # of the counted steps is an agreement boundary
-        assert core("default") == (16, 0, 0)
+        # every 4 (steps 4 and 8): none of the counted steps is an agreement boundary
         assert core(4) == (4, 0, 0)
+        assert json.loads((tmp_path / f"agreement4.rank{rank}.json").read_text())["agreements"] == [4, 8]
+        # the default, auto: agreements at boundaries 1 and 2 (no pace known yet), then
+        # about a second of steps later (far beyond these 8 steps of milliseconds): the
+        # core's collectives and host reads are exactly the counted steps that are in the
+        # schedule (each of which starts one all-reduce and reads the one before)
+        auto = json.loads((tmp_path / f"agreementdefault.rank{rank}.json").read_text())["agreements"]
+        assert auto[:2] == [1, 2] and len(auto) <= 3, auto
+        share = len({2, 6} & set(auto)) / 2
+        assert core("default") == ("auto", share, share)
         # every 2: both counted steps are; the ledger sees the all-reduce started at each,
         # and the read of the one before at step 6 (step 2 is the first: nothing to read)
         assert core(2) == (2, 1, 0.5)

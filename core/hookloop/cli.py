@@ -14,6 +14,7 @@ import argparse
 import inspect
 import os
 import sys
+from typing import Any
 
 from . import contract, plot, scaffold, versioning
 from . import plugins as registry
@@ -24,6 +25,16 @@ from .mesh import check_sizes, claims, parse_mesh
 from .rundir import RUN_ID_ENV
 from .sourcescan import declared_role
 
+
+
+def _auto_or_int(text: str) -> Any:
+    """``--stop-check-every-n-steps``: ``auto`` or a whole number (checked by the Trainer's settings)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        return text  # the settings' check names it, with what to give
 
 def _build_parser(commands: dict) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -96,10 +107,10 @@ def _build_parser(commands: dict) -> argparse.ArgumentParser:
                    help="seconds a collective may wait before the ranks fail (default: gloo 300, nccl 600)")
     r.add_argument("--requeue-on-preemption", action="store_true", default=None,
                    help="under SLURM, requeue the job (scontrol requeue) after a SIGTERM checkpoint")
-    r.add_argument("--stop-check-every-n-steps", type=int, default=None, metavar="K",
+    r.add_argument("--stop-check-every-n-steps", type=_auto_or_int, default=None, metavar="K",
                    help="the processes agree on stopping (SIGTERM, --max-time) every K optimizer steps, "
-                        "without waiting; a stop comes K to 2K steps after the signal (default 16; 1 for "
-                        "steps of a second or more)")
+                        "without waiting; a stop comes K to 2K steps after the signal (default auto: about "
+                        "once a second of steps)")
     r.add_argument("--mesh", default=None, metavar="DIM=SIZE,...",
                    help="the device mesh's sizes, e.g. dp_shard=2,tp=2 (product = processes; a claimed "
                         "dimension left out takes the rest); default: HOOKLOOP_MESH")

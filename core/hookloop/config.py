@@ -17,9 +17,10 @@ from typing import Any
 from .errors import ConfigurationError
 
 #: How often, in optimizer steps, the processes agree on stopping (a SIGTERM, ``max_time``)
-#: unless ``Trainer(stop_check_every_n_steps=...)`` says otherwise (hookloop.faults;
-#: docs/decisions.md, "The stop agreement every 16 steps")
-DEFAULT_STOP_CHECK_EVERY_N_STEPS = 16
+#: unless ``Trainer(stop_check_every_n_steps=...)`` says otherwise: "auto", about once a
+#: second of the slowest rank's steps (hookloop.faults.AGREEMENT_SECONDS; docs/decisions.md,
+#: "The stop agreement off the critical path")
+DEFAULT_STOP_CHECK_EVERY_N_STEPS = "auto"
 
 DEFAULTS_ENV = "HOOKLOOP_TRAINER_DEFAULTS"
 PRECISIONS = ("32", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
@@ -79,8 +80,8 @@ class TrainerConfig:
     requeue_on_preemption: bool = False
     #: with several processes, the ranks agree on stopping (SIGTERM, max_time) at every
     #: this many optimizer steps, asynchronously: a stop comes at most 2x this many steps
-    #: after the signal (hookloop.faults.DEFAULT_STOP_CHECK_EVERY_N_STEPS)
-    stop_check_every_n_steps: int = DEFAULT_STOP_CHECK_EVERY_N_STEPS
+    #: after the signal; "auto" (default): about once a second of steps (hookloop.faults)
+    stop_check_every_n_steps: int | str = DEFAULT_STOP_CHECK_EVERY_N_STEPS
     #: Lightning's: torch.backends.cudnn.benchmark for the process (None: left as it is;
     #: False when ``deterministic``)
     benchmark: bool | None = None
@@ -169,11 +170,12 @@ class TrainerConfig:
             )
         check_timeout_seconds("process_group_timeout", self.process_group_timeout)
         every = self.stop_check_every_n_steps
-        if not _is_int(every) or every < 1:
+        if every != "auto" and (not _is_int(every) or every < 1):
             raise ConfigurationError(
-                f"stop_check_every_n_steps={every!r} must be a whole number of optimizer steps >= 1: how often the "
-                f"processes agree on stopping for a SIGTERM or max_time (1: at every step, a stop comes 1 step after "
-                f"the signal; the default 16: within 32 steps, with nothing done at the steps between)")
+                f"stop_check_every_n_steps={every!r} must be 'auto' or a whole number of optimizer steps >= 1: how "
+                f"often the processes agree on stopping for a SIGTERM or max_time (1: at every step, a stop comes 1 "
+                f"step after the signal; K: within 2K steps, with nothing done at the steps between; the default "
+                f"'auto': about once a second of steps, a stop within about 2 seconds or 2 steps)")
         for name in _SWITCHES:
             # A string is truthy: enable_checkpointing="no" would silently mean yes.
             value = getattr(self, name)

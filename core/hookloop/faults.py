@@ -4,28 +4,31 @@ a rank stops making progress.
 Preemption
     SIGTERM (what SLURM, Kubernetes and torch's elastic agent send before killing) sets a
     flag. One process reads its flag at every optimizer-step boundary. Several processes
-    agree on it off the critical path: at every K-th optimizer-step boundary of the fit
-    (K = ``Trainer(stop_check_every_n_steps=...)``, default
-    :data:`DEFAULT_STOP_CHECK_EVERY_N_STEPS` = 16), each rank starts an all-reduce (MAX)
-    of ``[SIGTERM, -, -, stop vote]`` without waiting, on a gloo side group (a CPU
-    tensor), and reads the one it started K boundaries before, long finished; at the
-    boundaries between, nothing is done (no collective, no host read). Every rank reads
-    the same value at the same boundary, so **every rank stops at the same optimizer
-    step, after writing the checkpoint first**: a SIGTERM that reached any rank after
-    agreement boundary (m - 1)K and before boundary mK is read at boundary (m + 1)K, so
-    the run stops K to 2K optimizer steps after the step in which the signal came (with
-    K = 1: at the boundary after that step's, as before issue 33). The boundary that
-    stops the run writes ``last.ckpt`` of this run
-    through ``trainer.save_checkpoint`` (every rank), global rank 0 asks SLURM to requeue
-    the job when ``requeue_on_preemption`` is set, and every rank exits with
-    :data:`PREEMPTED_EXIT_CODE`, a failure that the elastic agent restarts (while
-    restarts remain); the restarted workers resume from that checkpoint. A SIGTERM that
-    the run has not agreed on when training ends (in its last 2K steps) lets ``fit``
-    complete and goes to the previous handler after it. The grace period between SIGTERM
-    and SIGKILL (SLURM's ``KillWait``, Kubernetes' ``terminationGracePeriodSeconds``,
-    often 30 s) must hold 2K steps and the checkpoint: with steps of a second or more,
-    give ``stop_check_every_n_steps`` a smaller K (an agreement costs about an all-reduce
-    of four numbers on the CPU, which such steps do not notice).
+    agree on it off the critical path, at scheduled optimizer-step boundaries only
+    (``Trainer(stop_check_every_n_steps=...)``): each rank starts an all-reduce (MAX) of
+    ``[SIGTERM, -, -, stop vote, seconds per step]`` without waiting, on a gloo side
+    group (a CPU tensor), and reads the one it started at the agreement before, long
+    finished; at the boundaries between, nothing is done (no collective, no host read).
+    The schedule: an int K, every K-th boundary of the fit; ``"auto"`` (the default,
+    :data:`DEFAULT_STOP_CHECK_EVERY_N_STEPS`), the next agreement K boundaries after
+    this one with K = ``AGREEMENT_SECONDS / pace`` (between 1 and :data:`AUTO_MAX_STEPS`),
+    the pace being the slowest rank's seconds per step read in the agreement itself, so
+    every rank takes the same K: about one agreement a second of steps, K = 1 while no
+    pace is known (the first two boundaries) and for steps of a second or more. Every
+    rank reads the same value at the same boundary, so **every rank stops at the same
+    optimizer step, after writing the checkpoint first**: a SIGTERM that reached any rank
+    between two agreements is read at the agreement after the next, so the run stops K
+    to 2K optimizer steps after the step in which the signal came (auto: about 2 s, or 2
+    steps of a second or more; K = 1: at the boundary after that step's, as before issue
+    33), well within the grace period between SIGTERM and SIGKILL (SLURM's
+    ``KillWait``, Kubernetes' ``terminationGracePeriodSeconds``, often 30 s; a fixed K
+    must keep 2K steps and the checkpoint within it). The boundary that stops the run
+    writes ``last.ckpt`` of this run through ``trainer.save_checkpoint`` (every rank),
+    global rank 0 asks SLURM to requeue the job when ``requeue_on_preemption`` is set,
+    and every rank exits with :data:`PREEMPTED_EXIT_CODE`, a failure that the elastic
+    agent restarts (while restarts remain); the restarted workers resume from that
+    checkpoint. A SIGTERM that the run has not agreed on when training ends lets ``fit``
+    complete and goes to the previous handler after it.
 
 Rank-agreed flags of the step (``nan_guard``)
     A plugin that must act on every rank at the same step on something one rank saw (a
@@ -62,10 +65,17 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
-from .config import DEFAULT_STOP_CHECK_EVERY_N_STEPS  # noqa: F401  (the schedule's default, K)
+from .config import DEFAULT_STOP_CHECK_EVERY_N_STEPS  # noqa: F401  (the schedule's default)
+
+#: ``stop_check_every_n_steps="auto"``: the ranks agree about this often (seconds of the
+#: slowest rank's steps between two agreements), so a stop comes about 2x this after the signal
+AGREEMENT_SECONDS = 1.0
+#: ... and at least every this many optimizer steps (the tiniest steps)
+AUTO_MAX_STEPS = 1000
 
 # What a failed collective is and how it is reported, and the timeouts, moved to
 # hookloop.dist with the process groups; they stay importable from here.
@@ -108,8 +118,11 @@ class Preemption:
         self.requested = False  # this rank received SIGTERM
         self.acted = False  # the run stopped for it
         self.installed = False
-        self.every = DEFAULT_STOP_CHECK_EVERY_N_STEPS  # K (prepare: the Trainer's stop_check_every_n_steps)
+        self.every: int | str = DEFAULT_STOP_CHECK_EVERY_N_STEPS  # the Trainer's stop_check_every_n_steps
         self.boundaries = 0  # optimizer-step boundaries of this fit so far (the agreement's schedule)
+        self.next_agreement = 1  # the boundary of the next agreement (every rank computes the same)
+        self.agreements: list[int] = []  # the boundaries where this fit agreed (the schedule, for tests/benchmarks)
+        self._last = (0, 0.0)  # (boundary, perf_counter) of the last agreement (the fit's start: prepare)
         self._previous: Any = None
         self._flag: Any = None  # the tensor the ranks all-reduce, made once
         self._group: Any = None  # its process group (gloo); None: the strategy's reduce
@@ -143,8 +156,11 @@ class Preemption:
         import torch.distributed as dist
 
         self.every = getattr(trainer.config, "stop_check_every_n_steps", DEFAULT_STOP_CHECK_EVERY_N_STEPS)
-        # [SIGTERM, a plugin's flag (agree_now), 1 + the global rank that raised it, a stop vote]
-        self._flag = torch.zeros(4)  # on the CPU: reading it never waits for a device
+        self.next_agreement = 1 if self.every == "auto" else self.every
+        self._last = (self.boundaries, time.perf_counter())
+        # [SIGTERM, a plugin's flag (agree_now), 1 + the global rank that raised it, a stop vote,
+        #  seconds per optimizer step since the last agreement (auto: the next K, from the slowest rank's)]
+        self._flag = torch.zeros(5)  # on the CPU: reading it never waits for a device
         self._votes = [vote for vote in (getattr(p, "stop_vote", None) for p in trainer.plugin_manager.get_plugins())
                        if callable(vote)]
         if (trainer.world_size > 1 and dist.is_available() and dist.is_initialized()
@@ -156,6 +172,24 @@ class Preemption:
         self._flag[1] = float(flag)
         self._flag[2] = float(trainer.global_rank + 1) if flag else 0.0
         self._flag[3] = 1.0 if any(vote(trainer) for vote in self._votes) else 0.0
+        boundary, then = self._last
+        now = time.perf_counter()
+        self._flag[4] = (now - then) / max(self.boundaries - boundary, 1)
+        self._last = (self.boundaries, now)
+        self.agreements.append(self.boundaries)
+
+    def _schedule(self, seconds_per_step: float | None) -> None:
+        """The next agreement's boundary, K after this one: the fixed K, or (``auto``) the
+        steps that make :data:`AGREEMENT_SECONDS` at the slowest rank's pace of the steps
+        before the agreement just read (every rank read the same number: the same K),
+        between 1 and :data:`AUTO_MAX_STEPS`; 1 until a pace is known."""
+        if self.every != "auto":
+            k = int(self.every)
+        elif not seconds_per_step or seconds_per_step <= 0:
+            k = 1
+        else:
+            k = max(1, min(AUTO_MAX_STEPS, int(AGREEMENT_SECONDS / seconds_per_step)))
+        self.next_agreement = self.boundaries + k
 
     def _boundary(self, trainer) -> tuple[bool, bool]:
         """This optimizer-step boundary's agreement, done once per boundary (by whichever of
@@ -167,39 +201,42 @@ class Preemption:
         if self._flag is None:
             self.prepare(trainer)
         self.boundaries += 1
-        if self.boundaries % self.every:
+        if self.boundaries < self.next_agreement:
             self._settled = (False, False)  # no collective, no read
             return self._settled
         if self._group is None:  # not torch.distributed (horovod): the strategy's reduce, blocking
             self._fill(trainer)
-            sigterm, _, _, stop = trainer.reduce(self._flag, "max").tolist()
+            sigterm, _, _, stop, pace = trainer.reduce(self._flag, "max").tolist()
             self._settled = (bool(sigterm), bool(stop))
+            self._schedule(pace)
             return self._settled
         import torch.distributed as dist
 
         sigterm = stop = 0.0
+        pace = None
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.wait()  # started K boundaries ago: finished unless a rank lags behind
-            sigterm, _, _, stop = self._flag.tolist()
+            sigterm, _, _, stop, pace = self._flag.tolist()
         self._settled = (bool(sigterm), bool(stop))
         if sigterm:
             return self._settled  # nothing new is started: stop() leaves no collective behind
         self._fill(trainer)
         self._pending = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        self._schedule(pace)
         return self._settled
 
     def agreed(self, trainer) -> bool:
         """Whether the ranks agree to stop for a SIGTERM; called by every rank at every
-        optimizer-step boundary (with several processes). At every K-th boundary (K:
-        ``Trainer(stop_check_every_n_steps=...)``), with ``torch.distributed``, the
+        optimizer-step boundary (with several processes). At each agreement boundary of the
+        schedule (``Trainer(stop_check_every_n_steps=...)``), with ``torch.distributed``, the
         all-reduce (MAX) of this rank's flag is started here without waiting, on a gloo
-        side group (a CPU tensor: no device sync under NCCL), and the one started K
-        boundaries ago, long finished, is read: every rank reads the same value at the
+        side group (a CPU tensor: no device sync under NCCL), and the one started at the
+        agreement before, long finished, is read: every rank reads the same value at the
         same boundary, so all stop together, at the first agreement boundary after the one
-        where the first rank had the flag (at most 2K boundaries after the signal). At the
+        where the first rank had the flag (K to 2K boundaries after the signal). At the
         other boundaries: nothing (no collective, no read). Without torch.distributed
-        (horovod), the strategy's ``reduce`` of the flag at every K-th boundary (a wait)."""
+        (horovod), the strategy's ``reduce`` of the flag at each agreement boundary (a wait)."""
         if trainer.world_size == 1:
             return self.requested
         sigterm, _ = self._boundary(trainer)
@@ -228,7 +265,7 @@ class Preemption:
         pending, self._pending = self._pending, None
         if pending is not None:  # an asynchronous agreement of an earlier boundary
             pending.wait()
-            sigterm, _, _, stop = self._flag.tolist()
+            sigterm, _, _, stop, _ = self._flag.tolist()
             earlier = (bool(sigterm), bool(stop))
         self._fill(trainer, flag)
         if self._group is None:
@@ -236,8 +273,9 @@ class Preemption:
         else:
             dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group)
             out = self._flag
-        sigterm, agreed, rank, stop = out.tolist()
+        sigterm, agreed, rank, stop, pace = out.tolist()
         self._settled = (earlier[0] or bool(sigterm), earlier[1] or bool(stop))
+        self._schedule(pace)  # the asynchronous schedule goes on from here (nothing pending now)
         return agreed, int(rank) - 1
 
     def agree_stop(self, trainer) -> bool:

@@ -107,11 +107,12 @@ class Trainer:
     Faults (:mod:`hookloop.faults`): ``process_group_timeout`` (seconds a collective may
     wait; default gloo 300, nccl 600), ``requeue_on_preemption`` (under SLURM, global
     rank 0 runs ``scontrol requeue`` after the checkpoint a SIGTERM causes) and
-    ``stop_check_every_n_steps`` (default 16: with several processes, the ranks agree on
-    stopping for a SIGTERM or ``max_time`` at every 16th optimizer step, without waiting:
-    the all-reduce started there is read 16 steps later, and the steps between do nothing;
-    every rank stops at the same step, at most 2 x 16 steps after the signal or the time
-    limit; 1: every step, as before issue 33, for long steps).
+    ``stop_check_every_n_steps`` (with several processes, how often the ranks agree on
+    stopping for a SIGTERM or ``max_time``, without waiting: the all-reduce started at one
+    agreement is read at the next, and the steps between do nothing; every rank stops at
+    the same step. Default ``"auto"``: about once a second of the slowest rank's steps
+    (every step for steps of a second or more), so a stop comes about 2 s or 2 steps after
+    the signal; an int K fixes it: within 2K steps; 1: every step, as before issue 33).
 
     Attributes plugins read (see :mod:`hookloop.hookspecs`): ``config``, ``module`` (the
     user's module), ``model`` (what the strategy wrapped), ``optimizers`` (and
@@ -163,7 +164,7 @@ class Trainer:
         mesh: Any = _UNSET,
         process_group_timeout: float | None = _UNSET,
         requeue_on_preemption: bool = _UNSET,
-        stop_check_every_n_steps: int = _UNSET,
+        stop_check_every_n_steps: int | str = _UNSET,
         benchmark: bool | None = _UNSET,
         deterministic: bool | str | None = _UNSET,
     ):

@@ -2,7 +2,7 @@
 ledger_collectives.py OUT``), read by tests/test_ledger.py: a plugin calls
 ``torch.distributed.all_reduce`` twice per training batch; every rank writes its ledger's
 rows to ``OUT/rank<R>.json``. Then the stop agreement (hookloop.faults) in the core's row:
-the same fit, with the ledger alone, at ``stop_check_every_n_steps`` 16 (the default), 4
+the same fit, with the ledger alone, at ``stop_check_every_n_steps`` auto (the default), 4
 and 2; the ledger counts steps 2 and 6 of the 8 (``OUT/agreement<K>.rank<R>.json``)."""
 
 from __future__ import annotations
@@ -48,11 +48,26 @@ trainer.fit(TinyModule(), DataLoader(tiny_data(64), batch_size=4))  # 8 batches 
 (OUT / f"rank{RANK}.json").write_text(json.dumps({"rows": ledger.rows, "log_dir": str(trainer.log_dir),
                                                   "timed": ledger._timed, "counted": ledger._counted}))
 
+
+
+class Schedule:
+    """Keeps the fit's agreement boundaries (``Preemption.agreements``: where the ranks agreed)."""
+
+    hookloop_name = "schedule"
+    hookloop_role = "observer"
+    agreements: list = []
+
+    @hookloop.hookimpl
+    def on_train_batch_end(self, trainer):
+        self.agreements = trainer.state.preemption.agreements
+
+
 for every in (None, 4, 2):
-    ledger = hookloop.Ledger(print_table=False)
+    ledger, schedule = hookloop.Ledger(print_table=False), Schedule()
     trainer = hookloop.Trainer(max_epochs=1, default_root_dir=str(OUT / "root"), enable_progress_bar=False,
-                               enable_checkpointing=False, logger=False, plugins=[ledger],
+                               enable_checkpointing=False, logger=False, plugins=[ledger, schedule],
                                **({"stop_check_every_n_steps": every} if every else {}))
     trainer.fit(TinyModule(), DataLoader(tiny_data(64), batch_size=4))
     (OUT / f"agreement{every or 'default'}.rank{RANK}.json").write_text(json.dumps(
-        {"rows": ledger.rows, "counted": ledger._counted, "every": trainer.config.stop_check_every_n_steps}))
+        {"rows": ledger.rows, "counted": ledger._counted, "every": trainer.config.stop_check_every_n_steps,
+         "agreements": list(schedule.agreements)}))
