@@ -54,6 +54,7 @@ class Net(hookloop.Module):
     def training_step(self, batch, batch_idx):
         step = self.trainer.global_step
         self.calls_at_step.append(CALLS["n"])
+        self.agreements = self.trainer.state.preemption.agreements  # the stop agreement's boundaries so far
         if step == self.raise_at:
             raise RuntimeError(f"boom at step {step} on rank {RANK}")
         if self.time_up.get(step) == RANK:  # this rank's clock says the time is up
@@ -106,7 +107,8 @@ record["max_time_guard"] = {"global_step": t.global_step, "calls": module.calls_
 module = Net()
 t = trainer("plain")
 t.fit(module, loader())
-record["plain"] = {"weights": weights(module), "calls": module.calls_at_step, "global_step": t.global_step}
+record["plain"] = {"weights": weights(module), "calls": module.calls_at_step, "global_step": t.global_step,
+                   "agreements": list(module.agreements)}
 
 # 3. nan_guard skip: rank 1's loss is NaN at step 3 only
 module = Net(nan_at=3)
