@@ -5,10 +5,13 @@
     Trainer(plugins=[hookloop.plugin("tp", colwise=("fc_in",), rowwise=("fc_out",))], devices=2)
 
 The plan comes from the module (``tensor_parallel_plan`` or
-``configure_tensor_parallel(mesh)``) or is made automatically (:func:`auto_plan`).
+``configure_tensor_parallel(mesh)``) or is made automatically (:func:`auto_plan`); the
+split model checks itself against the whole one on the first batch (:mod:`.verify`), and
+:func:`describe_plan` writes a plan as the table printed at start.
 """
 
 from .plan import auto_plan, module_plan
 from .strategy import TP, TensorParallel
+from .verify import describe_plan
 
-__all__ = ["TP", "TensorParallel", "auto_plan", "module_plan"]
+__all__ = ["TP", "TensorParallel", "auto_plan", "describe_plan", "module_plan"]

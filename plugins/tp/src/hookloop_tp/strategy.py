@@ -32,6 +32,7 @@ from hookloop import dcp as dcp_checkpoint
 from hookloop.mesh import DATA_PARALLEL_DIMS, lifecycle_lead, mesh_dims
 
 from . import plan as plans
+from . import verify as checks
 
 _DDP_OPTIONS_KEPT = ("process_group_backend", "sampler_seed", "timeout")
 
@@ -97,8 +98,23 @@ class TP(DDP):
         for a model whose output is a DTensor sharded on the class dimension (a plan
         whose last layer is ``ColwiseParallel(use_local_output=False)``): the
         cross-entropy is computed without gathering the logits.
+    ``verify``
+        on (``True``, the default): at the start of every run the split model checks
+        itself (:mod:`hookloop_tp.verify`): on the first batch, before its forward, the
+        split module's forward and an unsharded copy's (the same weights) run on the same
+        input (no gradients, eval mode, the random state restored); an output that
+        differs beyond the dtype's tolerance stops the run on every process with a
+        ``ConfigurationError`` naming the first module that differs and the likely cause
+        (an attention viewing its heads with the global head count, a fused q/k/v
+        projection split contiguously, an unpaired gate). Costs one unsharded copy of the
+        module during the first step. ``False`` skips it. Not run beside the pipeline
+        (each process holds only its stages).
     ``process_group_backend``, ``sampler_seed``, ``timeout``
         as for ddp.
+
+    The plan applied is printed once, on global rank 0, at the start of every run
+    (:func:`hookloop_tp.describe_plan`); ``hookloop plan --plugins tp ... train.py`` prints
+    it without training.
 
     The mesh: the ``tp`` dimension of ``trainer.device_mesh`` when the core made one,
     else a 1-D mesh over all processes (a tp-only run).
@@ -109,7 +125,7 @@ class TP(DDP):
     hookloop_requires = ">=2,<3"  # the plugin contract versions it is written for
     hookloop_mesh_dims = ("tp",)
 
-    _TP_OPTIONS = ("colwise", "rowwise", "loss_parallel", "sequence_parallel")
+    _TP_OPTIONS = ("colwise", "rowwise", "loss_parallel", "sequence_parallel", "verify")
     # ddp's DistributedDataParallel options are not tp's (its constructor does not take them).
     _OPTIONS = _DDP_OPTIONS_KEPT + _TP_OPTIONS
 
@@ -119,6 +135,7 @@ class TP(DDP):
         rowwise: tuple[str, ...] | list[str] | str = plans.ROWWISE,
         loss_parallel: bool = False,
         sequence_parallel: bool = False,
+        verify: bool = True,
         process_group_backend: str | None = None,
         sampler_seed: int | None = None,
         timeout: float | None = None,
@@ -128,6 +145,8 @@ class TP(DDP):
         self.rowwise = rowwise
         self.loss_parallel = loss_parallel
         self.sequence_parallel = sequence_parallel
+        self.verify = verify
+        self._check: checks.SelfCheck | None = None
         self.mesh: Any = None
         self.parallel: _Parallelized | None = None
         self._own_mesh = False
@@ -138,7 +157,7 @@ class TP(DDP):
     def _check_option(self, name: str, value: Any) -> None:
         if name in ("colwise", "rowwise"):
             _patterns(name, value)
-        elif name in ("loss_parallel", "sequence_parallel"):
+        elif name in ("loss_parallel", "sequence_parallel", "verify"):
             if not isinstance(value, bool):
                 raise ConfigurationError(f"tp option {name}={value!r} must be True or False")
         elif name == "sampler_seed":
@@ -203,6 +222,9 @@ class TP(DDP):
         """The module whole again (each split parameter gathered: a collective), the
         plan's hooks removed, then ddp's teardown (the process group)."""
         parallel, self.parallel = self.parallel, None
+        check, self._check = self._check, None
+        if check is not None:
+            check.disarm()  # a run that ended before its first forward: the copy freed
         try:
             if parallel is not None:
                 # Led by a data-parallel plugin: the plan's hooks go, and the leader (teardown
@@ -237,21 +259,51 @@ class TP(DDP):
         hooks = {m: {d: set(getattr(m, d, {}).keys()) for d in _HOOK_DICTS} for m in module.modules()}
         self.parallel = _Parallelized(module, hooks)
         self._wrapped = None
+        # the unsharded copy for the self-check, before the split (rank 0's weights)
+        check = checks.SelfCheck(module, trainer) if self.verify and not _beside_pipeline(trainer) else None
         hook = getattr(module, "configure_tensor_parallel", None)
         if callable(hook):
             hook(self.mesh)
+            labels = checks.plan_of_parameters(module)
+            table = checks.describe_plan(module, labels, "the module's configure_tensor_parallel", self.mesh.size())
         else:
-            plan = plans.module_plan(module)
-            if plan is None:
-                plan = plans.auto_plan(module, _patterns("colwise", self.colwise), _patterns("rowwise", self.rowwise),
-                                       sequence_parallel=self.sequence_parallel)
+            plan, source = self._plan(module)
             if not plan and trainer.global_rank == 0:
                 print(f"hookloop-tp: the automatic plan found nothing to split in {type(module).__name__}: "
                       f"every process computes the whole model (give it a tensor_parallel_plan)", flush=True)
             if plan:
                 parallelize_module(module, self.mesh, plan)
+            labels = {n: checks.style_name(s) for n, s in checks.expand_plan(module, plan).items()}
+            table = checks.describe_plan(module, plan, source, self.mesh.size()) if plan else None
+        if table and trainer.global_rank == 0:
+            print(table, flush=True)
+        if check is not None and labels:
+            check.arm(labels, hooks)
+            self._check = check
         hookloop.repoint_optimizers(optimizers or [], names, module, owner="tp")
         return None if self.lead is not None else model
+
+    def _plan(self, module: nn.Module) -> tuple[dict, str]:
+        """The plan (the module's ``tensor_parallel_plan``, else the automatic one) and where it came from."""
+        plan = plans.module_plan(module)
+        if plan is not None:
+            return plan, "the module's tensor_parallel_plan"
+        plan = plans.auto_plan(module, _patterns("colwise", self.colwise), _patterns("rowwise", self.rowwise),
+                               sequence_parallel=self.sequence_parallel)
+        return plan, "automatic" + (", sequence parallel" if self.sequence_parallel else "")
+
+    @hookloop.hookimpl
+    def describe_model(self, trainer, module):
+        """``hookloop plan``: the plan this run would apply to ``module``, as a table,
+        without a mesh or a process group (the tp size from the run's ``--mesh`` or
+        its number of processes)."""
+        mesh = dict(getattr(trainer.config, "mesh", None) or {})
+        size = mesh.get("tp") or trainer.config.num_processes() * (trainer.config.nodes or 1)
+        if callable(getattr(module, "configure_tensor_parallel", None)):
+            return (f"hookloop-tp: {type(module).__name__} splits itself in configure_tensor_parallel(mesh): its plan "
+                    f"is known once a run calls it (printed at the start of the run, on rank 0)")
+        plan, source = self._plan(module)
+        return checks.describe_plan(module, plan, source, size if isinstance(size, int) and size > 0 else None)
 
     @hookloop.hookimpl
     def wrap_optimizer(self, optimizer):
@@ -328,6 +380,11 @@ class TP(DDP):
 
 
 TensorParallel = TP
+
+
+def _beside_pipeline(trainer) -> bool:
+    """A pipeline plugin in the run: each process holds only its stages (no self-check)."""
+    return any("pp" in (mesh_dims(p) or ()) for p in getattr(trainer, "plugins", None) or ())
 
 
 def _patterns(name: str, value: Any) -> tuple[str, ...]:
