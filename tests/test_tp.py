@@ -16,8 +16,6 @@ another function; the check changes no number. The plan table (printed on rank 0
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import pytest
@@ -219,7 +217,8 @@ def test_a_tp2_checkpoint_resumes_under_one_process_like_an_uninterrupted_run(ba
 @pytest.mark.check
 @pytest.mark.parametrize("model, where, cause", [
     ("fused", "the output of 'attn.out' differs by", "attn.qkv is a fused query/key/value projection"),
-    ("global_heads", "the output of 'attn.out' differs by", "views its heads with the global head count (its n_head = 2)"),
+    ("global_heads", "the output of 'attn.out' differs by",
+     "views its heads with the global head count (its n_head = 2)"),
     ("unpaired_gate", "the split forward fails in 'mlp'", "gated MLP in 'mlp' whose gate mlp.gate is left whole"),
 ])
 def test_a_model_that_tp_would_split_into_another_function_stops_at_start_on_every_rank(battery, model, where, cause):
@@ -288,7 +287,8 @@ def test_describe_plan_groups_repeated_blocks_and_marks_what_does_not_divide():
         return nn.Sequential(nn.Linear(8, 12), nn.GELU(), nn.Linear(12, 8))
 
     model = nn.Module()
-    model.embed, model.layers, model.head = nn.Embedding(10, 8), nn.ModuleList(Block() for _ in range(3)), nn.Linear(8, 4)
+    model.embed, model.layers = nn.Embedding(10, 8), nn.ModuleList(Block() for _ in range(3))
+    model.head = nn.Linear(8, 4)
     assert describe_plan(model, auto_plan(model), "automatic", tp=2) == (
         "hookloop-tp: the plan (automatic, tp=2) of Module: 18 module(s) split, 5 left whole\n"
         "  layers.*.attn.q    colwise  (x3)\n"
