@@ -208,9 +208,21 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _difference(split: Any, whole: Any) -> tuple[float, float] | None:
+#: the dtype a run's ``precision`` computes in (autocast, or fsdp's parameters): the check's
+#: tolerance is the loosest of it and the compared outputs' dtypes
+PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16,
+                    "16-true": torch.float16}
+
+
+def _tolerance(*dtypes: torch.dtype | None) -> tuple[float, float]:
+    known = [TOLERANCES[d] for d in dtypes if d in TOLERANCES] or [TOLERANCES[torch.float32]]
+    return max(t[0] for t in known), max(t[1] for t in known)
+
+
+def _difference(split: Any, whole: Any, compute: torch.dtype | None = None) -> tuple[float, float] | None:
     """``(max |split - whole|, its bound)`` over the outputs' tensors whose shapes agree
-    (``None`` when none do: a split layer's output is a shard)."""
+    (``None`` when none do: a split layer's output is a shard); ``compute``: the dtype
+    the run computes in, when lower than the outputs'."""
     worst: tuple[float, float] | None = None
     a, b = _tensors(split), _tensors(whole)
     if len(a) != len(b):
@@ -219,7 +231,7 @@ def _difference(split: Any, whole: Any) -> tuple[float, float] | None:
         x = _whole(x)
         if x.shape != y.shape:
             continue
-        atol, rtol = TOLERANCES.get(y.dtype, TOLERANCES[torch.float32])
+        atol, rtol = _tolerance(x.dtype, y.dtype, compute)
         diff = float((x.detach().double() - y.detach().double()).abs().max()) if y.numel() else 0.0
         bound = atol + rtol * (float(y.detach().double().abs().max()) if y.numel() else 0.0)
         if diff != diff:  # NaN in one and not the other
@@ -232,14 +244,21 @@ def _difference(split: Any, whole: Any) -> tuple[float, float] | None:
 class SelfCheck:
     """One run's check (see the module docstring): made before the module is split,
     :meth:`arm`\\ ed after. ``labels``: ``{module name: style}`` of the applied plan (for
-    the diagnosis); ``group``: the process group that agrees the verdict (the world)."""
+    the diagnosis). The verdict is agreed over the world (every process of the run)."""
 
     def __init__(self, module: nn.Module, trainer: Any = None):
+        self.compute = PRECISION_DTYPES.get(str(getattr(trainer, "precision", "32")))
         memo = {id(trainer): trainer} if trainer is not None else {}
         trainer_ref = module.__dict__.get("_hookloop_trainer")
         if trainer_ref is not None:
             memo[id(trainer_ref)] = trainer_ref
-        self.whole = copy.deepcopy(module, memo)
+        try:
+            self.whole = copy.deepcopy(module, memo)
+        except Exception as exc:  # noqa: BLE001 - an attribute that cannot be copied: said with the fix
+            raise hookloop.ConfigurationError(
+                f"tp.verify: {type(module).__name__} could not be copied for tp's self-check (copy.deepcopy: "
+                f"{type(exc).__name__}: {exc}): keep what cannot be copied off the module, or skip the check with "
+                f"--plugin-option tp.verify=false") from exc
         self.whole.__dict__.pop("_hookloop_trainer", None)
         self.module = module
         self.labels: dict[str, str] = {}
@@ -288,8 +307,9 @@ class SelfCheck:
         verdict with every process; raise it, or free the copy."""
         try:
             message = self._compare(name, sub, args, kwargs)
-        except Exception as exc:  # noqa: BLE001 - the copy failing: the same on every rank, said as is
-            message = f"the check itself failed: {type(exc).__name__}: {exc}"
+        except Exception as exc:  # noqa: BLE001 - the whole module failing on this input: said as is
+            message = (f"{_AS_IS}tp.verify: the self-check could not run on the first batch ({type(exc).__name__}: "
+                       f"{exc}); --plugin-option tp.verify=false skips it")
         self.whole = None  # the copy freed before anything else
         verdicts = [message]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -327,7 +347,7 @@ class SelfCheck:
                 for m, _ in modes:
                     m.eval()
                 with _Recorder(whole, prefix) as reference:
-                    expected = whole(*args, **kwargs)
+                    expected = whole(*_as_dtype(args, whole), **_as_dtype(kwargs, whole))
                 _set_rng_states(rng)
                 with _Recorder(sub, prefix) as split:
                     try:
@@ -346,12 +366,12 @@ class SelfCheck:
         for mod_name in split.order:  # the first module to differ, in the order the outputs came
             i = seen[mod_name] = seen.get(mod_name, -1) + 1
             want = reference.outputs.get(mod_name, [])
-            diff = _difference(split.outputs[mod_name][i], want[i]) if i < len(want) else None
+            diff = _difference(split.outputs[mod_name][i], want[i], self.compute) if i < len(want) else None
             if diff is not None and not diff[0] <= diff[1]:
                 what = repr(mod_name) if mod_name else type(self.module).__name__
                 return (f"the output of {what} differs by {diff[0]:.3g} (tolerance {diff[1]:.3g}) on the first "
                         f"batch. {diagnose(self.module, mod_name, self.labels)}")
-        diff = _difference(got, expected)
+        diff = _difference(got, expected, self.compute)
         if diff is not None and not diff[0] <= diff[1]:
             return (f"the output of {type(self.module).__name__} differs by {diff[0]:.3g} (tolerance {diff[1]:.3g}) "
                     f"on the first batch. {diagnose(self.module, name, self.labels)}")
@@ -396,6 +416,23 @@ class _Recorder:
 _HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks")
 #: a verdict raised as it is (an error of the plan's own, already in the user's words)
 _AS_IS = "\0"
+
+
+def _as_dtype(value: Any, module: nn.Module) -> Any:
+    """``value``'s floating-point tensors in the dtype of ``module``'s parameters (an input
+    that a data-parallel wrapper already cast to its compute dtype, for the whole copy)."""
+    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+    if dtype is None:
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+    if isinstance(value, tuple):
+        return tuple(_as_dtype(v, module) for v in value)
+    if isinstance(value, list):
+        return [_as_dtype(v, module) for v in value]
+    if isinstance(value, dict):
+        return {k: _as_dtype(v, module) for k, v in value.items()}
+    return value
 
 
 def _origin(hook: Any) -> str:
