@@ -366,3 +366,34 @@ def test_a_wrong_model_launched_under_tp_exits_nonzero_with_the_checks_error(tmp
     assert "attn.qkv is a fused query/key/value projection" in stderr
     assert "rank 0 raised the same error" in stderr or "rank 1 raised the same error" in stderr
     assert not list(tmp_path.glob("trained*"))
+
+
+def test_the_diagnosis_reads_the_cause_from_the_layers_around_the_first_difference():
+    from hookloop_tp.verify import diagnose
+    from tp_models import FusedAttention, GatedMLP, GlobalHeadsAttention, MLP
+
+    model = nn.Module()
+    model.fused, model.heads, model.gated, model.mlp = FusedAttention(), GlobalHeadsAttention(), GatedMLP(), MLP()
+    labels = {"fused.qkv": "colwise", "fused.out": "rowwise", "heads.q": "colwise", "heads.k": "colwise",
+              "heads.v": "colwise", "heads.out": "rowwise", "gated.up": "colwise", "gated.down": "rowwise",
+              "mlp.fc1": "colwise", "mlp.fc2": "rowwise"}
+    assert "fused.qkv is a fused query/key/value projection (out_features 24 = 3 x 8)" in diagnose(
+        model, "fused.out", labels)
+    assert "views its heads with the global head count (its n_head = 2)" in diagnose(model, "heads.out", labels)
+    assert "whose gate gated.gate is left whole while gated.up is split colwise" in diagnose(model, "gated", labels)
+    generic = diagnose(model, "mlp.fc2", labels)
+    assert "uses the split layers otherwise than the plan assumes" in generic and "tp.verify=false" in generic
+
+
+def test_the_tolerance_is_the_dtypes_and_the_runs_compute_dtypes_loosest():
+    from hookloop_tp.verify import TOLERANCES, _difference
+
+    whole = torch.ones(4, 8)
+    assert TOLERANCES[torch.float32] == (1e-5, 1e-5)
+    diff, bound = _difference(whole + 1e-6, whole)
+    assert diff <= bound  # rounding passes
+    diff, bound = _difference(whole + 1e-3, whole)
+    assert diff > bound  # a wrong function does not
+    diff, bound = _difference(whole + 1e-3, whole, torch.bfloat16)
+    assert diff <= bound  # a bf16 run computes a rounding that large
+    assert _difference(torch.ones(4, 4), whole) is None  # a shard (another shape): not compared
