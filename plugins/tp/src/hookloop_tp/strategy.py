@@ -298,7 +298,12 @@ class TP(DDP):
         without a mesh or a process group (the tp size from the run's ``--mesh`` or
         its number of processes)."""
         mesh = dict(getattr(trainer.config, "mesh", None) or {})
-        size = mesh.get("tp") or trainer.config.num_processes() * (trainer.config.nodes or 1)
+        size = trainer.config.num_processes() * (trainer.config.nodes or 1)
+        if mesh.get("tp"):
+            size = mesh["tp"]
+        elif mesh:  # tp left out (or None): it takes what the other dimensions leave
+            for other in (v for k, v in mesh.items() if k != "tp" and v):
+                size //= other
         if callable(getattr(module, "configure_tensor_parallel", None)):
             return (f"hookloop-tp: {type(module).__name__} splits itself in configure_tensor_parallel(mesh): its plan "
                     f"is known once a run calls it (printed at the start of the run, on rank 0)")
