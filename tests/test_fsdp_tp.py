@@ -281,3 +281,14 @@ def test_the_data_parallel_plugin_leads_whatever_the_listed_order(tmp_path):
         assert (tmp_path / "ck" / "last.ckpt").is_file()
         saved = hookloop.safe_load(tmp_path / "ck" / "last.ckpt")["state_dict"]
         assert max_diff({k: saved[k] for k in weights}, weights) <= 1e-5
+
+
+@pytest.mark.slow
+def test_tps_self_check_stops_a_global_heads_attention_beside_fsdp_on_every_rank(runs):
+    """Issue 33: fsdp x tp trained another function with an attention that views its heads
+    with the global head count; tp.verify stops it at the start of fit, every rank alike."""
+    out, _ = runs
+    errors = [record["global_heads"] for record in ranks(out, "2x2")]
+    assert errors[0] is not None and len(set(errors)) == 1
+    assert "the output of 'attn.out' differs by" in errors[0]
+    assert "views its heads with the global head count" in errors[0]

@@ -1,4 +1,4 @@
-"""The ``hookloop`` command: ``plugins``, ``run``, ``tune``, and sub-commands that plugins add.
+"""The ``hookloop`` command: ``plugins``, ``run``, ``tune``, ``plan``, and sub-commands that plugins add.
 
 ``hookloop.cli.LightningCLI`` (Lightning's ``LightningCLI``, for scripts) lives in
 :mod:`hookloop.lightning_cli` and is imported from here on first use.
@@ -120,6 +120,15 @@ def _build_parser(commands: dict) -> argparse.ArgumentParser:
     r.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
     _add_tune_parser(sub, r)
+    pl = sub.add_parser(
+        "plan", help="print what the plugins would do to SCRIPT's model (tp's plan), without training",
+        description=("Run SCRIPT in one process with `hookloop run`'s options; its first Trainer.fit builds the "
+                     "module (configure_model), prints every plugin's answer to the describe_model hook (the tp "
+                     "plugin: the plan it would apply, for the tp size of --devices/--mesh) and ends the script "
+                     "there: no process group, no run directory, no training."))
+    for action in r._actions:  # hookloop run's options, then SCRIPT and its arguments
+        if not isinstance(action, argparse._HelpAction):
+            pl._add_action(action)
 
     for name in sorted(commands):
         sub.add_parser(name, help=f"sub-command from {commands[name].value.split(':')[0]}", add_help=False)
@@ -279,7 +288,23 @@ def check_script(script: str) -> None:
         f"Give the path of the training script: hookloop run [OPTIONS] SCRIPT [ARGS]")
 
 
-def cmd_run(args) -> int:
+def cmd_plan(args) -> int:
+    """``hookloop plan``: ``hookloop run``'s checks, then SCRIPT in one plain interpreter
+    whose first ``fit`` describes the model and ends (``HOOKLOOP_PLAN``)."""
+    from .trainer import PLAN_ENV
+
+    previous = os.environ.get(PLAN_ENV)
+    os.environ[PLAN_ENV] = "1"  # for the script's process only: an in-process caller keeps its environment
+    try:
+        return cmd_run(args, one_process=True)
+    finally:
+        if previous is None:
+            os.environ.pop(PLAN_ENV, None)
+        else:
+            os.environ[PLAN_ENV] = previous
+
+
+def cmd_run(args, one_process: bool = False) -> int:
     if args.run_id:
         os.environ[RUN_ID_ENV] = args.run_id  # this job's id, for every process it starts
     settings = env_defaults()
@@ -329,7 +354,7 @@ def cmd_run(args) -> int:
     check_devices_on_cpu(config)  # after the devices plugin resolved the accelerator
     check_script(args.script)  # after the options (their errors first), before any process starts
     world = config.num_processes() * config.nodes
-    if world > 1 and not any(registry.plugin_role(p) == "strategy" for p in chosen):
+    if one_process or (world > 1 and not any(registry.plugin_role(p) == "strategy" for p in chosen)):
         # The script may name its strategy in code (Trainer(plugins=["ddp"])): plugins from
         # code and the command line combine, and only the script's Trainer knows them all.
         # So start it as `python train.py` starts: one plain interpreter, not a launched
@@ -392,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_run(args)
         if args.command == "tune":
             return cmd_tune(args)
+        if args.command == "plan":
+            return cmd_plan(args)
         if args.command == "plot":
             return plot.command(args)
     except HookloopError as exc:

@@ -268,6 +268,26 @@ def configure_sampler(trainer, dataloader, training):
     """
 
 
+@hookspec
+def describe_model(trainer, module):
+    """Say what this plugin would do to ``module``, without training; ``hookloop plan``.
+
+    Called only by ``hookloop plan [run options] SCRIPT``: the script runs in one
+    process, and its ``Trainer.fit`` builds the module (``configure_model``, outside any
+    ``model_init_context``), calls this hook, prints every answer and ends the process
+    (status 0). No ``setup_environment`` ran: there is no process group, no mesh, and
+    ``trainer.world_size`` is 1; read the run's sizes from ``trainer.config``
+    (``num_processes()``, ``nodes``, ``mesh``: the ``--mesh`` sizes, a dict or ``None``).
+    A model-transforming plugin (tensor parallelism: the plan it would apply, split
+    dimensions that do not divide) answers; the others leave it unimplemented.
+    Added in contract 2.4.0.
+
+    :param module: the user's module (``configure_model`` already called).
+    :returns: lines of text to print, or ``None`` for nothing to say. Every
+        implementation is called.
+    """
+
+
 # ---------------------------------------------------------------------------------------
 # 4. The step
 # ---------------------------------------------------------------------------------------

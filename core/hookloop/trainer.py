@@ -537,6 +537,8 @@ class Trainer:
                 f"validation_step(batch, batch_idx): define one, or leave val_dataloaders out"
             )
         _check_training_step(model)
+        if os.environ.get(PLAN_ENV) == "1":
+            describe_from_environment(self, model)  # `hookloop plan`: ends here
         if os.environ.get(tuner.TUNE_ENV) and not self.__dict__.get("_hookloop_tuning"):
             tuner.tune_from_environment(self, model, train_dataloaders, datamodule)  # `hookloop tune`: ends here
         self._start(model, datamodule, ckpt_path, train=train_dataloaders, val=val)
@@ -765,6 +767,33 @@ def _name_loggers_apart(objects: list) -> None:
 
 
 # Module-level (not lambdas): a spawn-based strategy pickles the function it runs.
+#: set to ``1`` by ``hookloop plan``: the script's first ``fit`` describes the model and ends
+PLAN_ENV = "HOOKLOOP_PLAN"
+
+
+def describe_from_environment(trainer: Trainer, model: nn.Module) -> None:
+    """``hookloop plan``'s end of a script's first ``fit``: the module built
+    (``configure_model``), every plugin's ``describe_model`` answer printed, and the
+    process ended (status 0) before any process group, run directory or training."""
+    if callable(getattr(model, "configure_model", None)):
+        model.configure_model()
+    answers = [a for a in trainer.hook.describe_model(trainer=trainer, module=model) if a]
+    params = sum(p.numel() for p in model.parameters())
+    names = ", ".join(plugin_registry.plugin_name(p) for p in trainer.plugins
+                      if plugin_registry.plugin_role(p) != "observer") or "none"
+    world = trainer.config.num_processes() * (trainer.config.nodes or 1)
+    mesh = trainer.config.mesh
+    print(f"hookloop plan: {type(model).__name__} ({params:,} parameters) on {world} process(es)"
+          f"{' (mesh ' + ','.join(f'{k}={v}' for k, v in mesh.items()) + ')' if mesh else ''}; plugins: {names}")
+    for answer in reversed(answers):  # pluggy answers the last registered first: the order the run lists them
+        print(answer)
+    if not answers:
+        print(f"hookloop plan: no plugin of this run transforms {type(model).__name__}: every process holds it "
+              f"whole (nothing was trained)")
+    sys.stdout.flush()
+    raise SystemExit(0)
+
+
 def _run_validate(trainer) -> list[dict]:
     return run_evaluation(trainer, VALIDATE)
 

@@ -35,8 +35,9 @@ from .errors import PluginValidationError
 #: device mesh: a hook, two plugin attributes, helpers; nothing removed) with 0.7, 2.2.0 (helpers
 #: around the loop: the per-step agreement, hook-call observers, errors marked alike on every
 #: rank; nothing removed) with 0.8, 2.3.0 (checkpoint tags, shard checks, timeouts, a plugin's
-#: environment variables; nothing removed) with 0.9 (CHANGELOG.md).
-CONTRACT_VERSION = "2.3.0"
+#: environment variables; nothing removed) with 0.9, 2.4.0 (``describe_model``: ``hookloop plan``;
+#: nothing removed) after it (CHANGELOG.md).
+CONTRACT_VERSION = "2.4.0"
 
 #: The attribute a plugin (class, instance or module) declares its range with.
 REQUIRES = "hookloop_requires"

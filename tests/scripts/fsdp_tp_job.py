@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hookloop  # noqa: E402
-from tp_models import Net, data  # noqa: E402
+from tp_models import GlobalHeadsNet, Net, data  # noqa: E402
 
 faulthandler.enable()
 faulthandler.dump_traceback_later(240, exit=True)  # a hang fails with the stacks
@@ -98,6 +98,13 @@ if MODE == "2x2":
     module = Net(attention=True, optimizer="adam")
     fit(module, [], probe, GLOBAL_BATCH // 4, accumulate_grad_batches=2, gradient_clip_val=0.05)
     record["clipped"] = probe.seen
+    # tp's self-check beside fsdp: an attention viewing its heads with the global head count
+    # stops at the start of fit, on every rank (issue 33)
+    try:
+        fit(GlobalHeadsNet(), [], Probe(), GLOBAL_BATCH // 2)
+        record["global_heads"] = None
+    except hookloop.ConfigurationError as exc:
+        record["global_heads"] = str(exc)
 elif MODE == "4x1":
     probe = Probe(save_at=4, path=OUT / "4x1.ckpt")
     module = Net(attention=True, optimizer="adam", seed=5)  # other weights: the checkpoint's must win

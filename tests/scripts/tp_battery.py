@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hookloop  # noqa: E402
-from tp_models import HookedNet, Net, PlannedNet, data  # noqa: E402
+from tp_models import FusedNet, GlobalHeadsNet, HookedNet, Net, PlannedNet, UnpairedGateNet, data  # noqa: E402
 
 faulthandler.enable()
 faulthandler.dump_traceback_later(300, exit=True)  # a hang fails with the stacks
@@ -116,6 +116,25 @@ resumed = Net(attention=True, optimizer="adam", seed=5)  # other weights: the ch
 fit(resumed, STEPS, Probe(), ckpt_path=ckpt)
 record["resumed"] = weights(resumed)
 record["ckpt_files"] = sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file())
+
+# The self-check (tp.verify, on by default): a model that tp splits into another function
+# stops at the start of fit, on every rank with the same error (caught here, to run on).
+for name, cls in (("fused", FusedNet), ("global_heads", GlobalHeadsNet), ("unpaired_gate", UnpairedGateNet)):
+    probe = Probe()
+    try:
+        fit(cls(), STEPS, probe)
+        record[("verify", name)] = None
+    except hookloop.ConfigurationError as exc:
+        record[("verify", name)] = {"error": str(exc), "steps": len(probe.seen["batches"])}
+
+# tp.verify=false: the check is what stops the wrong model (it trains, another function);
+# and a correct model trains the same numbers with the check as without it.
+module = GlobalHeadsNet()
+fit(module, STEPS, Probe(), plugins=[hookloop.plugin("tp", verify=False)])
+record["unverified_global_heads"] = weights(module)
+module = Net(attention=True, optimizer="adam")
+fit(module, STEPS, Probe(), plugins=[hookloop.plugin("tp", verify=False)])
+record["unverified_parity"] = weights(module)
 
 torch.save(record, OUT / f"rank{RANK}.pt")
 faulthandler.cancel_dump_traceback_later()

@@ -129,3 +129,98 @@ class HookedNet(Net):
 
         self.mesh_seen = (mesh.mesh_dim_names, mesh.size())
         parallelize_module(self.mlp, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+
+
+# -- models that tp splits wrongly (issue 33): the self-check (tp.verify) must stop them --------
+
+
+class FusedAttention(nn.Module):
+    """One fused projection ``qkv = nn.Linear(DIM, 3 * DIM)``, ``chunk(3, -1)`` and ``-1``
+    heads, as the tp README asks of the heads: a contiguous colwise split (a plan naming
+    ``qkv`` colwise) gives process 0 all of q and half of k. It runs under tp, and computes
+    another function; the automatic plan leaves it whole."""
+
+    def __init__(self, heads: int = 2):
+        super().__init__()
+        self.head_dim = DIM // heads
+        self.qkv = nn.Linear(DIM, 3 * DIM)
+        self.out = nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in self.qkv(x).chunk(3, -1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class GlobalHeadsAttention(Attention):
+    """``Attention`` whose heads are viewed with the global head count, ``view(b, t, H, -1)``
+    (as most code does): under tp each process's q/k/v hold H / tp heads, so this makes H
+    heads of half the size. It runs under tp, and computes another function."""
+
+    def __init__(self, heads: int = 2):
+        super().__init__(heads)
+        self.n_head = heads
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (f(x).view(b, t, self.n_head, -1).transpose(1, 2) for f in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class GatedMLP(nn.Module):
+    """Llama's gated MLP: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(DIM, 16), nn.Linear(DIM, 16), nn.Linear(16, DIM)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class FusedNet(Net):
+    """``FusedAttention`` under a plan of the user's that splits ``qkv`` colwise (as a
+    tutorial's plan for separate projections would): the automatic plan leaves a fused
+    attention whole (exact), an explicit plan is trusted, and the self-check stops it."""
+
+    def __init__(self, **kwargs):
+        super().__init__(attention=True, **kwargs)
+        torch.manual_seed(3)
+        self.attn = FusedAttention()
+        self.tensor_parallel_plan = {"attn.qkv": "colwise", "attn.out": "rowwise",
+                                     "mlp.fc1": "colwise", "mlp.fc2": "rowwise"}
+
+
+class GlobalHeadsNet(Net):
+    def __init__(self, **kwargs):
+        super().__init__(attention=True, **kwargs)
+        torch.manual_seed(3)
+        self.attn = GlobalHeadsAttention()
+
+
+class UnpairedGateNet(Net):
+    """A gated MLP whose plan splits up (colwise) and down (rowwise) and leaves the gate
+    whole: the split forward fails inside the MLP (shapes 16 and 8)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        torch.manual_seed(3)
+        self.mlp = GatedMLP()
+        self.tensor_parallel_plan = {"mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel()}
+
+
+def reference_of(cls, steps: int, batch_size: int = 4, **kwargs) -> dict:
+    """``reference`` for any of the models above: the weights after ``steps`` SGD steps
+    of a hand-written loop in one process."""
+    model = cls(**kwargs)
+    opt = model.make_optimizer(model.parameters())
+    ds = data()
+    for i in range(steps):
+        opt.zero_grad()
+        model.loss(ds[i * batch_size:(i + 1) * batch_size]).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -33,6 +33,7 @@ from hookloop import dcp as dcp_checkpoint
 from hookloop.mesh import DATA_PARALLEL_DIMS, lifecycle_lead, mesh_dims
 
 from . import plan as plans
+from . import verify as checks
 
 _DDP_OPTIONS_KEPT = ("process_group_backend", "sampler_seed", "timeout")
 
@@ -107,8 +108,23 @@ class TP(DDP):
         for a model whose output is a DTensor sharded on the class dimension (a plan
         whose last layer is ``ColwiseParallel(use_local_output=False)``): the
         cross-entropy is computed without gathering the logits.
+    ``verify``
+        on (``True``, the default): at the start of every run the split model checks
+        itself (:mod:`hookloop_tp.verify`): on the first batch, before its forward, the
+        split module's forward and an unsharded copy's (the same weights) run on the same
+        input (no gradients, eval mode, the random state restored); an output that
+        differs beyond the dtype's tolerance stops the run on every process with a
+        ``ConfigurationError`` naming the first module that differs and the likely cause
+        (an attention viewing its heads with the global head count, a fused q/k/v
+        projection split contiguously, an unpaired gate). Costs one unsharded copy of the
+        module during the first step. ``False`` skips it. Not run beside the pipeline
+        (each process holds only its stages).
     ``process_group_backend``, ``sampler_seed``, ``timeout``
         as for ddp.
+
+    The plan applied is printed once, on global rank 0, at the start of every run
+    (:func:`hookloop_tp.describe_plan`); ``hookloop plan --plugins tp ... train.py`` prints
+    it without training.
 
     The mesh: the ``tp`` dimension of ``trainer.device_mesh`` when the core made one,
     else a 1-D mesh over all processes (a tp-only run).
@@ -119,7 +135,7 @@ class TP(DDP):
     hookloop_requires = ">=2,<3"  # the plugin contract versions it is written for
     hookloop_mesh_dims = ("tp",)
 
-    _TP_OPTIONS = ("plan", "colwise", "rowwise", "loss_parallel", "sequence_parallel")
+    _TP_OPTIONS = ("plan", "colwise", "rowwise", "loss_parallel", "sequence_parallel", "verify")
     # ddp's DistributedDataParallel options are not tp's (its constructor does not take them).
     _OPTIONS = _DDP_OPTIONS_KEPT + _TP_OPTIONS
 
@@ -130,6 +146,7 @@ class TP(DDP):
         rowwise: tuple[str, ...] | list[str] | str = plans.ROWWISE,
         loss_parallel: bool = False,
         sequence_parallel: bool = False,
+        verify: bool = True,
         process_group_backend: str | None = None,
         sampler_seed: int | None = None,
         timeout: float | None = None,
@@ -140,6 +157,8 @@ class TP(DDP):
         self.rowwise = rowwise
         self.loss_parallel = loss_parallel
         self.sequence_parallel = sequence_parallel
+        self.verify = verify
+        self._check: checks.SelfCheck | None = None
         self.mesh: Any = None
         self.parallel: _Parallelized | None = None
         self._own_mesh = False
@@ -152,7 +171,7 @@ class TP(DDP):
             plans.check_plan_option(value)
         elif name in ("colwise", "rowwise"):
             _patterns(name, value)
-        elif name in ("loss_parallel", "sequence_parallel"):
+        elif name in ("loss_parallel", "sequence_parallel", "verify"):
             if not isinstance(value, bool):
                 raise ConfigurationError(f"tp option {name}={value!r} must be True or False")
         elif name == "sampler_seed":
@@ -217,6 +236,9 @@ class TP(DDP):
         """The module whole again (each split parameter gathered: a collective), the
         plan's hooks removed, then ddp's teardown (the process group)."""
         parallel, self.parallel = self.parallel, None
+        check, self._check = self._check, None
+        if check is not None:
+            check.disarm()  # a run that ended before its first forward: the copy freed
         try:
             if parallel is not None:
                 # Led by a data-parallel plugin: the plan's hooks go, and the leader (teardown
@@ -252,13 +274,16 @@ class TP(DDP):
         hooks = {m: {d: set(getattr(m, d, {}).keys()) for d in _HOOK_DICTS} for m in module.modules()}
         self.parallel = _Parallelized(module, hooks)
         self._wrapped = None
-        plan = plans.resolve(module, self.plan, _patterns("colwise", self.colwise), _patterns("rowwise", self.rowwise),
-                             sequence_parallel=self.sequence_parallel)
+        # the unsharded copy for the self-check, before the split (rank 0's weights)
+        check = checks.SelfCheck(module, trainer) if self.verify and not _beside_pipeline(trainer) else None
+        plan = self._plan(module)
         if trainer.global_rank == 0:
             for note in plan.notes:
                 print(f"hookloop-tp: {note}", flush=True)
         if plan.source == "configure_tensor_parallel":
             module.configure_tensor_parallel(self.mesh)
+            labels = checks.plan_of_parameters(module)
+            table = checks.describe_plan(module, labels, "the module's configure_tensor_parallel", self.mesh.size())
         else:
             if not plan.styles and trainer.global_rank == 0:
                 found = "the automatic plan found" if plan.source == "automatic" else f"the {plan.source} plan has"
@@ -267,8 +292,49 @@ class TP(DDP):
             if plan.styles:
                 plans.check_sizes(module, plan.styles, self.mesh.size())
                 parallelize_module(module, self.mesh, plan.styles)
+            labels = {n: checks.style_name(s) for n, s in plan.styles.items()}
+            table = (checks.describe_plan(module, plan.styles, self._source(plan), self.mesh.size())
+                     if plan.styles else None)
+        if table and trainer.global_rank == 0:
+            print(table, flush=True)
+        if check is not None and labels:
+            check.arm(labels, hooks)
+            self._check = check
         hookloop.repoint_optimizers(optimizers or [], names, module, owner="tp")
         return None  # split in place: the next transform (compile), then the leader or the default, wraps
+
+    def _plan(self, module: nn.Module) -> "plans.Plan":
+        """The run's plan (the ``plan`` option; by default the module's hook or
+        ``tensor_parallel_plan``, a Hugging Face plan, else the automatic one)."""
+        return plans.resolve(module, self.plan, _patterns("colwise", self.colwise), _patterns("rowwise", self.rowwise),
+                             sequence_parallel=self.sequence_parallel)
+
+    def _source(self, plan: "plans.Plan") -> str:
+        """Where ``plan`` came from, in the words of the printed table."""
+        return {"tensor_parallel_plan": "the module's tensor_parallel_plan", "option": "the tp option plan",
+                "hf": "the Hugging Face model's config.base_model_tp_plan",
+                "automatic": "automatic" + (", sequence parallel" if self.sequence_parallel else "")}.get(
+                    plan.source, plan.source)
+
+    @hookloop.hookimpl
+    def describe_model(self, trainer, module):
+        """``hookloop plan``: the plan this run would apply to ``module``, as a table,
+        without a mesh or a process group (the tp size from the run's ``--mesh`` or
+        its number of processes)."""
+        mesh = dict(getattr(trainer.config, "mesh", None) or {})
+        size = trainer.config.num_processes() * (trainer.config.nodes or 1)
+        if mesh.get("tp"):
+            size = mesh["tp"]
+        elif mesh:  # tp left out (or None): it takes what the other dimensions leave
+            for other in (v for k, v in mesh.items() if k != "tp" and v):
+                size //= other
+        plan = self._plan(module)
+        if plan.source == "configure_tensor_parallel":
+            return (f"hookloop-tp: {type(module).__name__} splits itself in configure_tensor_parallel(mesh): its plan "
+                    f"is known once a run calls it (printed at the start of the run, on rank 0)")
+        table = checks.describe_plan(module, plan.styles, self._source(plan),
+                                     size if isinstance(size, int) and size > 0 else None)
+        return "\n".join([*(f"hookloop-tp: {note}" for note in plan.notes), table])
 
     @hookloop.hookimpl
     def wrap_optimizer(self, optimizer):
@@ -347,6 +413,11 @@ class TP(DDP):
 
 
 TensorParallel = TP
+
+
+def _beside_pipeline(trainer) -> bool:
+    """A pipeline plugin in the run: each process holds only its stages (no self-check)."""
+    return any("pp" in (mesh_dims(p) or ()) for p in getattr(trainer, "plugins", None) or ())
 
 
 def _patterns(name: str, value: Any) -> tuple[str, ...]:
