@@ -306,10 +306,9 @@ class DDPSequential(DDP):
                 squares += torch.linalg.vector_norm(g.double()) ** 2
             if self.layout[0] > 1:
                 dist.all_reduce(squares, group=self._pipeline_group)
-            total = squares.sqrt().float()
-            coefficient = torch.clamp(value / (total + 1e-6), max=1.0)
+            coefficient = hookloop.helpers.clip_coefficient(squares.sqrt().float(), value)  # torch's
             for g in grads:
-                g.mul_(coefficient.to(g.dtype))
+                g.mul_(coefficient)  # a float32 coefficient, as torch multiplies low-precision grads
 
     def schedule(self, batch_size: int, train: bool):
         """The GPipe schedule (and its stage) for ``train``/evaluation steps on batches of
