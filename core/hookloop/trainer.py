@@ -133,6 +133,7 @@ class Trainer:
         max_steps: int | None = _UNSET,
         max_time: Any = _UNSET,
         accumulate_grad_batches: int = _UNSET,
+        global_batch_size: int | None = _UNSET,
         gradient_clip_val: float | None = _UNSET,
         gradient_clip_algorithm: str = _UNSET,
         precision: Any = _UNSET,
