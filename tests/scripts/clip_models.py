@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import hookloop
 
@@ -35,9 +35,10 @@ class Block(nn.Module):
 class TinyGPT(hookloop.Module):
     """Token and position embeddings, two blocks, a final norm, a head tied to the embedding."""
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, optimizer: str = "adamw"):
         super().__init__()
         torch.manual_seed(seed)
+        self.optimizer = optimizer
         self.wte, self.wpe = nn.Embedding(VOCAB, DIM), nn.Embedding(BLOCK, DIM)
         self.h = nn.ModuleList([Block(), Block()])
         self.ln_f = nn.LayerNorm(DIM)
@@ -58,14 +59,18 @@ class TinyGPT(hookloop.Module):
         return self.loss(batch)
 
     def configure_optimizers(self):
-        return nanogpt_optimizer(self)
+        return nanogpt_optimizer(self, self.optimizer)
 
 
-def nanogpt_optimizer(model: nn.Module) -> torch.optim.AdamW:
-    """nanoGPT's ``configure_optimizers``: 2-D tensors decay, the others do not."""
+def nanogpt_optimizer(model: nn.Module, kind: str = "adamw") -> torch.optim.Optimizer:
+    """nanoGPT's ``configure_optimizers``: 2-D tensors decay, the others do not. ``"sgd"``:
+    the same two groups with SGD, whose update is linear in the gradient (Adam turns a
+    rounding of a near-zero gradient into a step of ``lr``: for tolerances across layouts)."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    if kind == "sgd":
+        return torch.optim.SGD(groups, lr=0.1, momentum=0.9)
     return torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95))
 
 
@@ -92,3 +97,27 @@ def reference_loop(model: TinyGPT, loader: DataLoader, clip: float | None, algor
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return norms
+
+
+def concatenated_reference(data: TensorDataset, clip: float, batch: int, world: int = 2, epochs: int = 1,
+                           optimizer: str = "adamw") -> dict:
+    """One process, the hand-written loop, on the batches of all ``world`` ranks put
+    together: rank ``r`` of a run with ``DistributedSampler(shuffle=True, seed=0)`` takes
+    ``batch`` samples per step, and the mean loss over their concatenation has the
+    gradient the data-parallel average makes. Returns the weights."""
+    model = TinyGPT(seed=0)
+    optimizer = nanogpt_optimizer(model, optimizer)
+    samplers = [DistributedSampler(data, num_replicas=world, rank=r, shuffle=True, seed=0) for r in range(world)]
+    x_all, y_all = data.tensors
+    for epoch in range(epochs):
+        orders = []
+        for sampler in samplers:
+            sampler.set_epoch(epoch)
+            orders.append(list(sampler))
+        for i in range(len(orders[0]) // batch):
+            index = torch.tensor([j for order in orders for j in order[i * batch:(i + 1) * batch]])
+            model.loss((x_all[index], y_all[index])).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
