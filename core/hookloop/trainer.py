@@ -99,6 +99,13 @@ class Trainer:
     (:mod:`hookloop.mesh`; ``hookloop run --mesh``, ``HOOKLOOP_MESH``); the mesh over the
     dimensions the plugins claim is ``trainer.device_mesh`` during a run.
 
+    ``global_batch_size``: samples per optimizer step over all the data-parallel processes
+    (``hookloop run --global-batch-size``); ``fit`` sets ``accumulate_grad_batches`` to
+    ``global_batch_size / (the loader's batch_size x data-parallel processes)`` once that
+    size is known, or refuses to start when it does not divide. A script that builds its
+    own per-process loaders gets ``(replicas, rank)`` from
+    :func:`hookloop.data_parallel_rank` (from ``setup`` on).
+
     ``max_time``: Lightning's time limit ("DD:HH:MM:SS", a timedelta or a dict such as
     ``{"hours": 12}``; ``hookloop run --max-time``): a :class:`hookloop.Timer` with that
     duration checked after every training batch, rank 0's clock deciding for every rank.
