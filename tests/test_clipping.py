@@ -87,3 +87,55 @@ def test_clip_coefficient_is_torchs(norm):
     param.grad = grad.clone()
     torch.nn.utils.clip_grads_with_norm_([param], 0.7, torch.tensor(norm))
     assert torch.equal(grad * clip_coefficient(torch.tensor(norm), 0.7), param.grad)
+
+
+# -- Lightning's configure_gradient_clipping ----------------------------------------------
+
+
+class ClipsValues(TinyGPT):
+    """Clips by value in its own configure_gradient_clipping, whatever the Trainer says."""
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.seen = (gradient_clip_val, gradient_clip_algorithm)
+        self.clip_gradients(optimizer, gradient_clip_val=0.01, gradient_clip_algorithm="value")
+
+
+class NeverClips(TinyGPT):
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        pass
+
+
+class CallsSuper(TinyGPT):
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+
+@pytest.mark.parametrize("cls, clip, expected", [
+    (ClipsValues, None, (0.01, "value")),  # clips without gradient_clip_val too
+    (ClipsValues, 0.5, (0.01, "value")),
+    (NeverClips, 0.5, (None, "norm")),  # the override decides: no clipping
+    (CallsSuper, 0.5, (0.5, "norm")),  # Lightning's default: the Trainer's settings
+])
+def test_configure_gradient_clipping_override_decides_as_in_lightning(cls, clip, expected):
+    model = cls(seed=0)
+    trainer = hookloop.Trainer(max_steps=STEPS, gradient_clip_val=clip, enable_checkpointing=False, logger=False,
+                               enable_progress_bar=False)
+    trainer.fit(model, DataLoader(tokens(), batch_size=4))
+    reference, _ = _reference(*expected)
+    assert _bitwise(state_of(model), reference) == []
+    if cls is ClipsValues:
+        assert model.seen == (clip, "norm")  # called with the Trainer's settings
+
+
+def test_configure_gradient_clipping_under_a_strategy_that_clips_itself_is_refused():
+    """deepspeed and ddp_sequential step with ``before_optimizer_step(clip=False)``: the
+    override would never run, so the first step stops, before the update, with the fix."""
+    from types import SimpleNamespace
+
+    trainer = SimpleNamespace(state=SimpleNamespace(on_before_optimizer_step=None), module=ClipsValues())
+    with pytest.raises(hookloop.ConfigurationError,
+                       match=r"ClipsValues.configure_gradient_clipping is not called: the strategy clips the "
+                             r"gradients itself. Remove the override and set Trainer\(gradient_clip_val=\.\.\., "):
+        hookloop.before_optimizer_step(trainer, None, clip=False)
+    trainer.module = TinyGPT()  # hookloop.Module's own: the Trainer's settings, nothing to refuse
+    hookloop.before_optimizer_step(trainer, None, clip=False)

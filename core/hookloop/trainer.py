@@ -29,6 +29,7 @@ from .datamodule import DataModule
 from .defaults import Defaults
 from .errors import ConfigurationError
 from .launch import in_worker, run_command
+from .helpers import clip_gradients
 from .optim import LoopOptimizer
 from .resume import checkpoint_dict
 from .session import adopt_run_dirs, as_loader_list, check_loader, claim_run_dirs, run_evaluation, run_predict
@@ -639,7 +640,12 @@ class Trainer:
         if algorithm not in ("norm", "value"):
             raise ConfigurationError(f"gradient_clip_algorithm={algorithm!r} must be 'norm' or 'value'")
         real = getattr(optimizer, "optimizer", optimizer) if isinstance(optimizer, LoopOptimizer) else optimizer
-        self.state.clip_requests[id(real)] = (value if value is not None else self.gradient_clip_val, algorithm)
+        value = value if value is not None else self.gradient_clip_val
+        now = self.state.clipping_optimizer
+        if now is not None and (real is now or optimizer is now):  # inside configure_gradient_clipping
+            clip_gradients(self, now, value, algorithm)
+            return
+        self.state.clip_requests[id(real)] = (value, algorithm)
 
     # -- launching ----------------------------------------------------------------------
 
