@@ -333,7 +333,8 @@ class Module(HyperparametersMixin, nn.Module):
         gradient_clip_algorithm=...)``. Override it to clip another way: ``self.clip_gradients(
         optimizer, gradient_clip_val=..., gradient_clip_algorithm=...)`` inside it clips at
         once. Not overridden, the Trainer's settings clip (the ``clip_gradients`` hook)."""
-        self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
+        self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val,
+                            gradient_clip_algorithm=gradient_clip_algorithm)
 
     configure_gradient_clipping.hookloop_placeholder = True  # the Trainer's settings: optim.custom_clipping
 

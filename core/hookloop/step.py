@@ -612,8 +612,8 @@ def _step_functions(trainer, model, optimizer):
     else:
         def backward(loss):
             hook.backward(trainer=trainer, loss=loss, model=model, optimizer=optimizer)
-    if (only_default("optimizer_step") and not trainer.gradient_clip_val and trainer.state.on_before_optimizer_step is None
-            and not custom_clipping(trainer.module)):
+    if (only_default("optimizer_step") and not trainer.gradient_clip_val
+            and trainer.state.on_before_optimizer_step is None and not custom_clipping(trainer.module)):
         optimizer_step = optimizer.step
     else:
         def optimizer_step():

@@ -167,8 +167,8 @@ for optimizer in ("sgd", "adam"):
 
 # Clipping (issue 33): nanoGPT's optimizer (two groups), torch's clip_grad_norm_ over the
 # DTensor gradients in the module's order; the test compares one process's loop.
-trainer, module = fit(fsdp(auto_wrap_policy={"Block"}), TinyGPT(seed=RANK, optimizer="sgd"), max_epochs=1, gradient_clip_val=0.5,
-                      loader=DataLoader(tokens(32), batch_size=2, shuffle=True))
+trainer, module = fit(fsdp(auto_wrap_policy={"Block"}), TinyGPT(seed=RANK, optimizer="sgd"), max_epochs=1,
+                      gradient_clip_val=0.5, loader=DataLoader(tokens(32), batch_size=2, shuffle=True))
 record["clipped"] = full(module)
 
 # state_dict_type="full": hookloop's file, written in the run and after it (the module and
