@@ -141,6 +141,30 @@ def test_accumulation_uses_no_sync_and_equals_one_step_on_the_large_batch(batter
     assert stdout.count(line) == 1
 
 
+def test_clipping_is_bitwise_the_hand_written_ddp_loop(battery):
+    """Issue 33: nanoGPT's optimizer (two groups) with gradient_clip_val under ddp equals,
+    bit for bit, torch's DDP loop calling clip_grad_norm_(model.parameters(), 0.5) after
+    the same all-reduce (clipping over the optimizer's groups: 8e-4 off after 16 steps)."""
+    ranks, _, _ = battery
+    for record in ranks:
+        assert record["clipped"].keys() == record["raw_clipped"].keys()
+        assert [k for k, v in record["clipped"].items() if not torch.equal(v, record["raw_clipped"][k])] == []
+
+
+def test_global_batch_size_derives_half_the_accumulation_of_one_process(battery):
+    """Issue 33: global_batch_size=16 with batches of 4 on 2 processes accumulates 2 (one
+    process: 4, tests/test_global_batch.py); the weights are one process's steps on the
+    16 samples the two ranks' windows hold together."""
+    ranks, stdout, _ = battery
+    reference = concatenated_batches_run(tiny_data(32), epochs=2, batch=8)
+    for record in ranks:
+        assert record["global_batch"]["accumulate"] == 2 and record["global_batch"]["steps"] == 4
+        assert max_abs_diff(record["global_batch"]["state"], reference) <= 1e-6
+    line = ("hookloop: effective batch size 16 = 4 per device x 2 data-parallel process(es) x 2 accumulated "
+            "batches (global_batch_size=16)")
+    assert stdout.count(line) == 1  # rank 0 alone
+
+
 @pytest.mark.parametrize("hook,tolerance", [("fp16", 1e-2), ("bf16", 5e-2)])
 def test_compression_hooks_match_torch_and_stay_close_to_uncompressed(battery, hook, tolerance):
     ranks, _, _ = battery

@@ -172,6 +172,16 @@ def _(tmp):
     hookloop.Trainer(accumulate_grad_batches=0)
 
 
+@row("C30")
+def _(tmp):
+    hookloop.Trainer(global_batch_size=0)
+
+
+@row("C31")
+def _(tmp):
+    hookloop.Trainer(global_batch_size=64, accumulate_grad_batches=2)
+
+
 @row("C03")
 def _(tmp):
     hookloop.Trainer(accelerator="tpu")
@@ -681,6 +691,16 @@ def _(tmp):
 @row("D05")
 def _(tmp):
     quiet().fit(TinyModule())
+
+
+@row("D12")
+def _(tmp):
+    quiet(global_batch_size=20).fit(TinyModule(), loader(32))
+
+
+@row("D13")
+def _(tmp):
+    quiet(global_batch_size=16).fit(TinyModule(), DataLoader(tiny_data(16), batch_sampler=[list(range(16))]))
 
 
 @row("D06")

@@ -139,6 +139,7 @@ class Manual(SeqNet):
     (SeqNet, {}, "2 pipeline stages and 1 processes: devices must be stages x replicas"),
     (SeqNet, {"precision": "16-mixed"}, "'16-mixed' is not supported by ddp_sequential"),
     (Manual, {}, "does not support manual optimization"),
+    (SeqNet, {"global_batch_size": 16}, r"global_batch_size=16 is not supported by ddp_sequential: the stages"),
 ])
 def test_ddp_sequential_refuses_what_it_cannot_run(module, kwargs, message):
     trainer = hookloop.Trainer(plugins=[hookloop.plugin("ddp_sequential", balance=[2, 3])], max_epochs=1,

@@ -532,6 +532,10 @@ class GradientAccumulationScheduler(Callback):
             raise ConfigurationError(
                 "the deepspeed strategy cannot change accumulate_grad_batches between epochs: "
                 "remove GradientAccumulationScheduler")
+        if trainer.config.global_batch_size is not None:
+            raise ConfigurationError(
+                f"Trainer(global_batch_size={trainer.config.global_batch_size}) and GradientAccumulationScheduler "
+                f"are both set: the accumulation is derived from global_batch_size; remove one of them")
         if trainer.config.accumulate_grad_batches != 1 and not trainer.state.accumulation_scheduled:
             raise ConfigurationError(
                 "Trainer(accumulate_grad_batches=...) and GradientAccumulationScheduler are both set: "

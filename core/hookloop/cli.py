@@ -94,6 +94,9 @@ def _build_parser(commands: dict) -> argparse.ArgumentParser:
     r.add_argument("--max-time", default=None, metavar="DD:HH:MM:SS",
                    help="stop fit once training has run this long (Lightning's max_time, e.g. 00:12:00:00)")
     r.add_argument("--accumulate-grad-batches", type=int, default=None)
+    r.add_argument("--global-batch-size", type=int, default=None, metavar="N",
+                   help="samples per optimizer step over all data-parallel processes: the accumulation is "
+                        "N / (the loader's batch_size x data-parallel processes)")
     r.add_argument("--default-root-dir", default=None)
     r.add_argument("--nodes", type=int, default=None, help="number of machines")
     r.add_argument("--node-rank", type=int, default=None, help="this machine's rank, 0..nodes-1")
@@ -316,6 +319,7 @@ def cmd_run(args, one_process: bool = False) -> int:
         "max_steps": args.max_steps,
         "max_time": args.max_time,
         "accumulate_grad_batches": args.accumulate_grad_batches,
+        "global_batch_size": args.global_batch_size,
         "default_root_dir": args.default_root_dir,
         "nodes": args.nodes,
         "node_rank": args.node_rank,

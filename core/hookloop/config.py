@@ -49,6 +49,9 @@ class TrainerConfig:
     #: stops after the batch where the training time reaches it (a Timer, interval "step")
     max_time: Any = None
     accumulate_grad_batches: int = 1
+    #: samples per optimizer step over all the data-parallel processes; hookloop derives
+    #: accumulate_grad_batches from it once the data-parallel size is known (at fit)
+    global_batch_size: int | None = None
     gradient_clip_val: float | None = None
     gradient_clip_algorithm: str = "norm"
     precision: str = "32"
@@ -88,6 +91,19 @@ class TrainerConfig:
     #: Lightning's: torch.use_deterministic_algorithms (True, False, "warn"; None: left as it is)
     deterministic: bool | str | None = None
 
+    def _check_global_batch_size(self) -> None:
+        value = self.global_batch_size
+        if value is None:
+            return
+        if not _is_int(value) or value < 1:
+            raise ConfigurationError(f"global_batch_size={value!r} must be an integer >= 1 (samples per optimizer "
+                                     f"step over all the data-parallel processes), or None")
+        if self.accumulate_grad_batches != 1:
+            raise ConfigurationError(
+                f"global_batch_size={value} and accumulate_grad_batches={self.accumulate_grad_batches} are both set: "
+                f"hookloop derives the accumulation from global_batch_size (global_batch_size / (batch_size x "
+                f"data-parallel processes)); give one of the two")
+
     def validate(self) -> None:
         """Check every value and normalise aliases; raise ``ConfigurationError``."""
         self.precision = normalize_precision(self.precision)
@@ -99,6 +115,7 @@ class TrainerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigurationError(f"{name}={value!r} must be an integer >= 1")
+        self._check_global_batch_size()
         every = self.check_val_every_n_epoch
         if every is not None and (not _is_int(every) or every < 1):
             raise ConfigurationError(f"check_val_every_n_epoch={every!r} must be an integer >= 1, or None (count batches across epochs)")

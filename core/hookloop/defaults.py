@@ -77,8 +77,9 @@ class Defaults:
         return torch.amp.GradScaler(device.type, **options)
 
     @hookimpl(trylast=True)
-    def clip_gradients(self, optimizer, clip_val, algorithm):
-        clip_parameters(optimizer, clip_val, algorithm)
+    def clip_gradients(self, trainer, optimizer, clip_val, algorithm):
+        # in the module's order, as a hand-written loop's clip_grad_norm_(model.parameters())
+        clip_parameters(optimizer, clip_val, algorithm, module=trainer.module)
         return True
 
     # -- collectives --------------------------------------------------------------------

@@ -11,6 +11,7 @@ import inspect
 import math
 import os
 import random
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -189,10 +190,45 @@ def clip_gradients(trainer: Any, optimizer: torch.optim.Optimizer, value: float 
     trainer.hook.clip_gradients(trainer=trainer, optimizer=optimizer, clip_val=value, algorithm=algorithm)
 
 
-def clip_parameters(optimizer: torch.optim.Optimizer, clip_val: float, algorithm: str) -> None:
-    """``torch.nn.utils.clip_grad_norm_`` (``algorithm="norm"``) or ``clip_grad_value_``
-    (``"value"``) over ``optimizer``'s parameters: the default ``clip_gradients`` hook."""
-    params = optimizer_parameters(optimizer)
+def clip_order(optimizer: torch.optim.Optimizer, module: torch.nn.Module | None = None) -> list[torch.Tensor]:
+    """``optimizer``'s parameters in ``module``'s order (``module.parameters()``, each once),
+    then any the module does not hold, in the optimizer's order.
+
+    A hand-written loop clips ``clip_grad_norm_(model.parameters(), max_norm)``: torch
+    stacks the per-tensor norms in that order, and the total's rounding depends on it. An
+    optimizer with two groups (nanoGPT's decay / no decay) holds the same tensors in
+    another order, so clipping over its groups is a rounding away from the user's loop.
+    Without ``module``: the optimizer's order. The order is cached per optimizer and
+    worked out again when the tensors it holds change."""
+    held = optimizer_parameters(optimizer)
+    if module is None:
+        return held
+    key = tuple(map(id, held))
+    cached = _CLIP_ORDER.get(optimizer)
+    if cached is not None and cached[0] == key and cached[1] == id(module):
+        return cached[2]
+    ids = set(key)
+    ordered = [p for p in module.parameters() if id(p) in ids]
+    placed = {id(p) for p in ordered}
+    ordered += [p for p in held if id(p) not in placed]
+    try:  # the module's id, not the module: it refers to the trainer, which holds the optimizer
+        _CLIP_ORDER[optimizer] = (key, id(module), ordered)
+    except TypeError:  # an optimizer-like object without weak references: no cache
+        pass
+    return ordered
+
+
+_CLIP_ORDER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def clip_parameters(optimizer: torch.optim.Optimizer, clip_val: float, algorithm: str,
+                    module: torch.nn.Module | None = None) -> None:
+    """``torch.nn.utils.clip_grad_norm_(params, clip_val)`` (``algorithm="norm"``) or
+    ``clip_grad_value_(params, clip_val)`` (``"value"``), with torch's defaults, over
+    ``optimizer``'s parameters in ``module``'s order (:func:`clip_order`): the default
+    ``clip_gradients`` hook, bit for bit what a hand-written loop's
+    ``clip_grad_norm_(model.parameters(), clip_val)`` computes."""
+    params = clip_order(optimizer, module)
     if algorithm == "value":
         torch.nn.utils.clip_grad_value_(params, clip_val)
     elif _grad_meshes(params) > 1:
@@ -211,13 +247,22 @@ def _grad_meshes(params: list) -> int:
     return len(meshes)
 
 
+def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """``torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)``: the coefficient torch's
+    ``clip_grad_norm_`` multiplies the gradients by (``_clip_grads_with_norm_``), as a
+    tensor of ``total_norm``'s dtype (float32 gradients: a float32 division, not Python's
+    float64). A strategy that computes the total norm itself scales by this, so that its
+    coefficient is the one unsharded clipping computes from the same norm."""
+    return torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
+
+
 def clip_norm_across_meshes(params: list, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """``clip_grad_norm_`` for gradients that are DTensors on several device meshes (fsdp x
     tp: a split layer's on ``(dp_shard, tp)``, a replicated one's on ``dp_shard``), where
     torch's own stacks the per-tensor norms and DTensor refuses operands of two meshes.
     The norm of each mesh's group is computed (DTensor reduces it over that mesh), the
-    groups' norms are combined, and every gradient is scaled by the same
-    ``min(1, max_norm / (total + 1e-6))`` as torch's. Returns the total norm."""
+    groups' norms are combined, and every gradient is scaled by torch's coefficient
+    (:func:`clip_coefficient`, a tensor: no host read). Returns the total norm."""
     groups: list[tuple[Any, list]] = []
     for p in params:
         if p.grad is None:
@@ -236,12 +281,12 @@ def clip_norm_across_meshes(params: list, max_norm: float, norm_type: float = 2.
         norm = torch.nn.utils.get_total_norm(grads, norm_type)
         norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
-    coef = min(1.0, float(max_norm) / (float(total) + 1e-6))
-    if coef < 1.0:
-        with torch.no_grad():
-            for _, grads in groups:
-                for g in grads:
-                    g.mul_(coef)
+    coefficient = clip_coefficient(total, max_norm)
+    with torch.no_grad():
+        for _, grads in groups:
+            # The local shards, scaled in place: the coefficient is the same on every rank.
+            local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+            torch._foreach_mul_(local, coefficient.to(local[0].device))
     return total
 
 

@@ -402,10 +402,12 @@ def clip_gradients(trainer, optimizer, clip_val, algorithm):
     ``self.clip_gradients(...)`` under manual optimization; never when there is nothing
     to clip. ``algorithm`` is ``"norm"`` (the total 2-norm of all the gradients) or
     ``"value"`` (each element). The default clips the optimizer's parameters with
-    ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_``
+    ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` in the module's order, bit
+    for bit a hand-written loop's ``clip_grad_norm_(model.parameters(), clip_val)``
     (:func:`hookloop.clip_parameters`); a strategy whose gradients are sharded across
     ranks returns ``True`` after clipping by the norm over all shards (fairscale's
-    ``OSS.clip_grad_norm``).
+    ``OSS.clip_grad_norm``), scaling by torch's coefficient
+    (:func:`hookloop.helpers.clip_coefficient`).
 
     :returns: ``True`` when handled. Stops at first non-None result.
     """

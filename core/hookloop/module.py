@@ -326,6 +326,18 @@ class Module(HyperparametersMixin, nn.Module):
         """
         self.trainer._request_clip(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
+        """Lightning's: called before every optimizer step of automatic optimization, after
+        unscaling and the strategy's averaging, with ``Trainer(gradient_clip_val=...,
+        gradient_clip_algorithm=...)``. Override it to clip another way: ``self.clip_gradients(
+        optimizer, gradient_clip_val=..., gradient_clip_algorithm=...)`` inside it clips at
+        once. Not overridden, the Trainer's settings clip (the ``clip_gradients`` hook)."""
+        self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val,
+                            gradient_clip_algorithm=gradient_clip_algorithm)
+
+    configure_gradient_clipping.hookloop_placeholder = True  # the Trainer's settings: optim.custom_clipping
+
     def toggle_optimizer(self, optimizer: Any) -> None:
         """Freeze every parameter that ``optimizer`` does not train (``requires_grad=False``)
         until :meth:`untoggle_optimizer`, as Lightning's GAN examples do."""

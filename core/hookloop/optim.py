@@ -207,13 +207,40 @@ def before_optimizer_step(trainer: Any, optimizer: Any, clip: bool = True) -> No
     if event is not None:
         event(trainer=trainer, optimizer=optimizer)
     if not clip:
+        if custom_clipping(trainer.module):
+            raise ConfigurationError(
+                f"{type(trainer.module).__name__}.configure_gradient_clipping is not called: the strategy "
+                f"clips the gradients itself. Remove the override and set Trainer(gradient_clip_val=..., "
+                f"gradient_clip_algorithm=...)")
         return
     requests = trainer.state.clip_requests
     request = requests.pop(id(optimizer), None) if requests else None
-    if request is None:
-        clip_gradients(trainer, optimizer)
-    else:
+    if request is not None:
         clip_gradients(trainer, optimizer, *request)
+    elif custom_clipping(trainer.module) and trainer.automatic_optimization:
+        _configure_gradient_clipping(trainer, optimizer)
+    else:
+        clip_gradients(trainer, optimizer)
+
+
+def custom_clipping(module: Any) -> bool:
+    """Whether ``module`` overrides Lightning's ``configure_gradient_clipping`` (hookloop's
+    ``Module`` has it as a placeholder that clips as the Trainer says)."""
+    method = getattr(type(module), "configure_gradient_clipping", None)
+    return callable(method) and not getattr(method, "hookloop_placeholder", False)
+
+
+def _configure_gradient_clipping(trainer: Any, optimizer: Any) -> None:
+    """Lightning's: the module's ``configure_gradient_clipping(optimizer, gradient_clip_val,
+    gradient_clip_algorithm)`` decides, every optimizer step of automatic optimization;
+    ``self.clip_gradients(...)`` inside it clips at once (through the ``clip_gradients`` hook)."""
+    state = trainer.state
+    state.clipping_optimizer = optimizer
+    try:
+        trainer.module.configure_gradient_clipping(optimizer, trainer.gradient_clip_val,
+                                                   trainer.config.gradient_clip_algorithm)
+    finally:
+        state.clipping_optimizer = None
 
 
 class GradScaling:

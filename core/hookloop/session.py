@@ -54,6 +54,7 @@ def fit(trainer) -> None:
     """Train ``trainer.module``: the whole of ``Trainer.fit`` inside one worker."""
     with session(trainer, "fit"):
         config, state = trainer.config, trainer.state
+        _accumulate_for_global_batch(trainer)  # before the strategy wraps (DeepSpeed's config reads it)
         build_model(trainer, "fit")
         train_loader = trainer.train_dataloader
         if config.overfit_batches:
@@ -445,11 +446,44 @@ def _overfit_loader(trainer, loader: DataLoader) -> DataLoader:
     return loader
 
 
+def _accumulate_for_global_batch(trainer) -> None:
+    """``accumulate_grad_batches = global_batch_size / (batch_size x data-parallel processes)``
+    with ``Trainer(global_batch_size=...)``: known only now, after the environment and the
+    mesh (a tp group is one data-parallel process). Refused unless it divides exactly."""
+    wanted = trainer.config.global_batch_size
+    if wanted is None:
+        return
+    loader = trainer.train_dataloader
+    per_device = _per_device_batch(loader)
+    if per_device is None:
+        what = "a batch_sampler" if getattr(loader, "batch_sampler", None) is not None else "no batch_size"
+        raise ConfigurationError(
+            f"global_batch_size={wanted} needs the training loader's batch size, and the loader has {what} "
+            f"(it makes its own batches): give DataLoader(batch_size=...), or accumulate_grad_batches "
+            f"instead of global_batch_size")
+    replicas = data_parallel_rank(trainer)[0]
+    per_step = per_device * replicas
+    if wanted % per_step:
+        near = max(per_step, round(wanted / per_step) * per_step)
+        raise ConfigurationError(
+            f"global_batch_size={wanted} is not a multiple of batch_size {per_device} (the training loader's) x "
+            f"{replicas} data-parallel process(es) = {per_step} samples per batch: give a global_batch_size that "
+            f"is a multiple of {per_step} (e.g. {near}), or change the loader's batch_size or the number of "
+            f"processes")
+    trainer.accumulate_grad_batches = wanted // per_step
+
+
 def _print_effective_batch(trainer, loader: DataLoader) -> None:
     replicas = data_parallel_rank(trainer)[0]  # a tp group is one replica: its processes share batches
-    if trainer.global_rank != 0 or replicas * trainer.accumulate_grad_batches <= 1:
+    wanted = trainer.config.global_batch_size
+    if trainer.global_rank != 0 or (replicas * trainer.accumulate_grad_batches <= 1 and wanted is None):
         return
     per_device = _per_device_batch(loader)
+    if wanted is not None:  # the loader's batch size is known: _accumulate_for_global_batch checked it
+        print(f"hookloop: effective batch size {wanted} = {per_device} per device x {replicas} data-parallel "
+              f"process(es) x {trainer.accumulate_grad_batches} accumulated batches (global_batch_size={wanted})",
+              flush=True)
+        return
     factors = f"{replicas} processes x {trainer.accumulate_grad_batches} accumulated batches"
     if per_device is None:
         print(f"hookloop: effective batch size = (batch_sampler's batches) x {factors}", flush=True)

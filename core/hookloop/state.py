@@ -100,6 +100,8 @@ class LoopState:
         self.prediction_writing = None
         self.loop_optimizer_cache: list | None = None
         self.clip_requests: dict[int, tuple] = {}
+        # the optimizer whose configure_gradient_clipping runs now: self.clip_gradients clips at once
+        self.clipping_optimizer: Any = None
         # ModelCheckpoint(async_save=True)'s background writes: one at a time, waited for by
         # every synchronous save (save_checkpoint) so files are written in the order asked
         self.checkpoint_writer = AsyncCheckpointWriter()

@@ -30,7 +30,7 @@ from torch import nn
 from .errors import ConfigurationError
 from .helpers import apply_to_tensors, move_to_device
 from .metrics import _STEP_BATCH
-from .optim import LoopOptimizer, step_schedulers
+from .optim import LoopOptimizer, custom_clipping, step_schedulers
 
 TRAIN, VALIDATE, TEST, PREDICT = "train", "validate", "test", "predict"
 #: the user's step for each ``kind`` the step module is called with
@@ -612,7 +612,8 @@ def _step_functions(trainer, model, optimizer):
     else:
         def backward(loss):
             hook.backward(trainer=trainer, loss=loss, model=model, optimizer=optimizer)
-    if only_default("optimizer_step") and not trainer.gradient_clip_val and trainer.state.on_before_optimizer_step is None:
+    if (only_default("optimizer_step") and not trainer.gradient_clip_val
+            and trainer.state.on_before_optimizer_step is None and not custom_clipping(trainer.module)):
         optimizer_step = optimizer.step
     else:
         def optimizer_step():

@@ -29,6 +29,7 @@ from .datamodule import DataModule
 from .defaults import Defaults
 from .errors import ConfigurationError
 from .launch import in_worker, run_command
+from .helpers import clip_gradients
 from .optim import LoopOptimizer
 from .resume import checkpoint_dict
 from .session import adopt_run_dirs, as_loader_list, check_loader, claim_run_dirs, run_evaluation, run_predict
@@ -99,6 +100,13 @@ class Trainer:
     (:mod:`hookloop.mesh`; ``hookloop run --mesh``, ``HOOKLOOP_MESH``); the mesh over the
     dimensions the plugins claim is ``trainer.device_mesh`` during a run.
 
+    ``global_batch_size``: samples per optimizer step over all the data-parallel processes
+    (``hookloop run --global-batch-size``); ``fit`` sets ``accumulate_grad_batches`` to
+    ``global_batch_size / (the loader's batch_size x data-parallel processes)`` once that
+    size is known, or refuses to start when it does not divide. A script that builds its
+    own per-process loaders gets ``(replicas, rank)`` from
+    :func:`hookloop.data_parallel_rank` (from ``setup`` on).
+
     ``max_time``: Lightning's time limit ("DD:HH:MM:SS", a timedelta or a dict such as
     ``{"hours": 12}``; ``hookloop run --max-time``): a :class:`hookloop.Timer` with that
     duration checked after every training batch, rank 0's clock deciding for every rank
@@ -140,6 +148,7 @@ class Trainer:
         max_steps: int | None = _UNSET,
         max_time: Any = _UNSET,
         accumulate_grad_batches: int = _UNSET,
+        global_batch_size: int | None = _UNSET,
         gradient_clip_val: float | None = _UNSET,
         gradient_clip_algorithm: str = _UNSET,
         precision: Any = _UNSET,
@@ -641,7 +650,12 @@ class Trainer:
         if algorithm not in ("norm", "value"):
             raise ConfigurationError(f"gradient_clip_algorithm={algorithm!r} must be 'norm' or 'value'")
         real = getattr(optimizer, "optimizer", optimizer) if isinstance(optimizer, LoopOptimizer) else optimizer
-        self.state.clip_requests[id(real)] = (value if value is not None else self.gradient_clip_val, algorithm)
+        value = value if value is not None else self.gradient_clip_val
+        now = self.state.clipping_optimizer
+        if now is not None and (real is now or optimizer is now):  # inside configure_gradient_clipping
+            clip_gradients(self, now, value, algorithm)
+            return
+        self.state.clip_requests[id(real)] = (value, algorithm)
 
     # -- launching ----------------------------------------------------------------------
 

@@ -22,8 +22,10 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, WeightedRandomSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hookloop  # noqa: E402
 from conftest import TinyModule, tiny_data  # noqa: E402
+from clip_models import TinyGPT, nanogpt_optimizer, tokens  # noqa: E402
 from hookloop_ddp import DDP  # noqa: E402
 
 # A hang must fail the test with the stacks, not leave orphaned workers behind.
@@ -85,8 +87,24 @@ def raw_ddp(comm_hook: str | None = None, epochs: int = EPOCHS) -> dict:
     return state(module)
 
 
+def raw_ddp_clipped(clip: float) -> dict:
+    """nanoGPT's loop under torch's DDP: clip_grad_norm_(model.parameters(), clip) after
+    the all-reduce, AdamW over nanoGPT's two groups (tests/scripts/clip_models.py)."""
+    module = TinyGPT(seed=0)
+    model, optimizer = DistributedDataParallel(module), nanogpt_optimizer(module)
+    sampler = DistributedSampler(CLIP_DATA, num_replicas=WORLD, rank=RANK, shuffle=True, seed=0)  # hookloop's
+    for x, y in DataLoader(CLIP_DATA, batch_size=2, sampler=sampler):
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return state(module)
+
+
+CLIP_DATA = tokens(64)
 dist.init_process_group("gloo")
 record["raw"] = {hook: raw_ddp(hook) for hook in (None, "fp16", "bf16", "powersgd", "post_localsgd")}
+record["raw_clipped"] = raw_ddp_clipped(0.5)
 # The wrappers' C++ reducers hold the group: collect them while the registry still does,
 # so the group is not destroyed later, with the GIL held, under a gloo thread that needs it
 # (what hookloop_ddp.strategy._retire guards against for the plugin's own groups).
@@ -163,6 +181,15 @@ trainer, module = fit(
 )
 record["accumulated"] = state(module)
 record["accumulate_calls"], record["accumulate_steps"] = counter["calls"], trainer.global_step
+
+# Clipping (issue 33): in the module's order, as the hand-written DDP loop above.
+record["clipped"] = state(fit(module=TinyGPT(seed=RANK), loader=DataLoader(CLIP_DATA, batch_size=2), max_epochs=1,
+                              gradient_clip_val=0.5)[1])
+
+# global_batch_size (issue 33): 16 samples a step = 4 per batch x 2 processes x 2 accumulated.
+trainer, module = fit(loader=DataLoader(tiny_data(32), batch_size=4), global_batch_size=16)
+record["global_batch"] = {"state": state(module), "accumulate": trainer.accumulate_grad_batches,
+                          "steps": trainer.global_step}
 
 # Communication hooks.
 for hook in ("fp16", "bf16"):

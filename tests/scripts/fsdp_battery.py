@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hookloop  # noqa: E402
+from clip_models import TinyGPT, tokens  # noqa: E402
 from fsdp_models import Net, data  # noqa: E402
 from hookloop_ddp import DDP  # noqa: E402
 from hookloop_fsdp import memory_report  # noqa: E402
@@ -163,6 +164,12 @@ for optimizer in ("sgd", "adam"):
             "param_types": {k: type(v).__name__ for k, v in module.state_dict().items()},
             "model_after": type(trainer.model).__name__, "model_during": probe.seen["model_type"],
         }
+
+# Clipping (issue 33): nanoGPT's optimizer (two groups), torch's clip_grad_norm_ over the
+# DTensor gradients in the module's order; the test compares one process's loop.
+trainer, module = fit(fsdp(auto_wrap_policy={"Block"}), TinyGPT(seed=RANK, optimizer="sgd"), max_epochs=1,
+                      gradient_clip_val=0.5, loader=DataLoader(tokens(32), batch_size=2, shuffle=True))
+record["clipped"] = full(module)
 
 # state_dict_type="full": hookloop's file, written in the run and after it (the module and
 # optimizer gathered at teardown), with optimizer.state_dict()'s form.

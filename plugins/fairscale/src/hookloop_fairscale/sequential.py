@@ -138,6 +138,14 @@ class DDPSequential(DDP):
                 "ddp_sequential does not predict: every rank of a pipeline computes the same "
                 "batches, which hookloop's gathering of predictions (one share per rank) does not "
                 "expect. Predict with pipe, or with one process")
+        if trainer.config.global_batch_size is not None:
+            # the stages of a pipeline share batches, which hookloop.data_parallel_rank (no
+            # mesh here) does not know: the derived accumulation would count every process
+            raise hookloop.ConfigurationError(
+                f"global_batch_size={trainer.config.global_batch_size} is not supported by ddp_sequential: "
+                f"the stages of a pipeline share their batches, so the data-parallel size is not the number of "
+                f"processes. Give accumulate_grad_batches = global batch / (batch_size x pipelines), or use the "
+                f"pipeline plugin (its pp mesh dimension is counted)")
         if trainer.precision == "16-mixed":
             raise hookloop.ConfigurationError(
                 "precision='16-mixed' is not supported by ddp_sequential: the pipeline runs the "
@@ -306,10 +314,9 @@ class DDPSequential(DDP):
                 squares += torch.linalg.vector_norm(g.double()) ** 2
             if self.layout[0] > 1:
                 dist.all_reduce(squares, group=self._pipeline_group)
-            total = squares.sqrt().float()
-            coefficient = torch.clamp(value / (total + 1e-6), max=1.0)
+            coefficient = hookloop.helpers.clip_coefficient(squares.sqrt().float(), value)  # torch's
             for g in grads:
-                g.mul_(coefficient.to(g.dtype))
+                g.mul_(coefficient)  # a float32 coefficient, as torch multiplies low-precision grads
 
     def schedule(self, batch_size: int, train: bool):
         """The GPipe schedule (and its stage) for ``train``/evaluation steps on batches of

@@ -395,10 +395,11 @@ class Pipeline(DDP):
             norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a tp-sharded gradient
             squares += norm.double() ** 2
         dist.all_reduce(squares, group=self.pp_group)
-        coefficient = min(clip_val / (float(squares.sqrt()) + 1e-6), 1.0)
-        if coefficient < 1.0:
+        # torch's coefficient from the total norm (a float32 tensor, clamped): no host read
+        coefficient = hookloop.helpers.clip_coefficient(squares.sqrt().float(), clip_val)
+        with torch.no_grad():
             for g in grads:
-                g.mul_(coefficient)
+                (g.to_local() if hasattr(g, "to_local") else g).mul_(coefficient)  # a tp shard: its local part
         return True
 
     # -- the whole module on every rank ---------------------------------------------------
