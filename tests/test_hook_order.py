@@ -109,9 +109,10 @@ def test_every_hook_appears_in_the_documented_order():
     # (tests/test_lightning_ddp.py and the conformance kit run them with 2 processes);
     # configure_grad_scaler, clip_gradients: fp16 and gradient_clip_val only
     # (tests/test_no_copies.py traces them).
-    # on_device_mesh: only when an enabled plugin claims a mesh dimension (hookloop.mesh)
+    # on_device_mesh: only when an enabled plugin claims a mesh dimension (hookloop.mesh);
+    # describe_model: only under `hookloop plan`, instead of training (tests/test_tp.py runs it)
     assert set(specs()) - shown == {"launch_command", "barrier", "broadcast", "configure_grad_scaler", "clip_gradients",
-                                    "on_device_mesh"}
+                                    "on_device_mesh", "describe_model"}
 
 
 if __name__ == "__main__":  # print the traces, to write the page
