@@ -9,9 +9,9 @@ Linear 2, batch 32 per rank, SGD; about 1.5 ms a step) trains ``--steps`` steps 
   SIGTERM and ``max_time`` at every optimizer step (an all-reduce started at each
   boundary and read, ``.tolist()`` of a CPU tensor, at the next: what every run paid
   before issue 33);
-* ``default``: ``hookloop.Trainer()``: the agreement every
-  :data:`hookloop.faults.DEFAULT_STOP_CHECK_EVERY_N_STEPS` steps (nothing at the
-  other boundaries);
+* ``default``: ``hookloop.Trainer()``: the agreement's default schedule,
+  ``stop_check_every_n_steps="auto"`` (about once a second of steps: at boundaries 1 and
+  2, then every ``int(1 s / pace)`` steps; nothing at the other boundaries);
 * ``stubbed``: ``Preemption.agreed`` replaced by ``lambda: False`` (no agreement at all:
   the floor).
 
