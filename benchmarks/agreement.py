@@ -44,6 +44,9 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from loop_overhead import HookloopModule, make_net  # noqa: E402  (benchmarks/: the same tiny model)
+
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("raw", "every step", "default", "stubbed")
 BATCH = 32
@@ -53,11 +56,6 @@ def make_data(n: int) -> TensorDataset:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, 32, generator=g)
     return TensorDataset(x, (x[:, 0] > 0).long())
-
-
-def make_net() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 2))
 
 
 def raw_round(data: TensorDataset, steps: int, warmup: int) -> float:
@@ -83,18 +81,6 @@ def hookloop_round(data: TensorDataset, steps: int, warmup: int, variant: str, r
     """ms/step of steps ``warmup``.. of ``hookloop.Trainer`` (plugins from ``hookloop run``)."""
     import hookloop
     from hookloop import faults
-
-    class Net(hookloop.Module):
-        def __init__(self):
-            super().__init__()
-            self.net = make_net()
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return F.cross_entropy(self.net(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.01)
 
     class Clock:
         """Reads the time twice per fit: at the start of step ``warmup`` and at the end."""
@@ -125,7 +111,7 @@ def hookloop_round(data: TensorDataset, steps: int, warmup: int, variant: str, r
                                    enable_checkpointing=False, logger=False, enable_progress_bar=False,
                                    enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=root,
                                    **options)
-        trainer.fit(Net(), DataLoader(data, batch_size=BATCH, shuffle=True))
+        trainer.fit(HookloopModule(), DataLoader(data, batch_size=BATCH, shuffle=True))
     finally:
         faults.Preemption.agreed = agreed
     return (clock.end - clock.start) * 1000 / (steps - warmup)
