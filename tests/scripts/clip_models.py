@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 import hookloop
 
@@ -105,19 +105,14 @@ def concatenated_reference(data: TensorDataset, clip: float, batch: int, world: 
     together: rank ``r`` of a run with ``DistributedSampler(shuffle=True, seed=0)`` takes
     ``batch`` samples per step, and the mean loss over their concatenation has the
     gradient the data-parallel average makes. Returns the weights."""
+    from ddp_reference import concatenated_indices  # (tests only: the launched scripts never call this)
+
     model = TinyGPT(seed=0)
     optimizer = nanogpt_optimizer(model, optimizer)
-    samplers = [DistributedSampler(data, num_replicas=world, rank=r, shuffle=True, seed=0) for r in range(world)]
     x_all, y_all = data.tensors
-    for epoch in range(epochs):
-        orders = []
-        for sampler in samplers:
-            sampler.set_epoch(epoch)
-            orders.append(list(sampler))
-        for i in range(len(orders[0]) // batch):
-            index = torch.tensor([j for order in orders for j in order[i * batch:(i + 1) * batch]])
-            model.loss((x_all[index], y_all[index])).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+    for index in concatenated_indices(data, epochs, batch, world, drop_last=True):
+        model.loss((x_all[index], y_all[index])).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}

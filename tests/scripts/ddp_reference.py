@@ -22,16 +22,24 @@ def concatenated_batches_run(
     """
     module = TinyModule(seed=seed, momentum=momentum)  # rank 0's initial weights
     optimizer = module.configure_optimizers()
-    samplers = [DistributedSampler(data, num_replicas=world, rank=r, shuffle=True, seed=0) for r in range(world)]
     x_all, y_all = data.tensors
+    for index in concatenated_indices(data, epochs, batch, world):
+        F.cross_entropy(module(x_all[index]), y_all[index]).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return state_of(module)
+
+
+def concatenated_indices(data: TensorDataset, epochs: int, batch: int, world: int = 2, drop_last: bool = False):
+    """The sample indices of each step of a ``world``-rank run with
+    ``DistributedSampler(shuffle=True, seed=0)`` and ``batch`` samples per rank and step,
+    the ranks' batches put together (rank 0's first); ``drop_last``: no short last step."""
+    samplers = [DistributedSampler(data, num_replicas=world, rank=r, shuffle=True, seed=0) for r in range(world)]
     for epoch in range(epochs):
         orders = []
         for sampler in samplers:
             sampler.set_epoch(epoch)
             orders.append(list(sampler))
-        for i in range(math.ceil(len(orders[0]) / batch)):
-            index = torch.tensor([j for order in orders for j in order[i * batch : (i + 1) * batch]])
-            F.cross_entropy(module(x_all[index]), y_all[index]).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-    return state_of(module)
+        steps = len(orders[0]) // batch if drop_last else math.ceil(len(orders[0]) / batch)
+        for i in range(steps):
+            yield torch.tensor([j for order in orders for j in order[i * batch : (i + 1) * batch]])
