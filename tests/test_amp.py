@@ -141,7 +141,7 @@ def test_precision_alone_enables_amp():
 
 
 def test_precision_without_amp_installed_is_a_clear_error(monkeypatch):
-    from hookloop import plugins as registry
+    from hookloop.contract import registry
 
     installed = registry.installed_plugins()
     monkeypatch.setattr(registry, "installed_plugins", lambda: {k: v for k, v in installed.items() if k != "amp"})

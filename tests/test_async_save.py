@@ -29,7 +29,7 @@ import pytest
 import torch
 
 import hookloop
-import hookloop.checkpoint as ckpt
+import hookloop.resume.checkpoint as ckpt
 from test_observers import Scripted, train_loader
 
 REPO = Path(__file__).resolve().parents[1]
@@ -247,7 +247,7 @@ def test_a_failed_background_write_is_raised_at_the_next_save_or_the_end_of_fit(
     proc = job(tmp_path / "run", tmp_path / "out.pt", expect_rc=1, FSIZE_AT=fails_at, **RUN)
     directory = tmp_path / "run" / "logs" / "version_0" / "checkpoints"
     path = directory / f"epoch={(fails_at - 1) // 7}-step={fails_at}.ckpt"
-    assert (f"hookloop.errors.CheckpointError: the background save of checkpoint '{path}' failed: writing "
+    assert (f"hookloop.contract.errors.CheckpointError: the background save of checkpoint '{path}' failed: writing "
             f"checkpoint '{path}' failed (File too large)") in proc.stderr, proc.stderr
     assert f"fit failed at global step {raised_at}" in proc.stdout  # 7: the epoch end saves last.ckpt
     # nothing half-written; the previous checkpoints are whole
@@ -315,7 +315,7 @@ def test_resume_from_an_async_last_ckpt_is_bit_identical_to_the_synchronous_case
 def _ddp_checkpoints(root: str, strategy: str) -> dict:
     """On each rank: a synchronous and an asynchronous fit saving every 2 steps; the
     files each rank serialised (by the writing thread's name)."""
-    import hookloop.checkpoint as ckpt_module
+    import hookloop.resume.checkpoint as ckpt_module
 
     written: list[str] = []
     real_write = ckpt_module._ChecksumWriter.write

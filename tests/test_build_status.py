@@ -5,7 +5,7 @@ The optional plugin-side contract is ``hookloop_build_status()`` (docs/plugin-au
 extensions directory (DeepSpeed's CPU ops not compiled), and a copy of the installed
 Horovod package without its compiled PyTorch extension (Horovod built without PyTorch).
 
-``hookloop plugins`` runs in this process (``hookloop.cli.main``); the Horovod reference,
+``hookloop plugins`` runs in this process (``hookloop.tools.cli.main``); the Horovod reference,
 ``horovod_usable``, needs a fresh interpreter, so the two tests that use it are slow.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import install_fake_distribution
-from hookloop import cli
+from hookloop.tools import cli
 DEEPSPEED_NOT_BUILT = "not built: run 'make backends' (or python -m hookloop_deepspeed.build_ops)"
 HOROVOD_NOT_BUILT = "not built: run 'make backends' (or plugins/horovod/build_horovod.sh)"
 DEEPSPEED_ROWS = ["deepspeed", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_2_offload",
@@ -110,7 +110,7 @@ def test_unbuilt_backends_say_how_to_build(tmp_path, site, monkeypatch, capsys):
 
 
 def test_contract_on_a_third_party_plugin(site, tmp_path):
-    from hookloop import plugins as registry
+    from hookloop.contract import registry
 
     marker = tmp_path / "imported"
     install_fake_distribution(

@@ -214,7 +214,7 @@ def _rewritten(source: Path, target: Path, change) -> Path:
 
 def test_a_checkpoint_of_a_newer_format_is_refused_naming_both_versions(tmp_path):
     from hookloop import _version
-    from hookloop.checkpoint import FORMAT_VERSION
+    from hookloop.resume.checkpoint import FORMAT_VERSION
 
     saved = last_of(tmp_path / "run")
     _single_file_run(tmp_path / "run")

@@ -214,7 +214,7 @@ def test_a_save_removes_the_temporary_files_of_dead_writers_on_this_host_only(tm
     }
     for name in names.values():
         (tmp_path / name).write_bytes(b"partial")
-    hookloop.checkpoint.atomic_save({"x": torch.ones(2)}, tmp_path / "last.ckpt")
+    hookloop.resume.checkpoint.atomic_save({"x": torch.ones(2)}, tmp_path / "last.ckpt")
     left = {key for key, name in names.items() if (tmp_path / name).exists()}
     assert left == {"alive", "other_host", "other_file"}
     assert hookloop.safe_load(tmp_path / "last.ckpt")["x"].tolist() == [1.0, 1.0]
@@ -224,7 +224,7 @@ def test_a_save_removes_the_temporary_files_of_dead_writers_on_this_host_only(tm
 def test_a_save_past_the_file_size_limit_fails_clearly_and_the_previous_checkpoint_is_used(tmp_path, straight_job):
     proc = job(tmp_path / "run", tmp_path / "first.pt", expect_rc=1, FSIZE_AT=8, SAVE_TOP_K=0, **RUN)
     directory = tmp_path / "run" / "logs" / "version_0" / "checkpoints"
-    assert (f"hookloop.errors.CheckpointError: writing checkpoint '{directory / 'last.ckpt'}' failed (File too "
+    assert (f"hookloop.contract.errors.CheckpointError: writing checkpoint '{directory / 'last.ckpt'}' failed (File too "
             f"large); last.ckpt is unchanged and no temporary file is left.") in proc.stderr
     assert sorted(p.name for p in directory.iterdir()) == ["last.ckpt", "last.prev.ckpt"]  # no partial file
     assert hookloop.safe_load(directory / "last.ckpt")["loop"]["global_step"] == 7

@@ -1,7 +1,7 @@
 """The `hookloop` command: listing plugins, and `run` handing its options to the script.
 
 Commands whose launch is not what a test checks run in this process through
-``hookloop.cli.main`` (what the console script and ``python -m hookloop`` call); the
+``hookloop.tools.cli.main`` (what the console script and ``python -m hookloop`` call); the
 tests of ``hookloop run`` starting a script (its options, its arguments, a real training
 run, the elastic agent's restart) launch it for real and are marked slow.
 """
@@ -14,7 +14,8 @@ import textwrap
 import pytest
 
 from conftest import REPO, install_fake_distribution, run_python
-from hookloop import cli, versioning
+from hookloop.tools import cli
+from hookloop.contract import versioning
 
 HOOKLOOP = [sys.executable, "-m", "hookloop"]
 
@@ -92,8 +93,8 @@ def test_plugins_lists_without_importing(tmp_path, fake_site, capsys):
 def test_roles_read_from_source_are_the_roles_the_plugins_declare(site):
     """Every installed plugin's role, read without importing it, equals the role of the
     imported plugin; re-exports, inheritance, tuple assignments and modules included."""
-    from hookloop import plugins as registry
-    from hookloop.sourcescan import declared_role
+    from hookloop.contract import registry
+    from hookloop.contract.sourcescan import declared_role
 
     (site / "hl_pkg").mkdir()
     (site / "hl_pkg" / "__init__.py").write_text("from .impl import Child as Exported\nraise SystemExit('ran')\n")
@@ -162,8 +163,8 @@ def test_plugins_load_reads_the_installed_metadata_once(monkeypatch, capsys):
     same table."""
     import importlib.metadata as md
 
-    from hookloop import cli
-    from hookloop import plugins as registry
+    from hookloop.tools import cli
+    from hookloop.contract import registry
 
     calls = {"plugins": 0, "packages": 0}
     read, packages = registry._read_installed_plugins, md.packages_distributions

@@ -4,7 +4,7 @@ The pairs are enumerated from the installed plugins' own declarations (every plu
 ``hookloop_mesh_dims``, and fsdp's variants HSDP, ``NO_SHARD`` and ``cpu_offload``): each
 is either in :data:`TESTED`, naming a test that exists and compares the layout with one
 process, or refused in this process before any process group exists, at construction
-(``Trainer(plugins=[a, b])``: ``hookloop.mesh.check_refusals`` and the older rules) or,
+(``Trainer(plugins=[a, b])``: ``hookloop.distributed.mesh.check_refusals`` and the older rules) or,
 for the one pair the pipeline refuses at its setup, by a 1-process ``fit``. A new mesh
 plugin, or a refusal taken off, fails here until its pairs are tested or refused.
 docs/configurations.md, "Every pair of mesh plugins", is the same table in words; the
@@ -25,8 +25,8 @@ from torch.utils.data import DataLoader
 
 import hookloop
 from conftest import REPO
-from hookloop import mesh
-from hookloop import plugins as registry
+from hookloop.distributed import mesh
+from hookloop.contract import registry
 
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
 from mesh_models import MLP, data  # noqa: E402

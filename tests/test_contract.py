@@ -5,7 +5,7 @@ Plugins here are what a third party writes: installed as distributions with entr
 (``install_fake_distribution`` lays out what pip leaves in site-packages), used through
 ``hookloop run`` in real processes where the launch path matters (those tests are marked
 slow); ``hookloop check`` and ``hookloop plugins`` run in this process through
-``hookloop.cli.main``.
+``hookloop.tools.cli.main``.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ import torch
 from torch.utils.data import DataLoader, SequentialSampler
 
 import hookloop
-import hookloop.cli
+import hookloop.tools.cli
 import hookloop.testing
 from conftest import (REPO, TinyModule, fit_profiled, install_fake_distribution, max_abs_diff, run_python, state_of,
                       tiny_data)
-from hookloop import versioning
-from hookloop.defaults import Defaults
+from hookloop.contract import versioning
+from hookloop.engine.defaults import Defaults
 
 HOOKLOOP = [sys.executable, "-m", "hookloop"]
 
@@ -74,7 +74,7 @@ class InCode:
     hookloop_role = "observer"
     @hookloop.hookimpl
     def on_fit_end(self, trainer):
-        names = sorted(hookloop.plugins.plugin_name(p) for p in trainer.plugins)
+        names = sorted(hookloop.contract.registry.plugin_name(p) for p in trainer.plugins)
         print(f"RANK{{trainer.global_rank}} strategy={{type(trainer.strategy).__name__}} plugins={{names}}", flush=True)
 
 hookloop.Trainer(plugins={code!r}, max_epochs=2, enable_checkpointing=False).fit(
@@ -252,7 +252,7 @@ def test_an_undecorated_override_of_a_hook_implementation_stays_one():
 
 
 def test_hookspecs_names_the_defaults_plugin_and_the_hooks_it_leaves_alone():
-    from hookloop import hookspecs
+    from hookloop.contract import hookspecs
 
     doc = inspect.getdoc(hookspecs)
     assert "``hookloop.defaults``" in doc and "``single``" not in doc  # it said "built-in ``single`` plugin"
@@ -366,7 +366,7 @@ class Plugin:
 
 @pytest.fixture
 def mistakes(site, monkeypatch):
-    """The plugins of :data:`MISTAKES` installed in ``site``, for ``hookloop.cli.main`` in
+    """The plugins of :data:`MISTAKES` installed in ``site``, for ``hookloop.tools.cli.main`` in
     this process: hookloop's once-per-process notes (versioning._TOLD) start empty and
     end as they were, and the ``hl_*`` modules imported from ``site`` are forgotten
     afterwards (the next test imports its own)."""
@@ -384,12 +384,12 @@ def mistakes(site, monkeypatch):
 
 
 def test_hookloop_check_a_good_plugin_and_each_mistake(mistakes, capsys):
-    assert hookloop.cli.main(["check", "good", "ddp", "amp"]) == 0
+    assert hookloop.tools.cli.main(["check", "good", "ddp", "amp"]) == 0
     assert capsys.readouterr().out.splitlines() == ["good: ok", "ddp: ok", "amp: ok"]
     for name, (_, message) in MISTAKES.items():
         if message is None:
             continue
-        code = hookloop.cli.main(["check", name])
+        code = hookloop.tools.cli.main(["check", name])
         stdout = capsys.readouterr().out
         assert code == 1, (name, stdout)
         assert message in stdout, (name, stdout)
@@ -397,7 +397,7 @@ def test_hookloop_check_a_good_plugin_and_each_mistake(mistakes, capsys):
 
 
 def test_plugins_load_reports_the_problems_instead_of_ok(mistakes, capsys):
-    code = hookloop.cli.main(["plugins", "--load"])
+    code = hookloop.tools.cli.main(["plugins", "--load"])
     stdout = capsys.readouterr().out
     assert code == 1
     rows = {line.split()[0]: line for line in stdout.splitlines() if line and not line.startswith(" ")}
@@ -430,7 +430,7 @@ def test_plugin_options_from_the_environment_the_command_line_and_code(tmp_path)
 
 def test_bad_plugin_options_are_clear_errors():
     with pytest.raises(hookloop.ConfigurationError, match="must be PLUGIN.OPTION=VALUE"):
-        hookloop.plugins.parse_plugin_options(["amp-init_scale=3"])
+        hookloop.contract.registry.parse_plugin_options(["amp-init_scale=3"])
     with pytest.raises(hookloop.ConfigurationError, match="no option 'init_scal' \\(did you mean 'init_scale'\\?\\); its options: allow_cpu_fp16, init_scale, growth_interval"):
         hookloop.Trainer(plugins=["amp"], plugin_options={"amp": {"init_scal": 2}})
 
@@ -452,14 +452,14 @@ def test_options_for_a_plugin_name_nobody_knows_are_refused(tmp_path):
 def test_options_for_an_installed_plugin_outside_the_run_are_kept_for_the_runs_that_use_it(tmp_path):
     # examples/gan.py sets ddp's options in code; run alone it has no ddp, and that is fine.
     trainer = hookloop.Trainer(plugin_options={"ddp": {"find_unused_parameters": True}}, default_root_dir=tmp_path)
-    assert "ddp" not in [hookloop.plugins.plugin_name(p) for p in trainer.plugins]
+    assert "ddp" not in [hookloop.contract.registry.plugin_name(p) for p in trainer.plugins]
     trainer = hookloop.Trainer(plugins=["ddp"], plugin_options={"ddp": {"find_unused_parameters": True}},
                                default_root_dir=tmp_path)
     assert trainer.strategy.find_unused_parameters is True
     # The same for a blocked built-in observer.
     trainer = hookloop.Trainer(plugins=["no:progress"], plugin_options={"progress": {"refresh_seconds": 2.0}},
                                default_root_dir=tmp_path)
-    assert "progress" not in [hookloop.plugins.plugin_name(p) for p in trainer.plugins]
+    assert "progress" not in [hookloop.contract.registry.plugin_name(p) for p in trainer.plugins]
 
 
 # -- 1.8: state each rank holds on its own survives a checkpoint -------------------------------

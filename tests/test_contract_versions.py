@@ -26,10 +26,10 @@ from packaging.version import Version
 from torch.utils.data import DataLoader
 
 import hookloop
-import hookloop.cli
+import hookloop.tools.cli
 from conftest import TinyModule, install_fake_distribution, tiny_data
-from hookloop import versioning
-from hookloop.plugins import HookloopPluginManager
+from hookloop.contract import versioning
+from hookloop.contract.registry import HookloopPluginManager
 from hookloop.testing import ObserverConformance
 
 REPO = Path(__file__).resolve().parents[1]
@@ -154,7 +154,7 @@ def test_the_package_version_is_the_newest_changelog_version():
 
 
 def test_in_tree_plugins_declare_a_range_that_admits_the_contract():
-    from hookloop.plugins import _load_entry_point, installed_plugins
+    from hookloop.contract.registry import _load_entry_point, installed_plugins
 
     checked = []
     for name, info in sorted(installed_plugins().items()):
@@ -268,7 +268,7 @@ def test_the_deprecation_warning_is_shown_outside_pytest(tmp_path):
         import types
         import hookloop, plugin_mod
         from hookloop import versioning
-        from hookloop.plugins import HookloopPluginManager
+        from hookloop.contract.registry import HookloopPluginManager
 
         @hookloop.hookspec(warn_on_impl=versioning.deprecated("the hook on_old", "2.1", "3.0", "use on_new"))
         def on_old(trainer):
@@ -362,13 +362,13 @@ def test_a_first_contract_plugin_installed_is_warned_with_what_changed(tmp_path)
 
 def test_an_incompatible_installed_plugin_fails_clearly_and_check_reports_ranges(tmp_path, site, monkeypatch, capsys):
     """``hookloop check`` loads each plugin through the same entry-point path as a run
-    (here in this process, through ``hookloop.cli.main``)."""
+    (here in this process, through ``hookloop.tools.cli.main``)."""
     _installed_site(tmp_path, site)
     importlib.invalidate_caches()
     monkeypatch.setattr(versioning, "_TOLD", set())  # oldcsv's once-per-process warning: not used up for later tests
     before = set(sys.modules)
     try:
-        code = hookloop.cli.main(["check", "oldcsv", "newcsv", "oldrange"])
+        code = hookloop.tools.cli.main(["check", "oldcsv", "newcsv", "oldrange"])
     finally:
         for name in set(sys.modules) - before:  # the hl_* modules imported from site
             if (getattr(sys.modules[name], "__file__", None) or "").startswith(str(site)):

@@ -13,7 +13,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 import hookloop
-import hookloop.cli
+import hookloop.tools.cli
 from conftest import TinyModule, tiny_data
 from hookloop_deepspeed import DeepSpeedStrategy
 from hookloop_deepspeed.cli import main as deepspeed_cli
@@ -54,7 +54,7 @@ def test_offload_with_stage_0_is_refused():
 def test_nvme_without_a_path_is_refused_before_any_worker_starts(tmp_path, capsys):
     script = tmp_path / "train.py"
     script.write_text("raise SystemExit('must not run')\n")
-    code = hookloop.cli.main(["run", "--plugins", "deepspeed_stage_3_offload_nvme", "--devices", "2", str(script)])
+    code = hookloop.tools.cli.main(["run", "--plugins", "deepspeed_stage_3_offload_nvme", "--devices", "2", str(script)])
     err = capsys.readouterr().err
     assert code == 2
     assert "needs nvme_path" in err and "plugin_options" in err
@@ -147,8 +147,8 @@ def test_precision_is_mapped_never_dropped(precision, section):
 def test_precision_reaches_the_strategy_through_the_trainer():
     # No precision plugin named: the strategy owns precision, so amp is not auto-enabled.
     trainer = hookloop.Trainer(plugins=["deepspeed"], precision="bf16-mixed")
-    assert [hookloop.plugins.plugin_name(p) for p in trainer.plugins
-            if hookloop.plugins.plugin_role(p) != "observer"] == ["deepspeed"]
+    assert [hookloop.contract.registry.plugin_name(p) for p in trainer.plugins
+            if hookloop.contract.registry.plugin_role(p) != "observer"] == ["deepspeed"]
     assert trainer.strategy_owns("precision")
     # Named together, amp steps aside (checked in a real run in test_deepspeed.py).
     trainer = hookloop.Trainer(plugins=["deepspeed", "amp"], precision="16-mixed")

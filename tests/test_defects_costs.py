@@ -3,7 +3,7 @@
 * 13a: under manual optimization, every ``self.manual_backward(loss)`` resolved (and
   compiled, with ``exec``) the callers of ``on_before_backward``/``on_after_backward``
   again when someone implements them; now once per fit, as on the automatic path.
-* 13b: the SIGTERM agreement (``hookloop.faults.Preemption.agreed``) was a blocking
+* 13b: the SIGTERM agreement (``hookloop.distributed.faults.Preemption.agreed``) was a blocking
   all-reduce at every optimizer step: each rank waited there for the slowest. It is now
   started at a boundary and read at the next agreement, on a gloo side group (since issue
   33 every ``stop_check_every_n_steps`` boundaries: tests/test_faults.py).
@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 import hookloop
 from conftest import TinyModule, fit_profiled, tiny_data
-from hookloop import step as loops
+from hookloop.engine import step as loops
 
 
 class ManualTiny(TinyModule):
@@ -138,7 +138,7 @@ class WaitsForPeer(TinyModule):
 def agreement_does_not_block(store_path: str) -> dict:
     import torch.distributed as dist
 
-    from hookloop import dist as hookloop_dist
+    from hookloop.distributed import collectives as hookloop_dist
 
     seen = []
     for fit_index in range(2):  # a second fit in the process: a new default group, a new side group

@@ -17,8 +17,8 @@ import pytest
 from torch.utils.data import DataLoader
 
 import hookloop
-from hookloop import plugins as registry
-from hookloop import rundir
+from hookloop.contract import registry
+from hookloop.resume import rundir
 from conftest import REPO, TinyModule, install_fake_distribution, tiny_data
 
 TABLE = REPO / "docs" / "environment.md"

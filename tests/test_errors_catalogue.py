@@ -29,7 +29,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, IterableDataset
 
 import hookloop
-import hookloop.cli
+import hookloop.tools.cli
 from conftest import REPO, TinyModule, install_fake_distribution, tiny_data
 
 DOC = REPO / "docs" / "errors.md"
@@ -128,7 +128,7 @@ def in_process_command(*args: str) -> Exit:
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
-        code = hookloop.cli.main(list(args))
+        code = hookloop.tools.cli.main(list(args))
     return Exit(code, err.getvalue())
 
 

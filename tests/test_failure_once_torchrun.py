@@ -56,9 +56,9 @@ trainer = hookloop.Trainer(max_steps=2, default_root_dir=sys.argv[2], enable_pro
 trainer.fit(RankOneFails(), DataLoader(tiny_dataset(), batch_size=4))
 '''
 
-CONFIG_ERROR = ("hookloop.errors.ConfigurationError: gradient_clip_val=0 must be a finite number > 0 (the largest "
+CONFIG_ERROR = ("hookloop.contract.errors.ConfigurationError: gradient_clip_val=0 must be a finite number > 0 (the largest "
                 "gradient norm, or value, to keep), or None for no clipping")
-SETUP_ERROR = "hookloop.errors.ConfigurationError: optimizer offload refuses SGD: use torch.optim.Adam"
+SETUP_ERROR = "hookloop.contract.errors.ConfigurationError: optimizer offload refuses SGD: use torch.optim.Adam"
 USER_ERROR = "RuntimeError: rank 1 alone: a bad batch"
 
 

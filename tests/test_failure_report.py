@@ -23,8 +23,8 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from conftest import REPO, finish_job, start_hookloop_run
-from hookloop import failures
-from hookloop.errors import CollectiveTimeoutError
+from hookloop.distributed import failures
+from hookloop.contract.errors import CollectiveTimeoutError
 
 SCRIPT = REPO / "tests" / "scripts" / "failing_job.py"
 MESSAGE = "ValueError: optimizer offload refuses SGD: use torch.optim.Adam"
@@ -112,7 +112,7 @@ TIMED_OUT = ("global rank 0: the all_reduce of the gradients in backward failed 
 
 def recorded(tmp_path, monkeypatch, rank: int, error: BaseException) -> str:
     """The error file a worker of global rank ``rank`` writes for ``error``
-    (:func:`hookloop.failures.record_failure`, as its excepthook does); its path."""
+    (:func:`hookloop.distributed.failures.record_failure`, as its excepthook does); its path."""
     error_file = tmp_path / f"error{rank}.json"
     monkeypatch.setenv(failures.FAILURE_DIR_ENV, str(tmp_path / "failures"))
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))

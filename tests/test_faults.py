@@ -23,7 +23,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 import hookloop
-from hookloop import dist as hookloop_dist, rundir
+from hookloop.distributed import collectives as hookloop_dist
+from hookloop.resume import rundir
 from conftest import REPO, TinyModule, finish_job, start_hookloop_run, state_of, tiny_data
 
 SCRIPT = REPO / "tests" / "scripts" / "restart_job.py"
@@ -349,7 +350,7 @@ def test_sigterm_in_one_process_checkpoints_requeues_the_slurm_job_and_a_rerun_r
     preempted = SignalsAt(3)
     with pytest.raises(SystemExit) as stopped:
         one_process_fit(tmp_path / "root", preempted, requeue_on_preemption=True)
-    assert stopped.value.code == hookloop.faults.PREEMPTED_EXIT_CODE == 143
+    assert stopped.value.code == hookloop.distributed.faults.PREEMPTED_EXIT_CODE == 143
     assert signal.getsignal(signal.SIGTERM) is before  # fit put the previous handler back
     assert preempted.steps == [1, 2, 3]
     out = capsys.readouterr().out
@@ -369,13 +370,13 @@ def test_sigterm_in_one_process_checkpoints_requeues_the_slurm_job_and_a_rerun_r
 def test_requeue_command_names_the_job_or_the_array_task(monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
-    assert hookloop.faults.slurm_requeue_command() == ["scontrol", "requeue", "77"]
+    assert hookloop.distributed.faults.slurm_requeue_command() == ["scontrol", "requeue", "77"]
     monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "70")
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
-    assert hookloop.faults.slurm_requeue_command() == ["scontrol", "requeue", "70_3"]
+    assert hookloop.distributed.faults.slurm_requeue_command() == ["scontrol", "requeue", "70_3"]
     for key in ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
         monkeypatch.delenv(key)
-    assert hookloop.faults.slurm_requeue_command() is None
+    assert hookloop.distributed.faults.slurm_requeue_command() is None
 
 
 def test_a_sigterm_after_the_last_step_goes_to_the_handler_from_before_fit(tmp_path, agent_env):
@@ -391,10 +392,10 @@ def test_a_sigterm_after_the_last_step_goes_to_the_handler_from_before_fit(tmp_p
 
 
 def test_process_group_timeout_is_checked_and_defaults_per_backend():
-    assert hookloop.faults.default_process_group_timeout("gloo") == 300
-    assert hookloop.faults.default_process_group_timeout("nccl") == 600
-    assert hookloop.faults.default_process_group_timeout("cpu:gloo,cuda:nccl") == 600
-    assert hookloop.faults.default_process_group_timeout("mpi") is None  # torch's own
+    assert hookloop.distributed.faults.default_process_group_timeout("gloo") == 300
+    assert hookloop.distributed.faults.default_process_group_timeout("nccl") == 600
+    assert hookloop.distributed.faults.default_process_group_timeout("cpu:gloo,cuda:nccl") == 600
+    assert hookloop.distributed.faults.default_process_group_timeout("mpi") is None  # torch's own
     assert hookloop.Trainer(process_group_timeout=12.5).config.process_group_timeout == 12.5
     for bad in (0, -1, "10", True):
         with pytest.raises(hookloop.ConfigurationError, match="process_group_timeout=.* must be a number of seconds"):
@@ -402,7 +403,7 @@ def test_process_group_timeout_is_checked_and_defaults_per_backend():
 
 
 def test_stop_check_every_n_steps_defaults_to_auto_and_is_checked():
-    assert hookloop.Trainer().config.stop_check_every_n_steps == "auto" == hookloop.faults.DEFAULT_STOP_CHECK_EVERY_N_STEPS
+    assert hookloop.Trainer().config.stop_check_every_n_steps == "auto" == hookloop.distributed.faults.DEFAULT_STOP_CHECK_EVERY_N_STEPS
     assert hookloop.Trainer(stop_check_every_n_steps=1).config.stop_check_every_n_steps == 1
     for bad in (0, -2, 2.0, True, "4", "Auto", None):
         with pytest.raises(hookloop.ConfigurationError,
@@ -441,12 +442,12 @@ def test_the_stop_agreement_runs_every_k_boundaries_and_stops_at_the_one_after_t
     started = []
     all_reduce = dist.all_reduce
     monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: (started.append(k.get("async_op")), all_reduce(*a, **k))[1])
-    monkeypatch.setattr(hookloop.faults, "cpu_process_group", lambda: None)
+    monkeypatch.setattr(hookloop.distributed.faults, "cpu_process_group", lambda: None)
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         for signal_at, vote_at in ((5, None), (None, 5)):
             started.clear()
-            preemption = hookloop.faults.Preemption()
+            preemption = hookloop.distributed.faults.Preemption()
             plugins = [_Vote(preemption, vote_at)] if vote_at else []
             trainer = SimpleNamespace(world_size=2, global_rank=0, plugin_manager=_Plugins(plugins),
                                       config=SimpleNamespace(stop_check_every_n_steps=every))
@@ -486,16 +487,16 @@ def test_the_auto_schedule_agrees_about_once_a_second_of_the_slowest_ranks_steps
     from types import SimpleNamespace
 
     clock = [1024.0]
-    monkeypatch.setattr(hookloop.faults.time, "perf_counter", lambda: clock[0])
-    monkeypatch.setattr(hookloop.faults, "cpu_process_group", lambda: None)
+    monkeypatch.setattr(hookloop.distributed.faults.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(hookloop.distributed.faults, "cpu_process_group", lambda: None)
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
-        preemption = hookloop.faults.Preemption()
+        preemption = hookloop.distributed.faults.Preemption()
         trainer = SimpleNamespace(world_size=2, global_rank=0, plugin_manager=_Plugins([]),
                                   config=SimpleNamespace(stop_check_every_n_steps="auto"))
         preemption.prepare(trainer)
         preemption._group = dist.group.WORLD
-        k = max(1, min(hookloop.faults.AUTO_MAX_STEPS, int(hookloop.faults.AGREEMENT_SECONDS / pace)))
+        k = max(1, min(hookloop.distributed.faults.AUTO_MAX_STEPS, int(hookloop.distributed.faults.AGREEMENT_SECONDS / pace)))
         signal_at, stop = 2 + 2 * k + 1, None
         for boundary in range(1, 2 + 4 * k + 3):
             clock[0] += pace
@@ -510,7 +511,7 @@ def test_the_auto_schedule_agrees_about_once_a_second_of_the_slowest_ranks_steps
         assert preemption.agreements[-1] == stop - k
         # the flag entered the first agreement at or after the signal, read K steps later
         assert stop == 2 + k * (-(-(signal_at - 2) // k) + 1)
-        assert (stop - signal_at) * pace <= 2 * max(hookloop.faults.AGREEMENT_SECONDS, pace)
+        assert (stop - signal_at) * pace <= 2 * max(hookloop.distributed.faults.AGREEMENT_SECONDS, pace)
     finally:
         dist.destroy_process_group()
 
@@ -528,18 +529,18 @@ def test_a_failed_wait_for_the_stop_agreement_is_named_whichever_call_reached_th
     trainer = SimpleNamespace(world_size=2, global_rank=0, plugin_manager=_Plugins([]),
                               config=SimpleNamespace(stop_check_every_n_steps=2))
     for call in ("agreed", "agree_stop"):
-        preemption = hookloop.faults.Preemption()
+        preemption = hookloop.distributed.faults.Preemption()
         preemption.prepare(trainer)
         preemption._group, preemption._pending, preemption.boundaries = object(), FailedWork(), 1
         with pytest.raises(RuntimeError) as failed:
             getattr(preemption, call)(trainer)
-        assert hookloop.faults.describe_collective(failed.value) == (
+        assert hookloop.distributed.faults.describe_collective(failed.value) == (
             "all_reduce of the preemption check (the SIGTERM flag, at an optimizer-step boundary)"), call
 
 
 def test_hookloop_run_passes_stop_check_every_n_steps_and_refuses_a_bad_one_before_launching(
         tmp_path, monkeypatch, capsys):
-    from hookloop import cli
+    from hookloop.tools import cli
 
     script = tmp_path / "train.py"
     script.write_text("import hookloop\n")

@@ -267,7 +267,7 @@ def test_the_data_parallel_plugin_leads_whatever_the_listed_order(tmp_path):
     observer reads the format from it): under fsdp's default ``state_dict_type="full"``
     ``last.ckpt`` is one file, which a second run into the same directory accepts, and it
     holds the one-process loop's weights."""
-    from hookloop import mesh
+    from hookloop.distributed import mesh
 
     assert mesh.lifecycle_lead([hookloop.plugin("tp"), hookloop.plugin("fsdp")]).hookloop_name == "fsdp"
     weights, _ = reference("sgd", 3)

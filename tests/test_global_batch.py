@@ -12,7 +12,7 @@ from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
 import hookloop
 from conftest import TinyModule, max_abs_diff, reference_loop, state_of, tiny_data
-from hookloop.cli import main
+from hookloop.tools.cli import main
 
 
 def _fit(loader, **kwargs):

@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import hookloop
-import hookloop.cli
+import hookloop.tools.cli
 from conftest import TinyModule, tiny_data
 from hookloop_gpus import SELECTED_ENV, GpuInfo, GPUs, Machine, parse_gpus, select_gpus, visible_subset
 from hookloop_gpus.cli import main as devices_main
@@ -233,16 +233,16 @@ def test_devices_command_shows_the_parse_and_the_machine(capsys):
 
 
 def test_devices_command_on_this_machine(capsys):
-    """Through the `hookloop` entry point (``hookloop.cli.main``, what the console script
+    """Through the `hookloop` entry point (``hookloop.tools.cli.main``, what the console script
     calls, finding ``devices`` among the plugins' commands), with the real NVML reader."""
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    assert hookloop.cli.main(["devices", "0"]) == 0
+    assert hookloop.tools.cli.main(["devices", "0"]) == 0
     out = capsys.readouterr().out
     assert "this machine: no GPU (NVML could not start" in out
     assert "gpus=0 (int) -> None: CPU" in out
 
-    code = hookloop.cli.main(["devices", "-1"])
+    code = hookloop.tools.cli.main(["devices", "-1"])
     out, err = capsys.readouterr()
     assert code == 2
     assert "gpus=-1 (int) -> []: all available GPUs (0)" in out

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 
 import hookloop
 from conftest import REPO, TinyModule, tiny_data
-from hookloop.contract import specs
+from hookloop.contract.checks import specs
 from hookloop.testing.order import FIT_ORDER, documented_fit
 
 DOC = REPO / "docs" / "hooks.md"

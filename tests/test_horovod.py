@@ -277,7 +277,7 @@ def test_another_strategy_is_refused_at_start():
 
 
 def test_horovod_and_ddp_on_the_command_line_are_refused(capsys):
-    from hookloop.cli import main
+    from hookloop.tools.cli import main
 
     assert main(["run", "--plugins", "horovod,ddp", "--devices", "2", "train.py"]) == 2
     assert re.search(r"'horovod', 'ddp'.*only one strategy", capsys.readouterr().err)

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from hookloop import cli, versioning
-from hookloop.contract import role_problems
+from hookloop.tools import cli
+from hookloop.contract import versioning
+from hookloop.contract.checks import role_problems
 
 HERE = Path(__file__).resolve().parent
 

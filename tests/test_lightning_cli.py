@@ -297,7 +297,7 @@ def test_runs_under_hookloop_run_with_ddp_and_with_trainer_plugins(tmp_path):
 def test_without_jsonargparse_the_error_names_the_extra(tmp_path):
     code = ("import sys; sys.modules['jsonargparse'] = None\n"
             "import hookloop, hookloop.cli\n"
-            "assert hookloop.cli.main(['plugins']) == 0\n"  # the hookloop command still works
+            "assert hookloop.tools.cli.main(['plugins']) == 0\n"  # the hookloop command still works
             "try:\n    hookloop.LightningCLI\nexcept ImportError as exc:\n    print('ERR=' + str(exc))\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -97,7 +97,7 @@ def _base(fw, record: list):
 def test_rank_zero_helpers_are_importable_and_act_as_lightnings():
     from pytorch_lightning.utilities import rank_zero_only as pl_rank_zero_only
 
-    from hookloop.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
+    from hookloop.distributed.ranks import rank_zero_info, rank_zero_only, rank_zero_warn
 
     assert hookloop.rank_zero_only is rank_zero_only and hookloop.rank_zero_info is rank_zero_info
     assert hookloop.rank_zero_warn is rank_zero_warn

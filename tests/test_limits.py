@@ -328,7 +328,7 @@ def test_hookloop_run_max_time_reaches_the_trainer(tmp_path):
 
 
 def test_hookloop_run_refuses_a_bad_max_time_before_launching(tmp_path, capsys):
-    from hookloop import cli
+    from hookloop.tools import cli
 
     script = tmp_path / "mt.py"
     script.write_text(MAX_TIME_SCRIPT)

@@ -308,7 +308,7 @@ def test_missing_library_is_a_clear_error_when_enabled(missing_errors, blocked, 
 
 
 def test_hookloop_check_reports_both_plugins_ok(capsys):
-    from hookloop import cli
+    from hookloop.tools import cli
 
     assert cli.main(["check", "tensorboard", "mlflow"]) == 0  # `hookloop check tensorboard mlflow`, in-process
     assert capsys.readouterr().out.split() == ["tensorboard:", "ok", "mlflow:", "ok"]

@@ -22,8 +22,8 @@ from torch.utils.data import DataLoader
 
 import hookloop
 from conftest import REPO, run_python
-from hookloop import mesh
-from hookloop.pluginspec import plugin_name
+from hookloop.distributed import mesh
+from hookloop.contract.pluginspec import plugin_name
 
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
 from mesh_models import LR, STEPS, MLP, build, data  # noqa: E402

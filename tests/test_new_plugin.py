@@ -20,7 +20,9 @@ import tomllib
 import pytest
 
 from conftest import run_python
-from hookloop import ConfigurationError, cli, scaffold
+from hookloop import ConfigurationError
+from hookloop.tools import cli
+from hookloop.tools import scaffold
 
 ROLES = ("strategy", "precision", "observer", "devices")
 #: An option of each generated plugin and a value its check must refuse.
@@ -90,7 +92,7 @@ def test_the_generated_package_installs_checks_and_passes_its_conformance_suite(
     option, bad = BAD_OPTION[role]
     run_python([sys.executable, "-c", textwrap.dedent(f"""
         import hookloop
-        from hookloop.sourcescan import declared_role
+        from hookloop.contract.sourcescan import declared_role
         role = declared_role(hookloop.installed_plugins()[{name!r}].value)
         assert role == {role!r}, role
         try:

@@ -21,7 +21,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
 import hookloop
-import hookloop.cli
+import hookloop.tools.cli
 from conftest import REPO, TinyModule, run_python, state_of, tiny_data
 
 BATCHES = 7  # tiny_data(100) in batches of 16
@@ -152,7 +152,7 @@ def test_progress_reads_the_logged_values_only_when_it_redraws():
 def test_progress_bar_off(off, capsys):
     trainer = fit(Scripted(), epochs=1, val=False, **off)
     assert "Epoch 1/1" not in capsys.readouterr().out
-    assert "progress" not in [hookloop.plugins.plugin_name(p) for p in trainer.plugins]
+    assert "progress" not in [hookloop.contract.registry.plugin_name(p) for p in trainer.plugins]
 
 
 def test_without_a_terminal_the_bar_adds_no_call_per_step():
@@ -414,7 +414,7 @@ def test_mode_from_the_command_line_is_checked_before_training(tmp_path, capfd):
     script.write_text("import sys\nsys.path.insert(0, %r)\nfrom test_observers import Scripted, fit\n"
                       "fit(Scripted(), epochs=1)\n" % str(REPO / "tests"))
     # In this process; capfd, not capsys: a script started by mistake would print on the file descriptor.
-    code = hookloop.cli.main(["run", "--plugins", "early_stopping", "--plugin-option", "early_stopping.mode=up",
+    code = hookloop.tools.cli.main(["run", "--plugins", "early_stopping", "--plugin-option", "early_stopping.mode=up",
                               str(script)])
     out, err = capfd.readouterr()
     assert code != 0 and "mode='up' must be 'min'" in err

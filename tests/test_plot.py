@@ -13,8 +13,8 @@ from torch.utils.data import DataLoader
 
 import hookloop
 from conftest import TinyModule, tiny_data
-from hookloop import cli
-from hookloop import plot as hplot
+from hookloop.tools import cli
+from hookloop.tools import plot as hplot
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -15,7 +15,7 @@ import torch
 
 import hookloop
 from conftest import REPO, install_fake_distribution, run_python
-from hookloop.plugins import plugin_name
+from hookloop.contract.registry import plugin_name
 from hookloop_ddp import DDP
 
 QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)

@@ -7,7 +7,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import hookloop
-from hookloop import plugins as registry
+from hookloop.contract import registry
 from conftest import TinyModule, install_fake_distribution, tiny_data
 
 COUNTER = '''
@@ -86,7 +86,7 @@ def test_autoload_and_block(counter_plugin, monkeypatch):
     assert "counter" in loaded
     # never a strategy, a mesh dimension (a layout the user sizes; cp refuses the CPU) or a
     # plugin that opted out (compile: a compile's cost; float8: a GPU's numerics)
-    installed = set(hookloop.plugins.installed_plugins())
+    installed = set(hookloop.contract.registry.installed_plugins())
     for name in ("ddp", "fsdp", "tp", "pipeline", "cp", "compile", "float8", "early_stopping"):
         assert name not in loaded, (name, loaded)
     assert {"tp", "pipeline", "cp", "compile", "float8"} & installed, installed

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import hookloop
-from hookloop import checkpoint as ckpt
+from hookloop.resume import checkpoint as ckpt
 from conftest import REPO, finish_job, start_hookloop_run
 
 SCRIPT = REPO / "tests" / "scripts" / "rank_state_job.py"
@@ -171,7 +171,7 @@ def rank_view(tmp_path, rank: int, world: int) -> hookloop.Trainer:
 
 
 def test_a_checkpoint_of_fewer_processes_gives_the_extra_ranks_derived_streams_with_one_warning(tmp_path):
-    from hookloop import resume as loops
+    from hookloop.resume import run as loops
 
     state = ckpt.rng_state()
     one = {"rng": state, "epoch_rng": None, "loop": {"world_size": 1}}

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import hookloop
-import hookloop.cli
+import hookloop.tools.cli
 from conftest import REPO, free_port, run_nodes
 
 JOB = REPO / "tests" / "scripts" / "run_identity_job.py"
@@ -135,5 +135,5 @@ def test_run_id_option_names_the_job_for_the_processes_it_starts(tmp_path, monke
     script = tmp_path / "report.py"
     script.write_text("import os, sys\nopen(sys.argv[1], 'w').write(os.environ.get('HOOKLOOP_RUN_ID', ''))\n")
     out = tmp_path / "seen.txt"
-    assert hookloop.cli.main(["run", "--run-id", "exp-7", str(script), str(out)]) == 0
+    assert hookloop.tools.cli.main(["run", "--run-id", "exp-7", str(script), str(out)]) == 0
     assert out.read_text() == "exp-7"

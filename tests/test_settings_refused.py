@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import hookloop
-import hookloop.cli
+import hookloop.tools.cli
 from conftest import TinyModule, tiny_data
 
 NAN, INF = float("nan"), float("inf")
@@ -42,7 +42,7 @@ def command(*args: str) -> tuple[int, str]:
     """``hookloop ARGS`` in this process: (exit status, stderr)."""
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
-        code = hookloop.cli.main(list(args))
+        code = hookloop.tools.cli.main(list(args))
     return code, err.getvalue()
 
 
@@ -148,7 +148,7 @@ def test_hookloop_run_refuses_a_process_group_timeout_that_is_not_finite_before_
 def test_the_largest_process_group_timeout_is_accepted_by_torch():
     import torch.distributed as dist
 
-    from hookloop.config import MAX_PROCESS_GROUP_TIMEOUT
+    from hookloop.engine.settings import MAX_PROCESS_GROUP_TIMEOUT
 
     hookloop.Trainer(process_group_timeout=MAX_PROCESS_GROUP_TIMEOUT)
     hookloop.init_process_group("gloo", 0, 1, timeout=MAX_PROCESS_GROUP_TIMEOUT)

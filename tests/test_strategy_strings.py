@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 import hookloop
 from conftest import REPO, TinyModule, max_abs_diff, tiny_data
-from hookloop import strategies
+from hookloop.lightning import strategies
 from hookloop.testing import run_processes
 
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
@@ -57,7 +57,7 @@ def test_every_lightning_strategy_string_is_the_plugin_with_lightnings_options()
                                    enable_progress_bar=False)
         plugin = trainer.strategy
         cls = entry["strategy"].__name__
-        assert (None if plugin is None else hookloop.plugins.plugin_name(plugin)) in _expected_plugin(cls, entry["init_params"]), name
+        assert (None if plugin is None else hookloop.contract.registry.plugin_name(plugin)) in _expected_plugin(cls, entry["init_params"]), name
         for option, value in entry["init_params"].items():
             if option == "start_method":
                 # popen: hookloop's ddp (a process per rank started by the launcher)
@@ -75,7 +75,7 @@ def test_every_lightning_strategy_string_is_the_plugin_with_lightnings_options()
 def test_hookloops_own_strategy_strings():
     for name, plugin_name in (("dp", "dp"), ("horovod", "horovod"), ("ddp_sharded", "ddp_sharded")):
         trainer = hookloop.Trainer(strategy=name, enable_checkpointing=False, logger=False)
-        assert hookloop.plugins.plugin_name(trainer.strategy) == plugin_name
+        assert hookloop.contract.registry.plugin_name(trainer.strategy) == plugin_name
     for name in ("auto", "single_device"):
         assert hookloop.Trainer(strategy=name, enable_checkpointing=False, logger=False).strategy is None
 
@@ -106,11 +106,11 @@ def test_a_strategy_whose_plugin_is_missing_gives_the_pip_line():
 
 def test_lightning_strategy_classes_return_the_plugin_with_options():
     ddp = strategies.DDPStrategy(find_unused_parameters=True)
-    assert (hookloop.plugins.plugin_name(ddp), ddp.find_unused_parameters) == ("ddp", True)
+    assert (hookloop.contract.registry.plugin_name(ddp), ddp.find_unused_parameters) == ("ddp", True)
     fork = strategies.DDPStrategy(start_method="fork", static_graph=True)
-    assert (hookloop.plugins.plugin_name(fork), fork.start_method, fork.static_graph) == ("ddp_spawn", "fork", True)
+    assert (hookloop.contract.registry.plugin_name(fork), fork.start_method, fork.static_graph) == ("ddp_spawn", "fork", True)
     fsdp = strategies.FSDPStrategy(cpu_offload=True)
-    assert (hookloop.plugins.plugin_name(fsdp), fsdp.cpu_offload) == ("fsdp", True)
+    assert (hookloop.contract.registry.plugin_name(fsdp), fsdp.cpu_offload) == ("fsdp", True)
     ds = strategies.DeepSpeedStrategy(stage=2, offload_optimizer=True)
     assert (ds.stage, ds.offload_optimizer) == (2, True)
     trainer = hookloop.Trainer(strategy=strategies.DDPStrategy(find_unused_parameters=True), logger=False,

@@ -353,7 +353,7 @@ def test_hookloop_plan_mode_prints_each_plugins_answer_and_ends_fit_before_any_r
 def test_hookloop_plan_prints_the_plan_and_trains_nothing(tmp_path, capfd, monkeypatch):
     """``hookloop plan --plugins tp --devices 2 train.py``: one plain interpreter runs the
     script; the plan is printed, nothing is trained or written, the status is 0."""
-    from hookloop import cli
+    from hookloop.tools import cli
 
     script = tmp_path / "train.py"
     script.write_text(

@@ -276,7 +276,7 @@ def test_the_plan_option_is_checked_when_set():
     with pytest.raises(hookloop.ConfigurationError, match=r"tp option plan\['mlp.fc1'\] = 'col'"):
         TP(plan={"mlp.fc1": "col"})
     # the command line: a name, or the plan as JSON
-    from hookloop.plugins import parse_plugin_options
+    from hookloop.contract.registry import parse_plugin_options
 
     given = parse_plugin_options(["tp.plan=hf", 'tp.plan={"attn.[qkv]": "colwise", "attn.out": "rowwise"}'])
     plan = TP(**given["tp"]).plan

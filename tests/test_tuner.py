@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import hookloop
-from hookloop.tuner import lr_schedule
+from hookloop.lightning.tuner import lr_schedule
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))

@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import hookloop
-from hookloop import checkpoint as ckpt
+from hookloop.resume import checkpoint as ckpt
 from conftest import REPO, finish_job, start_hookloop_run
 
 sys.path.insert(0, str(REPO / "examples"))

@@ -149,7 +149,7 @@ def pytest_runtest_makereport(item, call):
         report.longrepr = (
             f"{item.nodeid} started {launches} process(es) (a Python interpreter or a launcher) "
             "but is not marked slow, full or check: the quick tier must stay in-process. "
-            "Call the code in-process (e.g. hookloop.cli.main([...]) with capsys), share a job of "
+            "Call the code in-process (e.g. hookloop.tools.cli.main([...]) with capsys), share a job of "
             "tests/jobs.py, or mark the test (pytest.mark.slow) and say why in its docstring.")
 
 

@@ -9,8 +9,12 @@ Plugin authors: implement hooks from :mod:`hookloop.hookspecs` with ``@hookloop.
 and register the plugin under the entry-point group ``hookloop.plugins``.
 """
 
-from .callbacks import BaseFinetuning, BasePredictionWriter, Callback, GradientAccumulationScheduler
-from .checkpoint import (
+from hookloop import _moved
+
+_moved.install()  # `import hookloop.step` and the other module paths of 0.10 (deprecated)
+
+from hookloop.lightning.callbacks import BaseFinetuning, BasePredictionWriter, Callback, GradientAccumulationScheduler
+from hookloop.resume.checkpoint import (
     TaggedCheckpointDir,
     atomic_copy_tree,
     atomic_save,
@@ -22,9 +26,9 @@ from .checkpoint import (
     safe_load,
     tag_entry,
 )
-from .config import TrainerConfig
-from .datamodule import DataModule
-from .errors import (
+from hookloop.engine.settings import TrainerConfig
+from hookloop.lightning.datamodule import DataModule
+from hookloop.contract.errors import (
     CheckpointError,
     CollectiveTimeoutError,
     ConfigurationError,
@@ -34,9 +38,9 @@ from .errors import (
     PluginNotFoundError,
     PluginValidationError,
 )
-from .dist import init_process_group, release_process_group, torch_reduce_op
-from .mesh import CANONICAL_DIMS, submesh
-from .helpers import (
+from hookloop.distributed.collectives import init_process_group, release_process_group, torch_reduce_op
+from hookloop.distributed.mesh import CANONICAL_DIMS, submesh
+from hookloop.helpers import (
     DistributedSamplerWrapper,
     apply_to_tensors,
     batch_size_of,
@@ -54,40 +58,41 @@ from .helpers import (
     run_hparams,
     seed_everything,
 )
-from .distributed import DistributedSampling, TorchCollectives, TorchDistributed, check_sampler_seed, data_parallel_rank
-from .hookspecs import hookimpl, hookspec
-from .launch import as_launcher, die_with_launcher, elastic_command, in_worker
-from .failures import install_worker_hook
-from .module import Module
-from .observers.checkpoint import ModelCheckpoint
-from .observers.csvlog import CSVLogger
-from .observers.early_stopping import EarlyStopping
-from .observers.ledger import Ledger
-from .observers.lr_monitor import LearningRateMonitor
-from .observers.bars import RichProgressBar, RichProgressBarTheme, TQDMProgressBar
-from .observers.model_summary import ModelSummary
-from .observers.progress import ProgressBar
-from .observers.nan_guard import NanGuard
-from .observers.on_exception import OnExceptionCheckpoint
-from .observers.timer import Timer
-from .optim import SchedulerConfig, before_optimizer_step, GradScaling, load_scheduler_states, repoint_optimizers, schedulers_of
-from .plugins import installed_plugins, resolve as plugin
-from .trainer import Trainer, default
-from .tuner import LRFinder, Tuner
-from .unpickling import refused_object, unsafe_checkpoint_error, weights_only_loads
-from .utilities import env_int, rank_zero_info, rank_zero_only, rank_zero_warn
-from .versioning import CONTRACT_VERSION, HookloopContractWarning, HookloopDeprecationWarning
+from hookloop.distributed.strategy import DistributedSampling, TorchCollectives, TorchDistributed, check_sampler_seed, data_parallel_rank
+from hookloop.contract.hookspecs import hookimpl, hookspec
+from hookloop.distributed.launch import as_launcher, die_with_launcher, elastic_command, in_worker
+from hookloop.distributed.failures import install_worker_hook
+from hookloop.lightning.module import Module
+from hookloop.observers.checkpoint import ModelCheckpoint
+from hookloop.observers.csvlog import CSVLogger
+from hookloop.observers.early_stopping import EarlyStopping
+from hookloop.observers.ledger import Ledger
+from hookloop.observers.lr_monitor import LearningRateMonitor
+from hookloop.observers.bars import RichProgressBar, RichProgressBarTheme, TQDMProgressBar
+from hookloop.observers.model_summary import ModelSummary
+from hookloop.observers.progress import ProgressBar
+from hookloop.observers.nan_guard import NanGuard
+from hookloop.observers.on_exception import OnExceptionCheckpoint
+from hookloop.observers.timer import Timer
+from hookloop.engine.optim import SchedulerConfig, before_optimizer_step, GradScaling, load_scheduler_states, repoint_optimizers, schedulers_of
+from hookloop.contract.registry import installed_plugins, resolve as plugin
+from hookloop.engine.trainer import Trainer, default
+from hookloop.lightning.tuner import LRFinder, Tuner
+from hookloop.resume.unpickling import refused_object, unsafe_checkpoint_error, weights_only_loads
+from hookloop.distributed.ranks import env_int, rank_zero_info, rank_zero_only, rank_zero_warn
+from hookloop.contract.versioning import CONTRACT_VERSION, HookloopContractWarning, HookloopDeprecationWarning
 
-from ._version import __version__
+from hookloop._version import __version__
 
 
 def __getattr__(name: str):
     # jsonargparse is optional (pip install 'hookloop[cli]'): imported on first use only.
     if name == "LightningCLI":
-        from .lightning_cli import LightningCLI
+        from hookloop.lightning.cli import LightningCLI
 
         return LightningCLI
-    raise AttributeError(f"module 'hookloop' has no attribute {name!r}")
+    # a module path of hookloop 0.10 (``hookloop.step``): deprecated, at its new place
+    return _moved.attribute(name)
 
 
 __all__ = [

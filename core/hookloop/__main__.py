@@ -1,3 +1,3 @@
-from .cli import main
+from hookloop.tools.cli import main
 
 raise SystemExit(main())

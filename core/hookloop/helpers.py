@@ -27,7 +27,7 @@ from torch.utils.data import (
 
 # The distributed helpers moved to hookloop.dist (env_int to hookloop.utilities); they stay
 # importable from here, where plugins found them first.
-from .dist import (  # noqa: F401
+from hookloop.distributed.collectives import (
     DEFAULT_TIMEOUTS,
     REDUCE_OPS,
     cpu_process_group,
@@ -36,10 +36,10 @@ from .dist import (  # noqa: F401
     release_process_group,
     torch_reduce_op,
 )
-from .config import MAX_PROCESS_GROUP_TIMEOUT, check_timeout_seconds  # noqa: F401 (strategies' timeout option)
-from .errors import ConfigurationError
-from .pluginspec import plugin_name
-from .utilities import env_int  # noqa: F401
+from hookloop.engine.settings import MAX_PROCESS_GROUP_TIMEOUT, check_timeout_seconds  # noqa: F401 (strategies' timeout option)
+from hookloop.contract.errors import ConfigurationError
+from hookloop.contract.pluginspec import plugin_name
+from hookloop.distributed.ranks import env_int  # noqa: F401
 
 # ---------------------------------------------------------------------------------------
 # Devices and batches

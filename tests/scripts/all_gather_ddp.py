@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hookloop  # noqa: E402
 from jobs import begin_battery  # noqa: E402
-from hookloop.utilities import rank_zero_only  # noqa: E402
+from hookloop.distributed.ranks import rank_zero_only  # noqa: E402
 
 OUT, RANK = begin_battery()  # tests/jobs.py: a watchdog, the output folder as working directory
 out: dict = {}

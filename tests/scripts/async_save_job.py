@@ -30,13 +30,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import hookloop  # noqa: E402
-import hookloop.checkpoint  # noqa: E402
+import hookloop.resume.checkpoint  # noqa: E402
 from test_observers import Scripted, train_loader  # noqa: E402
 
 root, out = Path(sys.argv[1]), Path(sys.argv[2])
 
 if os.environ.get("SLOW_AT"):
-    slow_name, real_write = f"step={int(os.environ['SLOW_AT'])}.ckpt", hookloop.checkpoint._ChecksumWriter.write
+    slow_name, real_write = f"step={int(os.environ['SLOW_AT'])}.ckpt", hookloop.resume.checkpoint._ChecksumWriter.write
 
     def write(self, data):
         written = real_write(self, data)
@@ -47,7 +47,7 @@ if os.environ.get("SLOW_AT"):
             time.sleep(300)  # killed before this ends
         return written
 
-    hookloop.checkpoint._ChecksumWriter.write = write
+    hookloop.resume.checkpoint._ChecksumWriter.write = write
 
 
 class LimitFileSize:

@@ -104,7 +104,7 @@ def parity_scenarios() -> hookloop.Trainer:
     t.fit(module, loader())
     save("fp16_clip", t, module)
     observed["amp_plugins"] = sorted(getattr(p, "hookloop_name", type(p).__name__) for p in t.plugins
-                                     if hookloop.plugins.plugin_role(p) != "observer")  # not the built-in ones
+                                     if hookloop.contract.registry.plugin_role(p) != "observer")  # not the built-in ones
 
     # manual optimization: manual_backward and step() through the strategy (Horovod's
     # DistributedOptimizer / DDP's reducer) and the GradScaler must reproduce fp16_clip

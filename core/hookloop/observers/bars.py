@@ -19,9 +19,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from hookloop.errors import ConfigurationError, MissingDependencyError
-from hookloop.hookspecs import hookimpl
-from hookloop.utilities import rank_zero_warn
+from hookloop.contract.errors import ConfigurationError, MissingDependencyError
+from hookloop.contract.hookspecs import hookimpl
+from hookloop.distributed.ranks import rank_zero_warn
 
 
 def _need(module: str, who: str):

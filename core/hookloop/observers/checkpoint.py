@@ -28,10 +28,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from hookloop.checkpoint import NONFINITE, _write_checkpoint, atomic_copy, atomic_copy_tree, deferred_writes
-from hookloop.errors import CheckpointError, ConfigurationError
-from hookloop.hookspecs import hookimpl
-from hookloop.pluginspec import plugin_name
+from hookloop.resume.checkpoint import NONFINITE, _write_checkpoint, atomic_copy, atomic_copy_tree, deferred_writes
+from hookloop.contract.errors import CheckpointError, ConfigurationError
+from hookloop.contract.hookspecs import hookimpl
+from hookloop.contract.pluginspec import plugin_name
 
 _GROUP = re.compile(r"\{([A-Za-z_][\w.]*)([:}])")
 
@@ -60,7 +60,7 @@ class ModelCheckpoint:
         validation (None: at epoch ends when validation runs once at every epoch's end or
         never, after each validation otherwise)
     async_save: write in a background thread: a save pauses training only to copy the
-        state to new CPU memory (:func:`hookloop.checkpoint.cpu_snapshot`); the write,
+        state to new CPU memory (:func:`hookloop.resume.checkpoint.cpu_snapshot`); the write,
         fsync and rename (then last.ckpt's copy and the removal of pushed-out top-k
         files) follow in the background, one save at a time (a save waits for the one
         before). A failed background write raises ``CheckpointError`` at the next save or
@@ -163,7 +163,7 @@ class ModelCheckpoint:
         refusing = []
         for impl in trainer.plugin_manager.hook.save_checkpoint.get_hookimpls():
             plugin = impl.plugin
-            if type(plugin).__module__ == "hookloop.defaults" or getattr(plugin, "hookloop_async_save", False):
+            if getattr(plugin, "hookloop_name", None) == "hookloop.defaults" or getattr(plugin, "hookloop_async_save", False):
                 continue
             refusing.append(plugin_name(plugin))
         if refusing and trainer.is_global_zero:
@@ -351,7 +351,7 @@ class ModelCheckpoint:
             self._warned_nonfinite = True
             resume = next(last for last, target in zip(lasts, kept) if target != last)
             try:
-                from hookloop.checkpoint import safe_load
+                from hookloop.resume.checkpoint import safe_load
 
                 step = f" (global step {int(safe_load(resume)['loop']['global_step'])})" if resume.is_file() else ""
             except Exception:  # noqa: BLE001 - the warning only names the step where it can

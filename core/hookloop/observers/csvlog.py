@@ -18,11 +18,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hookloop.checkpoint import atomic_write_text
-from hookloop.errors import ConfigurationError
+from hookloop.resume.checkpoint import atomic_write_text
+from hookloop.contract.errors import ConfigurationError
 from hookloop.helpers import run_hparams
-from hookloop.hookspecs import hookimpl
-from hookloop.loggers import (
+from hookloop.contract.hookspecs import hookimpl
+from hookloop.lightning.loggers import (
     DummyExperiment,
     VersionedDirectory,
     add_prefix,

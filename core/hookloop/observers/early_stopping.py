@@ -17,9 +17,9 @@ import math
 
 import torch
 
-from hookloop.errors import ConfigurationError
-from hookloop.hookspecs import hookimpl
-from hookloop.utilities import rank_zero_info, rank_zero_warn
+from hookloop.contract.errors import ConfigurationError
+from hookloop.contract.hookspecs import hookimpl
+from hookloop.distributed.ranks import rank_zero_info, rank_zero_warn
 
 
 class EarlyStopping:

@@ -8,8 +8,8 @@ for the j-th optimizer of a class) that the loggers write.
 
 from __future__ import annotations
 
-from hookloop.errors import ConfigurationError
-from hookloop.hookspecs import hookimpl
+from hookloop.contract.errors import ConfigurationError
+from hookloop.contract.hookspecs import hookimpl
 
 
 class LearningRateMonitor:

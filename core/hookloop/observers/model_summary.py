@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookloop.errors import ConfigurationError
+from hookloop.contract.errors import ConfigurationError
 from hookloop.helpers import move_to_device
-from hookloop.hookspecs import hookimpl
+from hookloop.contract.hookspecs import hookimpl
 
 UNKNOWN_SIZE = "?"
 NOT_APPLICABLE = "n/a"

@@ -11,7 +11,7 @@ checks the loss of the step's accumulation window (and, with ``check_grad_norm``
 of its gradients) for a non-finite value, or, with ``spike_factor``, a loss above
 ``spike_factor`` times the median of the last ``window`` good steps' losses (of this rank;
 the check starts once ``window`` are known). The ranks agree on the verdict in the
-all-reduce that the preemption agreement uses (:meth:`hookloop.faults.Preemption.agree_now`),
+all-reduce that the preemption agreement uses (:meth:`hookloop.distributed.faults.Preemption.agree_now`),
 which then runs at every step and is blocking (see hookloop.faults; without the guard it
 runs every ``stop_check_every_n_steps`` steps, asynchronously): a verdict is per step by
 nature, and a decision one step late would apply the bad update on every rank. The guard
@@ -36,9 +36,9 @@ import sys
 
 import torch
 
-from hookloop.errors import ConfigurationError
-from hookloop.faults import preemption_checkpoint_path
-from hookloop.hookspecs import hookimpl
+from hookloop.contract.errors import ConfigurationError
+from hookloop.distributed.faults import preemption_checkpoint_path
+from hookloop.contract.hookspecs import hookimpl
 
 #: the verdicts, as the numbers the ranks all-reduce (MAX: the worse wins)
 GOOD, SPIKE, NON_FINITE = 0.0, 1.0, 2.0

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from hookloop.errors import ConfigurationError
-from hookloop.hookspecs import hookimpl
+from hookloop.contract.errors import ConfigurationError
+from hookloop.contract.hookspecs import hookimpl
 
 
 class OnExceptionCheckpoint:

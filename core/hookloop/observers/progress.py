@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any
 
-from hookloop.hookspecs import hookimpl
+from hookloop.contract.hookspecs import hookimpl
 
 
 def _format(metrics: dict) -> dict[str, str]:

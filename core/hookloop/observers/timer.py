@@ -7,7 +7,7 @@ every epoch's end (``interval="epoch"``), as Lightning 2.6 does. Rank 0's clock 
 for every rank. The elapsed training time is saved in checkpoints and resumed.
 
 With several processes, the per-step check adds no collective: rank 0's verdict is its
-vote in the preemption agreement (:meth:`hookloop.faults.Preemption.agree_stop`), which
+vote in the preemption agreement (:meth:`hookloop.distributed.faults.Preemption.agree_stop`), which
 runs every ``stop_check_every_n_steps`` optimizer steps without waiting (its all-reduce
 read at the next agreement), so every rank stops at the same step, K to 2K optimizer
 steps after the one where rank 0's time came (K = 16 by default; 1: the step after; with
@@ -24,8 +24,8 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from hookloop.errors import ConfigurationError
-from hookloop.hookspecs import hookimpl
+from hookloop.contract.errors import ConfigurationError
+from hookloop.contract.hookspecs import hookimpl
 
 #: Lightning's RunningStage values: the stages whose times are kept
 STAGES = ("train", "sanity_check", "validate", "test", "predict")

@@ -22,15 +22,15 @@ The pytest plugin (entry point ``pytest11``: ``hookloop``) only adds the fixture
 inactive unless a test uses it.
 """
 
-from .processes import ProcessError, free_port, run_processes
-from .reference import IndexedDataset, TinyClassifier, max_difference, reference_fit, tiny_dataset, weights
+from hookloop.testing.processes import ProcessError, free_port, run_processes
+from hookloop.testing.reference import IndexedDataset, TinyClassifier, max_difference, reference_fit, tiny_dataset, weights
 
 
 def __getattr__(name):
     # The suites import pytest; keep `import hookloop.testing` free of it until asked.
     if name in ("StrategyConformance", "ObserverConformance", "PrecisionConformance", "DevicesConformance",
                 "ResumeConformance", "ExtensionConformance"):
-        from . import conformance
+        from hookloop.testing import conformance
 
         return getattr(conformance, name)
     raise AttributeError(name)

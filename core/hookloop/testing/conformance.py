@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from .reference import TinyClassifier, max_difference, reference_fit, tiny_dataset, weights
+from hookloop.testing.reference import TinyClassifier, max_difference, reference_fit, tiny_dataset, weights
 
 WORKER = Path(__file__).with_name("worker.py")
 
@@ -262,8 +262,8 @@ def _fit_in(root: Path, plugins: list, batch_size: int, **kw) -> dict:
     import hookloop
     from torch.utils.data import DataLoader
 
-    from ..plugins import plugin_name
-    from ..rundir import newest_last_checkpoint
+    from hookloop.contract.registry import plugin_name
+    from hookloop.resume.rundir import newest_last_checkpoint
 
     torch.manual_seed(0)
     module = TinyClassifier(seed=10)
@@ -337,7 +337,7 @@ def _launch_kit(out: Path, kind: str, plugin: Any, options: dict) -> dict:
     ranks = [torch.load(out / f"kit.rank{r}.pt", weights_only=False) for r in (0, 1)]
     if kind == "observer":
         return {"ranks": ranks, "files": {run: _files(out / run) for run in ("without", "with")}}
-    from ..rundir import newest_last_checkpoint
+    from hookloop.resume.rundir import newest_last_checkpoint
 
     last = {}
     for run, folder_name in (("straight", "straight"), ("resumed", "resume")):
@@ -458,9 +458,9 @@ class ObserverConformance:
             "the run's weights changed: an observer must not touch the math (gradients, RNG, optimizer)")
 
     def test_events_arrive_in_the_documented_order(self):
-        from hookloop.contract import implementations
+        from hookloop.contract.checks import implementations
 
-        from .order import FIT_ORDER, received_events
+        from hookloop.testing.order import FIT_ORDER, received_events
 
         observer = self.make()
         implemented = {name for name, _, _ in implementations(observer)}
@@ -765,7 +765,7 @@ class ResumeConformance:
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("TORCHELASTIC_", "HOOKLOOP_")) and k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
         if attempt is not None:
-            from .resume import ATTEMPT_ENV
+            from hookloop.testing.resume import ATTEMPT_ENV
 
             env[ATTEMPT_ENV] = str(attempt)
         # A session of its own: a job that hangs is ended with every process it started.

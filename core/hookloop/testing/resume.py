@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import hookloop
 
-from .reference import TinyClassifier, local_tensor, tiny_dataset, weights
+from hookloop.testing.reference import TinyClassifier, local_tensor, tiny_dataset, weights
 
 ATTEMPT_ENV = "HOOKLOOP_RESUME_ATTEMPT"
 _REAL_SAVE = torch.save

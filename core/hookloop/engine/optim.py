@@ -1,0 +1,382 @@
+"""Optimizers and LR schedulers: what ``configure_optimizers`` may return, when the loop
+steps each scheduler, and the optimizers of manual optimization.
+
+Public helpers for plugin authors: :func:`before_optimizer_step` (call it in your
+``optimizer_step`` right before stepping), :class:`GradScaling` (backward and step
+through a loss scaler), :func:`load_scheduler_states` and :func:`schedulers_of`.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hookloop.contract.errors import CheckpointError, ConfigurationError
+from hookloop.helpers import clip_gradients
+
+_SCHEDULER_KEYS = ("scheduler", "interval", "frequency", "monitor", "strict", "name")
+
+
+@dataclass
+class SchedulerConfig:
+    """One LR scheduler and when the loop steps it (Lightning's ``lr_scheduler_config``).
+
+    ``interval`` is ``"epoch"`` or ``"step"`` (optimizer steps); it steps every
+    ``frequency`` intervals. ``ReduceLROnPlateau`` steps with the value of ``monitor``
+    from ``trainer.callback_metrics``; when that metric was never logged it is an
+    error (``strict``) or the step is skipped with a note (``strict=False``).
+    """
+
+    scheduler: Any
+    interval: str = "epoch"
+    frequency: int = 1
+    monitor: str | None = None
+    strict: bool = True
+    name: str | None = None
+
+    @property
+    def reduce_on_plateau(self) -> bool:
+        return isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+
+def parse_optimizers(result: Any, owner: str, automatic: bool) -> tuple[list, list[SchedulerConfig]]:
+    """What Lightning users return from ``configure_optimizers``, as (optimizers, schedulers).
+
+    An optimizer; a list/tuple of optimizers; ``([optimizers], [schedulers or configs])``;
+    ``{"optimizer": ..., "lr_scheduler": scheduler or config, "monitor": ...}``; a
+    list/tuple of such dicts; or ``None`` (manual optimization only). Several optimizers
+    need manual optimization, as in Lightning 2.
+    """
+    optimizers: list = []
+    configs: list[SchedulerConfig] = []
+    if result is None:
+        if automatic:
+            raise ConfigurationError(
+                f"{owner}.configure_optimizers returned None: automatic optimization needs an "
+                f"optimizer (return one), or set self.automatic_optimization = False"
+            )
+        return [], []
+    if isinstance(result, torch.optim.Optimizer):
+        optimizers = [result]
+    elif isinstance(result, dict):
+        optimizers, configs = _from_dict(result, owner)
+    elif isinstance(result, (list, tuple)) and result and all(isinstance(r, dict) for r in result):
+        for item in result:
+            opts, confs = _from_dict(item, owner)
+            optimizers += opts
+            configs += confs
+    elif isinstance(result, (list, tuple)) and len(result) == 2 and isinstance(result[0], (list, tuple)):
+        optimizers = list(result[0])
+        schedulers = result[1] if isinstance(result[1], (list, tuple)) else [result[1]]
+        configs = [_scheduler_config(s, owner) for s in schedulers if s is not None]
+    elif isinstance(result, (list, tuple)) and len(result) == 2 and isinstance(result[0], torch.optim.Optimizer) and not isinstance(result[1], torch.optim.Optimizer):
+        # (optimizer, scheduler): hookloop accepted it before Lightning's forms; kept.
+        optimizers = [result[0]]
+        configs = [_scheduler_config(result[1], owner)] if result[1] is not None else []
+    elif isinstance(result, (list, tuple)):
+        optimizers = list(result)
+    bad = [type(o).__name__ for o in optimizers if not isinstance(o, torch.optim.Optimizer)]
+    if not optimizers or bad:
+        raise ConfigurationError(
+            f"{owner}.configure_optimizers must return an optimizer, a list of optimizers, "
+            f"([optimizers], [schedulers]), or {{'optimizer': ..., 'lr_scheduler': ...}}; got "
+            f"{type(result).__name__}{' holding ' + ', '.join(bad) if bad else ''}"
+        )
+    if automatic and len(optimizers) > 1:
+        raise ConfigurationError(
+            f"{owner}.configure_optimizers returned {len(optimizers)} optimizers. Training with "
+            f"several optimizers needs manual optimization, as in Lightning 2: set "
+            f"self.automatic_optimization = False in __init__ and step them in training_step "
+            f"(opt_g, opt_d = self.optimizers(); self.manual_backward(loss); opt_g.step() ...)."
+        )
+    for config in configs:
+        driven = getattr(config.scheduler, "optimizer", None)
+        if driven is not None and not any(driven is o for o in optimizers):
+            raise ConfigurationError(
+                f"{owner}.configure_optimizers: the scheduler {type(config.scheduler).__name__} "
+                f"drives an optimizer that configure_optimizers did not return"
+            )
+    return optimizers, configs
+
+
+def _from_dict(result: dict, owner: str) -> tuple[list, list[SchedulerConfig]]:
+    unknown = set(result) - {"optimizer", "lr_scheduler", "monitor", "frequency"}
+    if unknown:
+        raise ConfigurationError(_unknown_keys(owner, unknown, ("optimizer", "lr_scheduler", "monitor")))
+    if "frequency" in result:
+        raise ConfigurationError(
+            f"{owner}.configure_optimizers: an optimizer 'frequency' alternates optimizers under "
+            f"automatic optimization (Lightning 1.x), which hookloop does not do: use manual "
+            f"optimization and step each optimizer when you want to"
+        )
+    optimizer = result.get("optimizer")
+    scheduler = result.get("lr_scheduler")
+    configs = []
+    if scheduler is not None:
+        configs.append(_scheduler_config(scheduler, owner, monitor=result.get("monitor")))
+    return [optimizer], configs
+
+
+def _scheduler_config(scheduler: Any, owner: str, monitor: str | None = None) -> SchedulerConfig:
+    """``monitor``: the dict's top-level ``monitor``, used unless the config names one."""
+    if isinstance(scheduler, dict):
+        unknown = set(scheduler) - set(_SCHEDULER_KEYS)
+        if unknown:
+            raise ConfigurationError(_unknown_keys(owner, unknown, _SCHEDULER_KEYS, what="lr_scheduler config"))
+        if "scheduler" not in scheduler:
+            raise ConfigurationError(f"{owner}.configure_optimizers: an lr_scheduler config needs a 'scheduler' entry")
+        config = SchedulerConfig(**scheduler)
+    else:
+        config = SchedulerConfig(scheduler)
+    if config.monitor is None:
+        config.monitor = monitor
+    return _checked(config, owner)
+
+
+def _checked(config: SchedulerConfig, owner: str) -> SchedulerConfig:
+    if not hasattr(config.scheduler, "step"):
+        raise ConfigurationError(f"{owner}.configure_optimizers: {type(config.scheduler).__name__} is not an LR scheduler (no step())")
+    if config.interval not in ("epoch", "step"):
+        raise ConfigurationError(f"lr_scheduler interval={config.interval!r} must be 'epoch' or 'step'")
+    if not isinstance(config.frequency, int) or isinstance(config.frequency, bool) or config.frequency < 1:
+        raise ConfigurationError(f"lr_scheduler frequency={config.frequency!r} must be an integer >= 1")
+    if config.reduce_on_plateau and not config.monitor:
+        raise ConfigurationError(
+            f"{owner}.configure_optimizers returned a ReduceLROnPlateau scheduler without the metric "
+            f"it monitors: return {{'optimizer': optimizer, 'lr_scheduler': scheduler, 'monitor': "
+            f"'val_loss'}} (or 'monitor' inside the lr_scheduler config)"
+        )
+    return config
+
+
+def _unknown_keys(owner: str, unknown: set, known: tuple, what: str = "dict") -> str:
+    parts = []
+    for key in sorted(map(str, unknown)):
+        close = difflib.get_close_matches(key, known, n=1)
+        parts.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return f"{owner}.configure_optimizers: unknown {what} key(s) {', '.join(parts)}; known: {', '.join(known)}"
+
+
+def step_schedulers(trainer: Any, interval: str, plateau: bool, count: int) -> None:
+    """Step the ``interval`` schedulers (plateau ones or the others) due at ``count``
+    (epochs completed, or optimizer steps taken)."""
+    for config in trainer.lr_scheduler_configs:
+        if config.interval != interval or config.reduce_on_plateau != plateau or count % config.frequency:
+            continue
+        if not plateau:
+            config.scheduler.step()
+            continue
+        value = trainer.callback_metrics.get(config.monitor)
+        if value is None:
+            available = ", ".join(sorted(trainer.callback_metrics)) or "none"
+            if config.strict:
+                raise ConfigurationError(
+                    f"ReduceLROnPlateau monitors {config.monitor!r}, which was never logged (logged "
+                    f"metrics: {available}). Log it with self.log({config.monitor!r}, value), or "
+                    f"monitor one of those ('monitor' in configure_optimizers), or set 'strict': False "
+                    f"in the lr_scheduler config to skip the step when it is missing."
+                )
+            if not getattr(config, "_told_missing", False):
+                trainer.print(f"hookloop: ReduceLROnPlateau skipped: {config.monitor!r} not logged (strict=False); logged: {available}")
+                config._told_missing = True
+            continue
+        config.scheduler.step(value)
+
+
+def schedulers_of(trainer: Any, optimizer: Any) -> list:
+    """The schedulers from ``configure_optimizers`` that drive ``optimizer``.
+
+    For strategies that replace an optimizer (``wrap_optimizer``): re-point these at
+    the replacement with :func:`hookloop.repoint_lr_scheduler`.
+    """
+    return [c.scheduler for c in trainer.lr_scheduler_configs if getattr(c.scheduler, "optimizer", None) is optimizer]
+
+
+def before_optimizer_step(trainer: Any, optimizer: Any, clip: bool = True) -> None:
+    """Call in ``optimizer_step`` after unscaling/synchronising and right before stepping.
+
+    Fires :func:`hookloop.contract.hookspecs.on_before_optimizer_step` (when anyone listens) and
+    clips the gradients: as ``gradient_clip_val`` says, or as the module asked for this
+    optimizer with ``self.clip_gradients(...)`` under manual optimization. A strategy
+    whose backend clips by itself (DeepSpeed) passes ``clip=False``.
+    """
+    event = trainer.state.on_before_optimizer_step
+    if event is not None:
+        event(trainer=trainer, optimizer=optimizer)
+    if not clip:
+        if custom_clipping(trainer.module):
+            raise ConfigurationError(
+                f"{type(trainer.module).__name__}.configure_gradient_clipping is not called: the strategy "
+                f"clips the gradients itself. Remove the override and set Trainer(gradient_clip_val=..., "
+                f"gradient_clip_algorithm=...)")
+        return
+    requests = trainer.state.clip_requests
+    request = requests.pop(id(optimizer), None) if requests else None
+    if request is not None:
+        clip_gradients(trainer, optimizer, *request)
+    elif custom_clipping(trainer.module) and trainer.automatic_optimization:
+        _configure_gradient_clipping(trainer, optimizer)
+    else:
+        clip_gradients(trainer, optimizer)
+
+
+def custom_clipping(module: Any) -> bool:
+    """Whether ``module`` overrides Lightning's ``configure_gradient_clipping`` (hookloop's
+    ``Module`` has it as a placeholder that clips as the Trainer says)."""
+    method = getattr(type(module), "configure_gradient_clipping", None)
+    return callable(method) and not getattr(method, "hookloop_placeholder", False)
+
+
+def _configure_gradient_clipping(trainer: Any, optimizer: Any) -> None:
+    """Lightning's: the module's ``configure_gradient_clipping(optimizer, gradient_clip_val,
+    gradient_clip_algorithm)`` decides, every optimizer step of automatic optimization;
+    ``self.clip_gradients(...)`` inside it clips at once (through the ``clip_gradients`` hook)."""
+    state = trainer.state
+    state.clipping_optimizer = optimizer
+    try:
+        trainer.module.configure_gradient_clipping(optimizer, trainer.gradient_clip_val,
+                                                   trainer.config.gradient_clip_algorithm)
+    finally:
+        state.clipping_optimizer = None
+
+
+class GradScaling:
+    """Loss scaling for ``precision="16-mixed"``: backward of the scaled loss, and the
+    optimizer step through the scaler, with skipped-step detection in one place.
+
+    ``scaler`` is what the ``configure_grad_scaler`` hook returned (``torch.amp.GradScaler``
+    or a shard-aware subclass). A precision plugin (hookloop-amp) or a strategy that owns
+    precision (fsdp) keeps one and calls :meth:`backward` from its ``backward`` hook and
+    :meth:`step` from its ``optimizer_step`` hook. ``skipped_steps`` counts the steps
+    skipped because a gradient held inf/nan, in this run (or restored with the scaler).
+    """
+
+    def __init__(self, scaler: Any):
+        self.scaler = scaler
+        self.skipped_steps = 0
+        # The scale before the next step: a fresh scaler answers without a device sync.
+        self._last_scale = scaler.get_scale()
+
+    def backward(self, trainer: Any, loss: torch.Tensor) -> bool:
+        """Backpropagate the scaled loss with ``trainer.backward_kwargs``; returns True."""
+        self.scaler.scale(loss).backward(**trainer.backward_kwargs)
+        return True
+
+    def step(self, trainer: Any, optimizer: Any) -> bool:
+        """Unscale the gradients (clipping thresholds are in true units), call
+        :func:`before_optimizer_step` (the event, then clipping), step unless a gradient
+        holds inf/nan, update the scale; returns whether the step was taken.
+
+        The scale drops exactly when inf/nan was found; ``scaler.step`` already waited for
+        the device to decide, so reading the scale costs no extra synchronisation.
+        """
+        scaler = self.scaler
+        scaler.unscale_(optimizer)
+        before_optimizer_step(trainer, optimizer)
+        scaler.step(optimizer)  # skips optimizer.step() when a gradient is inf/nan
+        scaler.update()
+        scale = scaler.get_scale()
+        took_step = scale >= self._last_scale
+        self._last_scale = scale
+        if not took_step:
+            self.skipped_steps += 1
+        return took_step
+
+    def load_state_dict(self, scaler_state: dict, skipped_steps: int | None = None) -> None:
+        """Restore the scaler's state (``scaler.state_dict()`` of a checkpoint) and, when
+        given, the count of skipped steps."""
+        self.scaler.load_state_dict(scaler_state)
+        if skipped_steps is not None:
+            self.skipped_steps = int(skipped_steps)
+        self._last_scale = self.scaler.get_scale()
+
+
+def load_scheduler_states(trainer: Any, scheduler_states: list) -> None:
+    """Restore the LR schedulers of ``configure_optimizers`` from a checkpoint's states
+    (the second list of :func:`hookloop.optimizer_and_scheduler_states`), in order.
+
+    ``CheckpointError`` when the checkpoint holds another number of schedulers than this
+    run has: zipped, the extra ones would be dropped silently, or a schedule would be
+    restored into another scheduler. Nothing happens when either side has none. For a
+    strategy's ``load_model_state`` that restores the model and optimizers itself.
+    """
+    configs = trainer.lr_scheduler_configs
+    if not configs or not scheduler_states:
+        return
+    if len(scheduler_states) != len(configs):
+        raise CheckpointError(
+            f"the checkpoint holds {len(scheduler_states)} LR scheduler(s) and "
+            f"configure_optimizers returned {len(configs)}: resume with the schedulers it "
+            f"was saved with"
+        )
+    for config, state in zip(configs, scheduler_states):
+        config.scheduler.load_state_dict(state)
+
+
+class LoopOptimizer:
+    """What ``self.optimizers()`` returns under manual optimization.
+
+    ``step()`` and ``zero_grad()`` go through the ``optimizer_step`` and ``zero_grad``
+    hooks, so AMP's scaler, Horovod's synchronisation and DeepSpeed's engine take part,
+    and every ``step()`` counts in ``trainer.global_step``. Everything else
+    (``param_groups``, ``state``, ``state_dict``...) is the optimizer's own.
+    """
+
+    def __init__(self, trainer: Any, optimizer: Any):
+        self._trainer = trainer
+        self.optimizer = optimizer
+
+    def step(self, closure: Any = None) -> Any:
+        """Step once. A ``closure`` (Lightning's: it computes the loss and calls
+        ``manual_backward``) runs first, once; its result is returned."""
+        result = closure() if closure is not None else None
+        self._trainer._manual_optimizer_step(self.optimizer)
+        return result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        trainer = self._trainer
+        event = trainer.state.on_before_zero_grad
+        if event is not None:
+            event(trainer=trainer, optimizer=self.optimizer)
+        trainer.hook.zero_grad(trainer=trainer, optimizer=self.optimizer, model=trainer.model)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optimizer, name)
+
+    def __repr__(self) -> str:
+        return f"LoopOptimizer({self.optimizer!r})"
+
+
+def repoint_optimizers(optimizers: list, old_names: dict[int, str], model: torch.nn.Module, owner: str) -> None:
+    """Point the optimizers of ``configure_optimizers`` at the parameters that replaced
+    those they were built on (a strategy that shards or distributes the module's
+    parameters: fsdp's ``fully_shard``, tp's ``parallelize_module``), in place: the same
+    optimizer objects and ``param_groups``, so the schedulers keep driving them.
+
+    ``old_names``: ``{id(parameter): name}`` of the module's parameters before they were
+    replaced (``{id(p): n for n, p in module.named_parameters()}``); ``owner`` names the
+    strategy in the errors. Raises ``ConfigurationError`` for an optimizer that already
+    holds state or optimizes a tensor that is not a parameter of the module."""
+    new = dict(model.named_parameters())
+    for optimizer in optimizers:
+        if any(optimizer.state.values()):
+            raise ConfigurationError(
+                f"{type(optimizer).__name__} from configure_optimizers already holds state; the {owner} "
+                f"strategy replaces the parameters after configure_optimizers and cannot carry state "
+                f"over to them. Create the optimizer without state (load state with ckpt_path=...)")
+        for group in optimizer.param_groups:
+            replaced = []
+            for p in group["params"]:
+                name = old_names.get(id(p))
+                if name is None or name not in new:
+                    raise ConfigurationError(
+                        f"{type(optimizer).__name__} from configure_optimizers optimizes a tensor that is "
+                        f"not a parameter of the module ({tuple(p.shape)}): the {owner} strategy replaces "
+                        f"the module's parameters and re-points the optimizer at them, so optimize "
+                        f"self.parameters() (or some of them)")
+                replaced.append(new[name])
+            group["params"][:] = replaced  # in place: LBFGS-like optimizers keep a reference
+        optimizer.state.clear()

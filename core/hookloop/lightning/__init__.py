@@ -1,0 +1,7 @@
+"""Lightning compatibility: what a Lightning user's code finds under its own names.
+
+``module`` (``hookloop.Module``, Lightning's ``LightningModule`` API), ``datamodule``,
+``callbacks``, ``loggers``, ``strategies`` (Lightning's strategy strings), ``tuner``,
+``cli`` (``LightningCLI``) and ``types``. The engine never imports this package
+(tests/test_layers.py), as pytest keeps its unittest support beside its core.
+"""
