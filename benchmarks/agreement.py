@@ -80,7 +80,7 @@ def raw_round(data: TensorDataset, steps: int, warmup: int) -> float:
 def hookloop_round(data: TensorDataset, steps: int, warmup: int, variant: str, root: str, ledger=None) -> float:
     """ms/step of steps ``warmup``.. of ``hookloop.Trainer`` (plugins from ``hookloop run``)."""
     import hookloop
-    from hookloop import faults
+    from hookloop.distributed import faults
 
     class Clock:
         """Reads the time twice per fit: at the start of step ``warmup`` and at the end."""

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 import hookloop
-from hookloop import checkpoint as ckpt
+from hookloop.resume import checkpoint as ckpt
 
 
 def plain_save(obj, path: Path) -> None:

@@ -131,8 +131,8 @@ def _blocking_agreed(self, trainer) -> bool:
 
 
 def use_agreement(kind: str) -> None:
-    """Make ``hookloop.faults.Preemption.agreed`` the ``kind`` of :data:`AGREEMENTS`."""
-    from hookloop import faults
+    """Make ``hookloop.distributed.faults.Preemption.agreed`` the ``kind`` of :data:`AGREEMENTS`."""
+    from hookloop.distributed import faults
 
     cls = faults.Preemption
     if "_bench_async" not in cls.__dict__:

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import hookloop
-from hookloop import checkpoint as ckpt
+from hookloop.resume import checkpoint as ckpt
 
 
 def make_source(root: Path, mib: int, files: int, step: int) -> Path:

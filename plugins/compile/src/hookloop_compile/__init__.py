@@ -8,7 +8,7 @@
   module a script gets back after ``fit`` is the one it gave.
 * **Where it sits among the model transforms** (torchtitan's order: pipeline split, tp,
   compile, then data-parallel wrapping). The core calls the mesh plugins' ``wrap_model`` in
-  that order whatever order the run lists them in (``hookloop.mesh.registration_order``:
+  that order whatever order the run lists them in (``hookloop.distributed.mesh.registration_order``:
   ``--plugins tp,compile`` and ``compile,tp`` alike), and a strategy that owns the
   lifecycle alone (deepspeed, horovod) after compile too; ``wrap_model`` returns ``None``
   so the strategy still wraps. Compiling is lazy: Dynamo traces a module at its first

@@ -114,10 +114,10 @@ class DDP(hookloop.TorchDistributed):
 
     @property
     def hookloop_refuses_beside(self) -> dict[str, str]:
-        """ddp x tp is refused at construction (hookloop.mesh.check_refusals; docs/decisions.md,
+        """ddp x tp is refused at construction (hookloop.distributed.mesh.check_refusals; docs/decisions.md,
         "ddp x tp is refused"). A property: fsdp, the pipeline and tp inherit this class and
         compose with tp; only DistributedDataParallel on ``dp_replicate`` alone refuses it."""
-        from hookloop.mesh import mesh_dims
+        from hookloop.distributed.mesh import mesh_dims
 
         if tuple(mesh_dims(self) or ()) != ("dp_replicate",):
             return {}

@@ -79,7 +79,7 @@ def collate(checkpoint_dir: str | os.PathLike, output: str | os.PathLike, tag: s
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``hookloop deepspeed ...``."""
-    from hookloop.cli import collate_command
+    from hookloop.tools.cli import collate_command
 
     return collate_command(
         "deepspeed", collate, argv,

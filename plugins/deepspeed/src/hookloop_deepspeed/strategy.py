@@ -873,9 +873,9 @@ def _written_with(shard_dir: Path) -> tuple[int | None, int | None]:
 @contextlib.contextmanager
 def _shard_writes_in_background(engine):
     """Inside an asynchronous save: each file the engine's checkpoint engine saves is a
-    CPU snapshot now (``hookloop.checkpoint.cpu_snapshot``), written by the background
+    CPU snapshot now (``hookloop.resume.checkpoint.cpu_snapshot``), written by the background
     writer later (``hookloop.defer``), with the checkpoint engine's own ``save``."""
-    from hookloop.checkpoint import cpu_snapshot
+    from hookloop.resume.checkpoint import cpu_snapshot
 
     writer = engine.checkpoint_engine
     real, own = writer.save, writer.__dict__.get("save")

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import hookloop
 from hookloop import CheckpointError
-from hookloop.dcp import (  # noqa: F401 (re-exported: the names of hookloop_fsdp.checkpoint before issue 21)
+from hookloop.resume.dcp import (
     LATEST,
     LOOP_FILE,
     MODEL_DIR,

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from hookloop import CheckpointError, tag_entry
-from hookloop.dcp import check_shards
+from hookloop.resume.dcp import check_shards
 
 from .checkpoint import LATEST, MODEL_DIR, committed_tag
 
@@ -50,7 +50,7 @@ def collate(checkpoint_dir: str | os.PathLike, output: str | os.PathLike, tag: s
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``hookloop fsdp ...``."""
-    from hookloop.cli import collate_command
+    from hookloop.tools.cli import collate_command
 
     return collate_command(
         "fsdp", collate, argv,

@@ -123,7 +123,7 @@ class FSDP(DDP):
     @property
     def hookloop_refuses_beside(self) -> dict[str, str]:
         """The layouts of an fsdp variant that no test checks yet, refused at construction
-        (:func:`hookloop.mesh.check_refusals`; docs/configurations.md, "Every pair of mesh
+        (:func:`hookloop.distributed.mesh.check_refusals`; docs/configurations.md, "Every pair of mesh
         plugins"): ``cpu_offload`` and ``NO_SHARD`` beside tp, the pipeline or compile;
         ``HYBRID_SHARD`` (HSDP, checked beside tp) beside the pipeline or compile. The
         default (``FULL_SHARD``) is checked beside all three; ``SHARD_GRAD_OP`` (the same
@@ -502,9 +502,9 @@ class FSDPCPUOffload(FSDP):
 
 def _splitters(trainer, fsdp) -> list[str]:
     """The enabled mesh plugins whose ``wrap_model`` splits the model before fsdp's
-    (the pipeline and tp-like: :func:`hookloop.mesh.transform_stage` 0 or 1), by name."""
-    from hookloop.mesh import transform_stage
-    from hookloop.pluginspec import plugin_name
+    (the pipeline and tp-like: :func:`hookloop.distributed.mesh.transform_stage` 0 or 1), by name."""
+    from hookloop.distributed.mesh import transform_stage
+    from hookloop.contract.pluginspec import plugin_name
 
     return [plugin_name(p) for p in getattr(trainer, "plugins", None) or ()
             if p is not fsdp and transform_stage(p) in (0, 1)]

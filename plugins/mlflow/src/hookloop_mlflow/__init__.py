@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import hookloop
-import hookloop.loggers
+import hookloop.lightning.loggers
 
 __all__ = ["MLFlowLogger"]
 
@@ -41,7 +41,7 @@ def _require(module: str, package: str) -> None:
         )
 
 
-class MLFlowLogger(hookloop.loggers.ConstructorOptions):
+class MLFlowLogger(hookloop.lightning.loggers.ConstructorOptions):
     """Log the run to MLflow: parameters, metrics by step, best and last checkpoints.
 
     Lightning's arguments, in Lightning's order (``Trainer(logger=MLFlowLogger(...))``, or
@@ -78,7 +78,7 @@ class MLFlowLogger(hookloop.loggers.ConstructorOptions):
                  tracking_uri: str | None = None, tags: dict | None = None, save_dir: str | os.PathLike | None = None,
                  log_model: bool | str = False, prefix: str = "", artifact_location: str | None = None,
                  run_id: str | None = None, synchronous: bool | None = None, log_checkpoints: bool = True):
-        self._init_args = hookloop.loggers.init_args(locals())
+        self._init_args = hookloop.lightning.loggers.init_args(locals())
         _require("mlflow", "mlflow")
         if save_dir is not None and not tracking_uri:
             tracking_uri = f"file:{os.fspath(save_dir)}"
@@ -111,8 +111,8 @@ class MLFlowLogger(hookloop.loggers.ConstructorOptions):
     @property
     def experiment(self):
         """The ``MlflowClient`` of the run (global rank 0; a stand-in elsewhere)."""
-        if not hookloop.loggers.is_rank_zero():
-            return hookloop.loggers.DummyExperiment()
+        if not hookloop.lightning.loggers.is_rank_zero():
+            return hookloop.lightning.loggers.DummyExperiment()
         if self.client is None:
             from mlflow.tracking import MlflowClient
 
@@ -145,21 +145,21 @@ class MLFlowLogger(hookloop.loggers.ConstructorOptions):
 
     def log_metrics(self, metrics: dict, step: int | None = None) -> None:
         """Log ``metrics`` (names with ``prefix``) at ``step`` into the run; rank 0, in a run."""
-        if self.client is None or not hookloop.loggers.is_rank_zero():
+        if self.client is None or not hookloop.lightning.loggers.is_rank_zero():
             return
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
         rows = [Metric(_NOT_IN_NAMES.sub("_", k), float(v.item() if hasattr(v, "item") else v), now, step or 0)
-                for k, v in hookloop.loggers.add_prefix(dict(metrics), self.prefix).items() if not isinstance(v, str)]
+                for k, v in hookloop.lightning.loggers.add_prefix(dict(metrics), self.prefix).items() if not isinstance(v, str)]
         self.client.log_batch(self.run_id, metrics=rows, **self._batch_options())
 
     def log_hyperparams(self, params) -> None:
         """Log ``params`` (flattened with ``/``) as the run's parameters; rank 0, in a run."""
-        if self.client is None or not hookloop.loggers.is_rank_zero():
+        if self.client is None or not hookloop.lightning.loggers.is_rank_zero():
             return
         params = vars(params) if hasattr(params, "__dict__") and not isinstance(params, dict) else dict(params or {})
-        self._log_params(hookloop.loggers.flatten_dict(params))
+        self._log_params(hookloop.lightning.loggers.flatten_dict(params))
 
     def log_graph(self, model, input_array=None) -> None:
         """Lightning's ``log_graph``: nothing for MLflow."""

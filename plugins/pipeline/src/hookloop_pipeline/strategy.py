@@ -34,7 +34,7 @@ from torch import nn
 
 import hookloop
 from hookloop import ConfigurationError
-from hookloop.mesh import mesh_dims
+from hookloop.distributed.mesh import mesh_dims
 from hookloop_ddp import DDP
 
 from .split import stage_modules

@@ -3,7 +3,7 @@
 ``mode="torch"`` (the default): ``torch.profiler`` on a schedule (``wait``, ``warmup``,
 ``active`` steps, ``repeat`` cycles; one profiler step per training batch), every hook
 implementation called inside ``torch.profiler.record_function("hookloop/<plugin>.<hook>")``
-and every hook call inside ``"hookloop/<hook>"`` (``hookloop.step.observe_hook_calls``,
+and every hook call inside ``"hookloop/<hook>"`` (``hookloop.engine.step.observe_hook_calls``,
 the step's resolved events included, which stay direct calls), so the
 chrome traces (``<run dir>/profiler/rank<R>/trace.<cycle>.json``, one per cycle) and
 ``key_averages()`` show the time of each plugin's hook. At the end of ``fit`` each rank
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import hookloop
-from hookloop.step import observe_hook_calls
+from hookloop.engine.step import observe_hook_calls
 
 __all__ = ["Profiler"]
 

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import hookloop
-import hookloop.loggers
-from hookloop.loggers import DummyExperiment, VersionedDirectory, add_prefix, flatten_dict, save_hparams_yaml
+import hookloop.lightning.loggers
+from hookloop.lightning.loggers import DummyExperiment, VersionedDirectory, add_prefix, flatten_dict, save_hparams_yaml
 
 __all__ = ["TensorBoardLogger"]
 
@@ -69,7 +69,7 @@ class TensorBoardLogger(VersionedDirectory):
     def __init__(self, save_dir: Any = None, name: str | None = "lightning_logs", version: int | str | None = None,
                  log_graph: bool = False, default_hp_metric: bool = True, prefix: str = "",
                  sub_dir: Any = None, **kwargs: Any):
-        self._init_args = hookloop.loggers.init_args(locals())
+        self._init_args = hookloop.lightning.loggers.init_args(locals())
         _require_tensorboard()
         self._init_directory(save_dir, name, version, sub_dir)
         for option, value in (("log_graph", log_graph), ("default_hp_metric", default_hp_metric)):
@@ -93,7 +93,7 @@ class TensorBoardLogger(VersionedDirectory):
     @property
     def experiment(self) -> Any:
         """The ``SummaryWriter`` (created on first use, as Lightning's), global rank 0 only."""
-        if not hookloop.loggers.is_rank_zero():
+        if not hookloop.lightning.loggers.is_rank_zero():
             return DummyExperiment()
         if self.writer is None and self._closed is not None:
             return self._closed  # closed by finalize: it opens a new event file if written to, as Lightning's
@@ -109,7 +109,7 @@ class TensorBoardLogger(VersionedDirectory):
 
     def log_metrics(self, metrics: dict, step: int | None = None) -> None:
         """One scalar per metric (``prefix-name``) at ``step``; global rank 0 only."""
-        if not hookloop.loggers.is_rank_zero():
+        if not hookloop.lightning.loggers.is_rank_zero():
             return
         writer = self.experiment
         for name, value in add_prefix(dict(metrics), self.prefix).items():
@@ -124,7 +124,7 @@ class TensorBoardLogger(VersionedDirectory):
         """The HParams dashboard's summaries for ``params`` (flattened with ``/``) with
         ``metrics`` (default ``{"hp_metric": -1}`` with ``default_hp_metric``), as
         Lightning's; ``params`` also go to ``hparams.yaml``. Global rank 0 only."""
-        if not hookloop.loggers.is_rank_zero():
+        if not hookloop.lightning.loggers.is_rank_zero():
             return
         params = vars(params) if hasattr(params, "__dict__") and not isinstance(params, dict) else dict(params or {})
         self.hparams.update(params)
@@ -146,7 +146,7 @@ class TensorBoardLogger(VersionedDirectory):
     def log_graph(self, model: Any, input_array: Any = None) -> None:
         """The model's graph, traced with ``input_array`` (default: the module's
         ``example_input_array``), when constructed with ``log_graph=True``."""
-        if not self.log_graph_enabled or not hookloop.loggers.is_rank_zero():
+        if not self.log_graph_enabled or not hookloop.lightning.loggers.is_rank_zero():
             return
         input_array = getattr(model, "example_input_array", None) if input_array is None else input_array
         if input_array is None:
@@ -157,7 +157,7 @@ class TensorBoardLogger(VersionedDirectory):
 
     def save(self) -> None:
         """Flush the events; write ``hparams.yaml`` into ``log_dir`` once (Lightning's)."""
-        if self.writer is None or not hookloop.loggers.is_rank_zero():
+        if self.writer is None or not hookloop.lightning.loggers.is_rank_zero():
             return
         self.writer.flush()
         path = Path(self.log_dir) / "hparams.yaml"
@@ -200,7 +200,7 @@ class TensorBoardLogger(VersionedDirectory):
         self.writer, self._closed = self._closed, None  # Lightning's: the same writer in every stage
         self.experiment  # noqa: B018 - the writer, for the rows and the module's own calls
         # Lightning: hyperparameters, graph and a save at the start of every stage
-        params = hookloop.loggers.lightning_hparams(trainer)
+        params = hookloop.lightning.loggers.lightning_hparams(trainer)
         if params is not None:
             self.log_hyperparams(params)
         self.log_graph(trainer.module)

@@ -29,8 +29,8 @@ from torch import nn
 import hookloop
 from hookloop import ConfigurationError
 from hookloop_ddp import DDP
-from hookloop import dcp as dcp_checkpoint
-from hookloop.mesh import DATA_PARALLEL_DIMS, lifecycle_lead, mesh_dims
+from hookloop.resume import dcp as dcp_checkpoint
+from hookloop.distributed.mesh import DATA_PARALLEL_DIMS, lifecycle_lead, mesh_dims
 
 from . import plan as plans
 from . import verify as checks
@@ -183,7 +183,7 @@ class TP(DDP):
 
     def _find_lead(self, trainer) -> str | None:
         """The strategy leading the lifecycle when it is not tp (the data-parallel one,
-        :func:`hookloop.mesh.lifecycle_lead`), by name; ``None`` for a tp-only run."""
+        :func:`hookloop.distributed.mesh.lifecycle_lead`), by name; ``None`` for a tp-only run."""
         lead = lifecycle_lead(getattr(trainer, "plugins", None) or ())
         # a data-parallel leader (fsdp) shards the split model further and gathers it at its
         # teardown; any other leader (the pipeline) leaves tp's DTensors to tp
@@ -365,7 +365,7 @@ class TP(DDP):
     def configure_sampler(self, trainer, dataloader, training):
         """The data-parallel share (``hookloop.data_parallel_rank``): one for the whole tp group.
         Alone (one replica) the user's loader as it is: its own sampler, in the order global
-        rank 0 draws, as one process would (:class:`hookloop.distributed.RankZeroOrder`)."""
+        rank 0 draws, as one process would (:class:`hookloop.distributed.strategy.RankZeroOrder`)."""
         if self.lead is not None:
             return None  # the leader's: the same split (data_parallel_rank)
         return hookloop.DistributedSampling.configure_sampler(self, trainer, dataloader, training)

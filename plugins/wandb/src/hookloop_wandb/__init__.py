@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import hookloop
-import hookloop.loggers
+import hookloop.lightning.loggers
 
 __all__ = ["WandbLogger"]
 
@@ -43,7 +43,7 @@ def _require_wandb() -> None:
         )
 
 
-class WandbLogger(hookloop.loggers.ConstructorOptions):
+class WandbLogger(hookloop.lightning.loggers.ConstructorOptions):
     """Log the run to Weights & Biases: metrics by step, the config, checkpoints (opt-in).
 
     Lightning's ``WandbLogger`` arguments (``Trainer(logger=WandbLogger(...))``, or
@@ -80,7 +80,7 @@ class WandbLogger(hookloop.loggers.ConstructorOptions):
                  project: str | None = None, log_model: bool | str = False, prefix: str = "",
                  checkpoint_name: str | None = None, entity: str | None = None, tags: list | tuple | None = None,
                  mode: str | None = None, **kwargs: Any):
-        self._init_args = hookloop.loggers.init_args(locals())
+        self._init_args = hookloop.lightning.loggers.init_args(locals())
         _require_wandb()
         if log_model not in (True, False, "all"):
             raise hookloop.ConfigurationError(f"wandb log_model={log_model!r} must be True, False or 'all'")
@@ -122,8 +122,8 @@ class WandbLogger(hookloop.loggers.ConstructorOptions):
     @property
     def experiment(self) -> Any:
         """The ``wandb`` Run (global rank 0, during a run); a stand-in that does nothing elsewhere."""
-        if self.run is None or not hookloop.loggers.is_rank_zero():
-            return hookloop.loggers.DummyExperiment()
+        if self.run is None or not hookloop.lightning.loggers.is_rank_zero():
+            return hookloop.lightning.loggers.DummyExperiment()
         return self.run
 
     @property
@@ -140,11 +140,11 @@ class WandbLogger(hookloop.loggers.ConstructorOptions):
     def log_metrics(self, metrics: dict, step: int | None = None) -> None:
         """Log ``metrics`` (names with ``prefix``) at ``step``; rank 0, in a run. A row at a
         step an earlier attempt of the run already logged is left out."""
-        if self.run is None or not hookloop.loggers.is_rank_zero():
+        if self.run is None or not hookloop.lightning.loggers.is_rank_zero():
             return
         if step is not None and step <= self._skip_through:
             return
-        row = {k: v.item() if hasattr(v, "item") else v for k, v in hookloop.loggers.add_prefix(dict(metrics), self.prefix).items()}
+        row = {k: v.item() if hasattr(v, "item") else v for k, v in hookloop.lightning.loggers.add_prefix(dict(metrics), self.prefix).items()}
         if step is None:
             self.run.log(row)
             return
@@ -155,7 +155,7 @@ class WandbLogger(hookloop.loggers.ConstructorOptions):
 
     def log_hyperparams(self, params: Any) -> None:
         """Add ``params`` to the run's config; rank 0, in a run."""
-        if self.run is None or not hookloop.loggers.is_rank_zero():
+        if self.run is None or not hookloop.lightning.loggers.is_rank_zero():
             return
         params = vars(params) if hasattr(params, "__dict__") and not isinstance(params, dict) else dict(params or {})
         self.run.config.update(params, allow_val_change=True)
@@ -220,7 +220,7 @@ class WandbLogger(hookloop.loggers.ConstructorOptions):
     def _write_run_file(self) -> None:
         if self.run is None or self._run_dir is None:
             return
-        from hookloop.checkpoint import atomic_write_text
+        from hookloop.resume.checkpoint import atomic_write_text
 
         atomic_write_text(self._run_dir / _RUN_FILE,
                           json.dumps({"run_id": self._run_id, "last_step": self._last_step}))
