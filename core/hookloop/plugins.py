@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import importlib
 import importlib.metadata as md
 import inspect
 import os
@@ -465,7 +466,9 @@ def collect(requested: Iterable[Any], defaults: Iterable[Any] = (), autoload: bo
     blocks one. A strategy is recognised by its class (``hookloop_role``) before it is
     made: one that needs what is not installed (``ddp2`` without hookloop-dp) is not
     constructed. The names of the plugins autoloading added go to ``autoloaded``.
-    ``builtin`` names the core's own observers (progress, csv, checkpoint): added last,
+    Built-ins that :data:`BUILTINS` marks ``autoload=False`` are never autoloaded (the
+    default ones come by their switch: ``enable_progress_bar=False`` keeps the bar off).
+    ``builtin`` names the core's own observers on by default (:data:`BUILTINS`): added last,
     unless blocked or already given (a user's ``ModelCheckpoint(...)`` replaces the
     default one). A plugin this makes from a class is made with its ``options``
     (``options[name]``), so the class checks them as it would in code.
@@ -528,7 +531,7 @@ def collect(requested: Iterable[Any], defaults: Iterable[Any] = (), autoload: bo
         if name in names_seen or name in blocked:
             continue
         names_seen.add(name)
-        chosen.append(make(BUILTIN_OBSERVERS[name](), name))
+        chosen.append(make(BUILTINS[name].load(), name))
 
     if autoload:
         if infos is None:
@@ -536,6 +539,8 @@ def collect(requested: Iterable[Any], defaults: Iterable[Any] = (), autoload: bo
         for name in sorted(infos):
             if name in names_seen or name in blocked:
                 continue
+            if name in BUILTINS and not BUILTINS[name].autoload:
+                continue  # a default one's switch decides (enable_progress_bar=False stays off)
             obj = _load_entry_point(infos[name])
             if getattr(obj, "hookloop_autoload", True) is False:
                 continue  # only useful configured (early_stopping: which metric): by name only
@@ -561,34 +566,51 @@ def _say_once(message: str) -> None:
         print(message, flush=True)
 
 
-def _progress():
-    from .observers.progress import ProgressBar
+@dataclass(frozen=True)
+class Builtin:
+    """A plugin of the core's own (``hookloop.observers``), as :data:`BUILTINS` lists it."""
 
-    return ProgressBar
+    #: ``"module:Class"``: what its entry point in pyproject.toml says, word for word
+    target: str
+    #: a run gets it without asking (``no:NAME`` or the switch turns it off); else it is
+    #: enabled by name or passed as an object
+    on_by_default: bool
+    #: the ``Trainer`` argument that turns a default one off (``None``: opt-in)
+    switch: str | None
+    #: whether ``HOOKLOOP_AUTOLOAD_PLUGINS`` adds it: never a default one (its switch
+    #: decides), nor the timer (it needs a duration, ``Trainer(max_time=...)``)
+    autoload: bool
 
-
-def _csv():
-    from .observers.csvlog import CSVLogger
-
-    return CSVLogger
-
-
-def _checkpoint():
-    from .observers.checkpoint import ModelCheckpoint
-
-    return ModelCheckpoint
-
-
-#: The core's own observers a run gets by default (imported, not looked up as entry
-#: points: they are part of the core). Also registered as entry points of the core
-#: distribution, so `hookloop plugins` lists them and they can be named.
-def _model_summary():
-    from .observers.model_summary import ModelSummary
-
-    return ModelSummary
+    def load(self) -> type:
+        """The plugin's class (imports its module)."""
+        module, _, attribute = self.target.partition(":")
+        cls: type = getattr(importlib.import_module(module), attribute)
+        return cls
 
 
-BUILTIN_OBSERVERS = {"progress": _progress, "csv": _csv, "checkpoint": _checkpoint, "model_summary": _model_summary}
+#: The one list of the core's built-in plugins, by name. pyproject.toml registers each as
+#: an entry point of the core distribution (so ``hookloop plugins`` lists it and it can
+#: be named), tests/test_hookspec_types.py checks the two agree, and a run gets the ones
+#: on by default through the Trainer's switches, in this order.
+BUILTINS: dict[str, Builtin] = {
+    "progress": Builtin("hookloop.observers.progress:ProgressBar", True,
+                        "enable_progress_bar", autoload=False),
+    "model_summary": Builtin("hookloop.observers.model_summary:ModelSummary", True,
+                             "enable_model_summary", autoload=False),
+    "csv": Builtin("hookloop.observers.csvlog:CSVLogger", True, "logger", autoload=False),
+    "checkpoint": Builtin("hookloop.observers.checkpoint:ModelCheckpoint", True,
+                          "enable_checkpointing", autoload=False),
+    "early_stopping": Builtin("hookloop.observers.early_stopping:EarlyStopping", False, None,
+                              autoload=True),  # the class opts out: hookloop_autoload = False
+    "lr_monitor": Builtin("hookloop.observers.lr_monitor:LearningRateMonitor", False, None,
+                          autoload=True),
+    "nan_guard": Builtin("hookloop.observers.nan_guard:NanGuard", False, None, autoload=True),
+    "ledger": Builtin("hookloop.observers.ledger:Ledger", False, None, autoload=True),
+    "timer": Builtin("hookloop.observers.timer:Timer", False, None, autoload=False),
+}
+
+#: The built-ins a run gets by default (read by ``collect``'s ``builtin`` names).
+BUILTIN_OBSERVERS = {name: b.load for name, b in BUILTINS.items() if b.on_by_default}
 
 
 def default_precision_plugin(chosen: list[Any], precision: str) -> list[Any]:
