@@ -36,8 +36,9 @@ import inspect
 import os
 import re
 import types
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import pluggy
 
@@ -104,7 +105,8 @@ def build_status(plugin: Any, name: str | None = None) -> str | None:
     try:
         status = check()
     except Exception as exc:  # a broken check must not break the listing
-        return f"unknown ({name or plugin_name(plugin)}.{BUILD_STATUS}() raised {type(exc).__name__}: {exc})"
+        return (f"unknown ({name or plugin_name(plugin)}.{BUILD_STATUS}() raised "
+                f"{type(exc).__name__}: {exc})")
     return None if status is None else str(status)
 
 
@@ -152,7 +154,7 @@ def one_scan() -> Iterator[None]:
             _scan = None
 
 
-def packages_distributions() -> dict[str, list[str]]:
+def packages_distributions() -> Mapping[str, list[str]]:
     """``importlib.metadata.packages_distributions()``, read once within :func:`one_scan`."""
     if _scan is None:
         return md.packages_distributions()
@@ -251,6 +253,7 @@ def _instantiate(obj: Any, name: str | None, options: dict) -> Any:
     recorded so that :func:`apply_options` can construct it again with more). ``name``
     (the entry-point name) becomes the plugin's name unless its class declares one itself:
     a subclass of ``ddp`` installed as ``localsgd`` is ``localsgd``, not ``ddp``."""
+    plugin: Any
     if inspect.isclass(obj):
         label = name or _declared_name(obj) or obj.__name__
         _check_option_names(obj, label, options)
@@ -263,7 +266,8 @@ def _instantiate(obj: Any, name: str | None, options: dict) -> Any:
                 f"options; drop {', '.join(sorted(options))} or register a class"
             )
         plugin = obj
-    if name and (not _declared_name(plugin) or (inspect.isclass(obj) and "hookloop_name" not in _own_attributes(obj))):
+    own_name = inspect.isclass(obj) and "hookloop_name" in _own_attributes(obj)
+    if name and (not _declared_name(plugin) or (inspect.isclass(obj) and not own_name)):
         try:
             plugin.hookloop_name = name
         except (AttributeError, TypeError):
@@ -319,14 +323,15 @@ def plugin_role(plugin: Any) -> str:
 
 def plugin_options(plugin: Any) -> list[str]:
     """A plugin's options: the parameters of its class's ``__init__``."""
-    cls = plugin if isinstance(plugin, type) else type(plugin)
+    cls: type[Any] = plugin if isinstance(plugin, type) else type(plugin)
     if isinstance(plugin, types.ModuleType):
         return []
     try:
         params = inspect.signature(cls.__init__).parameters
     except (TypeError, ValueError):
         return []
-    return [n for n, p in params.items() if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    return [n for n, p in params.items()
+            if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
 
 
 def apply_options(plugin: Any, options: dict[str, dict]) -> Any:
@@ -351,10 +356,11 @@ def apply_options(plugin: Any, options: dict[str, dict]) -> Any:
             f"({', '.join(sorted(given))}): drop them from plugin_options= / --plugin-option / "
             f"{OPTIONS_ENV}"
         )
-    cls = type(plugin)
+    cls: type[Any] = type(plugin)
     _check_option_names(cls, name, given)
     recorded = _recorded_init_args(plugin)
-    if recorded is not None and all(k in recorded and _same(recorded[k], v) for k, v in given.items()):
+    if recorded is not None and all(k in recorded and _same(recorded[k], v)
+                                    for k, v in given.items()):
         return plugin  # constructed with these options already
     if recorded is None:
         set_option = getattr(plugin, "hookloop_set_option", None)
@@ -405,14 +411,16 @@ def check_option_targets(plugins: Iterable[Any], options: dict[str, dict]) -> No
     name, known = unknown[0], sorted(enabled | set(installed))
     close = difflib.get_close_matches(name, known, n=1)
     raise ConfigurationError(
-        f"options are given for plugin {name!r} ({', '.join(sorted(options[name])) or 'none'}), but no plugin of "
-        f"that name is installed or in the run" + (f" (did you mean {close[0]!r}?)" if close else "")
+        f"options are given for plugin {name!r} ({', '.join(sorted(options[name])) or 'none'}), "
+        f"but no plugin of that name is installed or in the run"
+        + (f" (did you mean {close[0]!r}?)" if close else "")
         + f"; plugins: {', '.join(known)}. Fix the name in plugin_options=, --plugin-option or "
         f"HOOKLOOP_PLUGIN_OPTIONS"
     )
 
 
-def _unknown_option_error(name: str, key: str, known: list[str], cls: type | None = None) -> ConfigurationError:
+def _unknown_option_error(name: str, key: str, known: list[str],
+                          cls: type | None = None) -> ConfigurationError:
     """``key`` is not a constructor parameter of plugin ``name`` (whose are ``known``);
     where a base class's constructor takes it (ddp's ``comm_hook`` under fsdp), says so."""
     close = [c for c in difflib.get_close_matches(key, known, n=2) if c != key][:1]
@@ -421,13 +429,13 @@ def _unknown_option_error(name: str, key: str, known: list[str], cls: type | Non
     return ConfigurationError(
         f"plugin {name!r} has no option {key!r}"
         + (f" (did you mean {close[0]!r}?)" if close else "")
-        + (f" (an option of its base class {base.__name__} that {cls.__name__}'s constructor does not take)"
-           if base is not None else "")
+        + (f" (an option of its base class {base.__name__} that {cls.__name__}'s constructor "
+           f"does not take)" if base is not None and cls is not None else "")
         + f"; its options: {', '.join(known) or 'none'}"
     )
 
 
-def _takes_any_keyword(cls: type) -> bool:
+def _takes_any_keyword(cls: type[Any]) -> bool:
     """Whether ``cls(**options)`` accepts names outside :func:`plugin_options` (``**kwargs``),
     or its signature cannot be read (then the class checks for itself)."""
     try:
@@ -476,7 +484,9 @@ def collect(requested: Iterable[Any], defaults: Iterable[Any] = (), autoload: bo
     options = options or {}
 
     def make(cls: Any, name: str | None) -> Any:
-        given = options.get(name or getattr(cls, "hookloop_name", None) or cls.__name__, {}) if inspect.isclass(cls) else {}
+        if not inspect.isclass(cls):
+            return _instantiate(cls, name, {})
+        given = options.get(name or getattr(cls, "hookloop_name", None) or cls.__name__, {})
         return _instantiate(cls, name, dict(given))  # options construct the plugin
 
     requested = list(requested)
@@ -500,7 +510,7 @@ def collect(requested: Iterable[Any], defaults: Iterable[Any] = (), autoload: bo
         return make(spec, None) if inspect.isclass(spec) else spec
 
     code_plugins = [load(s) for s in requested if not (isinstance(s, str) and s in blocked)]
-    code_by_role = {}
+    code_by_role: dict[str, list[str]] = {}
     for p in code_plugins:
         code_by_role.setdefault(plugin_role(p), []).append(plugin_name(p))
     default_plugins = []
@@ -510,7 +520,8 @@ def collect(requested: Iterable[Any], defaults: Iterable[Any] = (), autoload: bo
         p = load(spec)
         role, name = plugin_role(p), plugin_name(p)
         if role in EXCLUSIVE_ROLES and role in code_by_role and name not in code_by_role[role]:
-            if role == "strategy" and _composes_beside(p, [c for c in code_plugins if plugin_role(c) == role]):
+            same_role = [c for c in code_plugins if plugin_role(c) == role]
+            if role == "strategy" and _composes_beside(p, same_role):
                 default_plugins.append(p)  # mesh plugins on other dimensions: both run
                 continue
             # Explicit arguments in code win over CLI / environment defaults.
@@ -544,10 +555,11 @@ def collect(requested: Iterable[Any], defaults: Iterable[Any] = (), autoload: bo
             obj = _load_entry_point(infos[name])
             if getattr(obj, "hookloop_autoload", True) is False:
                 continue  # only useful configured (early_stopping: which metric): by name only
-            if getattr(obj, "hookloop_role", None) == "strategy" or getattr(obj, "hookloop_mesh_dims", ()):
+            if (getattr(obj, "hookloop_role", None) == "strategy"
+                    or getattr(obj, "hookloop_mesh_dims", ())):
                 continue  # known from the class: not even constructed
             p = make(obj, name)
-            if plugin_role(p) == "strategy" or getattr(p, "hookloop_mesh_dims", ()):
+            if plugin_role(p) == "strategy" or bool(getattr(p, "hookloop_mesh_dims", ())):
                 continue  # a strategy or a mesh dimension is a layout the user chooses
             names_seen.add(name)
             chosen.append(p)
@@ -677,8 +689,8 @@ def check_composition(plugins: list[Any]) -> None:
         if len(names) > 1:
             why = ""
             if role == "strategy":
-                why = (f" ({plugin_name(owners[0])!r} owns the model and optimizer lifecycle alone; "
-                       f"only mesh plugins compose, docs/configurations.md)")
+                why = (f" ({plugin_name(owners[0])!r} owns the model and optimizer lifecycle "
+                       f"alone; only mesh plugins compose, docs/configurations.md)")
             raise PluginConflictError(
                 f"plugins {', '.join(repr(n) for n in names)} are all {role} plugins, and "
                 f"a run can use only one {role}{why}: keep one of them in plugins=[...] / "
@@ -687,10 +699,11 @@ def check_composition(plugins: list[Any]) -> None:
     meshed = [p for p in plugins if mesh_module.mesh_dims(p)]
     if owners and meshed:
         owner, other = plugin_name(owners[0]), plugin_name(meshed[0])
+        dims = ", ".join(mesh_module.mesh_dims(meshed[0]) or ())
         raise PluginConflictError(
             f"plugins {owner!r} and {other!r} cannot run together: {owner!r} owns the model and "
             f"optimizer lifecycle alone (it does not compose on a device mesh), and {other!r} "
-            f"claims the mesh dimension(s) {', '.join(mesh_module.mesh_dims(meshed[0]))}. Keep "
+            f"claims the mesh dimension(s) {dims}. Keep "
             f"one of them (docs/configurations.md lists the layouts that compose)."
         )
     mesh_module.claims(plugins)
@@ -748,14 +761,16 @@ def make_plugin_manager(plugins: list[Any], defaults_plugin: Any) -> pluggy.Plug
 def _check_transform_order(pm: pluggy.PluginManager) -> None:
     """The mesh plugins' ``wrap_model`` must run in :data:`hookloop.mesh.TRANSFORM_STAGES`
     order; a ``tryfirst``/``trylast`` that reorders them is refused naming both."""
-    called = [(mesh_module.transform_stage(impl.plugin), impl.plugin_name)
+    called = [(stage, impl.plugin_name)
               for impl in reversed(pm.hook.wrap_model.get_hookimpls())
-              if not (impl.hookwrapper or impl.wrapper) and mesh_module.transform_stage(impl.plugin) is not None]
-    for (a, first), (b, then) in zip(called, called[1:]):
+              if not (impl.hookwrapper or impl.wrapper)
+              and (stage := mesh_module.transform_stage(impl.plugin)) is not None]
+    for (a, first), (b, then) in zip(called, called[1:], strict=False):  # each and the next
         if a > b:
             stages = mesh_module.TRANSFORM_STAGES
             raise PluginConflictError(
-                f"plugin {first!r}'s wrap_model ({stages[a]}) would run before {then!r}'s ({stages[b]}): "
+                f"plugin {first!r}'s wrap_model ({stages[a]}) would run before {then!r}'s "
+                f"({stages[b]}): "
                 f"the model transforms run {', '.join(stages)} (docs/plugin-authors.md, \"Adding a "
                 f"mesh dimension\"); take tryfirst/trylast off their wrap_model, or mark every "
                 f"transform alike.")
@@ -825,8 +840,8 @@ def environment_autoload() -> bool:
     if value in _OFF:
         return False
     raise ConfigurationError(
-        f"{AUTOLOAD_ENV}={raw!r} is neither on (1, true, yes) nor off (0, false, no, or unset): set one of "
-        f"those, or unset it (`unset {AUTOLOAD_ENV}`)"
+        f"{AUTOLOAD_ENV}={raw!r} is neither on (1, true, yes) nor off (0, false, no, or "
+        f"unset): set one of those, or unset it (`unset {AUTOLOAD_ENV}`)"
     )
 
 
@@ -842,7 +857,8 @@ def environment_plugins() -> list[str]:
         if unknown:
             error = unknown_plugin_error(unknown[0], infos)
             raise PluginNotFoundError(
-                f"{error} The name comes from the environment variable {PLUGINS_ENV}={raw!r}, not from the "
-                f"code or the command line: correct it there, or unset it (`unset {PLUGINS_ENV}`)"
+                f"{error} The name comes from the environment variable {PLUGINS_ENV}={raw!r}, "
+                f"not from the code or the command line: correct it there, or unset it "
+                f"(`unset {PLUGINS_ENV}`)"
             )
     return names

@@ -13,8 +13,9 @@ from __future__ import annotations
 import difflib
 import inspect
 import types
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from pluggy._decorators import varnames  # the argument names pluggy itself will read
 
@@ -108,7 +109,8 @@ def hook_problems(plugin: Any, name: str) -> list[Problem]:
             problems.append(Problem(
                 name, where, f"{hook!r} is not a hookloop hook",
                 f"rename it to {' or '.join(repr(c) for c in close)}" if close
-                else f"rename it to one of the hooks of hookloop.hookspecs: {', '.join(sorted(known))}",
+                else "rename it to one of the hooks of hookloop.hookspecs: "
+                f"{', '.join(sorted(known))}",
             ))
             continue
         args = varnames(function)[0]

@@ -72,8 +72,8 @@ def deprecated(what: str, since: str, changes_in: str, instead: str) -> Hookloop
     deprecated since contract ``since`` and changes (or goes) in ``changes_in``; ``instead``
     says what to implement. Keep a deprecation for at least one minor version."""
     return HookloopDeprecationWarning(
-        f"{what} is deprecated since hookloop contract {since} and changes in {changes_in}: {instead} "
-        f"(CHANGELOG.md, contract {changes_in}). Running contract: {CONTRACT_VERSION}."
+        f"{what} is deprecated since hookloop contract {since} and changes in {changes_in}: "
+        f"{instead} (CHANGELOG.md, contract {changes_in}). Running contract: {CONTRACT_VERSION}."
     )
 
 
@@ -107,13 +107,13 @@ def check_range(plugin: Any, name: str, distribution: str | None = None) -> None
     if _specifier(declared, name).contains(CONTRACT_VERSION, prereleases=True):
         return
     dist = f" ({distribution})" if distribution else ""
+    major = int(CONTRACT_VERSION.split(".")[0])
     raise PluginValidationError(
         f"plugin {name!r}{dist} was written for hookloop contract {declared}, and this hookloop "
         f"implements contract {CONTRACT_VERSION}: install a hookloop whose contract it admits "
         f"(CHANGELOG.md says which hookloop versions have which contract; e.g. pip install "
         f"'hookloop<0.6' for contract 1), or update the plugin to contract "
-        f"{CONTRACT_VERSION.split('.')[0]} as CHANGELOG.md describes and declare "
-        f"{REQUIRES} = '>={CONTRACT_VERSION.split('.')[0]},<{int(CONTRACT_VERSION.split('.')[0]) + 1}'"
+        f"{major} as CHANGELOG.md describes and declare {REQUIRES} = '>={major},<{major + 1}'"
     )
 
 
