@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.metadata as md
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -51,7 +52,9 @@ def test_a_run_gets_the_builtins_on_by_default_and_each_switch_turns_one_off(
     assert builtin_names(hookloop.Trainer(default_root_dir=str(tmp_path))) == defaults
     for name in defaults:
         switch = registry.BUILTINS[name].switch
-        off = hookloop.Trainer(default_root_dir=str(tmp_path), **{switch: False})
+        assert switch is not None, name
+        turned_off: dict[str, Any] = {switch: False}
+        off = hookloop.Trainer(default_root_dir=str(tmp_path), **turned_off)
         assert builtin_names(off) == [n for n in defaults if n != name], switch
 
 
@@ -63,7 +66,7 @@ def test_autoload_brings_back_no_builtin_that_a_switch_turned_off(
     plugins like any other. A switched-off built-in stays off, and the timer (no
     duration) is not autoloaded either; the opt-in observers still are."""
     monkeypatch.setenv("HOOKLOOP_AUTOLOAD_PLUGINS", "1")
-    switches = {b.switch: False for b in registry.BUILTINS.values() if b.switch}
+    switches: dict[str, Any] = {b.switch: False for b in registry.BUILTINS.values() if b.switch}
     names = builtin_names(hookloop.Trainer(default_root_dir=str(tmp_path), **switches))
     # early_stopping opts out itself (hookloop_autoload = False: it needs a metric)
     wanted = [

@@ -13,17 +13,20 @@ import collections.abc
 import contextlib
 import inspect
 import re
+import subprocess
+import sys
 import types
 import typing
 from pathlib import Path
 from typing import Any
 
 import pluggy
+import pytest
 import torch
 from torch.utils.data import DataLoader
 
 import hookloop
-from conftest import TinyModule, tiny_data
+from conftest import REPO, TinyModule, tiny_data
 from hookloop import hookspecs
 
 
@@ -244,7 +247,7 @@ def test_every_argument_and_result_of_a_real_run_fits_the_specs(tmp_path: Path) 
     seen: set[str] = set()
     checker = make_checker(problems, seen)
     loaders = (DataLoader(tiny_data(16), batch_size=8), DataLoader(tiny_data(8), batch_size=8))
-    settings = dict(
+    settings: dict[str, Any] = dict(
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=1,
@@ -278,3 +281,32 @@ def test_the_checker_catches_a_value_that_does_not_fit() -> None:
     )
     assert conforms(contextlib.nullcontext(), contextlib.AbstractContextManager[Any]) is None
     assert conforms(torch.amp.GradScaler("cpu"), hookspecs.GradScalerLike) is None
+
+
+# -- docs/plugin-authors.md, "Type-checking a plugin", run as written ---------------------
+
+
+@pytest.mark.slow  # launches mypy (about 10 s: it reads torch's annotations)
+def test_the_documented_plugin_type_checks_and_mypy_finds_a_misspelt_attribute(
+    tmp_path: Path,
+) -> None:
+    """hookloop's annotations reach a plugin's type checker (py.typed): the guide's
+    example passes mypy, and the misspelling the guide quotes is found, as quoted."""
+    text = (REPO / "docs" / "plugin-authors.md").read_text()
+    section = text[text.index("### Type-checking a plugin") :]
+    example = re.search(r"```python\n(.*?)```", section, re.S)
+    assert example, "docs/plugin-authors.md's type-checking section has no python block"
+    misuse = "\n\ndef steps(trainer: TrainerLike) -> int:\n    return trainer.global_stpe\n"
+    (tmp_path / "as_written.py").write_text(example.group(1))
+    (tmp_path / "misspelt.py").write_text(example.group(1) + misuse)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mypy", "--no-incremental", "as_written.py", "misspelt.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    errors = [line for line in proc.stdout.splitlines() if ": error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("misspelt.py:"), proc.stdout + proc.stderr
+    quoted = '"TrainerLike" has no attribute "global_stpe"; maybe "global_step"?'
+    assert quoted in errors[0] and quoted in " ".join(section.split())
