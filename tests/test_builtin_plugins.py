@@ -25,7 +25,11 @@ def core_entry_points() -> dict[str, str]:
 
 
 def test_the_installed_entry_points_are_the_builtins_table() -> None:
-    assert core_entry_points() == {name: b.target for name, b in registry.BUILTINS.items()}
+    table = {name: b.target for name, b in registry.BUILTINS.items()}
+    assert core_entry_points() == table, (
+        "pyproject.toml's hookloop.plugins entry points (as installed: reinstall with "
+        "`pip install -e .` after changing them) differ from hookloop.plugins.BUILTINS"
+    )
     for name, builtin in registry.BUILTINS.items():
         cls = builtin.load()
         assert getattr(cls, "hookloop_name", name) == name, (name, cls)
