@@ -3,7 +3,8 @@
 #   make demo      .venv with torch, the core (+ plot extra), ddp, amp and scikit-learn only;
 #                  trains examples/digits.py on 2 processes, then plots its metrics
 #   make backends  builds Horovod from source and compiles DeepSpeed's CPU ops (minutes)
-#   make check     the quick tier (in-process tests, one launched job per strategy family)
+#   make check     ruff and mypy over the contract (make lint), then the quick tier
+#                  (in-process tests, one launched job per strategy family)
 #   make test      every in-tree plugin and the backends, then the suite CI runs
 #   make test-full the long matrices too; make oracle stores Lightning's reference numbers
 #
@@ -35,13 +36,18 @@ TRANSFORMERS ?= transformers==5.23.0
 PLUGINS := $(sort $(dir $(wildcard plugins/*/pyproject.toml)))
 DEMO_PLUGINS := $(sort $(dir $(wildcard plugins/ddp/pyproject.toml plugins/amp/pyproject.toml)))
 PYTEST_ARGS ?=
+# The linters `make check` runs first (make lint), pinned: a newer release's new rules must
+# not fail a commit that did not change. LINT_FILES: the contract a plugin author reads,
+# clean under ruff and mypy (pyproject.toml's [tool.ruff] and [tool.mypy]).
+LINTERS    := ruff==0.17.5 mypy==2.4.1
+LINT_FILES := core/hookloop/contract
 
 TORCH_STAMP    := $(VENV)/.hookloop-torch
 DEMO_STAMP     := $(VENV)/.hookloop-demo
 BACKENDS_STAMP := $(VENV)/.hookloop-backends
 STAMP          := $(VENV)/.hookloop-installed
 
-.PHONY: demo backends check test test-full oracle bench install clean
+.PHONY: demo backends lint check test test-full oracle bench install clean
 
 $(TORCH_STAMP):
 	test -x $(PYTHON) || python3 -m venv $(VENV)
@@ -71,7 +77,7 @@ $(BACKENDS_STAMP): $(DEMO_STAMP) $(wildcard plugins/*/build_*.sh plugins/deepspe
 # Every other in-tree plugin (the demo's and the backends' are already in).
 install: $(STAMP)
 $(STAMP): $(BACKENDS_STAMP) pyproject.toml $(wildcard plugins/*/pyproject.toml) Makefile
-	$(PIP) -e '.[plot,cli,rich]' $(foreach p,$(filter-out $(DEMO_PLUGINS),$(PLUGINS)),-e $(p)) pytest scikit-learn $(ORACLE) $(TORCHAO) $(TRANSFORMERS) $(TORCH)
+	$(PIP) -e '.[plot,cli,rich]' $(foreach p,$(filter-out $(DEMO_PLUGINS),$(PLUGINS)),-e $(p)) pytest scikit-learn $(ORACLE) $(TORCHAO) $(TRANSFORMERS) $(LINTERS) $(TORCH)
 	$(COMPILE)
 	touch $@
 
@@ -83,9 +89,14 @@ demo: $(DEMO_STAMP)
 	@printf 'metrics report: '
 	@$(VENV)/bin/hookloop plot .demo
 
-# The tiers are pytest markers (tests/tiers.py, README "Testing"). make check: every
-# in-process test and one launched job per strategy family, for between two commits.
-check: $(STAMP)
+# ruff and mypy over LINT_FILES (their settings: pyproject.toml); make check runs it first.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check $(LINT_FILES)
+	$(VENV)/bin/mypy $(LINT_FILES)
+
+# The tiers are pytest markers (tests/tiers.py, README "Testing"). make check: the lint,
+# every in-process test and one launched job per strategy family, for between two commits.
+check: $(STAMP) lint
 	$(COMPILE_SRC)
 	$(PYTHON) -m pytest -q --tier=check --durations=20 $(PYTEST_ARGS)
 

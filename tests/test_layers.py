@@ -31,7 +31,7 @@ PACKAGE = "hookloop"
 #: is a package stands for the package and every module in it). A module may import the
 #: modules of its own layer and of the layers below.
 LAYERS: list[list[str]] = [
-    ["contract.errors", "_version", "lightning.types", "distributed.ranks", "contract.versioning", "contract.hookspecs", "resume.rundir", "contract.sourcescan", "distributed.failures"],
+    ["contract.errors", "_version", "contract.types", "distributed.ranks", "contract.versioning", "contract.hookspecs", "resume.rundir", "contract.sourcescan", "distributed.failures"],
     ["resume.unpickling", "engine.settings", "contract.pluginspec", "_moved"],
     ["contract", "distributed", "resume", "engine", "lightning", "tools"],
     ["distributed.launch", "distributed.collectives"],

@@ -50,7 +50,7 @@ MOVED: dict[str, str] = {
     "checkpoint": "resume.checkpoint",
     "loader_state": "resume.loader_state",
     "dcp": "resume.dcp",
-    "types": "lightning.types",
+    "types": "contract.types",
     "loggers": "lightning.loggers",
     "callbacks": "lightning.callbacks",
     "module": "lightning.module",

@@ -27,7 +27,7 @@ from torch.utils.data import (
 
 # The distributed helpers moved to hookloop.dist (env_int to hookloop.utilities); they stay
 # importable from here, where plugins found them first.
-from hookloop.distributed.collectives import (
+from hookloop.distributed.collectives import (  # noqa: F401
     DEFAULT_TIMEOUTS,
     REDUCE_OPS,
     cpu_process_group,

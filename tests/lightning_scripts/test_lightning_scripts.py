@@ -65,7 +65,7 @@ def test_rewriting_changes_import_statements_only(path, framework):
 
 def test_rewritten_names_are_hookloops_and_missing_ones_fail_loudly():
     import hookloop
-    import hookloop.lightning.types
+    import hookloop.contract.types
 
     ns: dict = {}
     exec(rewrite("import lightning as L\nfrom lightning.pytorch import LightningModule, callbacks\n"
@@ -76,7 +76,7 @@ def test_rewritten_names_are_hookloops_and_missing_ones_fail_loudly():
     assert ns["callbacks"].ModelCheckpoint is hookloop.ModelCheckpoint
     # the annotation aliases Lightning's BoringModel imports (`-> STEP_OUTPUT`)
     exec(rewrite("from lightning.pytorch.utilities.types import STEP_OUTPUT, OptimizerLRScheduler\n", "hookloop"), ns)
-    assert ns["STEP_OUTPUT"] is hookloop.lightning.types.STEP_OUTPUT
+    assert ns["STEP_OUTPUT"] is hookloop.contract.types.STEP_OUTPUT
     with pytest.raises(ImportError, match="StochasticWeightAveraging"):
         exec(rewrite("from lightning.pytorch.callbacks import StochasticWeightAveraging\n", "hookloop"), {})
     # a name hookloop has gained resolves (issue 22's Tuner); one it lacks fails loudly

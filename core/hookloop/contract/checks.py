@@ -13,7 +13,7 @@ import re
 import types
 from typing import Any
 
-from hookloop.contract.pluginspec import (
+from hookloop.contract.pluginspec import (  # noqa: F401 (names of this module before the split)
     IMPL_ATTRIBUTE,
     Problem,
     hook_problems,
@@ -30,7 +30,7 @@ def option_problems(plugin: Any, name: str) -> list[Problem]:
 
     if isinstance(plugin, types.ModuleType):
         return []
-    cls = plugin if isinstance(plugin, type) else type(plugin)
+    cls: type[Any] = plugin if isinstance(plugin, type) else type(plugin)
     documented = " ".join(inspect.getdoc(c) or "" for c in (cls, cls.__init__))
     problems = []
     for option in plugin_options(plugin):
@@ -56,14 +56,17 @@ def role_problems(plugin: Any, name: str) -> list[Problem]:
     if type(role) is not str:  # a tuple, an Enum (even a str one): not readable unimported
         plain = [r for r in ROLES if r == role or (isinstance(role, (tuple, list)) and r in role)
                  or getattr(role, "value", None) == r]
-        return [Problem(name, owner, f"hookloop_role={role!r} is a {type(role).__name__}, not a plain string",
-                        f"write hookloop_role = {plain[0] if plain else ROLES[0]!r} (one role, a string literal "
-                        f"in the class body, so `hookloop plugins` reads it without importing the plugin); "
-                        f"roles: {', '.join(ROLES)}")]
+        suggested = plain[0] if plain else ROLES[0]
+        return [Problem(name, owner,
+                        f"hookloop_role={role!r} is a {type(role).__name__}, not a plain string",
+                        f"write hookloop_role = {suggested!r} (one role, a string literal in the "
+                        f"class body, so `hookloop plugins` reads it without importing the "
+                        f"plugin); roles: {', '.join(ROLES)}")]
     if role not in ROLES:
         close = difflib.get_close_matches(str(role), ROLES, n=1)
         return [Problem(name, owner, f"hookloop_role={role!r} is not a role",
-                        (f"did you mean {close[0]!r}? " if close else "") + f"roles: {', '.join(ROLES)}")]
+                        (f"did you mean {close[0]!r}? " if close else "")
+                        + f"roles: {', '.join(ROLES)}")]
     return []
 
 
@@ -80,14 +83,18 @@ def dependency_problems(info: Any) -> list[Problem]:
         try:
             md.distribution(requirement)
         except md.PackageNotFoundError:
-            problems.append(Problem(info.name, info.distribution or "?", f"needs {requirement}, which is not installed",
+            problems.append(Problem(info.name, info.distribution or "?",
+                                    f"needs {requirement}, which is not installed",
                                     f"pip install {requirement}"))
             continue
         wanted = requirement.lower().replace("_", "-")
-        modules = [m for m, dists in owners.items() if any(d.lower().replace("_", "-") == wanted for d in dists)]
-        if modules and not any(importlib.util.find_spec(m) is not None for m in modules if m.isidentifier()):
+        modules = [m for m, dists in owners.items()
+                   if any(d.lower().replace("_", "-") == wanted for d in dists)]
+        found = (importlib.util.find_spec(m) is not None for m in modules if m.isidentifier())
+        if modules and not any(found):
             problems.append(Problem(info.name, info.distribution or "?",
-                                    f"{requirement} is installed but none of its modules ({', '.join(modules)}) can be found",
+                                    f"{requirement} is installed but none of its modules "
+                                    f"({', '.join(modules)}) can be found",
                                     f"pip install --force-reinstall {requirement}"))
     return problems
 
@@ -107,11 +114,14 @@ def check(name: str) -> tuple[Any, list[Problem]]:
     try:
         plugin = resolve(name)
     except HookloopError as exc:
-        return None, problems + [Problem(name, f"entry point {info.value}", str(exc), "see the message")]
+        return None, problems + [Problem(name, f"entry point {info.value}", str(exc),
+                                         "see the message")]
     except Exception as exc:  # the plugin's own code failed to import or construct
-        return None, problems + [Problem(name, f"entry point {info.value}", f"{type(exc).__name__}: {exc}",
+        return None, problems + [Problem(name, f"entry point {info.value}",
+                                         f"{type(exc).__name__}: {exc}",
                                          "fix the plugin's import, or its constructor's defaults")]
-    problems += role_problems(plugin, name) + hook_problems(plugin, name) + option_problems(plugin, name)
+    problems += role_problems(plugin, name) + hook_problems(plugin, name)
+    problems += option_problems(plugin, name)
     problems += name_problems(plugin, name) + option_setting_problems(plugin, name)
     return plugin, problems
 
@@ -126,10 +136,11 @@ def name_problems(plugin: Any, name: str) -> list[Problem]:
     owner = owner_name(plugin)
     inherited = next((base.__qualname__ for base in type(plugin).__mro__[1:]
                       if base.__dict__.get("hookloop_name") == declared), None)
-    return [Problem(name, owner, f"it is installed as {name!r} but calls itself hookloop_name={declared!r}"
+    return [Problem(name, owner,
+                    f"it is installed as {name!r} but calls itself hookloop_name={declared!r}"
                     + (f" (inherited from {inherited})" if inherited else "")
-                    + f": options given as {name}.<option> are not applied to it, and its checkpoint state "
-                    f"and errors go by {declared!r}",
+                    + f": options given as {name}.<option> are not applied to it, and its "
+                    f"checkpoint state and errors go by {declared!r}",
                     f"set hookloop_name = {name!r} in the body of {owner}")]
 
 
@@ -161,8 +172,9 @@ def option_setting_problems(plugin: Any, name: str) -> list[Problem]:
             problems.append(Problem(
                 name, owner_name(plugin), f"option {option!r} cannot be given by name "
                 f"(--plugin-option {name}.{option}={default!r} fails: {exc})",
-                f"keep each constructor argument as an attribute of the same name (a property "
-                f"that validates it, as `hookloop new-plugin` generates), or accept it in hookloop_set_option"))
+                "keep each constructor argument as an attribute of the same name (a property "
+                "that validates it, as `hookloop new-plugin` generates), or accept it in "
+                "hookloop_set_option"))
         except Exception:
             continue  # the plugin's own validation of its own default: not this check's concern
     return problems

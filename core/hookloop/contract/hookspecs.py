@@ -3,6 +3,7 @@
 This module is the whole protocol a plugin author needs to read. Hooks are grouped by
 the phase in which the loop calls them, in the order it calls them:
 
+0. types           -- what a hook receives (the trainer and configuration protocols)
 1. launching       -- before any worker process exists (CLI, or ``Trainer.fit`` re-launch)
 2. environment     -- inside each worker: process group, ranks, device
 3. model and data  -- building, wrapping and placing the model, optimizer and loaders
@@ -27,6 +28,8 @@ How to read a hook below:
 * Implement a hook with ``@hookloop.hookimpl`` on a function (module plugin) or method
   (object plugin). Take only the arguments you need, by name; an argument that the spec
   does not have is an error at start naming your plugin and the hook.
+* Every hook is typed (section 0 below): ``trainer`` is a :class:`TrainerLike` and
+  ``config`` a :class:`ConfigLike`, protocols of what hooks read.
 * ``trainer`` is always the :class:`hookloop.Trainer`; its documented attributes
   (``world_size``, ``global_rank``, ``local_rank``, ``node_rank``, ``root_device``,
   ``precision``, ``accumulate_grad_batches``, ``gradient_clip_val``, ``module``,
@@ -63,11 +66,290 @@ checkpoint by rank, restored to the same rank).
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any, Literal, Protocol, TypeVar
+
 import pluggy
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.data import DataLoader, Sampler
+
+from hookloop.contract.types import STEP_OUTPUT
 
 hookspec = pluggy.HookspecMarker("hookloop")
 #: Decorator for plugin authors: ``@hookloop.hookimpl`` marks a hook implementation.
 hookimpl = pluggy.HookimplMarker("hookloop")
+
+
+# ---------------------------------------------------------------------------------------
+# 0. What a hook receives: the types of the arguments below
+# ---------------------------------------------------------------------------------------
+#
+# The hooks are typed; ``trainer`` and ``config`` are described by protocols (read-only
+# properties unless said otherwise) rather than by hookloop's own classes, so that this
+# module depends on nothing of the core above it. A plugin annotates its hook
+# implementations with these types (``trainer: hookloop.contract.hookspecs.TrainerLike``) or with
+# the concrete classes (``hookloop.Trainer``, which has every attribute listed here and
+# more); docs/plugin-authors.md, "Type-checking a plugin", shows how mypy checks it.
+
+#: ``setup``/``teardown``'s ``stage``: the entry point that runs.
+Stage = Literal["fit", "validate", "test", "predict"]
+#: ``reduce``'s ``op``.
+ReduceOp = Literal["mean", "sum", "max", "min"]
+#: ``clip_gradients``'s ``algorithm``: the total 2-norm, or each element.
+ClipAlgorithm = Literal["norm", "value"]
+#: What ``spawn``'s function and ``broadcast``'s object are, given back unchanged.
+T = TypeVar("T")
+
+
+class ConfigLike(Protocol):
+    """The run's configuration as hooks read it (``hookloop.TrainerConfig``;
+    ``trainer.config``)."""
+
+    @property
+    def devices(self) -> int | str | Sequence[int]:
+        """Processes per node: a count, ``"auto"``, or device indices."""
+        ...
+
+    @property
+    def accelerator(self) -> str:
+        """``"auto"``, ``"cpu"``, ``"cuda"`` or ``"gpu"``."""
+        ...
+
+    @property
+    def nodes(self) -> int: ...
+
+    @property
+    def node_rank(self) -> int: ...
+
+    @property
+    def rdzv_endpoint(self) -> str | None:
+        """``HOST:PORT`` of node 0 (several nodes)."""
+        ...
+
+    @property
+    def max_restarts(self) -> int: ...
+
+    @property
+    def precision(self) -> str:
+        """Normalised: ``"32"``, ``"16-mixed"``, ``"bf16-mixed"``, ``"16-true"``,
+        ``"bf16-true"``."""
+        ...
+
+    @property
+    def gradient_clip_algorithm(self) -> str: ...
+
+    @property
+    def global_batch_size(self) -> int | None: ...
+
+    @property
+    def use_distributed_sampler(self) -> bool: ...
+
+    @property
+    def process_group_timeout(self) -> float | None:
+        """Seconds a collective may wait (``None``: the backend's default)."""
+        ...
+
+    @property
+    def mesh(self) -> Mapping[str, int | None]:
+        """The device mesh's sizes (``--mesh``); ``None``: the rest of the world."""
+        ...
+
+    @property
+    def plugin_options(self) -> Mapping[str, Mapping[str, Any]]:
+        """Options by plugin name, then option name."""
+        ...
+
+    def num_processes(self) -> int:
+        """Processes per node that ``devices`` asks for."""
+        ...
+
+
+class StateLike(Protocol):
+    """``trainer.state``: Lightning's view of the run, and the loop's position."""
+
+    @property
+    def fn(self) -> str | None:
+        """``"fit"``, ``"validate"``, ``"test"`` or ``"predict"`` (kept after the run)."""
+        ...
+
+    @property
+    def stage(self) -> str | None:
+        """``"train"``, ``"sanity_check"``, ``"validate"``, ``"test"``, ``"predict"``;
+        ``None`` outside a run."""
+        ...
+
+    @property
+    def status(self) -> str:
+        """``"initializing"``, ``"running"``, ``"finished"`` or ``"interrupted"``."""
+        ...
+
+    @property
+    def finished(self) -> bool: ...
+
+    @property
+    def loop_stage(self) -> str:
+        """How far the loop got after ``trainer.batch_idx`` batches: ``"train"``,
+        ``"validated"`` or ``"epoch_end"``."""
+        ...
+
+    @property
+    def total_batch_idx(self) -> int:
+        """Training batches run in this ``fit``, across epochs."""
+        ...
+
+
+class TrainerLike(Protocol):
+    """The :class:`hookloop.Trainer` as a hook receives it: what plugins read, and the
+    few attributes they write."""
+
+    #: written by a strategy's ``setup_environment`` (and read by everyone after it)
+    world_size: int
+    global_rank: int
+    local_rank: int
+    node_rank: int
+    root_device: torch.device
+    #: set by an observer to end ``fit`` after the current batch (early stopping)
+    should_stop: bool
+
+    @property
+    def config(self) -> ConfigLike: ...
+
+    @property
+    def state(self) -> StateLike: ...
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The user's module."""
+        ...
+
+    @property
+    def model(self) -> torch.nn.Module | None:
+        """What ``wrap_model`` returned (``None`` before it)."""
+        ...
+
+    @property
+    def optimizers(self) -> Sequence[torch.optim.Optimizer]: ...
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The first of ``optimizers``."""
+        ...
+
+    @property
+    def lr_scheduler_configs(self) -> Sequence[Any]: ...
+
+    @property
+    def precision(self) -> str: ...
+
+    @property
+    def accumulate_grad_batches(self) -> int: ...
+
+    @property
+    def gradient_clip_val(self) -> float | None: ...
+
+    @property
+    def current_epoch(self) -> int: ...
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken."""
+        ...
+
+    @property
+    def batch_idx(self) -> int: ...
+
+    @property
+    def max_epochs(self) -> int | None: ...
+
+    @property
+    def max_steps(self) -> int | None: ...
+
+    @property
+    def default_root_dir(self) -> Path: ...
+
+    @property
+    def log_dir(self) -> Path:
+        """The run directory (``version_N``)."""
+        ...
+
+    @property
+    def is_global_zero(self) -> bool: ...
+
+    @property
+    def sanity_checking(self) -> bool: ...
+
+    @property
+    def automatic_optimization(self) -> bool: ...
+
+    @property
+    def backward_kwargs(self) -> Mapping[str, Any]:
+        """Keyword arguments of ``Tensor.backward`` (``manual_backward``'s)."""
+        ...
+
+    @property
+    def callback_metrics(self) -> Mapping[str, float]: ...
+
+    @property
+    def device_mesh(self) -> DeviceMesh | None:
+        """The run's mesh, when a plugin claims a mesh dimension."""
+        ...
+
+    @property
+    def train_dataloader(self) -> DataLoader[Any] | None: ...
+
+    @property
+    def val_dataloaders(self) -> Sequence[DataLoader[Any]] | None: ...
+
+    @property
+    def plugins(self) -> Sequence[Any]:
+        """The run's plugin objects, in the order the run lists them."""
+        ...
+
+    @property
+    def plugin_manager(self) -> pluggy.PluginManager: ...
+
+    @property
+    def hook(self) -> pluggy.HookRelay:
+        """``trainer.hook.NAME(...)`` calls a hook by keyword arguments."""
+        ...
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None: ...
+
+    def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor: ...
+
+    def barrier(self, name: str = "") -> None: ...
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any: ...
+
+    def all_gather_object(self, obj: Any) -> list[Any]: ...
+
+    def print(self, *args: Any, **kwargs: Any) -> None: ...
+
+    def save_checkpoint(self, path: str | os.PathLike[str]) -> Path: ...
+
+    def has_plugin(self, role: str) -> bool: ...
+
+    def strategy_owns(self, concern: str) -> bool: ...
+
+
+class GradScalerLike(Protocol):
+    """What ``configure_grad_scaler`` returns: ``torch.amp.GradScaler``'s interface."""
+
+    def scale(self, outputs: torch.Tensor) -> torch.Tensor: ...
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None: ...
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> float | None: ...
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None: ...
+
+    def get_scale(self) -> float: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
 
 
 # ---------------------------------------------------------------------------------------
@@ -76,7 +358,7 @@ hookimpl = pluggy.HookimplMarker("hookloop")
 
 
 @hookspec(firstresult=True)
-def select_devices(config):
+def select_devices(config: ConfigLike) -> list[int] | None:
     """Decide which accelerator devices this run uses, before any process starts.
 
     Called once in the launching process (``hookloop run``, or ``Trainer.fit`` before it
@@ -95,7 +377,7 @@ def select_devices(config):
 
 
 @hookspec(firstresult=True)
-def launch_command(config, script, script_args):
+def launch_command(config: ConfigLike, script: str, script_args: list[str]) -> list[str] | None:
     """Return the command that starts the worker processes for ``script``.
 
     Called by ``hookloop run SCRIPT`` and by ``Trainer.fit`` when ``devices > 1`` and the
@@ -117,7 +399,7 @@ def launch_command(config, script, script_args):
 
 
 @hookspec(firstresult=True)
-def spawn(trainer, function):
+def spawn(trainer: TrainerLike, function: Callable[[TrainerLike], T]) -> T | None:
     """Run ``function(trainer)`` in worker processes started from inside ``fit``.
 
     For strategies that start their workers from the user's process rather than through
@@ -138,7 +420,7 @@ def spawn(trainer, function):
 
 
 @hookspec(firstresult=True)
-def setup_environment(trainer):
+def setup_environment(trainer: TrainerLike) -> bool | None:
     """Initialise the distributed environment of this process; strategies only.
 
     Called once per ``fit``/``validate``/``test``/``predict`` in every worker, before any
@@ -153,7 +435,7 @@ def setup_environment(trainer):
 
 
 @hookspec
-def on_device_mesh(trainer, mesh):
+def on_device_mesh(trainer: TrainerLike, mesh: DeviceMesh) -> None:
     """The run's device mesh is built; mesh plugins take their part of it.
 
     Called in every worker right after ``setup_environment`` (the process group exists)
@@ -168,13 +450,14 @@ def on_device_mesh(trainer, mesh):
 
 
 @hookspec
-def setup(trainer, stage):
+def setup(trainer: TrainerLike, stage: Stage) -> None:
     """Prepare a plugin for a run; every plugin.
 
     Called once per ``fit``/``validate``/``test``/``predict`` in every worker, after
     ``setup_environment`` (so ranks and ``root_device`` are known), after the
-    DataModule's ``prepare_data``/``setup`` and the module's ``setup`` (so ``trainer.train_dataloader`` and
-    ``trainer.val_dataloaders`` are known) and before the model is built. Create
+    DataModule's ``prepare_data``/``setup`` and the module's ``setup`` (so
+    ``trainer.train_dataloader`` and ``trainer.val_dataloaders`` are known) and before the
+    model is built. Create
     scalers, open log files, check composition with the other plugins here (raise a
     :class:`hookloop.ConfigurationError` for impossible combinations).
 
@@ -183,7 +466,7 @@ def setup(trainer, stage):
 
 
 @hookspec
-def teardown(trainer, stage):
+def teardown(trainer: TrainerLike, stage: Stage) -> None:
     """Release what ``setup`` acquired; every plugin.
 
     Called once at the end of ``fit``/``validate``/``test``/``predict``, also after an
@@ -198,7 +481,7 @@ def teardown(trainer, stage):
 
 
 @hookspec(firstresult=True)
-def model_init_context(trainer):
+def model_init_context(trainer: TrainerLike) -> AbstractContextManager[Any] | None:
     """Return a context manager in which the user's ``configure_model()`` runs.
 
     Strategies that shard parameters as they are created (DeepSpeed's ``zero.Init``,
@@ -210,7 +493,12 @@ def model_init_context(trainer):
 
 
 @hookspec(firstresult=True)
-def wrap_model(trainer, model, optimizer, optimizers):
+def wrap_model(
+    trainer: TrainerLike,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    optimizers: Sequence[torch.optim.Optimizer],
+) -> torch.nn.Module | None:
     """Place and wrap the model for training; strategies.
 
     :param model: a ``torch.nn.Module`` (the *step module*) whose
@@ -233,7 +521,9 @@ def wrap_model(trainer, model, optimizer, optimizers):
 
 
 @hookspec(firstresult=True)
-def wrap_optimizer(trainer, model, optimizer):
+def wrap_optimizer(
+    trainer: TrainerLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> torch.optim.Optimizer | None:
     """Replace or wrap the optimizer; strategies.
 
     Called after :func:`wrap_model` with the wrapped ``model``, once per optimizer of
@@ -250,7 +540,9 @@ def wrap_optimizer(trainer, model, optimizer):
 
 
 @hookspec(firstresult=True)
-def configure_sampler(trainer, dataloader, training):
+def configure_sampler(
+    trainer: TrainerLike, dataloader: DataLoader[Any], training: bool
+) -> Sampler[Any] | None:
     """Return the sampler the loop should use for ``dataloader`` in this process.
 
     Called once per loader at the start of a run. Distributed strategies return a
@@ -269,7 +561,7 @@ def configure_sampler(trainer, dataloader, training):
 
 
 @hookspec
-def describe_model(trainer, module):
+def describe_model(trainer: TrainerLike, module: torch.nn.Module) -> str | None:
     """Say what this plugin would do to ``module``, without training; ``hookloop plan``.
 
     Called only by ``hookloop plan [run options] SCRIPT``: the script runs in one
@@ -283,7 +575,7 @@ def describe_model(trainer, module):
     Added in contract 2.4.0.
 
     :param module: the user's module (``configure_model`` already called).
-    :returns: lines of text to print, or ``None`` for nothing to say. Every
+    :returns: text to print (one or more lines), or ``None`` for nothing to say. Every
         implementation is called.
     """
 
@@ -294,18 +586,21 @@ def describe_model(trainer, module):
 
 
 @hookspec
-def forward_context(trainer):
+def forward_context(trainer: TrainerLike) -> AbstractContextManager[Any] | None:
     """Return a context manager to wrap each step (``training_step``, ``validation_step``,
     ``test_step``, ``predict_step``).
 
-    Precision plugins return ``torch.autocast(...)``. Every returned context is entered,
-    in hook-call order. Called once per ``fit``/``validate``; the returned objects are
-    re-entered every step, so return re-entrant context managers (``torch.autocast`` is).
+    Precision plugins return ``torch.autocast(...)``; ``None``: no context. Every returned
+    context is entered, in hook-call order. Called once per ``fit``/``validate``; the
+    returned objects are re-entered every step, so return re-entrant context managers
+    (``torch.autocast`` is).
     """
 
 
 @hookspec(firstresult=True)
-def accumulation_context(trainer, model):
+def accumulation_context(
+    trainer: TrainerLike, model: torch.nn.Module
+) -> AbstractContextManager[Any] | None:
     """Return a context manager for micro-batches that will not step the optimizer.
 
     With ``accumulate_grad_batches > 1`` the loop enters it around the forward and
@@ -318,7 +613,12 @@ def accumulation_context(trainer, model):
 
 
 @hookspec(firstresult=True)
-def backward(trainer, loss, model, optimizer):
+def backward(
+    trainer: TrainerLike,
+    loss: torch.Tensor,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+) -> bool | None:
     """Compute gradients of ``loss``.
 
     Called for every micro-batch with the loss already divided by
@@ -336,7 +636,9 @@ def backward(trainer, loss, model, optimizer):
 
 
 @hookspec(firstresult=True)
-def optimizer_step(trainer, optimizer, model):
+def optimizer_step(
+    trainer: TrainerLike, optimizer: torch.optim.Optimizer, model: torch.nn.Module
+) -> bool | None:
     """Clip gradients (if ``gradient_clip_val``) and step the optimizer.
 
     Called once per accumulation window, and for every ``optimizer.step()`` of manual
@@ -351,7 +653,9 @@ def optimizer_step(trainer, optimizer, model):
 
 
 @hookspec(firstresult=True)
-def zero_grad(trainer, optimizer, model):
+def zero_grad(
+    trainer: TrainerLike, optimizer: torch.optim.Optimizer, model: torch.nn.Module
+) -> bool | None:
     """Reset gradients at the start of an accumulation window: before the forward and
     backward of the window's first micro-batch (``batch_idx % accumulate_grad_batches ==
     0``), as Lightning zeroes before that backward (gradients stay readable in
@@ -364,7 +668,7 @@ def zero_grad(trainer, optimizer, model):
 
 
 @hookspec
-def training_step_end(trainer, outputs):
+def training_step_end(trainer: TrainerLike, outputs: STEP_OUTPUT) -> STEP_OUTPUT:
     """Post-process what ``training_step`` returned before the loop checks it.
 
     Called after the user's own ``training_step_end`` (which receives DataParallel's
@@ -375,7 +679,9 @@ def training_step_end(trainer, outputs):
 
 
 @hookspec(firstresult=True)
-def configure_grad_scaler(trainer, device, options):
+def configure_grad_scaler(
+    trainer: TrainerLike, device: torch.device, options: Mapping[str, Any]
+) -> GradScalerLike | None:
     """Return the loss scaler for ``precision="16-mixed"``.
 
     Called by the precision plugin (hookloop-amp) in its ``setup`` for ``fit``, and by a
@@ -386,7 +692,8 @@ def configure_grad_scaler(trainer, device, options):
     scaler whose inf/nan verdict is agreed by every rank (fairscale's and torch's
     ``ShardedGradScaler``), so all ranks skip the same steps. Whatever it returns is
     stepped by :class:`hookloop.GradScaling`: it must have ``GradScaler``'s
-    ``scale``, ``unscale_``, ``step``, ``update``, ``get_scale`` and ``state_dict``.
+    ``scale``, ``unscale_``, ``step``, ``update``, ``get_scale`` and ``state_dict``
+    (:class:`GradScalerLike`).
     Called once per run, not per step.
 
     Stops at first non-None result.
@@ -394,7 +701,12 @@ def configure_grad_scaler(trainer, device, options):
 
 
 @hookspec(firstresult=True)
-def clip_gradients(trainer, optimizer, clip_val, algorithm):
+def clip_gradients(
+    trainer: TrainerLike,
+    optimizer: torch.optim.Optimizer,
+    clip_val: float,
+    algorithm: ClipAlgorithm,
+) -> bool | None:
     """Clip the gradients of ``optimizer``'s parameters to ``clip_val``.
 
     Called by :func:`hookloop.before_optimizer_step` (after unscaling, right before the
@@ -419,7 +731,7 @@ def clip_gradients(trainer, optimizer, clip_val, algorithm):
 
 
 @hookspec(firstresult=True)
-def reduce(trainer, tensor, op):
+def reduce(trainer: TrainerLike, tensor: torch.Tensor, op: ReduceOp) -> torch.Tensor | None:
     """Reduce ``tensor`` across all ranks; used for ``self.log(..., sync_dist=True)``.
 
     :param op: ``"mean"``, ``"sum"``, ``"max"`` or ``"min"``.
@@ -430,7 +742,7 @@ def reduce(trainer, tensor, op):
 
 
 @hookspec(firstresult=True)
-def barrier(trainer, name):
+def barrier(trainer: TrainerLike, name: str) -> bool | None:
     """Block until every rank reaches this point. Default: return immediately.
 
     :returns: ``True`` when handled. Stops at first non-None result.
@@ -438,11 +750,13 @@ def barrier(trainer, name):
 
 
 @hookspec(firstresult=True)
-def broadcast(trainer, obj, src):
+def broadcast(trainer: TrainerLike, obj: T, src: int) -> T | None:
     """Return ``obj`` as held by global rank ``src``, on every rank (picklable objects).
 
     Called through ``trainer.broadcast(obj, src)``, which wraps the user's object in a
     one-element list so that a broadcast ``None`` still comes back non-None.
+
+    :returns: ``obj`` as rank ``src`` holds it, of the same type.
 
     Stops at first non-None result.
     """
@@ -454,7 +768,7 @@ def broadcast(trainer, obj, src):
 
 
 @hookspec
-def on_save_checkpoint(trainer, checkpoint):
+def on_save_checkpoint(trainer: TrainerLike, checkpoint: dict[str, Any]) -> None:
     """Add this plugin's state to ``checkpoint`` before it is written; every plugin.
 
     Store it under ``checkpoint["plugins"][your_plugin_name]``, using only tensors,
@@ -464,7 +778,7 @@ def on_save_checkpoint(trainer, checkpoint):
 
 
 @hookspec(firstresult=True)
-def save_checkpoint(trainer, checkpoint, path):
+def save_checkpoint(trainer: TrainerLike, checkpoint: dict[str, Any], path: Path) -> Path | None:
     """Write ``checkpoint`` to ``path``.
 
     Called on every rank (so sharded strategies can write their shards). The default
@@ -479,7 +793,7 @@ def save_checkpoint(trainer, checkpoint, path):
 
 
 @hookspec(firstresult=True)
-def load_checkpoint(trainer, path):
+def load_checkpoint(trainer: TrainerLike, path: Path) -> dict[str, Any] | None:
     """Read the checkpoint at ``path`` and return it as a dict.
 
     The default uses ``torch.load(path, map_location="cpu", weights_only=True)`` after
@@ -492,7 +806,7 @@ def load_checkpoint(trainer, path):
 
 
 @hookspec(firstresult=True)
-def load_model_state(trainer, checkpoint):
+def load_model_state(trainer: TrainerLike, checkpoint: dict[str, Any]) -> bool | None:
     """Restore model and optimizer state from ``checkpoint``.
 
     The default loads ``checkpoint["state_dict"]`` into ``trainer.module`` (checking
@@ -504,12 +818,12 @@ def load_model_state(trainer, checkpoint):
 
 
 @hookspec
-def on_load_checkpoint(trainer, checkpoint):
+def on_load_checkpoint(trainer: TrainerLike, checkpoint: dict[str, Any]) -> None:
     """Restore this plugin's state from ``checkpoint["plugins"][your_plugin_name]``."""
 
 
 @hookspec
-def on_save_rank_checkpoint(trainer, rank_state):
+def on_save_rank_checkpoint(trainer: TrainerLike, rank_state: dict[str, Any]) -> None:
     """Add *this rank's own* state before a checkpoint is written; every rank.
 
     ``on_save_checkpoint`` state is rank 0's (the default writes rank 0's checkpoint
@@ -523,7 +837,9 @@ def on_save_rank_checkpoint(trainer, rank_state):
 
 
 @hookspec
-def on_load_rank_checkpoint(trainer, rank_state, rank_states):
+def on_load_rank_checkpoint(
+    trainer: TrainerLike, rank_state: dict[str, Any] | None, rank_states: list[dict[str, Any]]
+) -> None:
     """Restore *this rank's own* state, after ``on_load_checkpoint``; every rank.
 
     :param rank_state: the ``rank_state`` this global rank saved, or ``None`` when the
@@ -566,7 +882,7 @@ def on_load_rank_checkpoint(trainer, rank_state, rank_states):
 
 
 @hookspec
-def on_fit_start(trainer):
+def on_fit_start(trainer: TrainerLike) -> None:
     """The model, optimizers and loaders are ready; training is about to start.
 
     Called once per ``fit``, before the sanity check, in every worker.
@@ -574,39 +890,39 @@ def on_fit_start(trainer):
 
 
 @hookspec
-def on_fit_end(trainer):
+def on_fit_end(trainer: TrainerLike) -> None:
     """Training finished normally (not called after an exception)."""
 
 
 @hookspec
-def on_sanity_check_start(trainer):
+def on_sanity_check_start(trainer: TrainerLike) -> None:
     """The sanity check starts: ``num_sanity_val_steps`` validation batches before
     training (``trainer.sanity_checking`` is ``True`` until :func:`on_sanity_check_end`).
     Its metrics never reach ``trainer.callback_metrics``."""
 
 
 @hookspec
-def on_sanity_check_end(trainer):
+def on_sanity_check_end(trainer: TrainerLike) -> None:
     """The sanity check ended."""
 
 
 @hookspec
-def on_train_start(trainer):
+def on_train_start(trainer: TrainerLike) -> None:
     """The first training epoch is about to start (after the sanity check)."""
 
 
 @hookspec
-def on_train_end(trainer):
+def on_train_end(trainer: TrainerLike) -> None:
     """The last training epoch ended (before :func:`on_fit_end`)."""
 
 
 @hookspec
-def on_train_epoch_start(trainer, epoch):
+def on_train_epoch_start(trainer: TrainerLike, epoch: int) -> None:
     """An epoch of training starts; ``epoch`` is ``trainer.current_epoch``."""
 
 
 @hookspec
-def on_train_batch_start(trainer, batch, batch_idx):
+def on_train_batch_start(trainer: TrainerLike, batch: Any, batch_idx: int) -> Literal[-1] | None:
     """A training micro-batch (already on the device) is about to run.
 
     Per step: nobody implementing it costs nothing. Returning ``-1`` ends the epoch
@@ -615,18 +931,18 @@ def on_train_batch_start(trainer, batch, batch_idx):
 
 
 @hookspec
-def on_before_backward(trainer, loss):
+def on_before_backward(trainer: TrainerLike, loss: torch.Tensor) -> None:
     """``loss`` (divided by ``accumulate_grad_batches``) is about to be backpropagated."""
 
 
 @hookspec
-def on_after_backward(trainer):
+def on_after_backward(trainer: TrainerLike) -> None:
     """Gradients of the micro-batch were accumulated (under fp16 still scaled, and under
     DDP not yet averaged on micro-batches that do not step)."""
 
 
 @hookspec
-def on_before_optimizer_step(trainer, optimizer):
+def on_before_optimizer_step(trainer: TrainerLike, optimizer: torch.optim.Optimizer) -> None:
     """The optimizer is about to step, once per accumulation window.
 
     Gradients are final: unscaled (fp16), averaged across ranks where the strategy
@@ -638,12 +954,18 @@ def on_before_optimizer_step(trainer, optimizer):
 
 
 @hookspec
-def on_before_zero_grad(trainer, optimizer):
+def on_before_zero_grad(trainer: TrainerLike, optimizer: torch.optim.Optimizer) -> None:
     """The optimizer stepped and its gradients are about to be reset."""
 
 
 @hookspec
-def on_train_batch_end(trainer, outputs, loss, batch, batch_idx):
+def on_train_batch_end(
+    trainer: TrainerLike,
+    outputs: STEP_OUTPUT,
+    loss: torch.Tensor | None,
+    batch: Any,
+    batch_idx: int,
+) -> None:
     """A training micro-batch finished.
 
     :param outputs: what ``training_step`` returned (after ``training_step_end``).
@@ -657,7 +979,7 @@ def on_train_batch_end(trainer, outputs, loss, batch, batch_idx):
 
 
 @hookspec
-def on_train_epoch_end(trainer, epoch, metrics):
+def on_train_epoch_end(trainer: TrainerLike, epoch: int, metrics: Mapping[str, float]) -> None:
     """An epoch of training ended (after its validation, if any ran).
 
     :param metrics: the epoch's metrics as floats: what was logged in training this
@@ -671,34 +993,40 @@ def on_train_epoch_end(trainer, epoch, metrics):
 
 
 @hookspec
-def on_validation_start(trainer):
+def on_validation_start(trainer: TrainerLike) -> None:
     """A validation run starts (end of epoch, ``val_check_interval``, sanity check or
     ``trainer.validate``); the model is in eval mode."""
 
 
 @hookspec
-def on_validation_epoch_start(trainer):
+def on_validation_epoch_start(trainer: TrainerLike) -> None:
     """The validation epoch starts (after :func:`on_validation_start`)."""
 
 
 @hookspec
-def on_validation_batch_start(trainer, batch, batch_idx, dataloader_idx):
+def on_validation_batch_start(
+    trainer: TrainerLike, batch: Any, batch_idx: int, dataloader_idx: int
+) -> None:
     """A validation batch (on the device) is about to run."""
 
 
 @hookspec
-def on_validation_batch_end(trainer, outputs, batch, batch_idx, dataloader_idx):
+def on_validation_batch_end(
+    trainer: TrainerLike, outputs: STEP_OUTPUT, batch: Any, batch_idx: int, dataloader_idx: int
+) -> None:
     """A validation batch finished; ``outputs`` is what ``validation_step`` returned."""
 
 
 @hookspec
-def on_validation_epoch_end(trainer):
+def on_validation_epoch_end(trainer: TrainerLike) -> None:
     """Every validation batch ran; metrics are not reduced yet (the module may log
     epoch-level values here)."""
 
 
 @hookspec
-def on_validation_end(trainer, metrics, sanity_checking):
+def on_validation_end(
+    trainer: TrainerLike, metrics: Mapping[str, float], sanity_checking: bool
+) -> None:
     """Validation finished; ``metrics`` maps logged names to floats, already reduced
     across ranks where the user asked for ``sync_dist``.
 
@@ -710,67 +1038,77 @@ def on_validation_end(trainer, metrics, sanity_checking):
 
 
 @hookspec
-def on_test_start(trainer):
+def on_test_start(trainer: TrainerLike) -> None:
     """``trainer.test`` starts; the model is in eval mode."""
 
 
 @hookspec
-def on_test_epoch_start(trainer):
+def on_test_epoch_start(trainer: TrainerLike) -> None:
     """The test epoch starts."""
 
 
 @hookspec
-def on_test_batch_start(trainer, batch, batch_idx, dataloader_idx):
+def on_test_batch_start(
+    trainer: TrainerLike, batch: Any, batch_idx: int, dataloader_idx: int
+) -> None:
     """A test batch (on the device) is about to run."""
 
 
 @hookspec
-def on_test_batch_end(trainer, outputs, batch, batch_idx, dataloader_idx):
+def on_test_batch_end(
+    trainer: TrainerLike, outputs: STEP_OUTPUT, batch: Any, batch_idx: int, dataloader_idx: int
+) -> None:
     """A test batch finished; ``outputs`` is what ``test_step`` returned."""
 
 
 @hookspec
-def on_test_epoch_end(trainer):
+def on_test_epoch_end(trainer: TrainerLike) -> None:
     """Every test batch ran; metrics are not reduced yet."""
 
 
 @hookspec
-def on_test_end(trainer, metrics):
+def on_test_end(trainer: TrainerLike, metrics: Mapping[str, float]) -> None:
     """Testing finished; ``metrics`` maps logged names to floats (reduced as logged)."""
 
 
 @hookspec
-def on_predict_start(trainer):
+def on_predict_start(trainer: TrainerLike) -> None:
     """``trainer.predict`` starts; the model is in eval mode."""
 
 
 @hookspec
-def on_predict_epoch_start(trainer):
+def on_predict_epoch_start(trainer: TrainerLike) -> None:
     """The prediction epoch starts."""
 
 
 @hookspec
-def on_predict_batch_start(trainer, batch, batch_idx, dataloader_idx):
+def on_predict_batch_start(
+    trainer: TrainerLike, batch: Any, batch_idx: int, dataloader_idx: int
+) -> None:
     """A prediction batch (on the device) is about to run."""
 
 
 @hookspec
-def on_predict_batch_end(trainer, outputs, batch, batch_idx, dataloader_idx):
+def on_predict_batch_end(
+    trainer: TrainerLike, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int
+) -> None:
     """A prediction batch finished; ``outputs`` is what ``predict_step`` returned."""
 
 
 @hookspec
-def on_predict_epoch_end(trainer):
+def on_predict_epoch_end(trainer: TrainerLike) -> None:
     """Every prediction batch ran (before predictions are gathered across ranks)."""
 
 
 @hookspec
-def on_predict_end(trainer):
+def on_predict_end(trainer: TrainerLike) -> None:
     """Prediction finished."""
 
 
 @hookspec
-def on_log_metrics(trainer, metrics, step, epoch):
+def on_log_metrics(
+    trainer: TrainerLike, metrics: Mapping[str, float], step: int, epoch: int | None
+) -> None:
     """A row of metrics for the loggers (the CSV, TensorBoard and MLflow plugins).
 
     :param metrics: names to floats, already reduced across ranks where the module asked
@@ -789,7 +1127,7 @@ def on_log_metrics(trainer, metrics, step, epoch):
 
 
 @hookspec
-def on_exception(trainer, exception):
+def on_exception(trainer: TrainerLike, exception: BaseException) -> None:
     """``fit``/``validate``/``test``/``predict`` raised ``exception``; called before it
     propagates (not for ``KeyboardInterrupt``/``SystemExit``)."""
 

@@ -1,8 +1,8 @@
 """What a plugin is, as the hook contract sees it: its name, its hook implementations
 and their ``@hookloop.hookimpl`` options, and the problems of those implementations
-against :mod:`hookloop.hookspecs` (a hook that does not exist, an argument it lacks).
+against :mod:`hookloop.contract.hookspecs` (a hook that does not exist, an argument it lacks).
 
-The registry (:mod:`hookloop.plugins`) runs these checks when a run registers its
+The registry (:mod:`hookloop.contract.registry`) runs these checks when a run registers its
 plugins; ``hookloop check`` (:mod:`hookloop.contract`, which re-exports every name here)
 runs them and more. This module sits below both, and below the observers that name a
 plugin (docs/plugin-authors.md, "How the core is layered").
@@ -13,8 +13,9 @@ from __future__ import annotations
 import difflib
 import inspect
 import types
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from pluggy._decorators import varnames  # the argument names pluggy itself will read
 
@@ -108,7 +109,8 @@ def hook_problems(plugin: Any, name: str) -> list[Problem]:
             problems.append(Problem(
                 name, where, f"{hook!r} is not a hookloop hook",
                 f"rename it to {' or '.join(repr(c) for c in close)}" if close
-                else f"rename it to one of the hooks of hookloop.hookspecs: {', '.join(sorted(known))}",
+                else "rename it to one of the hooks of hookloop.contract.hookspecs: "
+                f"{', '.join(sorted(known))}",
             ))
             continue
         args = varnames(function)[0]

@@ -30,21 +30,19 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import importlib
 import importlib.metadata as md
 import inspect
 import os
 import re
 import types
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import pluggy
 
-from hookloop.contract import hookspecs
-from hookloop.contract import pluginspec
-from hookloop.contract import sourcescan
-from hookloop.contract import versioning
-from hookloop.distributed import mesh as mesh_module
+from hookloop.contract import hookspecs, pluginspec, sourcescan, versioning
 from hookloop.contract.errors import (
     ConfigurationError,
     MissingDependencyError,
@@ -53,6 +51,7 @@ from hookloop.contract.errors import (
     PluginValidationError,
 )
 from hookloop.contract.pluginspec import _declared_name, plugin_name
+from hookloop.distributed import mesh as mesh_module
 
 ENTRY_POINT_GROUP = "hookloop.plugins"
 COMMAND_GROUP = "hookloop.commands"
@@ -106,7 +105,8 @@ def build_status(plugin: Any, name: str | None = None) -> str | None:
     try:
         status = check()
     except Exception as exc:  # a broken check must not break the listing
-        return f"unknown ({name or plugin_name(plugin)}.{BUILD_STATUS}() raised {type(exc).__name__}: {exc})"
+        return (f"unknown ({name or plugin_name(plugin)}.{BUILD_STATUS}() raised "
+                f"{type(exc).__name__}: {exc})")
     return None if status is None else str(status)
 
 
@@ -154,7 +154,7 @@ def one_scan() -> Iterator[None]:
             _scan = None
 
 
-def packages_distributions() -> dict[str, list[str]]:
+def packages_distributions() -> Mapping[str, list[str]]:
     """``importlib.metadata.packages_distributions()``, read once within :func:`one_scan`."""
     if _scan is None:
         return md.packages_distributions()
@@ -253,6 +253,7 @@ def _instantiate(obj: Any, name: str | None, options: dict) -> Any:
     recorded so that :func:`apply_options` can construct it again with more). ``name``
     (the entry-point name) becomes the plugin's name unless its class declares one itself:
     a subclass of ``ddp`` installed as ``localsgd`` is ``localsgd``, not ``ddp``."""
+    plugin: Any
     if inspect.isclass(obj):
         label = name or _declared_name(obj) or obj.__name__
         _check_option_names(obj, label, options)
@@ -265,7 +266,8 @@ def _instantiate(obj: Any, name: str | None, options: dict) -> Any:
                 f"options; drop {', '.join(sorted(options))} or register a class"
             )
         plugin = obj
-    if name and (not _declared_name(plugin) or (inspect.isclass(obj) and "hookloop_name" not in _own_attributes(obj))):
+    own_name = inspect.isclass(obj) and "hookloop_name" in _own_attributes(obj)
+    if name and (not _declared_name(plugin) or (inspect.isclass(obj) and not own_name)):
         try:
             plugin.hookloop_name = name
         except (AttributeError, TypeError):
@@ -292,7 +294,8 @@ def _record_init_args(plugin: Any, args: dict) -> None:
 def _recorded_init_args(plugin: Any) -> dict | None:
     """The constructor arguments a plugin object was built with, when known: recorded by
     hookloop (``hookloop.plugin(...)``, a name in ``plugins=``), or kept by the object
-    itself in ``_init_args`` (the loggers, :class:`hookloop.lightning.loggers.ConstructorOptions`)."""
+    itself in ``_init_args`` (the loggers,
+    :class:`hookloop.lightning.loggers.ConstructorOptions`)."""
     args = vars(plugin).get(INIT_ARGS) if hasattr(plugin, "__dict__") else None
     if args is None:
         args = getattr(plugin, "_init_args", None)
@@ -321,14 +324,15 @@ def plugin_role(plugin: Any) -> str:
 
 def plugin_options(plugin: Any) -> list[str]:
     """A plugin's options: the parameters of its class's ``__init__``."""
-    cls = plugin if isinstance(plugin, type) else type(plugin)
+    cls: type[Any] = plugin if isinstance(plugin, type) else type(plugin)
     if isinstance(plugin, types.ModuleType):
         return []
     try:
         params = inspect.signature(cls.__init__).parameters
     except (TypeError, ValueError):
         return []
-    return [n for n, p in params.items() if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    return [n for n, p in params.items()
+            if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
 
 
 def apply_options(plugin: Any, options: dict[str, dict]) -> Any:
@@ -353,10 +357,11 @@ def apply_options(plugin: Any, options: dict[str, dict]) -> Any:
             f"({', '.join(sorted(given))}): drop them from plugin_options= / --plugin-option / "
             f"{OPTIONS_ENV}"
         )
-    cls = type(plugin)
+    cls: type[Any] = type(plugin)
     _check_option_names(cls, name, given)
     recorded = _recorded_init_args(plugin)
-    if recorded is not None and all(k in recorded and _same(recorded[k], v) for k, v in given.items()):
+    if recorded is not None and all(k in recorded and _same(recorded[k], v)
+                                    for k, v in given.items()):
         return plugin  # constructed with these options already
     if recorded is None:
         set_option = getattr(plugin, "hookloop_set_option", None)
@@ -407,14 +412,16 @@ def check_option_targets(plugins: Iterable[Any], options: dict[str, dict]) -> No
     name, known = unknown[0], sorted(enabled | set(installed))
     close = difflib.get_close_matches(name, known, n=1)
     raise ConfigurationError(
-        f"options are given for plugin {name!r} ({', '.join(sorted(options[name])) or 'none'}), but no plugin of "
-        f"that name is installed or in the run" + (f" (did you mean {close[0]!r}?)" if close else "")
+        f"options are given for plugin {name!r} ({', '.join(sorted(options[name])) or 'none'}), "
+        f"but no plugin of that name is installed or in the run"
+        + (f" (did you mean {close[0]!r}?)" if close else "")
         + f"; plugins: {', '.join(known)}. Fix the name in plugin_options=, --plugin-option or "
         f"HOOKLOOP_PLUGIN_OPTIONS"
     )
 
 
-def _unknown_option_error(name: str, key: str, known: list[str], cls: type | None = None) -> ConfigurationError:
+def _unknown_option_error(name: str, key: str, known: list[str],
+                          cls: type | None = None) -> ConfigurationError:
     """``key`` is not a constructor parameter of plugin ``name`` (whose are ``known``);
     where a base class's constructor takes it (ddp's ``comm_hook`` under fsdp), says so."""
     close = [c for c in difflib.get_close_matches(key, known, n=2) if c != key][:1]
@@ -423,13 +430,13 @@ def _unknown_option_error(name: str, key: str, known: list[str], cls: type | Non
     return ConfigurationError(
         f"plugin {name!r} has no option {key!r}"
         + (f" (did you mean {close[0]!r}?)" if close else "")
-        + (f" (an option of its base class {base.__name__} that {cls.__name__}'s constructor does not take)"
-           if base is not None else "")
+        + (f" (an option of its base class {base.__name__} that {cls.__name__}'s constructor "
+           f"does not take)" if base is not None and cls is not None else "")
         + f"; its options: {', '.join(known) or 'none'}"
     )
 
 
-def _takes_any_keyword(cls: type) -> bool:
+def _takes_any_keyword(cls: type[Any]) -> bool:
     """Whether ``cls(**options)`` accepts names outside :func:`plugin_options` (``**kwargs``),
     or its signature cannot be read (then the class checks for itself)."""
     try:
@@ -468,7 +475,9 @@ def collect(requested: Iterable[Any], defaults: Iterable[Any] = (), autoload: bo
     blocks one. A strategy is recognised by its class (``hookloop_role``) before it is
     made: one that needs what is not installed (``ddp2`` without hookloop-dp) is not
     constructed. The names of the plugins autoloading added go to ``autoloaded``.
-    ``builtin`` names the core's own observers (progress, csv, checkpoint): added last,
+    Built-ins that :data:`BUILTINS` marks ``autoload=False`` are never autoloaded (the
+    default ones come by their switch: ``enable_progress_bar=False`` keeps the bar off).
+    ``builtin`` names the core's own observers on by default (:data:`BUILTINS`): added last,
     unless blocked or already given (a user's ``ModelCheckpoint(...)`` replaces the
     default one). A plugin this makes from a class is made with its ``options``
     (``options[name]``), so the class checks them as it would in code.
@@ -476,7 +485,9 @@ def collect(requested: Iterable[Any], defaults: Iterable[Any] = (), autoload: bo
     options = options or {}
 
     def make(cls: Any, name: str | None) -> Any:
-        given = options.get(name or getattr(cls, "hookloop_name", None) or cls.__name__, {}) if inspect.isclass(cls) else {}
+        if not inspect.isclass(cls):
+            return _instantiate(cls, name, {})
+        given = options.get(name or getattr(cls, "hookloop_name", None) or cls.__name__, {})
         return _instantiate(cls, name, dict(given))  # options construct the plugin
 
     requested = list(requested)
@@ -500,7 +511,7 @@ def collect(requested: Iterable[Any], defaults: Iterable[Any] = (), autoload: bo
         return make(spec, None) if inspect.isclass(spec) else spec
 
     code_plugins = [load(s) for s in requested if not (isinstance(s, str) and s in blocked)]
-    code_by_role = {}
+    code_by_role: dict[str, list[str]] = {}
     for p in code_plugins:
         code_by_role.setdefault(plugin_role(p), []).append(plugin_name(p))
     default_plugins = []
@@ -510,7 +521,8 @@ def collect(requested: Iterable[Any], defaults: Iterable[Any] = (), autoload: bo
         p = load(spec)
         role, name = plugin_role(p), plugin_name(p)
         if role in EXCLUSIVE_ROLES and role in code_by_role and name not in code_by_role[role]:
-            if role == "strategy" and _composes_beside(p, [c for c in code_plugins if plugin_role(c) == role]):
+            same_role = [c for c in code_plugins if plugin_role(c) == role]
+            if role == "strategy" and _composes_beside(p, same_role):
                 default_plugins.append(p)  # mesh plugins on other dimensions: both run
                 continue
             # Explicit arguments in code win over CLI / environment defaults.
@@ -531,7 +543,7 @@ def collect(requested: Iterable[Any], defaults: Iterable[Any] = (), autoload: bo
         if name in names_seen or name in blocked:
             continue
         names_seen.add(name)
-        chosen.append(make(BUILTIN_OBSERVERS[name](), name))
+        chosen.append(make(BUILTINS[name].load(), name))
 
     if autoload:
         if infos is None:
@@ -539,13 +551,16 @@ def collect(requested: Iterable[Any], defaults: Iterable[Any] = (), autoload: bo
         for name in sorted(infos):
             if name in names_seen or name in blocked:
                 continue
+            if name in BUILTINS and not BUILTINS[name].autoload:
+                continue  # a default one's switch decides (enable_progress_bar=False stays off)
             obj = _load_entry_point(infos[name])
             if getattr(obj, "hookloop_autoload", True) is False:
                 continue  # only useful configured (early_stopping: which metric): by name only
-            if getattr(obj, "hookloop_role", None) == "strategy" or getattr(obj, "hookloop_mesh_dims", ()):
+            if (getattr(obj, "hookloop_role", None) == "strategy"
+                    or getattr(obj, "hookloop_mesh_dims", ())):
                 continue  # known from the class: not even constructed
             p = make(obj, name)
-            if plugin_role(p) == "strategy" or getattr(p, "hookloop_mesh_dims", ()):
+            if plugin_role(p) == "strategy" or bool(getattr(p, "hookloop_mesh_dims", ())):
                 continue  # a strategy or a mesh dimension is a layout the user chooses
             names_seen.add(name)
             chosen.append(p)
@@ -564,34 +579,51 @@ def _say_once(message: str) -> None:
         print(message, flush=True)
 
 
-def _progress():
-    from hookloop.observers.progress import ProgressBar
+@dataclass(frozen=True)
+class Builtin:
+    """A plugin of the core's own (``hookloop.observers``), as :data:`BUILTINS` lists it."""
 
-    return ProgressBar
+    #: ``"module:Class"``: what its entry point in pyproject.toml says, word for word
+    target: str
+    #: a run gets it without asking (``no:NAME`` or the switch turns it off); else it is
+    #: enabled by name or passed as an object
+    on_by_default: bool
+    #: the ``Trainer`` argument that turns a default one off (``None``: opt-in)
+    switch: str | None
+    #: whether ``HOOKLOOP_AUTOLOAD_PLUGINS`` adds it: never a default one (its switch
+    #: decides), nor the timer (it needs a duration, ``Trainer(max_time=...)``)
+    autoload: bool
 
-
-def _csv():
-    from hookloop.observers.csvlog import CSVLogger
-
-    return CSVLogger
-
-
-def _checkpoint():
-    from hookloop.observers.checkpoint import ModelCheckpoint
-
-    return ModelCheckpoint
-
-
-#: The core's own observers a run gets by default (imported, not looked up as entry
-#: points: they are part of the core). Also registered as entry points of the core
-#: distribution, so `hookloop plugins` lists them and they can be named.
-def _model_summary():
-    from hookloop.observers.model_summary import ModelSummary
-
-    return ModelSummary
+    def load(self) -> type:
+        """The plugin's class (imports its module)."""
+        module, _, attribute = self.target.partition(":")
+        cls: type = getattr(importlib.import_module(module), attribute)
+        return cls
 
 
-BUILTIN_OBSERVERS = {"progress": _progress, "csv": _csv, "checkpoint": _checkpoint, "model_summary": _model_summary}
+#: The one list of the core's built-in plugins, by name. pyproject.toml registers each as
+#: an entry point of the core distribution (so ``hookloop plugins`` lists it and it can
+#: be named), tests/test_hookspec_types.py checks the two agree, and a run gets the ones
+#: on by default through the Trainer's switches, in this order.
+BUILTINS: dict[str, Builtin] = {
+    "progress": Builtin("hookloop.observers.progress:ProgressBar", True,
+                        "enable_progress_bar", autoload=False),
+    "model_summary": Builtin("hookloop.observers.model_summary:ModelSummary", True,
+                             "enable_model_summary", autoload=False),
+    "csv": Builtin("hookloop.observers.csvlog:CSVLogger", True, "logger", autoload=False),
+    "checkpoint": Builtin("hookloop.observers.checkpoint:ModelCheckpoint", True,
+                          "enable_checkpointing", autoload=False),
+    "early_stopping": Builtin("hookloop.observers.early_stopping:EarlyStopping", False, None,
+                              autoload=True),  # the class opts out: hookloop_autoload = False
+    "lr_monitor": Builtin("hookloop.observers.lr_monitor:LearningRateMonitor", False, None,
+                          autoload=True),
+    "nan_guard": Builtin("hookloop.observers.nan_guard:NanGuard", False, None, autoload=True),
+    "ledger": Builtin("hookloop.observers.ledger:Ledger", False, None, autoload=True),
+    "timer": Builtin("hookloop.observers.timer:Timer", False, None, autoload=False),
+}
+
+#: The built-ins a run gets by default (read by ``collect``'s ``builtin`` names).
+BUILTIN_OBSERVERS = {name: b.load for name, b in BUILTINS.items() if b.on_by_default}
 
 
 def default_precision_plugin(chosen: list[Any], precision: str) -> list[Any]:
@@ -658,8 +690,8 @@ def check_composition(plugins: list[Any]) -> None:
         if len(names) > 1:
             why = ""
             if role == "strategy":
-                why = (f" ({plugin_name(owners[0])!r} owns the model and optimizer lifecycle alone; "
-                       f"only mesh plugins compose, docs/configurations.md)")
+                why = (f" ({plugin_name(owners[0])!r} owns the model and optimizer lifecycle "
+                       f"alone; only mesh plugins compose, docs/configurations.md)")
             raise PluginConflictError(
                 f"plugins {', '.join(repr(n) for n in names)} are all {role} plugins, and "
                 f"a run can use only one {role}{why}: keep one of them in plugins=[...] / "
@@ -668,10 +700,11 @@ def check_composition(plugins: list[Any]) -> None:
     meshed = [p for p in plugins if mesh_module.mesh_dims(p)]
     if owners and meshed:
         owner, other = plugin_name(owners[0]), plugin_name(meshed[0])
+        dims = ", ".join(mesh_module.mesh_dims(meshed[0]) or ())
         raise PluginConflictError(
             f"plugins {owner!r} and {other!r} cannot run together: {owner!r} owns the model and "
             f"optimizer lifecycle alone (it does not compose on a device mesh), and {other!r} "
-            f"claims the mesh dimension(s) {', '.join(mesh_module.mesh_dims(meshed[0]))}. Keep "
+            f"claims the mesh dimension(s) {dims}. Keep "
             f"one of them (docs/configurations.md lists the layouts that compose)."
         )
     mesh_module.claims(plugins)
@@ -710,7 +743,7 @@ def make_plugin_manager(plugins: list[Any], defaults_plugin: Any) -> pluggy.Plug
         problems = pluginspec.hook_problems(p, name)
         if problems:
             raise PluginValidationError(
-                f"plugin {name!r} does not fit the hook contract (core/hookloop/contract/hookspecs.py):\n  "
+                f"plugin {name!r} does not fit the hook contract (core/hookloop/hookspecs.py):\n  "
                 + "\n  ".join(str(problem) for problem in problems)
             )
         try:
@@ -718,7 +751,7 @@ def make_plugin_manager(plugins: list[Any], defaults_plugin: Any) -> pluggy.Plug
         except pluggy.PluginValidationError as exc:
             raise PluginValidationError(
                 f"plugin {name!r} does not match the hook contract: {exc}. "
-                f"See `hookloop.hookspecs` for each hook's arguments."
+                f"See `hookloop.contract.hookspecs` for each hook's arguments."
             ) from None
         except ValueError as exc:  # already registered
             raise PluginConflictError(f"plugin {name!r} is enabled twice: {exc}") from None
@@ -727,16 +760,19 @@ def make_plugin_manager(plugins: list[Any], defaults_plugin: Any) -> pluggy.Plug
 
 
 def _check_transform_order(pm: pluggy.PluginManager) -> None:
-    """The mesh plugins' ``wrap_model`` must run in :data:`hookloop.distributed.mesh.TRANSFORM_STAGES`
-    order; a ``tryfirst``/``trylast`` that reorders them is refused naming both."""
-    called = [(mesh_module.transform_stage(impl.plugin), impl.plugin_name)
+    """The mesh plugins' ``wrap_model`` must run in
+    :data:`hookloop.distributed.mesh.TRANSFORM_STAGES` order; a ``tryfirst``/``trylast`` that
+    reorders them is refused naming both."""
+    called = [(stage, impl.plugin_name)
               for impl in reversed(pm.hook.wrap_model.get_hookimpls())
-              if not (impl.hookwrapper or impl.wrapper) and mesh_module.transform_stage(impl.plugin) is not None]
-    for (a, first), (b, then) in zip(called, called[1:]):
+              if not (impl.hookwrapper or impl.wrapper)
+              and (stage := mesh_module.transform_stage(impl.plugin)) is not None]
+    for (a, first), (b, then) in zip(called, called[1:], strict=False):  # each and the next
         if a > b:
             stages = mesh_module.TRANSFORM_STAGES
             raise PluginConflictError(
-                f"plugin {first!r}'s wrap_model ({stages[a]}) would run before {then!r}'s ({stages[b]}): "
+                f"plugin {first!r}'s wrap_model ({stages[a]}) would run before {then!r}'s "
+                f"({stages[b]}): "
                 f"the model transforms run {', '.join(stages)} (docs/plugin-authors.md, \"Adding a "
                 f"mesh dimension\"); take tryfirst/trylast off their wrap_model, or mark every "
                 f"transform alike.")
@@ -806,8 +842,8 @@ def environment_autoload() -> bool:
     if value in _OFF:
         return False
     raise ConfigurationError(
-        f"{AUTOLOAD_ENV}={raw!r} is neither on (1, true, yes) nor off (0, false, no, or unset): set one of "
-        f"those, or unset it (`unset {AUTOLOAD_ENV}`)"
+        f"{AUTOLOAD_ENV}={raw!r} is neither on (1, true, yes) nor off (0, false, no, or "
+        f"unset): set one of those, or unset it (`unset {AUTOLOAD_ENV}`)"
     )
 
 
@@ -823,7 +859,8 @@ def environment_plugins() -> list[str]:
         if unknown:
             error = unknown_plugin_error(unknown[0], infos)
             raise PluginNotFoundError(
-                f"{error} The name comes from the environment variable {PLUGINS_ENV}={raw!r}, not from the "
-                f"code or the command line: correct it there, or unset it (`unset {PLUGINS_ENV}`)"
+                f"{error} The name comes from the environment variable {PLUGINS_ENV}={raw!r}, "
+                f"not from the code or the command line: correct it there, or unset it "
+                f"(`unset {PLUGINS_ENV}`)"
             )
     return names

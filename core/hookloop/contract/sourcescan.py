@@ -51,7 +51,8 @@ def declares(entry_point_value: str, attribute: str) -> bool:
         for node in body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == attribute:
                 return True
-            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            targets = (node.targets if isinstance(node, ast.Assign)
+                       else [getattr(node, "target", None)])
             if any(isinstance(t, ast.Name) and t.id == attribute for t in targets):
                 return True
         return None
@@ -80,11 +81,14 @@ def _class_role(module: str, tree: ast.Module, name: str, hops: int, find=None) 
                 if (alias.asname or alias.name) == name:
                     source = _absolute(module, node, tree)
                     sub = _parse(source) if source else None
-                    return _class_role(source, sub, alias.name, hops - 1, find) if sub else None
+                    if source is None or sub is None:
+                        return None
+                    return _class_role(source, sub, alias.name, hops - 1, find)
     return None
 
 
 def _assigned_role(body: list[ast.stmt]) -> str | None:
+    targets: list[ast.expr]
     for node in body:
         if isinstance(node, ast.AnnAssign):
             targets, value = [node.target], node.value
@@ -96,7 +100,7 @@ def _assigned_role(body: list[ast.stmt]) -> str | None:
             if isinstance(target, ast.Name) and target.id == "hookloop_role":
                 return _string(value)
             if isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple):
-                for t, v in zip(target.elts, value.elts):
+                for t, v in zip(target.elts, value.elts, strict=False):
                     if isinstance(t, ast.Name) and t.id == "hookloop_role":
                         return _string(v)
     return None

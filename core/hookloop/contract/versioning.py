@@ -1,7 +1,7 @@
 """The plugin contract's version, the range a plugin declares, and deprecations.
 
 ``CONTRACT_VERSION`` numbers the contract between the core and its plugins (the hooks of
-:mod:`hookloop.hookspecs`, their arguments and when they are called, the plugin attributes,
+:mod:`hookloop.contract.hookspecs`, their arguments and when they are called, the plugin attributes,
 the public helpers and where the core writes what plugins read). It follows semantic
 versioning: a change that can break a plugin written against the documented contract
 bumps the major number, an addition the minor one. CHANGELOG.md lists every change.
@@ -73,8 +73,8 @@ def deprecated(what: str, since: str, changes_in: str, instead: str) -> Hookloop
     deprecated since contract ``since`` and changes (or goes) in ``changes_in``; ``instead``
     says what to implement. Keep a deprecation for at least one minor version."""
     return HookloopDeprecationWarning(
-        f"{what} is deprecated since hookloop contract {since} and changes in {changes_in}: {instead} "
-        f"(CHANGELOG.md, contract {changes_in}). Running contract: {CONTRACT_VERSION}."
+        f"{what} is deprecated since hookloop contract {since} and changes in {changes_in}: "
+        f"{instead} (CHANGELOG.md, contract {changes_in}). Running contract: {CONTRACT_VERSION}."
     )
 
 
@@ -108,13 +108,13 @@ def check_range(plugin: Any, name: str, distribution: str | None = None) -> None
     if _specifier(declared, name).contains(CONTRACT_VERSION, prereleases=True):
         return
     dist = f" ({distribution})" if distribution else ""
+    major = int(CONTRACT_VERSION.split(".")[0])
     raise PluginValidationError(
         f"plugin {name!r}{dist} was written for hookloop contract {declared}, and this hookloop "
         f"implements contract {CONTRACT_VERSION}: install a hookloop whose contract it admits "
         f"(CHANGELOG.md says which hookloop versions have which contract; e.g. pip install "
         f"'hookloop<0.6' for contract 1), or update the plugin to contract "
-        f"{CONTRACT_VERSION.split('.')[0]} as CHANGELOG.md describes and declare "
-        f"{REQUIRES} = '>={CONTRACT_VERSION.split('.')[0]},<{int(CONTRACT_VERSION.split('.')[0]) + 1}'"
+        f"{major} as CHANGELOG.md describes and declare {REQUIRES} = '>={major},<{major + 1}'"
     )
 
 

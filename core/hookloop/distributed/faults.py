@@ -79,7 +79,7 @@ AUTO_MAX_STEPS = 1000
 
 # What a failed collective is and how it is reported, and the timeouts, moved to
 # hookloop.dist with the process groups; they stay importable from here.
-from hookloop.distributed.collectives import (
+from hookloop.distributed.collectives import (  # noqa: F401
     DEFAULT_TIMEOUTS,
     census,
     collective_failure_error,

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import hookloop
 from hookloop import CheckpointError
-from hookloop.resume.dcp import (
+from hookloop.resume.dcp import (  # noqa: F401 (re-exported: the names of hookloop_fsdp.checkpoint before issue 21)
     LATEST,
     LOOP_FILE,
     MODEL_DIR,
