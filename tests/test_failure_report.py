@@ -1,4 +1,4 @@
-"""A worker's failure is reported once (issue 22, item 1; README "When a worker fails").
+"""A worker's failure is reported once (issue 22, item 1; docs/how-to/failures.md).
 
 Real 2-process gloo jobs whose module raises in ``configure_optimizers``: the console
 gets one summary (the first failing rank, its host, the exception's type and message, the
