@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import io
 import inspect
+import io
 import os
 import re
 from types import ModuleType

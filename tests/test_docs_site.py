@@ -24,7 +24,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
@@ -136,11 +135,11 @@ def test_searching_a_hook_name_lists_the_hook_reference(site, browser):
 
     _, base = site
     browser.get(base + "index.html")
-    WebDriverWait(browser, 30).until(
-        expected_conditions.element_to_be_clickable((By.CSS_SELECTOR, "label.md-search__icon, "
-                                                     "label[for='__search']"))).click()
-    box = WebDriverWait(browser, 30).until(
-        expected_conditions.visibility_of_element_located((By.CSS_SELECTOR, "input.md-search__input")))
+    wait = WebDriverWait(browser, 30)
+    opener = (By.CSS_SELECTOR, "label.md-search__icon, label[for='__search']")
+    wait.until(expected_conditions.element_to_be_clickable(opener)).click()
+    search = (By.CSS_SELECTOR, "input.md-search__input")
+    box = wait.until(expected_conditions.visibility_of_element_located(search))
     box.send_keys(HOOK)
 
     def results(driver):

@@ -27,12 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, free_port
 
 PAGES = REPO / "docs" / "tutorials"
-FENCE = re.compile(r"(?:<!-- not-run: (?P<reason>[^\n]*?) -->\n)?^```(?P<lang>\w*)(?P<info>[^\n]*)\n"
-                   r"(?P<code>.*?)^```$", re.S | re.M)
+FENCE = re.compile(r"(?:<!-- not-run: (?P<reason>[^\n]*?) -->\n)?"
+                   r"^```(?P<lang>\w*)(?P<info>[^\n]*)\n(?P<code>.*?)^```$", re.S | re.M)
 OMP_LINE = "hookloop: OMP_NUM_THREADS=1 per process (set it to override)"
 
 #: (page, the block's first line): every block the test does not run, with its reason in
@@ -116,11 +115,13 @@ def run_page(page: Path, folder: Path) -> list[tuple[Block, str]]:
             script.write_text(block.code)
             command = [sys.executable, str(script)]
         else:
-            command = ["bash", "-e", "-c", block.code.replace("127.0.0.1:29400", f"127.0.0.1:{port}")]
+            code = block.code.replace("127.0.0.1:29400", f"127.0.0.1:{port}")
+            command = ["bash", "-e", "-c", code]
         done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True,
                               timeout=300)
         output = done.stdout + done.stderr
-        assert done.returncode == 0, f"{page.name}, block {i} failed ({done.returncode}):\n{block.code}\n{output}"
+        assert done.returncode == 0, (
+            f"{page.name}, block {i} failed ({done.returncode}):\n{block.code}\n{output}")
         outputs.append((block, output))
     return outputs
 
@@ -152,4 +153,5 @@ def test_porting_nanogpt_ends_with_the_hand_written_loops_weights(tmp_path):
 @pytest.mark.slow
 def test_two_nodes_on_localhost(tmp_path):
     (run,) = run_page(PAGES / "multi-node.md", tmp_path)
-    assert sorted(run[1].split("\n")[:2]) == ["node 0: rank 0 of 2, 8 steps", "node 1: rank 1 of 2, 8 steps"], run[1]
+    lines = sorted(run[1].splitlines()[:2])
+    assert lines == ["node 0: rank 0 of 2, 8 steps", "node 1: rank 1 of 2, 8 steps"], run[1]
