@@ -100,7 +100,7 @@ demo: $(DEMO_STAMP)
 	@printf 'metrics report: '
 	@$(VENV)/bin/hookloop plot .demo
 
-# The tiers are pytest markers (tests/tiers.py, README "Testing"). make check: every
+# The tiers are pytest markers (tests/tiers.py, docs/testing.md). make check: every
 # in-process test and one launched job per strategy family, for between two commits.
 check: $(STAMP)
 	$(COMPILE_SRC)
