@@ -7,6 +7,7 @@
 #                  (in-process tests, one launched job per strategy family)
 #   make test      every in-tree plugin and the backends, then the suite CI runs
 #   make test-full the long matrices too; make oracle stores Lightning's reference numbers
+#   make docs      the documentation site: mkdocs build --strict into site/
 #
 # Each step leaves a stamp in .venv, so `make test` after `make demo` goes on from there.
 # torch==2.13.0 is installed first and alone: it is a CPU build on this machine's disk,
@@ -33,6 +34,11 @@ TORCHAO ?= torchao==0.18.0
 # transformers: tp's Hugging Face plans are checked on a LlamaForCausalLM built from a config
 # (tests/test_tp_plan.py; no download), installed with torch pinned beside it
 TRANSFORMERS ?= transformers==5.23.0
+# The documentation site (mkdocs.yml) and its browser test (tests/test_docs_site.py, which
+# drives Debian's chromium through chromium-driver). selenium 4.51.0: 4.52.0 requires a
+# certifi newer than the package index has.
+DOCS_TOOLS ?= mkdocs==1.6.1 mkdocs-material==9.8.1 pymdown-extensions==13.1
+SELENIUM ?= selenium==4.51.0
 PLUGINS := $(sort $(dir $(wildcard plugins/*/pyproject.toml)))
 DEMO_PLUGINS := $(sort $(dir $(wildcard plugins/ddp/pyproject.toml plugins/amp/pyproject.toml)))
 PYTEST_ARGS ?=
@@ -46,8 +52,9 @@ TORCH_STAMP    := $(VENV)/.hookloop-torch
 DEMO_STAMP     := $(VENV)/.hookloop-demo
 BACKENDS_STAMP := $(VENV)/.hookloop-backends
 STAMP          := $(VENV)/.hookloop-installed
+DOCS_STAMP     := $(VENV)/.hookloop-docs
 
-.PHONY: demo backends lint check test test-full oracle bench install clean
+.PHONY: demo backends lint check test test-full oracle bench install docs clean
 
 $(TORCH_STAMP):
 	test -x $(PYTHON) || python3 -m venv $(VENV)
@@ -76,9 +83,19 @@ $(BACKENDS_STAMP): $(DEMO_STAMP) $(wildcard plugins/*/build_*.sh plugins/deepspe
 
 # Every other in-tree plugin (the demo's and the backends' are already in).
 install: $(STAMP)
-$(STAMP): $(BACKENDS_STAMP) pyproject.toml $(wildcard plugins/*/pyproject.toml) Makefile
+$(STAMP): $(BACKENDS_STAMP) $(DOCS_STAMP) pyproject.toml $(wildcard plugins/*/pyproject.toml) Makefile
 	$(PIP) -e '.[plot,cli,rich]' $(foreach p,$(filter-out $(DEMO_PLUGINS),$(PLUGINS)),-e $(p)) pytest scikit-learn $(ORACLE) $(TORCHAO) $(TRANSFORMERS) $(LINTERS) $(TORCH)
+	@# The browser test's Chromium and its driver: Debian's packages, where apt-get can.
+	@if command -v apt-get >/dev/null && ! { [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; }; then \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null) \
+		|| echo "hookloop: could not install chromium and chromium-driver; tests/test_docs_site.py will fail"; fi
+	$(PIP) $(SELENIUM)
 	$(COMPILE)
+	touch $@
+
+# The site's tools (the core too: the hook and CLI reference pages are generated from it).
+$(DOCS_STAMP): $(DEMO_STAMP) Makefile
+	$(PIP) $(DOCS_TOOLS)
 	touch $@
 
 demo: $(DEMO_STAMP)
@@ -94,7 +111,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check $(LINT_FILES)
 	$(VENV)/bin/mypy $(LINT_FILES)
 
-# The tiers are pytest markers (tests/tiers.py, README "Testing"). make check: the lint,
+# The tiers are pytest markers (tests/tiers.py, docs/testing.md). make check: the lint,
 # every in-process test and one launched job per strategy family, for between two commits.
 check: $(STAMP) lint
 	$(COMPILE_SRC)
@@ -122,5 +139,10 @@ bench: $(STAMP)
 	$(PIP) $(ORACLE) accelerate==1.15.0 $(TORCH)
 	$(PYTHON) benchmarks/loop_overhead.py
 
+# The documentation site: docs/*.md and the pages generated from the hook specifications
+# and the CLI (docs/site_hooks.py), built strictly (any warning fails) into site/.
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) .demo .pytest_cache
+	rm -rf $(VENV) .demo .pytest_cache site

@@ -37,7 +37,7 @@ options, after its path, set the model's size):
 (``heads`` must be divisible by the tp size, and ``4 * dim`` too; under pipeline the
 micro-batches must divide ``--batch-size``.) It prints the validation loss next to
 ln(vocab), the loss of a uniform guess. Which layouts run today, and how exactly each
-matches one process: README.md, "N-D parallelism".
+matches one process: benchmarks/README.md, "N-D parallelism".
 """
 
 from __future__ import annotations

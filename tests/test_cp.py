@@ -50,7 +50,7 @@ def test_cp_on_two_cpu_processes_is_refused_at_setup_on_every_rank(tmp_path):
                            "--mesh", "cp=2", str(SCRIPTS / "cp_train.py"), str(tmp_path)],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
-    # Reported once (README "When a worker fails"): the first rank's message, the other's noted.
+    # Reported once (docs/how-to/failures.md): the first rank's message, the other's noted.
     assert proc.stderr.count(f"ConfigurationError: cp: torch {torch.__version__}'s ring attention") == 1
     assert re.search(r"hookloop: rank [01] raised the same error", proc.stderr), proc.stderr
     assert REASON in proc.stderr

@@ -1,6 +1,6 @@
 """What the docs promise plugin authors, checked against real runs (issue 20): where the
 epoch's logger row is written (docs/decisions.md), what a resume does to the CSV log
-(README.md), and that an extension may write the weights (docs/plugin-authors.md's example
+(docs/how-to/observers.md), and that an extension may write the weights (docs/plugin-authors.md's example
 run against a hand-written loop)."""
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def test_a_ckpt_path_resume_starts_a_new_run_directory_as_the_readme_says(tmp_pa
     new = rows(tmp_path / "logs" / "version_1" / "metrics.csv")
     assert sorted({int(r["step"]) for r in new}) == [9, 10, 11, 12]
     assert {r["epoch"] for r in new} == {"2"}
-    text = " ".join((REPO / "README.md").read_text().split())
+    text = " ".join((REPO / "docs" / "how-to" / "observers.md").read_text().split())
     assert "`fit(ckpt_path=...)` starts a new run directory (`version_N+1`)" in text
     assert "a resumed run appends without duplicated or missing rows" not in text
 

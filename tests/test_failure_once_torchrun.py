@@ -1,4 +1,4 @@
-"""Under the user's OWN ``torchrun`` (issue 22, item 1; README "When a worker fails").
+"""Under the user's OWN ``torchrun`` (issue 22, item 1; docs/how-to/failures.md).
 
 Real ``python -m torch.distributed.run --nproc-per-node 2`` jobs (gloo, CPU):
 

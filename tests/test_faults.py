@@ -280,7 +280,7 @@ def test_a_stopped_rank_fails_the_others_within_the_timeout_and_the_restart_resu
             "global step 3 (process-group timeout 5 s)") in stderr
     assert "Suspected rank(s): 1 (did not report" in stderr
     # The agent could not SIGTERM the stopped process; its SIGKILL did end it (the
-    # launcher's summary of the failed attempt, README "When a worker fails").
+    # launcher's summary of the failed attempt, docs/how-to/failures.md).
     assert re.search(r"^hookloop: then stopped: rank 1 \(SIGKILL\)\n"
                      r"hookloop: every rank's output: \S+ \(attempt_<N>/rank<R>/stdout\.log, stderr\.log\)\n"
                      r"hookloop: restarting the workers \(1 restart left\)$", stderr, flags=re.M), stderr

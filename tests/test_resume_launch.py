@@ -118,7 +118,7 @@ def powersgd_run(out: Path, strategy: list, kill_at: int | None = None) -> dict:
     log = (out / "log.txt").read_text()
     assert proc.returncode == 0, f"exit status {proc.returncode}:\n{log}"
     if kill_at is not None:
-        # the launcher's summary of the failed attempt (README "When a worker fails")
+        # the launcher's summary of the failed attempt (docs/how-to/failures.md)
         assert "failed first (host " in log and "it was stopped by SIGKILL" in log, f"the worker was not killed:\n{log}"
     return torch.load(out / "weights.pt", weights_only=True)
 

@@ -194,6 +194,12 @@ def run_command(cmd: list[str], defaults: dict | None = None, workers: bool = Tr
         if root is None and defaults:
             root = defaults.get("default_root_dir")
         env[FAILURE_DIR_ENV] = str(failure_dir(root))
+        # torchrun sets OMP_NUM_THREADS=1 for several processes per node with a 4-line
+        # warning; hookloop sets it itself beforehand and says so in one line.
+        if "OMP_NUM_THREADS" not in env and "--nproc-per-node=1" not in cmd:
+            env["OMP_NUM_THREADS"] = "1"
+            print("hookloop: OMP_NUM_THREADS=1 per process (set it to override)",
+                  file=sys.stderr, flush=True)
     proc = subprocess.Popen(cmd, env=env, preexec_fn=_parent_death_signal())
     forwarding = _forward_sigterm(proc)
     try:
