@@ -34,10 +34,12 @@ the loop, the session) and the ``ledger``.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from hookloop.contract.errors import ConfigurationError
 
+PLUGGY_DISPATCH: Callable[..., Any] | None
 try:  # pluggy's dispatch (private; see the module's docstring)
     from pluggy._callers import _multicall as PLUGGY_DISPATCH
 except ImportError:  # pragma: no cover - another pluggy: every event goes through pluggy
@@ -73,13 +75,15 @@ def event(trainer: Any, name: str) -> Callable[..., Any] | None:
         return None
     observers = _observers(trainer.plugin_manager)
     spec = caller.spec
-    if (spec is None or spec.opts.get("historic") or not observers.plain_dispatch()
-            or any(impl.hookwrapper or impl.wrapper or getattr(impl, "kwargnames", ()) for impl in impls)):
+    plain = all(not (impl.hookwrapper or impl.wrapper or getattr(impl, "kwargnames", ()))
+                for impl in impls)
+    if spec is None or spec.opts.get("historic") or not plain or not observers.plain_dispatch():
         return caller
     return _plain_caller(name, impls, observers, bool(spec.opts.get("firstresult")))
 
 
-def _plain_caller(name: str, impls: list, observers: _Observers, firstresult: bool) -> Callable[..., Any]:
+def _plain_caller(name: str, impls: list, observers: _Observers,
+                  firstresult: bool) -> Callable[..., Any]:
     """``call(**kwargs)`` calling each of ``impls`` (pluggy's list: the last one first) with
     the arguments it declares, as pluggy's dispatch would."""
     in_order = tuple(reversed(impls))
@@ -133,7 +137,8 @@ def only_default(trainer: Any, name: str) -> bool:
 # ---------------------------------------------------------------------------------------
 
 
-def observe_hook_calls(trainer: Any, before: CallObserver | None = None, after: CallObserver | None = None, *,
+def observe_hook_calls(trainer: Any, before: CallObserver | None = None,
+                       after: CallObserver | None = None, *,
                        before_impl: ImplObserver | None = None,
                        after_impl: ImplObserver | None = None) -> Callable[[], None]:
     """Call back around every hook call of ``trainer``'s plugins, the step's resolved
@@ -203,7 +208,7 @@ class _Observers:
         if impls is not None:
             self.impls += (impls,)
         self.update()
-        done = []
+        done: list[bool] = []
 
         def undo() -> None:
             if done:
@@ -227,8 +232,9 @@ class _Observers:
         elif not self.on:
             self.hookexec = None
             self.stand_ins = {}
-        while getattr(pm._inner_hookexec, "hookloop_inner", None) is not None and pm._inner_hookexec is not self.hookexec:
-            pm._inner_hookexec = pm._inner_hookexec.hookloop_inner
+        top = pm._inner_hookexec
+        while getattr(top, "hookloop_inner", None) is not None and top is not self.hookexec:
+            top = pm._inner_hookexec = top.hookloop_inner
 
     def plain_dispatch(self) -> bool:
         """Whether pluggy's dispatch is unmonitored (ours, observing or retired, skipped):
@@ -271,7 +277,8 @@ class _Observers:
             entry = self.stand_ins[(hook_name, id(impl))] = (impl, _ObservedImpl(impl, observed))
         return entry[1]
 
-    def _observed(self, hook_name: str, impl: Any, function: Callable[..., Any]) -> Callable[..., Any]:
+    def _observed(self, hook_name: str, impl: Any,
+                  function: Callable[..., Any]) -> Callable[..., Any]:
         def observed(*args: Any, **kwargs: Any) -> Any:
             around = self.impls
             for before, _ in around:
@@ -284,7 +291,8 @@ class _Observers:
 
         return observed
 
-    def call(self, hook_name: str, impls: list, in_order: tuple, kwargs: dict, firstresult: bool) -> Any:
+    def call(self, hook_name: str, impls: list, in_order: tuple, kwargs: dict,
+             firstresult: bool) -> Any:
         """A plain caller's call while observed (``impls`` in pluggy's order, ``in_order``
         the order they are called in), as pluggy's observed dispatch would be."""
         observers = self.calls

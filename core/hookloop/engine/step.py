@@ -24,22 +24,28 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from hookloop.contract.errors import ConfigurationError
+
+# OBSERVER_CODES, observe_hook_calls, resolve_events: also hookloop.step's names of 0.10
+from hookloop.dispatch import OBSERVER_CODES as OBSERVER_CODES
 from hookloop.dispatch import event, only_default
-from hookloop.dispatch import observe_hook_calls as observe_hook_calls  # hookloop.step's, 0.10
+from hookloop.dispatch import observe_hook_calls as observe_hook_calls
+from hookloop.dispatch import resolve_events as resolve_events
 from hookloop.engine.metrics import _STEP_BATCH
 from hookloop.engine.optim import LoopOptimizer, custom_clipping, step_schedulers
 from hookloop.helpers import apply_to_tensors, move_to_device
 
 TRAIN, VALIDATE, TEST, PREDICT = "train", "validate", "test", "predict"
 #: the user's step for each ``kind`` the step module is called with
-STEP_METHODS = {TRAIN: "training_step", VALIDATE: "validation_step", TEST: "test_step", PREDICT: "predict_step"}
+STEP_METHODS = {TRAIN: "training_step", VALIDATE: "validation_step", TEST: "test_step",
+                PREDICT: "predict_step"}
 #: the prefix of each evaluation stage's events (``on_validation_start`` ...)
 EVENT_PREFIX = {VALIDATE: "validation", TEST: "test", PREDICT: "predict"}
 
@@ -54,12 +60,14 @@ class _StepModule(nn.Module):
 
     def __init__(self, module: nn.Module):
         super().__init__()
-        self.module = module
+        self.module: Any = module
         #: the kinds whose step takes only the batch (Lightning passes what the signature takes)
-        self.batch_only = frozenset(kind for kind, name in STEP_METHODS.items()
-                                    if callable(getattr(module, name, None)) and not takes_batch_idx(getattr(module, name)))
+        self.batch_only = frozenset(
+            kind for kind, name in STEP_METHODS.items()
+            if callable(getattr(module, name, None)) and not takes_batch_idx(getattr(module, name)))
 
-    def forward(self, kind: str, batch: Any, batch_idx: int, dataloader_idx: int | None = None):
+    def forward(self, kind: str, batch: Any, batch_idx: int,
+                dataloader_idx: int | None = None) -> Any:
         # Per thread: a DataParallel replica logs with its own share of the batch.
         _STEP_BATCH.batch = batch
         try:
@@ -67,7 +75,7 @@ class _StepModule(nn.Module):
                 return getattr(self.module, STEP_METHODS[kind])(batch)
             if kind == TRAIN:
                 return self.module.training_step(batch, batch_idx)
-            step = getattr(self.module, STEP_METHODS[kind], None)
+            step: Any = getattr(self.module, STEP_METHODS[kind], None)
             if kind == PREDICT and not callable(step):
                 return self.module(batch)  # Lightning's default predict_step
             if dataloader_idx is None:
@@ -112,7 +120,8 @@ def epoch_row_values(trainer, row: dict) -> dict:
     """What of the training epoch's ``row`` goes to the loggers: a step metric was logged
     at its steps, a forked one goes as name_epoch."""
     metrics = trainer.state.metrics
-    return {k: v for k, v in row.items() if k not in metrics.step_values and k not in metrics.forked}
+    return {k: v for k, v in row.items()
+            if k not in metrics.step_values and k not in metrics.forked}
 
 
 def _log_step_metrics(trainer) -> None:
@@ -137,7 +146,8 @@ def takes_batch_idx(method: Any) -> bool:
         params = list(inspect.signature(method).parameters.values())
     except (TypeError, ValueError):
         return True
-    positional = [p for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    positional = [p for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                   inspect.Parameter.POSITIONAL_OR_KEYWORD)]
     return (any(p.name == "batch_idx" for p in params) or len(positional) >= 2
             or any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params))
 
@@ -147,7 +157,8 @@ def _accepts_dataloader_idx(method: Any) -> bool:
         params = inspect.signature(method).parameters
     except (TypeError, ValueError):
         return False
-    return "dataloader_idx" in params or any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params.values())
+    return "dataloader_idx" in params or any(
+        p.kind is inspect.Parameter.VAR_POSITIONAL for p in params.values())
 
 
 def _forward(trainer, kind: str, n_loaders: int = 1):
@@ -155,10 +166,11 @@ def _forward(trainer, kind: str, n_loaders: int = 1):
     the step module, else through the wrapper (so DDP/DP/DeepSpeed see it)."""
     model, module = trainer.model, trainer.module
     name = STEP_METHODS[kind]
-    method = getattr(module, name, None)
+    method: Any = getattr(module, name, None)
     # Lightning passes dataloader_idx only when there are several loaders: a single loader's
     # step(self, *args) gets (batch, batch_idx), as BoringModel's validation_step expects.
-    with_idx = kind != TRAIN and n_loaders > 1 and callable(method) and _accepts_dataloader_idx(method)
+    with_idx = (kind != TRAIN and n_loaders > 1 and callable(method)
+                and _accepts_dataloader_idx(method))
     if n_loaders > 1 and kind != PREDICT and not with_idx:
         raise ConfigurationError(
             f"{n_loaders} {kind} dataloaders were given, but {type(module).__name__}.{name}(batch, "
@@ -180,7 +192,8 @@ def _forward(trainer, kind: str, n_loaders: int = 1):
             return method
         return lambda batch, batch_idx, dataloader_idx: method(batch, batch_idx)
     if with_idx:
-        return lambda batch, batch_idx, dataloader_idx: model(kind, batch, batch_idx, dataloader_idx)
+        return lambda batch, batch_idx, dataloader_idx: model(kind, batch, batch_idx,
+                                                              dataloader_idx)
     return lambda batch, batch_idx, dataloader_idx: model(kind, batch, batch_idx)
 
 
@@ -261,10 +274,11 @@ class TrainStep:
             state.backward_events = (before_backward, after_backward)  # for manual_backward
             zero_grad = backward = optimizer_step = None
         else:
-            zero_grad, backward, optimizer_step = _optimization_calls(trainer, trainer.model, optimizer)
+            zero_grad, backward, optimizer_step = _optimization_calls(trainer, optimizer)
         return cls(
             trainer=trainer, model=trainer.model, forward=_forward(trainer, TRAIN),
-            forward_contexts=[c for c in trainer.hook.forward_context(trainer=trainer) if c is not None],
+            forward_contexts=[c for c in trainer.hook.forward_context(trainer=trainer)
+                              if c is not None],
             manual=manual, accumulate=trainer.accumulate_grad_batches,
             device=trainer.root_device, move=trainer.root_device.type != "cpu",
             max_steps=config.max_steps, log_rows=state.on_log_metrics is not None,
@@ -277,7 +291,8 @@ class TrainStep:
             on_before_backward=before_backward, on_after_backward=after_backward,
             on_train_batch_end=event(trainer, "on_train_batch_end"),
             accumulation_context=None if manual else event(trainer, "accumulation_context"),
-            zero_grad=zero_grad, backward=backward, optimizer_step=optimizer_step, optimizer=optimizer,
+            zero_grad=zero_grad, backward=backward, optimizer_step=optimizer_step,
+            optimizer=optimizer,
         )
 
     def run(self, batch: Any, batch_idx: int, boundary: bool, is_last: bool = False) -> bool:
@@ -304,7 +319,8 @@ class TrainStep:
                     self.on_before_zero_grad(trainer=trainer, optimizer=self.optimizer)
                 self.zero_grad()  # type: ignore[misc]
             if not boundary and self.accumulate != 1:  # no gradient sync inside a window
-                sync = self.accumulation_context(trainer=trainer, model=self.model)  # type: ignore[misc]
+                context = self.accumulation_context
+                sync = context(trainer=trainer, model=self.model)  # type: ignore[misc]
                 if sync is not None:
                     sync.__enter__()
         try:
@@ -318,7 +334,7 @@ class TrainStep:
             if self.on_training_step_end is not None:
                 out = _step_end(self.on_training_step_end, trainer, out)
             if self.manual:
-                loss = _manual_loss(out)  # training_step did its backward and steps itself
+                loss: Any = _manual_loss(out)  # training_step did its backward and steps itself
             else:
                 loss = out if type(out) is torch.Tensor else _loss_from(out)
                 if loss.ndim != 0:
@@ -372,29 +388,32 @@ class TrainStep:
         return stop or trainer.should_stop
 
 
-def _optimization_calls(trainer: Any, model: nn.Module, optimizer: Any) -> tuple[Callable, Callable, Callable]:
+def _optimization_calls(trainer: Any, optimizer: Any) -> tuple[Callable, Callable, Callable]:
     """``zero_grad()``, ``backward(loss)`` and ``optimizer_step()`` of the automatic step:
     plain torch where :data:`PLAIN_TORCH_DEFAULTS` says so, else the hook's caller."""
-    plain_step = (only_default(trainer, "optimizer_step") and not trainer.gradient_clip_val
-                  and trainer.state.on_before_optimizer_step is None and not custom_clipping(trainer.module))
-    hook_zero_grad = event(trainer, "zero_grad")
-    hook_backward = event(trainer, "backward")
-    hook_step = event(trainer, "optimizer_step")
+    model = trainer.model
+    hook_zero_grad: Any = event(trainer, "zero_grad")  # hookloop.defaults implements all three
+    hook_backward: Any = event(trainer, "backward")
+    hook_step: Any = event(trainer, "optimizer_step")
 
     def zero_grad() -> None:
-        hook_zero_grad(trainer=trainer, optimizer=optimizer, model=model)  # type: ignore[misc]
+        hook_zero_grad(trainer=trainer, optimizer=optimizer, model=model)
 
     def backward(loss: torch.Tensor) -> None:
-        hook_backward(trainer=trainer, loss=loss, model=model, optimizer=optimizer)  # type: ignore[misc]
+        hook_backward(trainer=trainer, loss=loss, model=model, optimizer=optimizer)
 
     def optimizer_step() -> None:
-        hook_step(trainer=trainer, optimizer=optimizer, model=model)  # type: ignore[misc]
+        hook_step(trainer=trainer, optimizer=optimizer, model=model)
 
-    return (
-        functools.partial(optimizer.zero_grad, set_to_none=True) if only_default(trainer, "zero_grad") else zero_grad,
-        torch.Tensor.backward if only_default(trainer, "backward") else backward,
-        optimizer.step if plain_step else optimizer_step,
-    )
+    if only_default(trainer, "zero_grad"):
+        zero_grad = functools.partial(optimizer.zero_grad, set_to_none=True)
+    if only_default(trainer, "backward"):
+        backward = torch.Tensor.backward
+    if (only_default(trainer, "optimizer_step") and not trainer.gradient_clip_val
+            and trainer.state.on_before_optimizer_step is None
+            and not custom_clipping(trainer.module)):
+        optimizer_step = optimizer.step
+    return zero_grad, backward, optimizer_step
 
 
 def _step_end(callers, trainer, out):
@@ -436,7 +455,8 @@ def make_evaluation_step(trainer, stage: str, n_loaders: int) -> Callable:
     prefix = EVENT_PREFIX[stage]
     batch_start = event(trainer, f"on_{prefix}_batch_start")
     batch_end = event(trainer, f"on_{prefix}_batch_end")
-    step_end_user = None if stage == PREDICT else getattr(trainer.module, f"{STEP_METHODS[stage]}_end", None)
+    step_end_user = (None if stage == PREDICT
+                     else getattr(trainer.module, f"{STEP_METHODS[stage]}_end", None))
     forward = _forward(trainer, stage, n_loaders)
     device = trainer.root_device
     move = device.type != "cpu"
@@ -446,12 +466,14 @@ def make_evaluation_step(trainer, stage: str, n_loaders: int) -> Callable:
             batch = move_to_device(batch, device)
         state.current_batch = batch
         if batch_start is not None:
-            batch_start(trainer=trainer, batch=batch, batch_idx=batch_idx, dataloader_idx=dataloader_idx)
+            batch_start(trainer=trainer, batch=batch, batch_idx=batch_idx,
+                        dataloader_idx=dataloader_idx)
         out = forward(batch, batch_idx, dataloader_idx)
         if step_end_user is not None:
             out = step_end_user(out)
         if batch_end is not None:
-            batch_end(trainer=trainer, outputs=out, batch=batch, batch_idx=batch_idx, dataloader_idx=dataloader_idx)
+            batch_end(trainer=trainer, outputs=out, batch=batch, batch_idx=batch_idx,
+                      dataloader_idx=dataloader_idx)
         return batch, out
 
     return run
@@ -468,9 +490,11 @@ def loop_optimizers(trainer) -> list[LoopOptimizer]:
             "self.optimizers() is for manual optimization: set self.automatic_optimization = "
             "False in your module's __init__ (the loop steps the optimizer otherwise)"
         )
-    if trainer.state.loop_optimizer_cache is None or [o.optimizer for o in trainer.state.loop_optimizer_cache] != trainer.optimizers:
-        trainer.state.loop_optimizer_cache = [LoopOptimizer(trainer, o) for o in trainer.optimizers]
-    return trainer.state.loop_optimizer_cache
+    cache = trainer.state.loop_optimizer_cache
+    if cache is None or [o.optimizer for o in cache] != trainer.optimizers:
+        cache = trainer.state.loop_optimizer_cache = [LoopOptimizer(trainer, o)
+                                                      for o in trainer.optimizers]
+    return cache
 
 
 _BACKWARD_ARGS = ("gradient", "retain_graph", "create_graph", "inputs")
@@ -480,7 +504,8 @@ def manual_backward(trainer, loss: torch.Tensor, *args: Any, **kwargs: Any) -> N
     if trainer.automatic_optimization:
         raise ConfigurationError(
             "self.manual_backward(loss) is for manual optimization: set "
-            "self.automatic_optimization = False (the loop calls backward on the returned loss otherwise)"
+            "self.automatic_optimization = False (the loop calls backward on the returned loss "
+            "otherwise)"
         )
     # Resolved once per fit by TrainStep.build (as the automatic path's); resolved
     # here only when called outside fit's steps.
@@ -492,9 +517,10 @@ def manual_backward(trainer, loss: torch.Tensor, *args: Any, **kwargs: Any) -> N
     if args or kwargs:
         # Tensor.backward's arguments (Lightning passes them on to loss.backward)
         if len(args) > len(_BACKWARD_ARGS) or any(k not in _BACKWARD_ARGS for k in kwargs):
-            raise TypeError(f"manual_backward(loss, *args, **kwargs) takes Tensor.backward's arguments "
-                            f"({', '.join(_BACKWARD_ARGS)}); got {len(args)} positional and {sorted(kwargs)}")
-        trainer.backward_kwargs = {**dict(zip(_BACKWARD_ARGS, args)), **kwargs}
+            raise TypeError(
+                f"manual_backward(loss, *args, **kwargs) takes Tensor.backward's arguments "
+                f"({', '.join(_BACKWARD_ARGS)}); got {len(args)} positional and {sorted(kwargs)}")
+        trainer.backward_kwargs = {**dict(zip(_BACKWARD_ARGS, args, strict=False)), **kwargs}
     try:
         trainer.hook.backward(trainer=trainer, loss=loss, model=trainer.model, optimizer=None)
     finally:
