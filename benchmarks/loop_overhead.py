@@ -16,7 +16,14 @@ between runs, so the work is also counted: Python function calls per step, trace
 ``sys.setprofile`` over 2N steps minus N steps (which cancels set-up and teardown), a
 deterministic number. The last line is ``hookloop/raw <ratio>``.
 
-    python benchmarks/loop_overhead.py [--steps 3000] [--rounds 5]
+``--without plain-callers`` / ``--without plain-torch`` (repeatable) measure the loop
+without one of its two shortcuts, to show what each earns (docs/decisions.md, issue 34):
+the per-step events called through pluggy's dispatch instead of
+:func:`hookloop.dispatch.event`'s plain callers; ``backward``/``optimizer_step``/
+``zero_grad`` called as hooks even when only ``hookloop.defaults`` implements them
+(``hookloop.engine.step.PLAIN_TORCH_DEFAULTS``).
+
+    python benchmarks/loop_overhead.py [--steps 3000] [--rounds 5] [--without plain-torch]
 """
 
 from __future__ import annotations
@@ -240,11 +247,27 @@ def calls_per_step(run, data, steps: int = 200) -> float:
     return (count(2 * steps) - count(steps)) / steps
 
 
+def without(shortcut: str) -> None:
+    """Turn one of the loop's shortcuts off, in this process (see the module's docstring)."""
+    from hookloop import dispatch
+    from hookloop.engine import step
+
+    if shortcut == "plain-callers":
+        dispatch._Observers.plain_dispatch = lambda self: False  # type: ignore[method-assign]
+    elif shortcut == "plain-torch":
+        step.only_default = lambda trainer, name: False  # type: ignore[assignment]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--without", action="append", default=[],
+                        choices=["plain-callers", "plain-torch"],
+                        help="turn a shortcut of the loop off (repeatable)")
     args = parser.parse_args()
+    for shortcut in args.without:
+        without(shortcut)
     logging.disable(logging.WARNING)
     warnings.filterwarnings("ignore")
     os.environ.pop("HOOKLOOP_TRAINER_DEFAULTS", None)
@@ -271,7 +294,8 @@ def main() -> None:
     REDRAW["seconds"] = float("inf")
     calls = {name: calls_per_step(run, data) for name, run in variants.items()}
     raw = statistics.median(times["raw"])
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.steps} steps x {args.rounds} rounds")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.steps} steps x {args.rounds} rounds"
+          + (f", without {', '.join(args.without)}" if args.without else ""))
     print(f"{'variant':<12}{'us/step':>10}{'x raw':>8}{'calls/step':>12}{'+ raw':>8}")
     for name, values in times.items():
         us = statistics.median(values)

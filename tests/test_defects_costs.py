@@ -1,7 +1,7 @@
 """Issue 17 §2, defect 13: per-step costs that are paid for nothing.
 
-* 13a: under manual optimization, every ``self.manual_backward(loss)`` resolved (and
-  compiled, with ``exec``) the callers of ``on_before_backward``/``on_after_backward``
+* 13a: under manual optimization, every ``self.manual_backward(loss)`` resolved (and, until
+  issue 34, compiled with ``exec``) the callers of ``on_before_backward``/``on_after_backward``
   again when someone implements them; now once per fit, as on the automatic path.
 * 13b: the SIGTERM agreement (``hookloop.distributed.faults.Preemption.agreed``) was a blocking
   all-reduce at every optimizer step: each rank waited there for the slowest. It is now
@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 import hookloop
 from conftest import TinyModule, fit_profiled, tiny_data
-from hookloop.engine import step as loops
+from hookloop import dispatch
 
 
 class ManualTiny(TinyModule):
@@ -62,7 +62,7 @@ def test_manual_backward_resolves_the_backward_events_once_per_fit_not_per_call(
 
     def profile(frame, event, arg):
         nonlocal compiled
-        if event == "call" and frame.f_code is loops._direct_caller.__code__:
+        if event == "call" and frame.f_code is dispatch._plain_caller.__code__:
             compiled += 1
 
     def fit(steps):
@@ -77,7 +77,7 @@ def test_manual_backward_resolves_the_backward_events_once_per_fit_not_per_call(
         return compiled
 
     ten, twenty = fit(10), fit(20)
-    # before: 2 compilations per manual_backward (ten=20 + setup, twenty=40 + setup)
+    # before: 2 resolutions per manual_backward (ten=20 + setup, twenty=40 + setup)
     assert twenty == ten, (ten, twenty)
     assert ten <= 6  # the fit's own resolutions: a constant
 

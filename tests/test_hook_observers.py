@@ -1,4 +1,4 @@
-"""``hookloop.engine.step.observe_hook_calls`` (issue 22): one way to watch every hook call, the
+"""``hookloop.dispatch.observe_hook_calls`` (issue 22): one way to watch every hook call, the
 step's resolved events included, that the ``ledger`` and the ``profiler`` share and that
 composes. The reference is what the implementations themselves record (``Recorder``: its
 own list of calls, a closed form of the loop: N batches x the per-step hooks), and the
@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 
 import hookloop
 from hookloop.observers.ledger import Ledger
-from hookloop.engine.step import observe_hook_calls
+from hookloop.dispatch import observe_hook_calls
 
 from conftest import TinyModule, tiny_data
 

@@ -33,6 +33,7 @@ PACKAGE = "hookloop"
 LAYERS: list[list[str]] = [
     ["contract.errors", "_version", "contract.types", "distributed.ranks", "contract.versioning", "contract.hookspecs", "resume.rundir", "contract.sourcescan", "distributed.failures"],
     ["resume.unpickling", "engine.settings", "contract.pluginspec", "_moved"],
+    ["dispatch"],
     ["contract", "distributed", "resume", "engine", "lightning", "tools"],
     ["distributed.launch", "distributed.collectives"],
     ["distributed.faults", "resume.checkpoint"],

@@ -1,16 +1,15 @@
 """The loops: ``fit``'s epochs and its validation schedule, ``evaluate`` and ``predict``.
 
-Read top to bottom with :mod:`hookloop.step`, this is one batch's whole journey:
+Read top to bottom with :mod:`hookloop.engine.step`, this is one batch's whole journey:
 :func:`fit` (called by the session once the model, the loaders and any checkpoint are
 in place, as pytest's ``runtestloop`` inside ``wrap_session``) runs the sanity check,
-then per epoch :func:`_train_epoch` calls the step built by
-:func:`hookloop.engine.step.make_training_step` for each batch (forward, backward, optimizer
-step), validates when due (:class:`_ValidationSchedule`), and :func:`_end_epoch` ends the
+then per epoch :func:`_train_epoch` calls :meth:`hookloop.engine.step.TrainStep.run` for
+each batch (forward, backward, optimizer step), validates when due (:class:`_ValidationSchedule`), and :func:`_end_epoch` ends the
 epoch (epoch metrics, ``on_train_epoch_end``, plateau schedulers). :func:`evaluate` and
 :func:`predict` run one batch at a time through
 :func:`hookloop.engine.step.make_evaluation_step`.
 
-Layer: above :mod:`hookloop.step`; below the session and the trainer.
+Layer: above :mod:`hookloop.engine.step`; below the session and the trainer.
 """
 
 from __future__ import annotations
@@ -28,18 +27,18 @@ from hookloop.distributed import faults
 from hookloop.resume import loader_state
 from hookloop.contract.errors import ConfigurationError
 from hookloop.helpers import DistributedSamplerWrapper, apply_to_tensors, batch_size_of
+from hookloop.dispatch import event
 from hookloop.engine.optim import step_schedulers
 from hookloop.engine.step import (
     EVENT_PREFIX,
     PREDICT,
     TEST,
     VALIDATE,
+    TrainStep,
     _enter,
-    event,
     log_epoch_row,
     log_row,
     make_evaluation_step,
-    make_training_step,
 )
 
 #: the trainer attribute with each stage's per-loader batch counts: num_<this>_batches
@@ -111,7 +110,7 @@ def fit(trainer, train_loader: Any, val_loaders: list) -> None:
     max_epochs = config.max_epochs
     if max_epochs is None:
         max_epochs = 1000 if config.max_steps is None else sys.maxsize
-    step = make_training_step(trainer)
+    step = TrainStep.build(trainer)
     # SIGTERM: stop at an optimizer-step boundary the ranks agree on, with a checkpoint
     # (hookloop.faults: every stop_check_every_n_steps boundaries, asynchronously).
     preemption = state.preemption = faults.Preemption().install()
@@ -131,7 +130,7 @@ def fit(trainer, train_loader: Any, val_loaders: list) -> None:
     preemption.uninstall()
 
 
-def _fit_epochs(trainer, train_loader, step, validation, max_epochs: int, started: bool = False) -> None:
+def _fit_epochs(trainer, train_loader, step: TrainStep, validation, max_epochs: int, started: bool = False) -> None:
     """The epochs of ``fit``, from where a restored checkpoint left off (``started``: the
     first epoch's metrics were already started, before ``on_train_start``)."""
     hook = trainer.hook
@@ -279,14 +278,11 @@ def _pending_state(trainer, loader) -> Callable:
 EPOCH_DONE, EPOCH_CUT, EPOCH_STOPPED = "done", "cut", "stopped"
 
 
-def _train_epoch(trainer, loader: DataLoader, step, validation: _ValidationSchedule) -> str:
+def _train_epoch(trainer, loader: DataLoader, step: TrainStep, validation: _ValidationSchedule) -> str:
     """Train one epoch (validating when due); how it ended (``EPOCH_*``)."""
     n = batch_limit(loader, trainer.config.limit_train_batches, "limit_train_batches")
     trainer.num_training_batches = n  # for observers (progress bars); None: unsized
-    accumulate = trainer.accumulate_grad_batches
-    set_accumulate = getattr(step, "set_accumulate", None)
-    if set_accumulate is not None:
-        set_accumulate(accumulate)  # a callback may change it at the epoch's start
+    accumulate = step.accumulate = trainer.accumulate_grad_batches  # a callback may change it
     skip, resumed_stage = trainer.batch_idx, trainer.state.loop_stage
     if skip and n is not None and skip >= n:
         # The checkpoint was written after the epoch's last batch: nothing left to train.
@@ -343,7 +339,7 @@ def _train_epoch(trainer, loader: DataLoader, step, validation: _ValidationSched
                 step_schedulers(trainer, "epoch", plateau=False, count=trainer.current_epoch + 1)
             return EPOCH_CUT
         boundary = is_last or (batch_idx + 1) % accumulate == 0
-        stop = step(batch, batch_idx, boundary, is_last)  # it counts the batch as done (_batch_done)
+        stop = step.run(batch, batch_idx, boundary, is_last)  # it counts the batch as done
         # Several processes: the agreement, a no-op off its every-K schedule (hookloop.faults).
         if boundary and preemption is not None and (preemption.requested if single else preemption.agreed(trainer)):
             preemption.stop(trainer)  # checkpoint and SystemExit, on every rank

@@ -38,7 +38,8 @@ from hookloop.engine.loop import _per_device_batch, batch_limit
 from hookloop.distributed.mesh import build_device_mesh
 from hookloop.engine.optim import parse_optimizers
 from hookloop.resume.run import restore, resume_after_restart
-from hookloop.engine.step import PREDICT, TEST, VALIDATE, _StepModule, log_epoch_row, log_row, resolve_events
+from hookloop.dispatch import resolve_events
+from hookloop.engine.step import PREDICT, TEST, VALIDATE, _StepModule, log_epoch_row, log_row
 from hookloop.distributed.ranks import rank_zero_only
 
 #: the ``stage`` argument of ``setup``/``teardown`` for each entry point

@@ -30,7 +30,7 @@ observing helper's wrappers and dispatch: ``OBSERVER_CODES``) is not counted; it
 remaining cost on timed steps, per implementation the helper's wrapper, the ledger's
 ``_before``/``_after`` and two clock reads, is measured by benchmarks/ledger.py.
 
-The per-implementation split is :func:`hookloop.engine.step.observe_hook_calls`' (its
+The per-implementation split is :func:`hookloop.dispatch.observe_hook_calls`' (its
 ``before_impl``/``after_impl``, from ``setup`` to teardown): the step's resolved events
 stay direct calls, not pluggy's dispatch (about ten calls each), which the run without
 the ledger does not pay, and another observer (the profiler) can watch the same run.
@@ -53,7 +53,7 @@ import torch
 
 from hookloop.contract.errors import ConfigurationError
 from hookloop.contract.hookspecs import hookimpl
-from hookloop.engine.step import OBSERVER_CODES, observe_hook_calls
+from hookloop.dispatch import OBSERVER_CODES, observe_hook_calls
 
 #: Tensor methods that wait for the device (on an accelerator), counted on the CPU
 SYNC_METHODS = frozenset({"item", "tolist", "numpy"})

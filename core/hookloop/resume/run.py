@@ -20,7 +20,7 @@ from hookloop.distributed.strategy import data_parallel_rank
 from hookloop.contract.errors import CheckpointError
 from hookloop.helpers import apply_to_tensors, gather_per_rank, own_entry
 from hookloop.engine.loop import _per_device_batch, batch_limit
-from hookloop.engine.step import event
+from hookloop.dispatch import event
 
 
 def checkpoint_dict(trainer) -> dict:

@@ -117,9 +117,9 @@ def documented_fit(plugins: list, monitor: Callable | None = None, root: str | N
     """The documented run: 2 epochs of 2 batches, ``accumulate_grad_batches=2``, one
     validation loader with a ``sync_dist`` metric, ``num_sanity_val_steps=1``,
     checkpointing on. ``monitor(hook_name, hook_impls)`` is called before every hook
-    (:func:`hookloop.engine.step.observe_hook_calls`: the step's resolved events stay direct calls)."""
+    (:func:`hookloop.dispatch.observe_hook_calls`: the step's resolved events stay direct calls)."""
     import hookloop
-    from hookloop.engine.step import observe_hook_calls
+    from hookloop.dispatch import observe_hook_calls
 
     with tempfile.TemporaryDirectory(prefix="hookloop-order-") as tmp:
         trainer = hookloop.Trainer(plugins=plugins, max_epochs=2, accumulate_grad_batches=2, num_sanity_val_steps=1,

@@ -3,7 +3,7 @@
 ``mode="torch"`` (the default): ``torch.profiler`` on a schedule (``wait``, ``warmup``,
 ``active`` steps, ``repeat`` cycles; one profiler step per training batch), every hook
 implementation called inside ``torch.profiler.record_function("hookloop/<plugin>.<hook>")``
-and every hook call inside ``"hookloop/<hook>"`` (``hookloop.engine.step.observe_hook_calls``,
+and every hook call inside ``"hookloop/<hook>"`` (``hookloop.dispatch.observe_hook_calls``,
 the step's resolved events included, which stay direct calls), so the
 chrome traces (``<run dir>/profiler/rank<R>/trace.<cycle>.json``, one per cycle) and
 ``key_averages()`` show the time of each plugin's hook. At the end of ``fit`` each rank
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import hookloop
-from hookloop.engine.step import observe_hook_calls
+from hookloop.dispatch import observe_hook_calls
 
 __all__ = ["Profiler"]
 
@@ -99,7 +99,7 @@ class Profiler:
         self.totals, self.calls, self._hook_rows, self._cycle = {}, {}, {}, 0
         self._fit_start, self._fit_time, self._mark, self._depth = time.perf_counter(), None, None, 0
         self._in_validation = self._training = False
-        # every hook call, the step's resolved events included (hookloop.step.observe_hook_calls)
+        # every hook call, the step's resolved events included (hookloop.dispatch.observe_hook_calls)
         if self.mode == "torch":
             self._ranges = []
             self._undo.append(observe_hook_calls(trainer, self._enter_hook, self._exit_range,
