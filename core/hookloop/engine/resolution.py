@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
@@ -106,11 +106,9 @@ class Settings:
 def _settings(config: TrainerConfig, sources: Mapping[str, str]) -> Settings:
     """The read-only :class:`Settings` of a validated ``config``."""
     values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-    return Settings(
-        values=MappingProxyType({k: _frozen(v) for k, v in values.items()}),
-        sources=MappingProxyType(dict(sources)),
-        lists=frozenset(k for k, v in values.items() if isinstance(v, list)),
-    )
+    return Settings(values=MappingProxyType({k: _frozen(v) for k, v in values.items()}),
+                    sources=MappingProxyType(dict(sources)),
+                    lists=frozenset(k for k, v in values.items() if isinstance(v, list)))
 
 
 @dataclass(frozen=True)
@@ -126,16 +124,12 @@ class PluginPlan:
     adapter: Any = None
     translators: tuple[ArgumentTranslator, ...] = ()
     autoloaded: tuple[str, ...] = ()
-    environment_lines: tuple[str, ...] = field(default=())
+    environment_lines: tuple[str, ...] = ()
 
 
-def resolve_settings(
-    arguments: Mapping[str, Any],
-    environ: Mapping[str, str],
-    *,
-    translators: Sequence[ArgumentTranslator] | None = None,
-    launched: bool | None = None,
-) -> tuple[Settings, PluginPlan]:
+def resolve_settings(arguments: Mapping[str, Any], environ: Mapping[str, str], *,
+                     translators: Sequence[ArgumentTranslator] | None = None,
+                     launched: bool | None = None) -> tuple[Settings, PluginPlan]:
     """The settings and the plugin plan of a ``Trainer(**arguments)`` in a process whose
     environment is ``environ``.
 
@@ -149,15 +143,13 @@ def resolve_settings(
     unknown = sorted(set(arguments) - CONFIG_FIELDS - set(PLUGIN_ALIASES))
     if unknown:
         raise ConfigurationError(
-            f"Trainer got unknown arguments {unknown}: see hookloop.TrainerConfig's fields"
-        )
-    given = {
-        k: v for k, v in arguments.items() if not (v is None and k in ("logger", *PLUGIN_ALIASES))
-    }
+            f"Trainer got unknown arguments {unknown}: see hookloop.TrainerConfig")
+    # None is Lightning's "not given" for these three
+    given = {k: v for k, v in arguments.items()
+             if not (v is None and k in ("logger", *PLUGIN_ALIASES))}
     # hookloop.default(x): the script's own fallback, which `hookloop run` options override.
-    fallbacks = {
-        k: v.value for k, v in given.items() if isinstance(v, default) and k in CONFIG_FIELDS
-    }
+    fallbacks = {k: v.value for k, v in given.items()
+                 if isinstance(v, default) and k in CONFIG_FIELDS}
     given = {k: v for k, v in given.items() if k not in fallbacks}
     from_env = env_defaults(environ, launched)
     names = {t.name for t in translators}
@@ -165,7 +157,7 @@ def resolve_settings(
     specs = _as_list(given.get("plugins")) + _as_list(from_env.get("plugins")) + env_plugins
     blocked = {s[3:] for s in specs if isinstance(s, str) and s.startswith("no:")}
     active = tuple(t for t in translators if t.name not in blocked)
-    given, adapter, replaced = _translate(given, translators, active, environ, specs)
+    given, adapter, replaced = _translate(given, translators, active, environ)
     in_code = [s for s in _as_list(given.get("plugins")) if not (isinstance(s, str) and s in names)]
     if "plugins" in given:
         given["plugins"] = in_code
@@ -177,22 +169,13 @@ def resolve_settings(
 
     # Plugins from code, `hookloop run --plugins` and HOOKLOOP_PLUGINS are combined; code
     # wins only where both name a plugin of the same exclusive role.
-    defaults = [
-        s
-        for s in _as_list(from_env.get("plugins")) + env_plugins
-        if not (isinstance(s, str) and s in names)
-    ]
+    defaults = [s for s in _as_list(from_env.get("plugins")) + env_plugins
+                if not (isinstance(s, str) and s in names)]
     options = config.plugin_options
     builtin = [n for n in _builtin_observers(config) if n not in replaced]
     autoloaded: list[str] = []
-    chosen = plugin_registry.collect(
-        in_code,
-        defaults,
-        autoload=config.autoload_plugins,
-        builtin=builtin,
-        options=options,
-        autoloaded=autoloaded,
-    )
+    chosen = plugin_registry.collect(in_code, defaults, autoload=config.autoload_plugins,
+                                     builtin=builtin, options=options, autoloaded=autoloaded)
     if config.max_time is not None:
         chosen.append(_max_time_timer(config.max_time, chosen))
     chosen += plugin_registry.default_precision_plugin(chosen, config.precision)
@@ -200,32 +183,20 @@ def resolve_settings(
     plugin_registry.check_option_targets(chosen, options)
     plugin_registry.check_composition(chosen)
     mesh_module.check_sizes(config.mesh, mesh_module.claims(chosen))
-    said_autoload = (
-        autoloaded
-        if sources["autoload_plugins"] == "environment" and config.autoload_plugins
-        else None
-    )
-    lines = environment_settings(
-        chosen, said_autoload, config.mesh if sources["mesh"] == "environment" else None, environ
-    )
-    plan = PluginPlan(
-        plugins=tuple(chosen),
-        options=_frozen(options),
-        adapter=adapter,
-        translators=active,
-        autoloaded=tuple(autoloaded),
-        environment_lines=tuple(lines),
-    )
+    from_environ = {name for name, source in sources.items() if source == "environment"}
+    autoload_said = "autoload_plugins" in from_environ and config.autoload_plugins
+    said_autoload = autoloaded if autoload_said else None
+    mesh = config.mesh if "mesh" in from_environ else None
+    lines = environment_settings(chosen, said_autoload, mesh, environ)
+    plan = PluginPlan(plugins=tuple(chosen), options=_frozen(options), adapter=adapter,
+                      translators=active, autoloaded=tuple(autoloaded),
+                      environment_lines=tuple(lines))
     return _settings(config, sources), plan
 
 
-def _translate(
-    given: dict[str, Any],
-    translators: Sequence[ArgumentTranslator],
-    active: Sequence[ArgumentTranslator],
-    environ: Mapping[str, str],
-    specs: list[Any],
-) -> tuple[dict[str, Any], Any, frozenset[str]]:
+def _translate(given: dict[str, Any], translators: Sequence[ArgumentTranslator],
+               active: Sequence[ArgumentTranslator],
+               environ: Mapping[str, str]) -> tuple[dict[str, Any], Any, frozenset[str]]:
     """``given`` with the compatibility arguments translated by the ``active`` layers; an
     argument (or variable) of a blocked layer, or of none, is refused, naming it."""
     for translator in translators:
@@ -236,16 +207,12 @@ def _translate(
             where = f"no:{translator.name} in --plugins / HOOKLOOP_PLUGINS"
         for name, value in given.items():
             if translator.owns(name, value):
-                raise translators_module.blocked_error(
-                    translator.name, f"Trainer({name}=...)", where
-                )
+                what = f"Trainer({name}=...)"
+                raise translators_module.blocked_error(translator.name, what, where)
         for variable in translator.variables:
             if environ.get(variable):
-                raise translators_module.blocked_error(
-                    translator.name,
-                    f"the environment variable {variable} (set by `hookloop tune`)",
-                    where,
-                )
+                what = f"the environment variable {variable} (set by `hookloop tune`)"
+                raise translators_module.blocked_error(translator.name, what, where)
     adapter: Any = None
     replaced: frozenset[str] = frozenset()
     for translator in active:
@@ -263,35 +230,19 @@ def _translate(
     return given, adapter, replaced
 
 
-def _merge(
-    given: dict[str, Any],
-    fallbacks: dict[str, Any],
-    from_env: dict[str, Any],
-    environ: Mapping[str, str],
-) -> tuple[dict[str, Any], dict[str, str]]:
+def _merge(given: dict[str, Any], fallbacks: dict[str, Any], from_env: dict[str, Any],
+           environ: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
     """The values of the settings given anywhere, and where each came from."""
     settings = {**fallbacks, **from_env, **given}
-    sources = {
-        name: (
-            "argument"
-            if name in given
-            else "cli"
-            if name in from_env
-            else "fallback"
-            if name in fallbacks
-            else "default"
-        )
-        for name in CONFIG_FIELDS
-    }
+    sources = {name: ("argument" if name in given else "cli" if name in from_env
+                      else "fallback" if name in fallbacks else "default")
+               for name in CONFIG_FIELDS}
     # Options of plugins merge per option: HOOKLOOP_PLUGIN_OPTIONS < hookloop run
     # --plugin-option < code.
     from_environ = plugin_registry.environment_plugin_options(environ)
     settings["plugin_options"] = plugin_registry.merge_plugin_options(
-        from_environ,
-        fallbacks.get("plugin_options") or {},
-        from_env.get("plugin_options") or {},
-        given.get("plugin_options") or {},
-    )
+        from_environ, fallbacks.get("plugin_options") or {}, from_env.get("plugin_options") or {},
+        given.get("plugin_options") or {})
     if from_environ and sources["plugin_options"] == "default":
         sources["plugin_options"] = "environment"
     settings["plugins"] = _as_list(settings.get("plugins"))
@@ -349,9 +300,8 @@ def environment_settings(
     for plugin in plugins:
         for name, meaning in (getattr(plugin, "hookloop_environment", None) or {}).items():
             if env.get(name):
-                lines.append(
-                    f"{name}={env[name]!r}: {meaning} ({plugin_registry.plugin_name(plugin)})"
-                )
+                who = plugin_registry.plugin_name(plugin)
+                lines.append(f"{name}={env[name]!r}: {meaning} ({who})")
     return [f"hookloop: from the environment: {line}" for line in lines]
 
 
@@ -366,9 +316,8 @@ def _max_time_timer(max_time: Any, chosen: list) -> Any:
     if given:
         raise ConfigurationError(
             f"Trainer(max_time={max_time!r}) and a Timer in the plugins/callbacks "
-            f"({type(given[0]).__name__}) both "
-            f"set a time limit: give the limit once, as max_time or as Timer(duration=...)"
-        )
+            f"({type(given[0]).__name__}) both set a time limit: give the limit once, as "
+            f"max_time or as Timer(duration=...)")
     return Timer(duration=max_time, interval="step")
 
 
@@ -376,37 +325,25 @@ def _builtin_observers(config: TrainerConfig) -> list[str]:
     """The observers every run gets unless blocked (``no:NAME``) or turned off, as pytest
     ships its terminal reporter: the progress bar, the model summary, the CSV logger, the
     checkpoints."""
-    names = []
-    if config.enable_progress_bar:
-        names.append("progress")
-    if config.enable_model_summary:
-        names.append("model_summary")
-    if config.logger:
-        names.append("csv")
-    if config.enable_checkpointing:
-        names.append("checkpoint")
-    return names
+    switches = (("progress", config.enable_progress_bar),
+                ("model_summary", config.enable_model_summary),
+                ("csv", config.logger), ("checkpoint", config.enable_checkpointing))
+    return [name for name, on in switches if on]
 
 
 def _check_progress_bars(in_code: list, config: TrainerConfig) -> None:
     """Lightning's rule: one progress bar, and none with ``enable_progress_bar=False``."""
-    bars = [
-        p
-        for p in in_code
-        if not isinstance(p, str) and plugin_registry.plugin_name(p) == "progress"
-    ]
+    bars = [p for p in in_code
+            if not isinstance(p, str) and plugin_registry.plugin_name(p) == "progress"]
     if len(bars) > 1:
         raise ConfigurationError(
             f"callbacks hold {len(bars)} progress bars "
-            f"({', '.join(type(b).__name__ for b in bars)}), and a run "
-            f"draws one: keep one of them"
-        )
+            f"({', '.join(type(b).__name__ for b in bars)}), and a run draws one: keep one of them")
     if bars and not config.enable_progress_bar:
         raise ConfigurationError(
             f"Trainer was configured with `enable_progress_bar=False` but found "
-            f"`{type(bars[0]).__name__}` in "
-            f"callbacks list: remove the bar, or leave enable_progress_bar at True"
-        )
+            f"`{type(bars[0]).__name__}` in callbacks list: remove the bar, or leave "
+            f"enable_progress_bar at True")
 
 
 def _as_list(value: Any) -> list:

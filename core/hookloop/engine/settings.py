@@ -11,8 +11,8 @@ import json
 import math
 import os
 import warnings
-from dataclasses import dataclass, field, fields
 from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from hookloop.contract.errors import ConfigurationError
@@ -333,7 +333,7 @@ def _not_whole(devices: Any, number: float) -> ConfigurationError:
     )
 
 
-def check_devices_on_cpu(config: "TrainerConfig") -> None:
+def check_devices_on_cpu(config: TrainerConfig) -> None:
     """A list of device indices names GPUs: on the CPU (``accelerator="cpu"``, or ``"auto"``
     on a machine without CUDA; read after a devices plugin resolved it) it is refused, as
     Lightning refuses it, instead of running one process per entry."""
