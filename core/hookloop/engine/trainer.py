@@ -3,8 +3,9 @@
 What runs inside a worker is below it: :mod:`hookloop.session` (set-up, loaders,
 teardown) around :mod:`hookloop.loop` (the epochs) and :mod:`hookloop.step` (one
 batch), with the run's state in ``trainer.state`` (:mod:`hookloop.state`) and
-checkpoints in :mod:`hookloop.resume`. Nothing in hookloop imports this module but the
-package root."""
+checkpoints in :mod:`hookloop.resume`. Its settings come from
+:mod:`hookloop.engine.resolution`; it imports nothing of ``hookloop.lightning``,
+``hookloop.tools`` or ``hookloop.testing``. Nothing in the engine imports this module."""
 
 from __future__ import annotations
 
@@ -86,15 +87,21 @@ class FitLoopView:
 class Trainer:
     """Runs a training module's steps; plugins supply every technique.
 
-    Arguments not given in code fall back to the options of ``hookloop run`` (passed
-    through the environment), then to the defaults of :class:`TrainerConfig`.
-    ``strategy`` (a strategy plugin's name or object) and ``callbacks`` (plugin objects,
-    and Lightning-style :class:`hookloop.Callback` objects, run in list order by one
-    adapter plugin; any other object there is an error) are Lightning's names for
-    entries of ``plugins``. ``logger`` is ``True`` (or ``None``: the built-in CSV logger),
-    ``False``, or logger objects (``hookloop.CSVLogger(save_dir, name)``,
-    ``hookloop_tensorboard.TensorBoardLogger``, ``hookloop_mlflow.MLFlowLogger``, or a
-    list), which are plugins first in the run (``trainer.logger``, ``trainer.loggers``).
+    The arguments are resolved by
+    :func:`hookloop.engine.resolution.resolve_settings` (docs/configurations.md, "Where a
+    setting comes from"): arguments not given in code fall back to the options of
+    ``hookloop run`` (passed through the environment), then to the defaults of
+    :class:`TrainerConfig`; ``trainer.settings`` is the result, read-only, and
+    ``trainer.config`` its working copy. ``strategy`` (a strategy plugin's name or object,
+    or Lightning's strategy strings) and ``callbacks`` (plugin objects, and Lightning-style
+    :class:`hookloop.Callback` objects, run in list order by one adapter plugin; any other
+    object there is an error) are Lightning's names for entries of ``plugins``. ``logger``
+    is ``True`` (or ``None``: the built-in CSV logger), ``False``, or logger objects
+    (``hookloop.CSVLogger(save_dir, name)``, ``hookloop_tensorboard.TensorBoardLogger``,
+    ``hookloop_mlflow.MLFlowLogger``, or a list), which are plugins first in the run
+    (``trainer.logger``, ``trainer.loggers``). Those Lightning names are translated by the
+    ``lightning`` built-in (:mod:`hookloop.lightning.plugin`), not by the engine;
+    ``plugins=["no:lightning"]`` turns it off, and refuses them (docs/lightning.md).
 
     ``mesh``: the device mesh's sizes, ``{"dp_shard": 2, "tp": 2}`` or ``"dp_shard=2,tp=2"``
     (:mod:`hookloop.mesh`; ``hookloop run --mesh``, ``HOOKLOOP_MESH``); the mesh over the

@@ -89,7 +89,8 @@ def _build_parser(commands: dict) -> argparse.ArgumentParser:
             "Trainer the script creates; arguments given in code win."
         ),
     )
-    r.add_argument("--plugins", default=None, help="comma-separated plugin names, e.g. ddp,amp")
+    r.add_argument("-p", "--plugins", default=None,
+                   help="comma-separated plugin names, e.g. ddp,amp; no:NAME blocks one (no:lightning)")
     r.add_argument("--devices", default=None, help="processes (devices) per node: N, -1, or a list '0,2'")
     r.add_argument("--accelerator", default=None, choices=["auto", "cpu", "cuda", "gpu"])
     r.add_argument("--precision", default=None, help="32, 16-mixed, bf16-mixed")
