@@ -130,6 +130,25 @@ def test_run_unknown_plugin_is_a_clear_error(tmp_path, capfd):
     assert "no plugin named 'nosuchplugin'" in err and "should not run" not in out
 
 
+@pytest.mark.slow  # the option reaches the script's Trainer through the launch
+def test_run_blocks_lightning_compatibility_with_no_lightning(tmp_path):
+    (tmp_path / "cb.py").write_text(textwrap.dedent("""
+        import hookloop
+        try:
+            hookloop.Trainer(callbacks=[hookloop.Callback()])
+        except hookloop.ConfigurationError as error:
+            print("REFUSED:", error)
+        trainer = hookloop.Trainer(plugins=["lightning"], logger=False)  # naming it: on anyway
+        print("PLAIN:", [t.name for t in trainer._translators])
+    """))
+    out = run_python(HOOKLOOP + ["run", "-p", "no:lightning", "cb.py"], cwd=tmp_path).stdout
+    assert "REFUSED: Trainer(callbacks=...) is Lightning compatibility, which is blocked (no:lightning in " \
+           "--plugins / HOOKLOOP_PLUGINS)" in out
+    assert "PLAIN: []" in out  # blocked by the command line, though the code names it
+    out = run_python(HOOKLOOP + ["run", "-p", "lightning", "cb.py"], cwd=tmp_path).stdout
+    assert "REFUSED" not in out and "PLAIN: ['lightning']" in out
+
+
 @pytest.mark.slow  # a real training run started by `hookloop run`
 def test_digits_example_reaches_accuracy(tmp_path):
     out = run_python(HOOKLOOP + ["run", "--default-root-dir", "out", "--max-epochs", "10",

@@ -22,37 +22,139 @@ from hookloop.resume import rundir
 from conftest import REPO, TinyModule, install_fake_distribution, tiny_data
 
 TABLE = REPO / "docs" / "environment.md"
-#: the names of other programs' variables (launchers, schedulers, libraries) as string literals
-OUTSIDE = re.compile(r"[\"']((?:TORCHELASTIC|SLURM|PBS|LSB|FLUX|MASTER|LOCAL|GROUP|NODE|WORLD|HOROVOD|OMPI|PMI|PL|"
-                     r"TORCH|CUDA|CUBLAS|DS|OMP|TQDM|MLFLOW|WANDB|NCCL|GLOO)_[A-Z0-9_]+|RANK)[\"']")
+#: the names of the variables hookloop and other programs (launchers, schedulers, libraries)
+#: own, as a whole string literal
+OUTSIDE = re.compile(r"^(?:(?:HOOKLOOP|TORCHELASTIC|SLURM|PBS|LSB|FLUX|MASTER|LOCAL|GROUP|NODE|WORLD|HOROVOD|"
+                     r"OMPI|PMI|PL|TORCH|CUDA|CUBLAS|DS|OMP|TQDM|MLFLOW|WANDB|NCCL|GLOO)_[A-Z0-9_]+|RANK)$")
+VARIABLE = re.compile(r"^[A-Z][A-Z0-9_]*[A-Z0-9]$")
+#: calls whose first argument is a variable's name: os.environ.get/pop/setdefault, os.getenv,
+#: hookloop.env_int, an environment mapping's get
+READERS = {"get", "getenv", "env_int", "pop", "setdefault", "_restart_count", "putenv", "unsetenv"}
+
+
+def table_rows() -> list[tuple[set[str], list[str]]]:
+    """``(variables, read-by modules)`` per row of the tables."""
+    rows = []
+    for line in TABLE.read_text().splitlines():
+        if line.startswith("| `"):
+            cells = line.split("|")
+            rows.append((set(re.findall(r"`([A-Z][A-Z0-9_]+)`", cells[1])), re.findall(r"`([^`]+)`", cells[2])))
+    return rows
 
 
 def documented() -> set[str]:
-    names: set[str] = set()
-    for line in TABLE.read_text().splitlines():
-        if line.startswith("| `"):
-            names.update(re.findall(r"`([A-Z][A-Z0-9_]+)`", line.split("|")[1]))
-    return names
+    return {name for names, _ in table_rows() for name in names}
 
 
 def sources():
     for folder in (REPO / "core", REPO / "plugins"):
-        for path in sorted(folder.rglob("*.py")):
+        for path in sorted([*folder.rglob("*.py"), *folder.rglob("*.sh")]):
             if "tests" not in path.relative_to(folder).parts:
                 yield path
 
 
-def test_every_variable_hookloop_reads_is_in_the_table():
-    table = documented()
-    missing: dict[str, str] = {}
+def variables_in(path) -> set[str]:
+    """The environment variables ``path`` reads or sets: ``os.environ.get("X")``,
+    ``os.environ["X"]``, ``os.getenv("X")``, ``env_int("X")``, ``environ.get("X")``, and any
+    string literal that is a variable's whole name (``LAUNCHER_ENV = "HOOKLOOP_LAUNCHER_PID"``;
+    in a shell script, every ``HOOKLOOP_`` name)."""
+    import ast
+
+    text = path.read_text()
+    if path.suffix == ".sh":
+        return set(re.findall(r"HOOKLOOP_[A-Z0-9_]*[A-Z0-9]", text))
+    found = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and OUTSIDE.match(node.value):
+            found.add(node.value)
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func = ast.unparse(node.func)
+            first = node.args[0].value
+            if (func.rsplit(".", 1)[-1] in READERS and isinstance(first, str) and VARIABLE.match(first)
+                    and ("env" in func.lower() or func in ("getenv", "_restart_count"))):
+                found.add(first)
+        elif (isinstance(node, ast.Subscript) and "environ" in ast.unparse(node.value)
+              and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str)):
+            found.add(node.slice.value)
+    return found
+
+
+def module_of(path) -> str:
+    """``core/hookloop/engine/resolution.py`` -> ``hookloop.engine.resolution``;
+    ``plugins/ddp/src/hookloop_ddp/__init__.py`` -> ``hookloop_ddp``; a script: its path."""
+    rel = path.relative_to(REPO)
+    if path.suffix != ".py":
+        return str(rel)
+    parts = list(rel.with_suffix("").parts)
+    parts = parts[1:] if parts[0] == "core" else parts[3:]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def variables_read() -> dict[str, set[str]]:
+    """``{variable: the modules that read or set it}`` over core/ and plugins/."""
+    found: dict[str, set[str]] = {}
     for path in sources():
-        text = path.read_text()
-        for name in re.findall(r"HOOKLOOP_[A-Z_]+", text) + OUTSIDE.findall(text):
-            if name.rstrip("_") not in table:
-                missing.setdefault(name, str(path.relative_to(REPO)))
-    assert not missing, f"add these to docs/environment.md: {missing}"
+        for name in variables_in(path):
+            found.setdefault(name, set()).add(module_of(path))
+    return found
+
+
+@pytest.mark.check
+def test_the_table_lists_exactly_the_variables_hookloop_reads():
+    table, found = documented(), variables_read()
+    missing = {name: sorted(found[name]) for name in sorted(set(found) - table)}
+    stale = sorted(table - set(found))
+    assert not missing, f"add these to docs/environment.md (read by): {missing}"
+    assert not stale, f"docs/environment.md lists variables nothing in core/ or plugins/ reads: {stale}"
+    for names, modules in table_rows():
+        readers = set().union(*(found[n] for n in names))
+        assert modules and set(modules) <= readers, (
+            f"docs/environment.md, the row of {sorted(names)}: 'read by' names {sorted(set(modules) - readers)} "
+            f"which do not read it; its readers: {sorted(readers)}")
     # the scan finds what it should (a scan that found nothing would pass too)
     assert {"HOOKLOOP_PLUGINS", "HOOKLOOP_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "SLURM_JOB_ID"} <= table
+
+
+@pytest.mark.check
+def test_the_scan_sees_each_way_of_reading_a_variable(tmp_path):
+    source = tmp_path / "x.py"
+    source.write_text('import os\nLAUNCHER_ENV = "HOOKLOOP_LAUNCHER_PID"\nos.environ.get("A_VAR")\n'
+                      'os.environ["B_VAR"]\nos.getenv("C_VAR")\nenv_int("D_VAR", 0)\nenviron.get("E_VAR")\n'
+                      'x = {}.get("NOT_ONE")\n"RANK"\n')
+    assert variables_in(source) == {"HOOKLOOP_LAUNCHER_PID", "A_VAR", "B_VAR", "C_VAR", "D_VAR", "E_VAR", "RANK"}
+
+
+@pytest.mark.check
+def test_only_the_settings_resolution_reads_the_trainer_setting_variables_in_the_engine():
+    """The variables that set a Trainer's settings (and their readers) appear in engine/ only
+    in resolution.py (which is handed the environment) and settings.py (which defines
+    ``HOOKLOOP_TRAINER_DEFAULTS``'s reader)."""
+    names = re.compile(r"\b(HOOKLOOP_(?:TRAINER_DEFAULTS|PLUGINS|PLUGIN_OPTIONS|AUTOLOAD_PLUGINS|MESH)|"
+                       r"(?:DEFAULTS|PLUGINS|OPTIONS|AUTOLOAD|MESH)_ENV|environment_(?:plugins|plugin_options|"
+                       r"autoload|mesh)|env_defaults)\b")
+    import ast
+
+    def code_names(path) -> set[str]:
+        """The names above in the identifiers and strings of the code, not its docstrings."""
+        tree = ast.parse(path.read_text())
+        docstrings = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr)}
+        words = []
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name):
+                words.append(node.id)
+            elif isinstance(node, ast.Attribute):
+                words.append(node.attr)
+            elif isinstance(node, ast.alias):
+                words.append(node.name)
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                words.append(node.value)
+        return {m for w in words for m in names.findall(w)}
+
+    engine = REPO / "core" / "hookloop" / "engine"
+    elsewhere = {str(p.relative_to(REPO)): sorted(code_names(p))
+                 for p in sorted(engine.glob("*.py")) if p.name not in ("resolution.py", "settings.py")}
+    assert not {k: v for k, v in elsewhere.items() if v}, elsewhere
+    assert names.findall((engine / "resolution.py").read_text())
 
 
 def fit(epochs: int = 1, **kwargs) -> hookloop.Trainer:

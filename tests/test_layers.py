@@ -32,7 +32,7 @@ PACKAGE = "hookloop"
 #: modules of its own layer and of the layers below.
 LAYERS: list[list[str]] = [
     ["contract.errors", "_version", "contract.types", "distributed.ranks", "contract.versioning", "contract.hookspecs", "resume.rundir", "contract.sourcescan", "distributed.failures"],
-    ["resume.unpickling", "engine.settings", "contract.pluginspec", "_moved"],
+    ["resume.unpickling", "engine.settings", "contract.pluginspec", "_moved", "contract.translators"],
     ["dispatch"],
     ["contract", "distributed", "resume", "engine", "lightning", "tools"],
     ["distributed.launch", "distributed.collectives"],
@@ -48,8 +48,8 @@ LAYERS: list[list[str]] = [
     ["engine.session"],
     ["lightning.module", "lightning.datamodule"],
     ["contract.registry"],
-    ["contract.checks", "lightning.strategies"],
-    ["engine.trainer", "lightning.tuner"],
+    ["contract.checks", "lightning.strategies", "engine.resolution"],
+    ["engine.trainer", "lightning.tuner", "lightning.plugin"],
     ["tools.cli", "lightning.cli", "tools.scaffold", "tools.plot", "__main__"],
     ["hookloop"],
     ["testing"],
@@ -342,3 +342,30 @@ def test_the_doc_reader_reads_the_numbered_list():
     text = ("# Guide\n## 9. How the core is layered\nBottom first.\n\n1. `errors`, `types`: the bottom\n"
             "2. `dist`: process groups; see `faults`\n\n## 10. Next\n1. `not`: a layer\n")
     assert documented_layers(text) == [["errors", "types"], ["dist"]]
+
+
+#: what the loop engine never imports (issue 34): Lightning compatibility, the tools and the
+#: conformance kit sit above it and reach it through the contract (contract.translators)
+ENGINE_NEVER_IMPORTS = ("lightning", "tools", "testing")
+
+
+def engine_imports_above(graph: dict[str, dict[str, int]]) -> list[str]:
+    """``engine/`` modules importing a package of :data:`ENGINE_NEVER_IMPORTS`, one line each."""
+    engine = f"{PACKAGE}.engine"
+    banned = tuple(f"{PACKAGE}.{name}" for name in ENGINE_NEVER_IMPORTS)
+    return [f"{name} imports {target} at {name.replace('.', '/')}.py:{line}"
+            for name, edges in sorted(graph.items())
+            if name == engine or name.startswith(engine + ".")
+            for target, line in sorted(edges.items())
+            if any(target == b or target.startswith(b + ".") for b in banned)]
+
+
+@pytest.mark.check
+def test_the_engine_never_imports_lightning_tools_or_testing():
+    found = engine_imports_above(import_graph())
+    assert not found, ("engine/ imports what sits above it (Lightning compatibility translates "
+                       "its arguments through hookloop.contract.translators instead):\n"
+                       + "\n".join(found))
+    # the check itself sees such an import (a check that found nothing would pass too)
+    assert engine_imports_above({"hookloop.engine.x": {"hookloop.lightning.tuner": 3}}) == [
+        "hookloop.engine.x imports hookloop.lightning.tuner at hookloop/engine/x.py:3"]

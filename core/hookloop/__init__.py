@@ -84,6 +84,13 @@ from hookloop.contract.versioning import CONTRACT_VERSION, HookloopContractWarni
 
 from hookloop._version import __version__
 
+# Lightning compatibility joins the engine here, as a translator of the Trainer's arguments
+# (the engine never imports hookloop.lightning; `no:lightning` blocks it: docs/lightning.md)
+from hookloop.contract import translators as _translators
+from hookloop.lightning.plugin import LIGHTNING as _LIGHTNING
+
+_translators.register(_LIGHTNING)
+
 
 def __getattr__(name: str):
     # jsonargparse is optional (pip install 'hookloop[cli]'): imported on first use only.

@@ -811,9 +811,10 @@ def parse_plugin_options(items: Iterable[str], source: str = "--plugin-option") 
     return options
 
 
-def environment_plugin_options() -> dict[str, dict]:
-    """``HOOKLOOP_PLUGIN_OPTIONS="amp.init_scale=1024; ddp.timeout=60"`` (``;`` or newlines)."""
-    raw = os.environ.get(OPTIONS_ENV, "")
+def environment_plugin_options(environ: Mapping[str, str] | None = None) -> dict[str, dict]:
+    """``HOOKLOOP_PLUGIN_OPTIONS="amp.init_scale=1024; ddp.timeout=60"`` (``;`` or newlines),
+    read from ``environ`` (default: ``os.environ``)."""
+    raw = (os.environ if environ is None else environ).get(OPTIONS_ENV, "")
     items = [part.strip() for part in re.split(r"[;\n]", raw) if part.strip()]
     return parse_plugin_options(items, source=OPTIONS_ENV)
 
@@ -832,10 +833,10 @@ AUTOLOAD_ENV = "HOOKLOOP_AUTOLOAD_PLUGINS"
 _ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 
-def environment_autoload() -> bool:
+def environment_autoload(environ: Mapping[str, str] | None = None) -> bool:
     """``HOOKLOOP_AUTOLOAD_PLUGINS``: on (``1``, ``true``, ``yes``, ``on``) or off (unset,
     empty, ``0``, ``false``, ``no``, ``off``); anything else is refused, naming it."""
-    raw = os.environ.get(AUTOLOAD_ENV, "")
+    raw = (os.environ if environ is None else environ).get(AUTOLOAD_ENV, "")
     value = raw.strip().lower()
     if value in _ON:
         return True
@@ -847,12 +848,14 @@ def environment_autoload() -> bool:
     )
 
 
-def environment_plugins() -> list[str]:
+def environment_plugins(environ: Mapping[str, str] | None = None,
+                        builtin: Iterable[str] = ()) -> list[str]:
     """The plugin names of ``HOOKLOOP_PLUGINS`` (``no:NAME`` blocks one). A name that no
-    installed plugin has is refused here, saying it came from the environment."""
-    raw = os.environ.get(PLUGINS_ENV)
+    installed plugin has (nor ``builtin`` names) is refused here, saying it came from the
+    environment."""
+    raw = (os.environ if environ is None else environ).get(PLUGINS_ENV)
     names = split_names(raw)
-    wanted = [n for n in names if not n.startswith("no:")]
+    wanted = [n for n in names if not n.startswith("no:") and n not in builtin]
     if wanted:
         infos = installed_plugins()
         unknown = [n for n in wanted if n not in infos]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Mapping
 from typing import Any, Iterable
 
 from hookloop.contract.errors import ConfigurationError, PluginConflictError
@@ -182,9 +183,10 @@ def parse_mesh(value: Any, source: str = "mesh") -> dict[str, int | None]:
     return sizes
 
 
-def environment_mesh() -> dict[str, int | None]:
-    """The sizes in ``HOOKLOOP_MESH`` (``{}`` when unset)."""
-    return parse_mesh(os.environ.get(MESH_ENV), MESH_ENV)
+def environment_mesh(environ: Mapping[str, str] | None = None) -> dict[str, int | None]:
+    """The sizes in ``HOOKLOOP_MESH`` (``{}`` when unset), read from ``environ`` (default:
+    ``os.environ``)."""
+    return parse_mesh((os.environ if environ is None else environ).get(MESH_ENV), MESH_ENV)
 
 
 def check_sizes(sizes: dict[str, int | None], claimed: dict[str, str]) -> None:

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -186,10 +187,11 @@ class TrainerConfig:
                 f"gradient_clip_algorithm={self.gradient_clip_algorithm!r} must be 'norm' or 'value'"
             )
         check_timeout_seconds("process_group_timeout", self.process_group_timeout)
-        every = self.stop_check_every_n_steps
-        if every != "auto" and (not _is_int(every) or every < 1):
+        stop_every = self.stop_check_every_n_steps
+        if stop_every != "auto" and (not isinstance(stop_every, int) or isinstance(stop_every, bool)
+                                     or stop_every < 1):
             raise ConfigurationError(
-                f"stop_check_every_n_steps={every!r} must be 'auto' or a whole number of optimizer steps >= 1: how "
+                f"stop_check_every_n_steps={stop_every!r} must be 'auto' or a whole number of optimizer steps >= 1: how "
                 f"often the processes agree on stopping for a SIGTERM or max_time (1: at every step, a stop comes 1 "
                 f"step after the signal; K: within 2K steps, with nothing done at the steps between; the default "
                 f"'auto': about once a second of steps, a stop within about 2 seconds or 2 steps)")
@@ -331,7 +333,7 @@ def _not_whole(devices: Any, number: float) -> ConfigurationError:
     )
 
 
-def check_devices_on_cpu(config: "TrainerConfig") -> None:
+def check_devices_on_cpu(config: TrainerConfig) -> None:
     """A list of device indices names GPUs: on the CPU (``accelerator="cpu"``, or ``"auto"``
     on a machine without CUDA; read after a devices plugin resolved it) it is refused, as
     Lightning refuses it, instead of running one process per entry."""
@@ -372,20 +374,29 @@ def normalize_precision(precision: Any) -> str:
         ) from None
 
 
-def env_defaults() -> dict:
-    """The defaults ``hookloop run`` left for this process, or ``{}``.
+def env_defaults(environ: Mapping[str, str] | None = None, launched: bool | None = None) -> dict:
+    """The defaults ``hookloop run`` left for this process, or ``{}``, read from ``environ``
+    (default: ``os.environ``).
 
     :data:`DEFAULTS_ENV` is the launcher's private channel to the processes it starts: it
-    is honoured only in a process a hookloop launcher started for its job
-    (:func:`hookloop.distributed.ranks.launched_by_hookloop`). Anywhere else (a shell that exported
-    it, a child of a worker run on its own) it is left over from another job and ignored,
-    with a warning naming it."""
-    from hookloop.distributed.ranks import LAUNCHER_ENV, launched_by_hookloop
+    is honoured only in a process a hookloop launcher started for its job (``launched``;
+    when ``None``: :data:`hookloop.distributed.ranks.LAUNCHER_ENV` names an ancestor of this
+    process). Anywhere else (a shell that exported it, a child of a worker run on its own)
+    it is left over from another job and ignored, with a warning naming it."""
+    from hookloop.distributed.ranks import LAUNCHER_ENV, descends_from
 
-    raw = os.environ.get(DEFAULTS_ENV)
+    environ = os.environ if environ is None else environ
+    raw = environ.get(DEFAULTS_ENV)
     if not raw:
         return {}
-    if not launched_by_hookloop():
+    if launched is None:
+        try:
+            launcher: int | None = int(environ.get(LAUNCHER_ENV, ""))
+        except ValueError:
+            launcher = None
+        launched = (launcher is not None and launcher != os.getpid()
+                    and descends_from(launcher) is not False)
+    if not launched:
         warnings.warn(
             f"{DEFAULTS_ENV} is set, but no hookloop launcher started this process ({LAUNCHER_ENV} does not "
             f"name its parent): the settings are left over from another `hookloop run` and are ignored "

@@ -3,59 +3,57 @@
 What runs inside a worker is below it: :mod:`hookloop.session` (set-up, loaders,
 teardown) around :mod:`hookloop.loop` (the epochs) and :mod:`hookloop.step` (one
 batch), with the run's state in ``trainer.state`` (:mod:`hookloop.state`) and
-checkpoints in :mod:`hookloop.resume`. Nothing in hookloop imports this module but the
-package root."""
+checkpoints in :mod:`hookloop.resume`. Its settings come from
+:mod:`hookloop.engine.resolution`; it imports nothing of ``hookloop.lightning``,
+``hookloop.tools`` or ``hookloop.testing``. Nothing in the engine imports this module."""
 
 from __future__ import annotations
 
 import math
 import os
 import sys
-from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from hookloop.lightning import callbacks as callbacks_module
-from hookloop.lightning import loggers as loggers_module
-from hookloop.distributed import mesh as mesh_module
 from hookloop.contract import registry as plugin_registry
-from hookloop.resume import rundir
-from hookloop.engine import session
-from hookloop.lightning import strategies
-from hookloop.lightning import tuner
-from hookloop.engine.settings import TrainerConfig, check_devices_on_cpu, env_defaults
-from hookloop.lightning.datamodule import DataModule
-from hookloop.engine.defaults import Defaults
 from hookloop.contract.errors import ConfigurationError
+from hookloop.distributed import mesh as mesh_module
 from hookloop.distributed.launch import in_worker, run_command
-from hookloop.helpers import clip_gradients
+from hookloop.engine import session
+from hookloop.engine.defaults import Defaults
 from hookloop.engine.optim import LoopOptimizer
-from hookloop.resume.run import checkpoint_dict
-from hookloop.engine.session import adopt_run_dirs, as_loader_list, check_loader, claim_run_dirs, run_evaluation, run_predict
+from hookloop.engine.resolution import CONFIG_FIELDS, PLUGIN_ALIASES, default, resolve_settings
+from hookloop.engine.session import (
+    adopt_run_dirs,
+    as_loader_list,
+    check_loader,
+    claim_run_dirs,
+    run_evaluation,
+    run_predict,
+)
+from hookloop.engine.settings import check_devices_on_cpu
 from hookloop.engine.state import LoopState
-from hookloop.engine.step import STEP_METHODS, TEST, VALIDATE, epoch_row_values, log_row, loop_optimizers, manual_backward, manual_optimizer_step
+from hookloop.engine.step import (
+    STEP_METHODS,
+    TEST,
+    VALIDATE,
+    epoch_row_values,
+    log_row,
+    loop_optimizers,
+    manual_backward,
+    manual_optimizer_step,
+)
+from hookloop.helpers import clip_gradients
+from hookloop.resume import rundir
+from hookloop.resume.run import checkpoint_dict
+
+__all__ = ["FitLoopView", "Trainer", "TrainerState", "default"]
 
 _UNSET: Any = object()
-
-
-class default:
-    """Mark a ``Trainer`` argument as the script's fallback: ``hookloop run`` options win.
-
-    ``Trainer(max_epochs=hookloop.default(20))`` trains 20 epochs, or as many as
-    ``hookloop run --max-epochs N`` says. A plain ``Trainer(max_epochs=20)`` always wins.
-    """
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any):
-        self.value = value
-
-    def __repr__(self) -> str:
-        return f"hookloop.default({self.value!r})"
 
 
 #: Lightning's name for ``trainer.state``'s class (now the loop's whole state)
@@ -66,7 +64,7 @@ class FitLoopView:
     """Read-only view of the training loop's position under Lightning's names (the
     loop itself is :mod:`hookloop.loop`, not an object)."""
 
-    def __init__(self, trainer: "Trainer"):
+    def __init__(self, trainer: Trainer):
         self._trainer = trainer
 
     @property
@@ -82,22 +80,28 @@ class FitLoopView:
         return self._trainer.max_steps
 
     @property
-    def epoch_loop(self) -> "FitLoopView":
+    def epoch_loop(self) -> FitLoopView:
         return self
 
 
 class Trainer:
     """Runs a training module's steps; plugins supply every technique.
 
-    Arguments not given in code fall back to the options of ``hookloop run`` (passed
-    through the environment), then to the defaults of :class:`TrainerConfig`.
-    ``strategy`` (a strategy plugin's name or object) and ``callbacks`` (plugin objects,
-    and Lightning-style :class:`hookloop.Callback` objects, run in list order by one
-    adapter plugin; any other object there is an error) are Lightning's names for
-    entries of ``plugins``. ``logger`` is ``True`` (or ``None``: the built-in CSV logger),
-    ``False``, or logger objects (``hookloop.CSVLogger(save_dir, name)``,
-    ``hookloop_tensorboard.TensorBoardLogger``, ``hookloop_mlflow.MLFlowLogger``, or a
-    list), which are plugins first in the run (``trainer.logger``, ``trainer.loggers``).
+    The arguments are resolved by
+    :func:`hookloop.engine.resolution.resolve_settings` (docs/configurations.md, "Where a
+    setting comes from"): arguments not given in code fall back to the options of
+    ``hookloop run`` (passed through the environment), then to the defaults of
+    :class:`TrainerConfig`; ``trainer.settings`` is the result, read-only, and
+    ``trainer.config`` its working copy. ``strategy`` (a strategy plugin's name or object,
+    or Lightning's strategy strings) and ``callbacks`` (plugin objects, and Lightning-style
+    :class:`hookloop.Callback` objects, run in list order by one adapter plugin; any other
+    object there is an error) are Lightning's names for entries of ``plugins``. ``logger``
+    is ``True`` (or ``None``: the built-in CSV logger), ``False``, or logger objects
+    (``hookloop.CSVLogger(save_dir, name)``, ``hookloop_tensorboard.TensorBoardLogger``,
+    ``hookloop_mlflow.MLFlowLogger``, or a list), which are plugins first in the run
+    (``trainer.logger``, ``trainer.loggers``). Those Lightning names are translated by the
+    ``lightning`` built-in (:mod:`hookloop.lightning.plugin`), not by the engine;
+    ``plugins=["no:lightning"]`` turns it off, and refuses them (docs/lightning.md).
 
     ``mesh``: the device mesh's sizes, ``{"dp_shard": 2, "tp": 2}`` or ``"dp_shard=2,tp=2"``
     (:mod:`hookloop.mesh`; ``hookloop run --mesh``, ``HOOKLOOP_MESH``); the mesh over the
@@ -157,15 +161,15 @@ class Trainer:
         precision: Any = _UNSET,
         default_root_dir: str = _UNSET,
         enable_checkpointing: bool = _UNSET,
-        limit_train_batches: int | float | None = _UNSET,
-        limit_val_batches: int | float | None = _UNSET,
-        limit_test_batches: int | float | None = _UNSET,
-        limit_predict_batches: int | float | None = _UNSET,
-        val_check_interval: int | float = _UNSET,
+        limit_train_batches: int | float | None = _UNSET,  # noqa: PYI041 (a count or a fraction)
+        limit_val_batches: int | float | None = _UNSET,  # noqa: PYI041 (a count or a fraction)
+        limit_test_batches: int | float | None = _UNSET,  # noqa: PYI041 (a count or a fraction)
+        limit_predict_batches: int | float | None = _UNSET,  # noqa: PYI041 (a count or a fraction)
+        val_check_interval: int | float = _UNSET,  # noqa: PYI041
         check_val_every_n_epoch: int | None = _UNSET,
         num_sanity_val_steps: int = _UNSET,
         fast_dev_run: bool | int = _UNSET,
-        overfit_batches: int | float = _UNSET,
+        overfit_batches: int | float = _UNSET,  # noqa: PYI041
         log_every_n_steps: int = _UNSET,
         enable_progress_bar: bool = _UNSET,
         enable_model_summary: bool = _UNSET,
@@ -180,79 +184,20 @@ class Trainer:
         benchmark: bool | None = _UNSET,
         deterministic: bool | str | None = _UNSET,
     ):
-        given = {k: v for k, v in locals().items() if k in _CONFIG_FIELDS and v is not _UNSET}
-        # logger: True/False, None (Lightning's default: True), or logger objects, which
-        # become plugins (first in the run, so trainer.logger is the first of them).
-        logger_objects = loggers_module.logger_objects(given.get("logger"))
-        if logger is None:
-            given.pop("logger")
-        elif logger_objects is not None:
-            given["logger"] = bool(logger_objects)
-        # hookloop.default(x): the script's own fallback, which `hookloop run` options override.
-        fallbacks = {k: v.value for k, v in given.items() if isinstance(v, default)}
-        given = {k: v for k, v in given.items() if k not in fallbacks}
-        # strategy="auto" is Lightning's default: the built-in single process, or hookloop run's.
-        # Lightning's other strategy strings are plugins with options (strategies.py).
-        if isinstance(strategy, str):
-            strategy = strategies.resolve_string(strategy)
-        in_code = list(logger_objects or [])
-        in_code += _as_list(given.get("plugins", [])) + _as_list(None if strategy is _UNSET else strategy)
-        given_callbacks = _as_list(callbacks if callbacks is not _UNSET else None)
-        callbacks_module.check_callbacks_argument(given_callbacks)
-        in_code += given_callbacks
-        # Lightning-style Callback objects become one observer that calls them in list order.
-        in_code, self._callback_hooks = callbacks_module.callback_hooks(in_code)
-        if in_code or "plugins" in given:
-            given["plugins"] = in_code
-        from_env = env_defaults()
-        settings = {**fallbacks, **from_env, **given}
-        # Options of plugins merge per option: HOOKLOOP_PLUGIN_OPTIONS < hookloop run
-        # --plugin-option < code.
-        settings["plugin_options"] = plugin_registry.merge_plugin_options(
-            plugin_registry.environment_plugin_options(),
-            fallbacks.get("plugin_options"), from_env.get("plugin_options"), given.get("plugin_options"),
-        )
-        settings["plugins"] = _as_list(settings.get("plugins"))
-        autoload_from_env = "autoload_plugins" not in settings
-        if autoload_from_env:
-            settings["autoload_plugins"] = plugin_registry.environment_autoload()
-        # The mesh's sizes: code < hookloop run --mesh < HOOKLOOP_MESH (hookloop.mesh).
-        mesh_from_env = "mesh" not in settings
-        settings["mesh"] = (mesh_module.environment_mesh() if mesh_from_env
-                            else mesh_module.parse_mesh(settings["mesh"]))
-        self.config = TrainerConfig(**settings)
-        self.config.validate()
-        _check_progress_bars(in_code, self.config)
+        arguments = {k: v for k, v in locals().items() if k in _ARGUMENTS and v is not _UNSET}
+        settings, plan = resolve_settings(arguments, os.environ)
+        #: the resolved settings, read-only (hookloop.engine.resolution.Settings), and the
+        #: run's working copy of them, which plugins read (and may narrow) as trainer.config
+        self.settings, self.config = settings, settings.trainer_config()
+        self.plugins = chosen = list(plan.plugins)
+        self._callback_hooks = plan.adapter  # Lightning's Callbacks' adapter (trainer.callbacks)
+        self._translators = plan.translators  # the compatibility layers left on (fit's entry)
+        #: what the environment changed in this run, said in its first lines (rank 0)
+        self._environment_settings = list(plan.environment_lines)
         self.config.apply_torch_flags()
         if self.config.fast_dev_run:
-            print(
-                f"hookloop: fast_dev_run: {self.config.max_steps} batch(es) of every loop, one "
-                f"epoch, no sanity check and no checkpoints",
-                flush=True,
-            )
-
-        # Plugins from code, `hookloop run --plugins` and HOOKLOOP_PLUGINS are combined;
-        # code wins only where both name a plugin of the same exclusive role.
-        requested = in_code
-        defaults = list(from_env.get("plugins", [])) + plugin_registry.environment_plugins()
-        options = self.config.plugin_options
-        _name_loggers_apart(logger_objects or [])
-        builtin = _builtin_observers(self.config, logger_objects is None)
-        autoloaded: list[str] = []
-        chosen = plugin_registry.collect(requested, defaults, autoload=self.config.autoload_plugins,
-                                         builtin=builtin, options=options, autoloaded=autoloaded)
-        if self.config.max_time is not None:
-            chosen.append(_max_time_timer(self.config.max_time, chosen))
-        chosen += plugin_registry.default_precision_plugin(chosen, self.config.precision)
-        chosen = [plugin_registry.apply_options(p, options) for p in chosen]
-        plugin_registry.check_option_targets(chosen, options)
-        plugin_registry.check_composition(chosen)
-        mesh_module.check_sizes(self.config.mesh, mesh_module.claims(chosen))
-        self.plugins = chosen
-        #: what the environment changed in this run, said in its first lines (rank 0)
-        self._environment_settings = environment_settings(
-            chosen, autoloaded if autoload_from_env and self.config.autoload_plugins else None,
-            self.config.mesh if mesh_from_env else None)
+            print(f"hookloop: fast_dev_run: {self.config.max_steps} batch(es) of every loop, one "
+                  f"epoch, no sanity check and no checkpoints", flush=True)
         self.plugin_manager = plugin_registry.make_plugin_manager(chosen, Defaults())
         self.hook = self.plugin_manager.hook
         # the lifecycle's owner: beside tp, the data-parallel strategy (fsdp), whatever the order
@@ -314,7 +259,7 @@ class Trainer:
     def callbacks(self) -> list:
         """The run's plugins and :class:`hookloop.Callback` objects, in order (Lightning's
         ``trainer.callbacks``; the Callbacks where their adapter stands)."""
-        out = []
+        out: list = []
         for p in self.plugins:
             out += p.callbacks if p is self._callback_hooks else [p]
         return out
@@ -394,7 +339,7 @@ class Trainer:
         return loggers[0] if loggers else None
 
     @property
-    def fit_loop(self) -> "FitLoopView":
+    def fit_loop(self) -> FitLoopView:
         """Lightning's ``trainer.fit_loop``, for what Lightning code reads of it:
         ``batch_idx`` (the last training batch fetched), ``max_epochs``, ``max_steps``,
         and ``epoch_loop`` (the same view)."""
@@ -412,7 +357,7 @@ class Trainer:
         every rank and after every elastic restart."""
         if self.state.log_dir is None:  # outside a run (one process): as rank 0 decides in one
             adopt_run_dirs(self, claim_run_dirs(self))
-        return self.state.log_dir
+        return cast(Path, self.state.log_dir)
 
     @property
     def checkpoint_callback(self) -> Any:
@@ -534,7 +479,7 @@ class Trainer:
         is re-launched through the strategy's launcher (torchrun by default) and this
         process exits with the workers' status.
         """
-        if isinstance(train_dataloaders, DataModule) or _is_datamodule(train_dataloaders):
+        if _is_datamodule(train_dataloaders):
             datamodule, train_dataloaders = train_dataloaders, None
         _check_module(model, needs=("training_step", "configure_optimizers"))
         _check_ckpt_path("fit", ckpt_path)
@@ -551,8 +496,8 @@ class Trainer:
         _check_training_step(model)
         if os.environ.get(PLAN_ENV) == "1":
             describe_from_environment(self, model)  # `hookloop plan`: ends here
-        if os.environ.get(tuner.TUNE_ENV) and not self.__dict__.get("_hookloop_tuning"):
-            tuner.tune_from_environment(self, model, train_dataloaders, datamodule)  # `hookloop tune`: ends here
+        for translator in self._translators:  # Lightning's: `hookloop tune` ends here
+            translator.before_fit(self, model, train_dataloaders, datamodule)
         self._start(model, datamodule, ckpt_path, train=train_dataloaders, val=val)
         self._launch_or_run(session.fit)
 
@@ -575,7 +520,7 @@ class Trainer:
         are gathered back into the order one process would give, each sample exactly
         once (predictions then come back on the CPU).
         """
-        if isinstance(dataloaders, DataModule) or _is_datamodule(dataloaders):
+        if _is_datamodule(dataloaders):
             datamodule, dataloaders = dataloaders, None
         model = self._model_for("predict", model)
         _check_lightning_import(model)
@@ -597,7 +542,7 @@ class Trainer:
     # -- helpers of the entry points ----------------------------------------------------
 
     def _evaluate(self, stage, model, dataloaders, ckpt_path, verbose, datamodule) -> list[dict]:
-        if isinstance(dataloaders, DataModule) or _is_datamodule(dataloaders):
+        if _is_datamodule(dataloaders):
             datamodule, dataloaders = dataloaders, None
         model = self._model_for(stage, model)
         _check_module(model, needs=(STEP_METHODS[stage],))
@@ -656,7 +601,7 @@ class Trainer:
         value = value if value is not None else self.gradient_clip_val
         now = self.state.clipping_optimizer
         if now is not None and (real is now or optimizer is now):  # inside configure_gradient_clipping
-            clip_gradients(self, now, value, algorithm)
+            clip_gradients(self, cast(torch.optim.Optimizer, now), value, algorithm)
             return
         self.state.clip_requests[id(real)] = (value, algorithm)
 
@@ -698,91 +643,6 @@ class Trainer:
             )
 
 
-def environment_settings(plugins: list, autoloaded: list[str] | None, mesh: dict | None) -> list[str]:
-    """The lines that say which settings of a run came from the environment (printed on
-    global rank 0 as its first lines): each variable that changes what the run does
-    (docs/environment.md, "Reported at the start"), when it is set and used; not the
-    options a hookloop launcher hands its workers (``HOOKLOOP_TRAINER_DEFAULTS``: the
-    user's own command line or code, which they know, printed again at every restart). Plugins
-    name their own in ``hookloop_environment`` (``{variable: what it sets}``)."""
-    env = os.environ
-    lines = []
-    if env.get(plugin_registry.PLUGINS_ENV, "").strip():
-        lines.append(f"{plugin_registry.PLUGINS_ENV}={env[plugin_registry.PLUGINS_ENV]!r}: plugins added to the run")
-    if env.get(plugin_registry.OPTIONS_ENV, "").strip():
-        lines.append(f"{plugin_registry.OPTIONS_ENV}={env[plugin_registry.OPTIONS_ENV]!r}: plugin options "
-                     f"(--plugin-option and code win per option)")
-    if autoloaded is not None:
-        added = ", ".join(autoloaded) or "none"
-        lines.append(f"{plugin_registry.AUTOLOAD_ENV}={env.get(plugin_registry.AUTOLOAD_ENV)!r}: added the installed "
-                     f"plugins {added} (block one with no:NAME)")
-    if mesh:
-        lines.append(f"{mesh_module.MESH_ENV}={env.get(mesh_module.MESH_ENV)!r}: the device mesh's sizes")
-    if env.get(rundir.RUN_ID_ENV):
-        lines.append(f"{rundir.RUN_ID_ENV}={env[rundir.RUN_ID_ENV]!r}: this job's id (its runs take the run "
-                     f"directories an earlier job of that id marked)")
-    for plugin in plugins:
-        for name, meaning in (getattr(plugin, "hookloop_environment", None) or {}).items():
-            if env.get(name):
-                lines.append(f"{name}={env[name]!r}: {meaning} ({plugin_registry.plugin_name(plugin)})")
-    return [f"hookloop: from the environment: {line}" for line in lines]
-
-
-def _max_time_timer(max_time: Any, chosen: list) -> Any:
-    """``Trainer(max_time=...)``: Lightning's ``Timer(duration=max_time, interval="step")``,
-    added after the other plugins. Refused beside a Timer the user gave (Lightning ignores
-    ``max_time`` then, with an info line; two time limits are a conflict worth naming)."""
-    from hookloop.observers.timer import Timer, parse_duration
-
-    parse_duration(max_time, "Trainer(max_time=...)")
-    given = [p for p in chosen if isinstance(p, Timer) or plugin_registry.plugin_name(p) == "timer"]
-    if given:
-        raise ConfigurationError(
-            f"Trainer(max_time={max_time!r}) and a Timer in the plugins/callbacks ({type(given[0]).__name__}) both "
-            f"set a time limit: give the limit once, as max_time or as Timer(duration=...)")
-    return Timer(duration=max_time, interval="step")
-
-
-def _builtin_observers(config: TrainerConfig, default_logger: bool = True) -> list[str]:
-    """The observers every run gets unless blocked (``no:NAME``) or turned off, as pytest
-    ships its terminal reporter: the progress bar, the model summary, the CSV logger (not
-    when ``Trainer(logger=...)`` named the loggers), the checkpoints."""
-    names = []
-    if config.enable_progress_bar:
-        names.append("progress")
-    if config.enable_model_summary:
-        names.append("model_summary")
-    if config.logger and default_logger:
-        names.append("csv")
-    if config.enable_checkpointing:
-        names.append("checkpoint")
-    return names
-
-
-def _check_progress_bars(in_code: list, config: TrainerConfig) -> None:
-    """Lightning's rule: one progress bar, and none with ``enable_progress_bar=False``."""
-    bars = [p for p in in_code if not isinstance(p, str) and plugin_registry.plugin_name(p) == "progress"]
-    if len(bars) > 1:
-        raise ConfigurationError(
-            f"callbacks hold {len(bars)} progress bars ({', '.join(type(b).__name__ for b in bars)}), and a run "
-            f"draws one: keep one of them")
-    if bars and not config.enable_progress_bar:
-        raise ConfigurationError(
-            f"Trainer was configured with `enable_progress_bar=False` but found `{type(bars[0]).__name__}` in "
-            f"callbacks list: remove the bar, or leave enable_progress_bar at True")
-
-
-def _name_loggers_apart(objects: list) -> None:
-    """Two loggers of one kind in ``logger=[...]`` (two CSVLoggers) are two plugins: the
-    second and later get ``<name>-2``, ``<name>-3`` as their plugin names."""
-    seen: dict[str, int] = {}
-    for obj in objects:
-        name = plugin_registry.plugin_name(obj)
-        seen[name] = seen.get(name, 0) + 1
-        if seen[name] > 1:
-            obj.hookloop_name = f"{name}-{seen[name]}"
-
-
 # Module-level (not lambdas): a spawn-based strategy pickles the function it runs.
 #: set to ``1`` by ``hookloop plan``: the script's first ``fit`` describes the model and ends
 PLAN_ENV = "HOOKLOOP_PLAN"
@@ -792,8 +652,9 @@ def describe_from_environment(trainer: Trainer, model: nn.Module) -> None:
     """``hookloop plan``'s end of a script's first ``fit``: the module built
     (``configure_model``), every plugin's ``describe_model`` answer printed, and the
     process ended (status 0) before any process group, run directory or training."""
-    if callable(getattr(model, "configure_model", None)):
-        model.configure_model()
+    configure_model = getattr(model, "configure_model", None)
+    if callable(configure_model):
+        configure_model()
     answers = [a for a in trainer.hook.describe_model(trainer=trainer, module=model) if a]
     params = sum(p.numel() for p in model.parameters())
     names = ", ".join(plugin_registry.plugin_name(p) for p in trainer.plugins
@@ -819,15 +680,9 @@ def _run_test(trainer) -> list[dict]:
     return run_evaluation(trainer, TEST)
 
 
-_CONFIG_FIELDS = {f.name for f in fields(TrainerConfig)}
-
-
-def _as_list(value: Any) -> list:
-    if value is None:
-        return []
-    if isinstance(value, (list, tuple)):
-        return list(value)
-    return [value]
+#: the Trainer's arguments: the settings (TrainerConfig's fields) and Lightning's names for
+#: plugins (strategy, callbacks), which a compatibility layer translates
+_ARGUMENTS = CONFIG_FIELDS | set(PLUGIN_ALIASES)
 
 
 def _is_datamodule(obj: Any) -> bool:
@@ -885,7 +740,8 @@ def _check_training_step(module: nn.Module) -> None:
     import inspect
 
     try:
-        params = inspect.signature(module.training_step).parameters
+        step: Any = module.training_step
+        params = inspect.signature(step).parameters
     except (TypeError, ValueError):
         return
     if "optimizer_idx" in params:

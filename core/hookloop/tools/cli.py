@@ -21,6 +21,7 @@ from hookloop.tools import plot
 from hookloop.tools import scaffold
 from hookloop.contract import versioning
 from hookloop.contract import registry
+from hookloop.contract import translators
 from hookloop.engine.settings import TrainerConfig, check_devices_on_cpu, env_defaults
 from hookloop.contract.errors import CheckpointError, ConfigurationError, HookloopError
 from hookloop.distributed.launch import is_plain_interpreter, run_command
@@ -88,7 +89,8 @@ def _build_parser(commands: dict) -> argparse.ArgumentParser:
             "Trainer the script creates; arguments given in code win."
         ),
     )
-    r.add_argument("--plugins", default=None, help="comma-separated plugin names, e.g. ddp,amp")
+    r.add_argument("-p", "--plugins", default=None,
+                   help="comma-separated plugin names, e.g. ddp,amp; no:NAME blocks one (no:lightning)")
     r.add_argument("--devices", default=None, help="processes (devices) per node: N, -1, or a list '0,2'")
     r.add_argument("--accelerator", default=None, choices=["auto", "cpu", "cuda", "gpu"])
     r.add_argument("--precision", default=None, help="32, 16-mixed, bf16-mixed")
@@ -349,7 +351,10 @@ def cmd_run(args, one_process: bool = False) -> int:
     # Load the named plugins (their code, not their backends) to ask how to launch.
     from hookloop.engine.defaults import Defaults
 
-    names = list(config.plugins) + registry.environment_plugins()
+    # `-p lightning` / `no:lightning`: a compatibility layer (contract.translators), which the
+    # script's Trainer turns on or off; not a plugin to load here
+    compat = {t.name for t in translators.registered()}
+    names = [n for n in list(config.plugins) + registry.environment_plugins(builtin=compat) if n not in compat]
     options = registry.merge_plugin_options(registry.environment_plugin_options(), config.plugin_options)
     chosen = [registry.apply_options(p, options) for p in registry.collect(names, options=options)]
     registry.check_composition(chosen)

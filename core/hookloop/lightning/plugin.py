@@ -1,0 +1,89 @@
+"""The ``lightning`` built-in: Lightning's ``Trainer`` arguments translated for the engine.
+
+``callbacks=`` (plugins and Lightning-style :class:`hookloop.Callback` objects, the latter
+run in list order by one adapter plugin), ``strategy=`` (Lightning's strategy strings,
+or a strategy plugin's name or object), ``logger=`` objects (plugins first in the run) and
+``hookloop tune``'s entry into ``fit`` (``HOOKLOOP_TUNE``). The engine never imports this
+module: the facade registers :data:`LIGHTNING` in :mod:`hookloop.contract.translators`,
+and the settings resolution hands it those arguments. On by default;
+``plugins=["no:lightning"]`` (``-p no:lightning``) turns it off, and then each of them is
+refused at start, naming it (docs/lightning.md, "Turning compatibility off").
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from hookloop.contract.pluginspec import plugin_name
+from hookloop.contract.translators import Translation
+from hookloop.lightning import callbacks as callbacks_module
+from hookloop.lightning import loggers as loggers_module
+from hookloop.lightning import strategies, tuner
+
+
+class LightningCompatibility:
+    """The translator of Lightning's ``Trainer`` arguments (an
+    :class:`hookloop.contract.translators.ArgumentTranslator`)."""
+
+    name = "lightning"
+    variables: tuple[str, ...] = (tuner.TUNE_ENV,)
+
+    def owns(self, argument: str, value: Any) -> bool:
+        if argument in ("strategy", "callbacks"):
+            return value is not None
+        if argument == "logger":  # True/False/None are the engine's own switch
+            return not (value is None or isinstance(value, bool))
+        return False
+
+    def translate(self, arguments: Mapping[str, Any]) -> Translation:
+        given = dict(arguments)
+        # logger objects become plugins, first in the run (trainer.logger is the first)
+        loggers = loggers_module.logger_objects(given.get("logger"))
+        if loggers is not None:
+            given["logger"] = bool(loggers)
+        # strategy="auto" is Lightning's default: the built-in single process, or hookloop
+        # run's; Lightning's other strategy strings are plugins with options (strategies.py)
+        strategy = given.pop("strategy", None)
+        if isinstance(strategy, str):
+            strategy = strategies.resolve_string(strategy)
+        in_code = list(loggers or []) + _as_list(given.get("plugins")) + _as_list(strategy)
+        given_callbacks = _as_list(given.pop("callbacks", None))
+        callbacks_module.check_callbacks_argument(given_callbacks)
+        in_code += given_callbacks
+        # Lightning-style Callback objects become one observer that calls them in list order
+        in_code, adapter = callbacks_module.callback_hooks(in_code)
+        if in_code or "plugins" in given:
+            given["plugins"] = in_code
+        _name_loggers_apart(loggers or [])
+        replaces = frozenset({"csv"}) if loggers is not None else frozenset()
+        return Translation(arguments=given, adapter=adapter, replaces_builtin=replaces)
+
+    def before_fit(self, trainer: Any, model: Any, train_dataloaders: Any, datamodule: Any) -> None:
+        """``hookloop tune``: the script's first ``fit`` runs the finder and ends."""
+        if os.environ.get(tuner.TUNE_ENV) and not trainer.__dict__.get("_hookloop_tuning"):
+            tuner.tune_from_environment(trainer, model, train_dataloaders, datamodule)
+
+
+#: the one instance the facade registers
+LIGHTNING = LightningCompatibility()
+
+
+def _as_list(value: Any) -> list:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return [value]
+
+
+def _name_loggers_apart(objects: list) -> None:
+    """Two loggers of one kind in ``logger=[...]`` (two CSVLoggers) are two plugins: the
+    second and later get ``<name>-2``, ``<name>-3`` as their plugin names."""
+    seen: dict[str, int] = {}
+    for obj in objects:
+        name = plugin_name(obj)
+        seen[name] = seen.get(name, 0) + 1
+        if seen[name] > 1:
+            obj.hookloop_name = f"{name}-{seen[name]}"
