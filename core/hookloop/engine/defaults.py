@@ -13,13 +13,13 @@ import contextlib
 
 import torch
 
-from hookloop.resume import checkpoint as ckpt
-from hookloop.engine.settings import TrainerConfig
 from hookloop.contract.errors import CheckpointError
-from hookloop.helpers import clip_parameters, local_rank_device
 from hookloop.contract.hookspecs import hookimpl
 from hookloop.distributed.launch import elastic_command
 from hookloop.engine.optim import before_optimizer_step, load_scheduler_states
+from hookloop.engine.settings import TrainerConfig
+from hookloop.helpers import clip_parameters, local_rank_device
+from hookloop.resume import checkpoint as ckpt
 
 
 class Defaults:
@@ -123,7 +123,8 @@ class Defaults:
                     f"configure_optimizers returned {len(trainer.optimizers)}: resume with the "
                     f"optimizers it was saved with"
                 )
-            for optimizer, state in zip(trainer.optimizers, optimizer_states):
+            # the lengths are checked above
+            for optimizer, state in zip(trainer.optimizers, optimizer_states, strict=True):
                 optimizer.load_state_dict(state)
         load_scheduler_states(trainer, scheduler_states)
         return True

@@ -4,8 +4,9 @@ Read top to bottom with :mod:`hookloop.engine.step`, this is one batch's whole j
 :func:`fit` (called by the session once the model, the loaders and any checkpoint are
 in place, as pytest's ``runtestloop`` inside ``wrap_session``) runs the sanity check,
 then per epoch :func:`_train_epoch` calls :meth:`hookloop.engine.step.TrainStep.run` for
-each batch (forward, backward, optimizer step), validates when due (:class:`_ValidationSchedule`), and :func:`_end_epoch` ends the
-epoch (epoch metrics, ``on_train_epoch_end``, plateau schedulers). :func:`evaluate` and
+each batch (forward, backward, optimizer step), validates when due
+(:class:`_ValidationSchedule`), and :func:`_end_epoch` ends the epoch (epoch metrics,
+``on_train_epoch_end``, plateau schedulers). :func:`evaluate` and
 :func:`predict` run one batch at a time through
 :func:`hookloop.engine.step.make_evaluation_step`.
 
@@ -17,17 +18,15 @@ from __future__ import annotations
 import re
 import sys
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from hookloop.resume import checkpoint as ckpt
-from hookloop.distributed import faults
-from hookloop.resume import loader_state
 from hookloop.contract.errors import ConfigurationError
-from hookloop.helpers import DistributedSamplerWrapper, apply_to_tensors, batch_size_of
 from hookloop.dispatch import event
+from hookloop.distributed import faults
 from hookloop.engine.optim import step_schedulers
 from hookloop.engine.step import (
     EVENT_PREFIX,
@@ -40,6 +39,9 @@ from hookloop.engine.step import (
     log_row,
     make_evaluation_step,
 )
+from hookloop.helpers import DistributedSamplerWrapper, apply_to_tensors, batch_size_of
+from hookloop.resume import checkpoint as ckpt
+from hookloop.resume import loader_state
 
 #: the trainer attribute with each stage's per-loader batch counts: num_<this>_batches
 EVAL_COUNT = {VALIDATE: "val", TEST: "test"}
@@ -73,7 +75,8 @@ def batch_limit(loader: Any, limit: int | float | None, name: str) -> int | None
 def _per_device_batch(loader: Any) -> int | None:
     """The batch size of one process's training batches, ``None`` where the loader does
     not say (a custom batch sampler, an iterable dataset batching itself)."""
-    size = getattr(loader, "batch_size", None) or getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+    sampler = getattr(loader, "batch_sampler", None)
+    size = getattr(loader, "batch_size", None) or getattr(sampler, "batch_size", None)
     return int(size) if isinstance(size, int) else None
 
 
@@ -130,7 +133,8 @@ def fit(trainer, train_loader: Any, val_loaders: list) -> None:
     preemption.uninstall()
 
 
-def _fit_epochs(trainer, train_loader, step: TrainStep, validation, max_epochs: int, started: bool = False) -> None:
+def _fit_epochs(trainer, train_loader, step: TrainStep, validation, max_epochs: int,
+                started: bool = False) -> None:
     """The epochs of ``fit``, from where a restored checkpoint left off (``started``: the
     first epoch's metrics were already started, before ``on_train_start``)."""
     hook = trainer.hook
@@ -139,7 +143,7 @@ def _fit_epochs(trainer, train_loader, step: TrainStep, validation, max_epochs: 
         resumed_stage = trainer.state.loop_stage
         if resumed_stage != "epoch_end":
             sampler = getattr(train_loader, "sampler", None)
-            if hasattr(sampler, "set_epoch"):
+            if sampler is not None and hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(epoch)
             if not trainer.batch_idx and not started:
                 trainer.state.metrics.start("train")  # a mid-epoch resume keeps the restored sums
@@ -178,7 +182,8 @@ def _sanity_check(trainer, val_loaders: list) -> None:
     try:
         hook.on_sanity_check_start(trainer=trainer)
         steps = trainer.config.num_sanity_val_steps
-        evaluate(trainer, VALIDATE, val_loaders, limit=None if steps == -1 else steps, publish=False)
+        limit = None if steps == -1 else steps
+        evaluate(trainer, VALIDATE, val_loaders, limit=limit, publish=False)
         hook.on_sanity_check_end(trainer=trainer)
     finally:
         trainer.sanity_checking = False
@@ -201,9 +206,9 @@ class _ValidationSchedule:
             if n is None:
                 if interval != 1.0:
                     raise ConfigurationError(
-                        f"val_check_interval={interval} is a fraction of the epoch, but the training "
-                        f"loader has no length (an IterableDataset): give a number of batches, "
-                        f"val_check_interval=N, or 1.0 for the end of the epoch"
+                        f"val_check_interval={interval} is a fraction of the epoch, but the "
+                        "training loader has no length (an IterableDataset): give a number of "
+                        "batches, val_check_interval=N, or 1.0 for the end of the epoch"
                     )
                 self.batches = None
             else:
@@ -221,7 +226,8 @@ class _ValidationSchedule:
         """Whether validation may run during the current epoch at all."""
         if not self.enabled:
             return False
-        return self.every_n_epochs is None or (self.trainer.current_epoch + 1) % self.every_n_epochs == 0
+        every = self.every_n_epochs
+        return every is None or (self.trainer.current_epoch + 1) % every == 0
 
     def due(self, batch_idx: int, is_last: bool) -> bool:
         """Whether validation runs after ``batch_idx`` (``due_this_epoch`` is checked first)."""
@@ -236,7 +242,8 @@ class _ValidationSchedule:
 
     def run(self) -> None:
         trainer = self.trainer
-        results = evaluate(trainer, VALIDATE, self.val_loaders, limit=trainer.config.limit_val_batches)
+        limit = trainer.config.limit_val_batches
+        results = evaluate(trainer, VALIDATE, self.val_loaders, limit=limit)
         trainer.state.epoch_val_metrics = {k: v for r in results for k, v in r.items()}
         log_row(trainer, trainer.state.epoch_val_metrics)
         trainer.state.loop_stage = "validated"
@@ -278,7 +285,8 @@ def _pending_state(trainer, loader) -> Callable:
 EPOCH_DONE, EPOCH_CUT, EPOCH_STOPPED = "done", "cut", "stopped"
 
 
-def _train_epoch(trainer, loader: DataLoader, step: TrainStep, validation: _ValidationSchedule) -> str:
+def _train_epoch(trainer, loader: DataLoader, step: TrainStep,
+                 validation: _ValidationSchedule) -> str:
     """Train one epoch (validating when due); how it ended (``EPOCH_*``)."""
     n = batch_limit(loader, trainer.config.limit_train_batches, "limit_train_batches")
     trainer.num_training_batches = n  # for observers (progress bars); None: unsized
@@ -311,10 +319,11 @@ def _train_epoch(trainer, loader: DataLoader, step: TrainStep, validation: _Vali
     single = trainer.world_size == 1  # one process: the SIGTERM flag is read, no call per step
     # Sized loaders (the common case) need no look-ahead; is_last is a comparison.
     if n is not None:
-        batches = enumerate(iterator, skip)
+        batches: Iterator[tuple] = enumerate(iterator, skip)
     else:
         # a stateful loader's state is taken before the batch read ahead
-        batches = _lookahead(iterator, skip, _pending_state(trainer, loader) if loader_state.is_stateful(loader) else None)
+        pending = _pending_state(trainer, loader) if loader_state.is_stateful(loader) else None
+        batches = _lookahead(iterator, skip, pending)
     validate = validation.due if validation.due_this_epoch() else None
     step_plateau = trainer.automatic_optimization and any(
         c.interval == "step" and c.reduce_on_plateau for c in trainer.lr_scheduler_configs)
@@ -328,7 +337,8 @@ def _train_epoch(trainer, loader: DataLoader, step: TrainStep, validation: _Vali
             batch_idx, batch, is_last = item
         trainer.batch_idx = trainer.state.fetched_batch_idx = batch_idx
         trainer.is_last_batch = is_last
-        if batch_start is not None and -1 in batch_start(trainer=trainer, batch=batch, batch_idx=batch_idx):
+        if batch_start is not None and -1 in batch_start(trainer=trainer, batch=batch,
+                                                         batch_idx=batch_idx):
             # Lightning: on_train_batch_start returning -1 ends the epoch (inside a window:
             # its gradients are zeroed at the next window's start). Lightning marks the
             # skipping batch the epoch's last, so its (non-plateau) step and epoch
@@ -341,11 +351,13 @@ def _train_epoch(trainer, loader: DataLoader, step: TrainStep, validation: _Vali
         boundary = is_last or (batch_idx + 1) % accumulate == 0
         stop = step.run(batch, batch_idx, boundary, is_last)  # it counts the batch as done
         # Several processes: the agreement, a no-op off its every-K schedule (hookloop.faults).
-        if boundary and preemption is not None and (preemption.requested if single else preemption.agreed(trainer)):
+        if boundary and preemption is not None and (
+                preemption.requested if single else preemption.agreed(trainer)):
             preemption.stop(trainer)  # checkpoint and SystemExit, on every rank
         # As Lightning: validation when due, and when should_stop ends the epoch early;
         # should_stop set by that validation (early stopping) ends the epoch here.
-        if validate is not None and (validate(batch_idx, is_last) or (stop and trainer.should_stop)):
+        if validate is not None and (validate(batch_idx, is_last)
+                                     or (stop and trainer.should_stop)):
             validation.run()
             stop = stop or trainer.should_stop
         if boundary and step_plateau:  # after validation, so it can monitor a validation metric
@@ -355,7 +367,8 @@ def _train_epoch(trainer, loader: DataLoader, step: TrainStep, validation: _Vali
     return EPOCH_DONE
 
 
-def _end_epoch(trainer, epoch: int, resumed_stage: str, stopped: bool = False, complete: bool = False) -> None:
+def _end_epoch(trainer, epoch: int, resumed_stage: str, stopped: bool = False,
+               complete: bool = False) -> None:
     """Epoch metrics, ``on_train_epoch_end``, plateau schedulers, then the next epoch.
 
     A run resumed from a checkpoint written inside ``on_train_epoch_end``
@@ -383,7 +396,7 @@ def _end_epoch(trainer, epoch: int, resumed_stage: str, stopped: bool = False, c
             # else the module's on_train_epoch_end (first of all implementations) logs the row
             # with what the module logs there, before any plugin (a checkpoint) sees the event
             trainer.hook.on_train_epoch_end(trainer=trainer, epoch=epoch, metrics=epoch_metrics)
-            metrics.reset_metric_objects("train")  # torchmetrics Metrics, after the hook (Lightning)
+            metrics.reset_metric_objects("train")  # torchmetrics', after the hook (Lightning)
         finally:
             if stopped:
                 metrics.epoch_sums["train"], metrics.kept_train_sums = partial, None
@@ -423,7 +436,9 @@ def evaluate(trainer, stage: str, loaders: list, limit: Any, publish: bool = Tru
     # Lightning's per-loader batch counts, for progress bars (num_val_batches, ...)
     limit_name = f"limit_{'val' if stage == VALIDATE else stage}_batches"
     counts = [batch_limit(loader, limit, limit_name) for loader in loaders]
-    setattr(trainer, "num_sanity_val_batches" if trainer.sanity_checking else f"num_{EVAL_COUNT[stage]}_batches", counts)
+    sanity = trainer.sanity_checking
+    setattr(trainer, "num_sanity_val_batches" if sanity else f"num_{EVAL_COUNT[stage]}_batches",
+            counts)
     try:
         getattr(hook, f"on_{prefix}_start")(trainer=trainer)
         _epoch_level_event(trainer, f"on_{prefix}_epoch_start")
@@ -443,7 +458,8 @@ def evaluate(trainer, stage: str, loaders: list, limit: Any, publish: bool = Tru
         _epoch_level_event(trainer, f"on_{prefix}_epoch_end")
         computed = metrics.finish_epoch(stage, publish=publish)
         # a name logged with on_step and on_epoch is a result as name_epoch only (Lightning)
-        computed = {k: v for k, v in computed.items() if not (k in metrics.forked and f"{k}_epoch" in computed)}
+        computed = {k: v for k, v in computed.items()
+                    if not (k in metrics.forked and f"{k}_epoch" in computed)}
         end_args = {"sanity_checking": trainer.sanity_checking} if prefix == "validation" else {}
         getattr(hook, f"on_{prefix}_end")(trainer=trainer, metrics=dict(computed), **end_args)
         metrics.reset_metric_objects(stage)  # torchmetrics Metrics, after on_*_end (Lightning)
@@ -507,8 +523,8 @@ def predict(trainer, loaders: list) -> Any:
     model.eval()
     metrics.stage = PREDICT
     per_loader: list[list] = []
-    trainer.num_predict_batches = [batch_limit(loader, trainer.config.limit_predict_batches, "limit_predict_batches")
-                                   for loader in loaders]
+    limit = trainer.config.limit_predict_batches
+    trainer.num_predict_batches = [batch_limit(x, limit, "limit_predict_batches") for x in loaders]
     # Lightning's BasePredictionWriter callbacks: each batch's sample indices, and this
     # rank's predictions for write_on_epoch_end
     writing = state.prediction_writing = _prediction_writing(trainer, len(loaders))
@@ -518,8 +534,9 @@ def predict(trainer, loaders: list) -> Any:
         with torch.no_grad(), _enter(contexts):
             for dataloader_idx, loader in enumerate(loaders):
                 outputs: list = []
-                n = batch_limit(loader, trainer.config.limit_predict_batches, "limit_predict_batches")
-                for batch_idx, batch in enumerate(loader if writing is None else writing.loader(loader)):
+                n = batch_limit(loader, limit, "limit_predict_batches")
+                source = loader if writing is None else writing.loader(loader)
+                for batch_idx, batch in enumerate(source):
                     if n is not None and batch_idx >= n:
                         break
                     if writing is not None:
@@ -531,7 +548,9 @@ def predict(trainer, loaders: list) -> Any:
                         writing.prediction(dataloader_idx, out)
                 per_loader.append(outputs)
         _epoch_level_event(trainer, "on_predict_epoch_end")
-        results = [_gather_predictions(trainer, loader, outputs) for loader, outputs in zip(loaders, per_loader)] if keep else None
+        # one outputs list per loader, appended above
+        results = [_gather_predictions(trainer, loader, outputs)
+                   for loader, outputs in zip(loaders, per_loader, strict=True)] if keep else None
         hook.on_predict_end(trainer=trainer)
     finally:
         metrics.stage = saved_stage
@@ -579,24 +598,26 @@ def _gather_predictions(trainer, loader: DataLoader, outputs: list) -> list:
         keys = [share_indices for _, share_indices in shares]
         _warn_dropped_predictions(trainer, sampler)
     elif isinstance(sampler, DistributedSamplerWrapper):
-        total = len(sampler.sampler)
+        total = len(sampler.sampler)  # type: ignore[arg-type]  # torch's Sampler: no __len__
         keys = [range(rank, sampler.total_size, world) for rank in range(world)]
         keys = [[k if k < total else None for k in rank_keys] for rank_keys in keys]
     else:
         if trainer.global_rank == 0:
             warnings.warn(
-                f"predict under {world} processes with a loader whose sampler is a {type(sampler).__name__}: "
-                f"hookloop cannot tell which samples each rank predicted, so the predictions come back as "
-                f"rank 0's batches, then rank 1's, and so on (samples may be missing or repeated). For "
-                f"predictions in dataset order give the loader a DistributedSampler, or let hookloop shard "
-                f"it (use_distributed_sampler=True, a map-style dataset).",
+                f"predict under {world} processes with a loader whose sampler is a "
+                f"{type(sampler).__name__}: hookloop cannot tell which samples each rank "
+                "predicted, so the predictions come back as rank 0's batches, then rank 1's, and "
+                "so on (samples may be missing or repeated). For predictions in dataset order give "
+                "the loader a DistributedSampler, or let hookloop shard it "
+                "(use_distributed_sampler=True, a map-style dataset).",
                 stacklevel=3,
             )
         return [out for share, _ in shares for _, out in share]
     samples: dict[int, Any] = {}
-    for (share, _), rank_keys in zip(shares, keys):
+    for (share, _), rank_keys in zip(shares, keys, strict=True):  # one of each per rank
         pieces = (piece for count, out in share for piece in _split(out, count))
-        for key, piece in zip(rank_keys, pieces):
+        # fewer pieces than keys where limit_predict_batches cut the loader short
+        for key, piece in zip(rank_keys, pieces, strict=False):
             if key is not None:
                 samples.setdefault(key, piece)
     ordered = [samples[k] for k in sorted(samples)]
@@ -608,14 +629,14 @@ def _warn_dropped_predictions(trainer, sampler: DistributedSampler) -> None:
     """Global rank 0 says which samples a ``drop_last`` sampler leaves unpredicted."""
     if trainer.global_rank != 0 or not sampler.drop_last:
         return
-    total = len(sampler.dataset)
+    total = len(sampler.dataset)  # type: ignore[arg-type]  # torch's Dataset: no __len__
     dropped = total - sampler.num_samples * sampler.num_replicas
     if dropped > 0:
         warnings.warn(
-            f"the predict loader's DistributedSampler has drop_last=True: {dropped} of its {total} samples "
-            f"go to no rank, so predict returns no prediction for them. Build the sampler with "
-            f"drop_last=False (its padding's repeats are dropped from the predictions), or give the "
-            f"loader a multiple of {sampler.num_replicas} samples.",
+            f"the predict loader's DistributedSampler has drop_last=True: {dropped} of its {total} "
+            "samples go to no rank, so predict returns no prediction for them. Build the sampler "
+            "with drop_last=False (its padding's repeats are dropped from the predictions), or "
+            f"give the loader a multiple of {sampler.num_replicas} samples.",
             stacklevel=3,
         )
 
@@ -636,9 +657,9 @@ def _split(out: Any, count: int) -> list:
         parts = {k: _split(v, count) for k, v in out.items()}
         return [type(out)((k, parts[k][i]) for k in out) for i in range(count)]
     if isinstance(out, (list, tuple)):
-        parts = [_split(v, count) for v in out]
+        columns = [_split(v, count) for v in out]
         make = (lambda items: type(out)(*items)) if hasattr(out, "_fields") else type(out)
-        return [make([p[i] for p in parts]) for i in range(count)]
+        return [make([p[i] for p in columns]) for i in range(count)]
     raise ConfigurationError(
         f"predict under several processes puts every sample's prediction back in dataset order, "
         f"so predict_step must return tensors (or lists/tuples/dicts of them), got "

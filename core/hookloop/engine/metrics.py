@@ -26,7 +26,7 @@ def _is_torchmetrics(value: Any, kind: str) -> bool:
 
 
 def _torchmetrics_metric(name: str, value: Any) -> Any:
-    """``value`` when it is a torchmetrics ``Metric``; else a TypeError saying what self.log takes."""
+    """``value`` when a torchmetrics ``Metric``; else a TypeError saying what self.log takes."""
     if _is_torchmetrics(value, "Metric"):
         return value
     if _is_torchmetrics(value, "MetricCollection"):
@@ -46,10 +46,12 @@ def _scalar(name: str, value: Any, what: str, device: torch.device) -> torch.Ten
     if value is None:
         return None
     if not isinstance(value, torch.Tensor) or value.numel() != 1:
-        shape = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+        tensor = isinstance(value, torch.Tensor)
+        shape = f"a tensor of shape {tuple(value.shape)}" if tensor else type(value).__name__
         raise ConfigurationError(
-            f"self.log({name!r}, metric): the metric's {what} must be a scalar tensor, got {shape}; "
-            f"log a metric that returns one number (or log its values yourself, one name each)"
+            f"self.log({name!r}, metric): the metric's {what} must be a scalar tensor, got "
+            f"{shape}; log a metric that returns one number (or log its values yourself, one name "
+            "each)"
         )
     value = value.detach().reshape(())
     return value if value.device == device else value.to(device)
@@ -112,16 +114,19 @@ class Metrics:
 
     # -- recording ----------------------------------------------------------------------
 
-    def log(self, name, value, prog_bar, for_logger, on_step, on_epoch, op, sync_dist, add_dataloader_idx, batch_size):
+    def log(self, name, value, prog_bar, for_logger, on_step, on_epoch, op, sync_dist,
+            add_dataloader_idx, batch_size):
         # DataParallel runs the step in one thread per replica: updates must not interleave.
         with self._lock:
-            self._log(name, value, prog_bar, for_logger, on_step, on_epoch, op, sync_dist, add_dataloader_idx, batch_size)
+            self._log(name, value, prog_bar, for_logger, on_step, on_epoch, op, sync_dist,
+                      add_dataloader_idx, batch_size)
 
-    def _log(self, name, value, prog_bar, for_logger, on_step, on_epoch, op, sync_dist, add_dataloader_idx, batch_size):
+    def _log(self, name, value, prog_bar, for_logger, on_step, on_epoch, op, sync_dist,
+             add_dataloader_idx, batch_size):
         if self.stage == "predict":
             raise ConfigurationError(
-                f"self.log({name!r}, ...) in predict: prediction logs no metrics (as in Lightning); "
-                f"return the values from predict_step, or compute metrics in test_step"
+                f"self.log({name!r}, ...) in predict: prediction logs no metrics (as in "
+                "Lightning); return the values from predict_step, or compute metrics in test_step"
             )
         device = self.trainer.root_device
         metric = None
@@ -129,8 +134,9 @@ class Metrics:
             value = value.detach()
             if value.numel() != 1:
                 raise ConfigurationError(
-                    f"self.log({name!r}, ...) needs a scalar, got a tensor of shape {tuple(value.shape)}: "
-                    f"reduce it first (e.g. .mean()), or log each element under its own name"
+                    f"self.log({name!r}, ...) needs a scalar, got a tensor of shape "
+                    f"{tuple(value.shape)}: reduce it first (e.g. .mean()), or log each element "
+                    "under its own name"
                 )
             value = value.reshape(())
             if value.device != device:
@@ -143,7 +149,8 @@ class Metrics:
             # compute() at the epoch's end, then reset(); it syncs itself, so sync_dist and
             # reduce_fx do not apply
             metric = _torchmetrics_metric(name, value)
-            value, sync_dist = _scalar(name, metric._forward_cache, "forward() result", device), False
+            value = _scalar(name, metric._forward_cache, "forward() result", device)
+            sync_dist = False
         if self.suffix and add_dataloader_idx:
             name = name + self.suffix
         training = self.stage == "train" and not self.epoch_level
@@ -153,7 +160,8 @@ class Metrics:
             on_epoch = not training
         forked = on_step and on_epoch
         if metric is not None:
-            self.metric_objects.setdefault(self.stage, {})[id(metric)] = metric  # reset at the stage's end
+            # reset at the stage's end
+            self.metric_objects.setdefault(self.stage, {})[id(metric)] = metric
             if value is None:
                 on_step = False  # nothing for this step (Lightning logs no step value)
                 if not on_epoch:
@@ -189,15 +197,19 @@ class Metrics:
             else:
                 slot[1][thread] = step_value  # another replica of the same step
         if on_epoch and metric is not None:
-            self.epoch_metrics.setdefault(self.stage, {})[f"{name}_epoch" if forked else name] = metric
+            key = f"{name}_epoch" if forked else name
+            self.epoch_metrics.setdefault(self.stage, {})[key] = metric
         elif on_epoch:
             if batch_size is None:
                 batch = getattr(_STEP_BATCH, "batch", None)
-                batch_size = batch_size_of(self.trainer.state.current_batch if batch is None else batch)
+                batch = self.trainer.state.current_batch if batch is None else batch
+                batch_size = batch_size_of(batch)
             key = f"{name}_epoch" if forked else name
             # Lightning's _ResultMetric: accumulate in the logged dtype, float32 (the default
             # dtype) for anything but float32/float64, so epoch means are bit-equal to its.
-            v = value if value.dtype in (torch.float32, torch.float64) else value.to(torch.get_default_dtype())
+            v = value
+            if value.dtype not in (torch.float32, torch.float64):
+                v = value.to(torch.get_default_dtype())
             sums = self.epoch_sums.setdefault(self.stage, {})
             entry = sums.get(key)
             if entry is None:
@@ -235,13 +247,15 @@ class Metrics:
         ranks where ``sync_dist`` asked for it (a collective: every rank calls this)."""
         out: dict[str, torch.Tensor] = {}
         reduce = self.trainer.reduce
-        for name, (total, count, sync, op, plain_sum, vmax, vmin) in self.epoch_sums.get(stage, {}).items():
+        sums = self.epoch_sums.get(stage, {})
+        for name, (total, count, sync, op, plain_sum, vmax, vmin) in sums.items():
             if op == "mean":
                 if sync:
                     # Lightning: the mean over ranks of the sums, divided by the mean over
                     # ranks of the sample counts (both in the sum's dtype, like its sync).
                     world = self.trainer.world_size
-                    pair = reduce(torch.stack([total, torch.tensor(count, dtype=total.dtype, device=total.device)]), "sum")
+                    n = torch.tensor(count, dtype=total.dtype, device=total.device)
+                    pair = reduce(torch.stack([total, n]), "sum")
                     total, count = pair[0] / world, pair[1] / world
                 out[name] = total / count
             elif op == "sum":
@@ -252,7 +266,8 @@ class Metrics:
                 out[name] = reduce(vmin, "min") if sync else vmin
         device = self.trainer.root_device
         for name, metric in self.epoch_metrics.get(stage, {}).items():
-            value = _scalar(name, metric.compute(), "compute() result", device)  # syncs across ranks itself
+            # compute() syncs across ranks itself
+            value = _scalar(name, metric.compute(), "compute() result", device)
             if value is not None:
                 out[name] = value
         return out
@@ -267,7 +282,7 @@ class Metrics:
         out: dict[str, float] = {}
         if tensors:
             values = torch.stack([t.to(torch.float64) for t in tensors.values()]).tolist()
-            for name, value in zip(tensors, values):
+            for name, value in zip(tensors, values, strict=True):
                 out[name] = value
                 if name.endswith("_epoch") and name[:-6] in self.forked:
                     out[name[:-6]] = value
@@ -292,11 +307,12 @@ class Metrics:
         for name, (token, per_thread) in self.step_values.items():
             values = list(per_thread.values())
             names.append(name)
-            tensors.append(values[0] if len(values) == 1 else torch.stack([v.double() for v in values]).mean())
+            one = len(values) == 1
+            tensors.append(values[0] if one else torch.stack([v.double() for v in values]).mean())
             fresh.append(token > self.epoch_token)
         floats = torch.stack([t.to(torch.float64) for t in tensors]).tolist()
-        out = dict(zip(names, floats))
-        for name, is_fresh in zip(names, fresh):
+        out = dict(zip(names, floats, strict=True))
+        for name, is_fresh in zip(names, fresh, strict=True):
             if name.endswith("_step") and name[:-5] in self.forked and is_fresh:
                 out[name[:-5]] = out[name]
         return out
@@ -312,8 +328,11 @@ class Metrics:
     def state_dict(self) -> dict:
         """The training epoch's partial sums and the reported metrics, for a resume
         mid-epoch that reports the same epoch means as an uninterrupted run."""
-        train = self.kept_train_sums if self.kept_train_sums is not None else self.epoch_sums.get("train", {})
-        sums = {name: [t.detach().cpu() if isinstance(t, torch.Tensor) else t for t in entry] for name, entry in train.items()}
+        train = self.kept_train_sums
+        if train is None:
+            train = self.epoch_sums.get("train", {})
+        sums = {name: [t.detach().cpu() if isinstance(t, torch.Tensor) else t for t in entry]
+                for name, entry in train.items()}
         return {"train_sums": sums, "callback_metrics": dict(self.read())}
 
     def load_state_dict(self, state: dict) -> None:

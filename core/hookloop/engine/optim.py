@@ -42,7 +42,8 @@ class SchedulerConfig:
         return isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
 
-def parse_optimizers(result: Any, owner: str, automatic: bool) -> tuple[list, list[SchedulerConfig]]:
+def parse_optimizers(result: Any, owner: str,
+                     automatic: bool) -> tuple[list, list[SchedulerConfig]]:
     """What Lightning users return from ``configure_optimizers``, as (optimizers, schedulers).
 
     An optimizer; a list/tuple of optimizers; ``([optimizers], [schedulers or configs])``;
@@ -59,7 +60,9 @@ def parse_optimizers(result: Any, owner: str, automatic: bool) -> tuple[list, li
                 f"optimizer (return one), or set self.automatic_optimization = False"
             )
         return [], []
-    if isinstance(result, torch.optim.Optimizer):
+    Optimizer = torch.optim.Optimizer
+    pair = isinstance(result, (list, tuple)) and len(result) == 2
+    if isinstance(result, Optimizer):
         optimizers = [result]
     elif isinstance(result, dict):
         optimizers, configs = _from_dict(result, owner)
@@ -68,11 +71,11 @@ def parse_optimizers(result: Any, owner: str, automatic: bool) -> tuple[list, li
             opts, confs = _from_dict(item, owner)
             optimizers += opts
             configs += confs
-    elif isinstance(result, (list, tuple)) and len(result) == 2 and isinstance(result[0], (list, tuple)):
+    elif pair and isinstance(result[0], (list, tuple)):
         optimizers = list(result[0])
         schedulers = result[1] if isinstance(result[1], (list, tuple)) else [result[1]]
         configs = [_scheduler_config(s, owner) for s in schedulers if s is not None]
-    elif isinstance(result, (list, tuple)) and len(result) == 2 and isinstance(result[0], torch.optim.Optimizer) and not isinstance(result[1], torch.optim.Optimizer):
+    elif pair and isinstance(result[0], Optimizer) and not isinstance(result[1], Optimizer):
         # (optimizer, scheduler): hookloop accepted it before Lightning's forms; kept.
         optimizers = [result[0]]
         configs = [_scheduler_config(result[1], owner)] if result[1] is not None else []
@@ -105,7 +108,8 @@ def parse_optimizers(result: Any, owner: str, automatic: bool) -> tuple[list, li
 def _from_dict(result: dict, owner: str) -> tuple[list, list[SchedulerConfig]]:
     unknown = set(result) - {"optimizer", "lr_scheduler", "monitor", "frequency"}
     if unknown:
-        raise ConfigurationError(_unknown_keys(owner, unknown, ("optimizer", "lr_scheduler", "monitor")))
+        known = ("optimizer", "lr_scheduler", "monitor")
+        raise ConfigurationError(_unknown_keys(owner, unknown, known))
     if "frequency" in result:
         raise ConfigurationError(
             f"{owner}.configure_optimizers: an optimizer 'frequency' alternates optimizers under "
@@ -125,9 +129,11 @@ def _scheduler_config(scheduler: Any, owner: str, monitor: str | None = None) ->
     if isinstance(scheduler, dict):
         unknown = set(scheduler) - set(_SCHEDULER_KEYS)
         if unknown:
-            raise ConfigurationError(_unknown_keys(owner, unknown, _SCHEDULER_KEYS, what="lr_scheduler config"))
+            what = "lr_scheduler config"
+            raise ConfigurationError(_unknown_keys(owner, unknown, _SCHEDULER_KEYS, what=what))
         if "scheduler" not in scheduler:
-            raise ConfigurationError(f"{owner}.configure_optimizers: an lr_scheduler config needs a 'scheduler' entry")
+            raise ConfigurationError(
+                f"{owner}.configure_optimizers: an lr_scheduler config needs a 'scheduler' entry")
         config = SchedulerConfig(**scheduler)
     else:
         config = SchedulerConfig(scheduler)
@@ -138,16 +144,20 @@ def _scheduler_config(scheduler: Any, owner: str, monitor: str | None = None) ->
 
 def _checked(config: SchedulerConfig, owner: str) -> SchedulerConfig:
     if not hasattr(config.scheduler, "step"):
-        raise ConfigurationError(f"{owner}.configure_optimizers: {type(config.scheduler).__name__} is not an LR scheduler (no step())")
+        raise ConfigurationError(f"{owner}.configure_optimizers: {type(config.scheduler).__name__} "
+                                 "is not an LR scheduler (no step())")
     if config.interval not in ("epoch", "step"):
-        raise ConfigurationError(f"lr_scheduler interval={config.interval!r} must be 'epoch' or 'step'")
-    if not isinstance(config.frequency, int) or isinstance(config.frequency, bool) or config.frequency < 1:
-        raise ConfigurationError(f"lr_scheduler frequency={config.frequency!r} must be an integer >= 1")
+        raise ConfigurationError(
+            f"lr_scheduler interval={config.interval!r} must be 'epoch' or 'step'")
+    frequency = config.frequency
+    if not isinstance(frequency, int) or isinstance(frequency, bool) or frequency < 1:
+        raise ConfigurationError(
+            f"lr_scheduler frequency={config.frequency!r} must be an integer >= 1")
     if config.reduce_on_plateau and not config.monitor:
         raise ConfigurationError(
-            f"{owner}.configure_optimizers returned a ReduceLROnPlateau scheduler without the metric "
-            f"it monitors: return {{'optimizer': optimizer, 'lr_scheduler': scheduler, 'monitor': "
-            f"'val_loss'}} (or 'monitor' inside the lr_scheduler config)"
+            f"{owner}.configure_optimizers returned a ReduceLROnPlateau scheduler without the "
+            "metric it monitors: return {'optimizer': optimizer, 'lr_scheduler': scheduler, "
+            "'monitor': 'val_loss'} (or 'monitor' inside the lr_scheduler config)"
         )
     return config
 
@@ -157,14 +167,16 @@ def _unknown_keys(owner: str, unknown: set, known: tuple, what: str = "dict") ->
     for key in sorted(map(str, unknown)):
         close = difflib.get_close_matches(key, known, n=1)
         parts.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    return f"{owner}.configure_optimizers: unknown {what} key(s) {', '.join(parts)}; known: {', '.join(known)}"
+    return (f"{owner}.configure_optimizers: unknown {what} key(s) {', '.join(parts)}; "
+            f"known: {', '.join(known)}")
 
 
 def step_schedulers(trainer: Any, interval: str, plateau: bool, count: int) -> None:
     """Step the ``interval`` schedulers (plateau ones or the others) due at ``count``
     (epochs completed, or optimizer steps taken)."""
     for config in trainer.lr_scheduler_configs:
-        if config.interval != interval or config.reduce_on_plateau != plateau or count % config.frequency:
+        if (config.interval != interval or config.reduce_on_plateau != plateau
+                or count % config.frequency):
             continue
         if not plateau:
             config.scheduler.step()
@@ -174,13 +186,15 @@ def step_schedulers(trainer: Any, interval: str, plateau: bool, count: int) -> N
             available = ", ".join(sorted(trainer.callback_metrics)) or "none"
             if config.strict:
                 raise ConfigurationError(
-                    f"ReduceLROnPlateau monitors {config.monitor!r}, which was never logged (logged "
-                    f"metrics: {available}). Log it with self.log({config.monitor!r}, value), or "
-                    f"monitor one of those ('monitor' in configure_optimizers), or set 'strict': False "
-                    f"in the lr_scheduler config to skip the step when it is missing."
+                    f"ReduceLROnPlateau monitors {config.monitor!r}, which was never logged "
+                    f"(logged metrics: {available}). Log it with self.log({config.monitor!r}, "
+                    "value), or monitor one of those ('monitor' in configure_optimizers), or set "
+                    "'strict': False in the lr_scheduler config to skip the step when it is "
+                    "missing."
                 )
             if not getattr(config, "_told_missing", False):
-                trainer.print(f"hookloop: ReduceLROnPlateau skipped: {config.monitor!r} not logged (strict=False); logged: {available}")
+                trainer.print(f"hookloop: ReduceLROnPlateau skipped: {config.monitor!r} not logged "
+                              f"(strict=False); logged: {available}")
                 config._told_missing = True
             continue
         config.scheduler.step(value)
@@ -192,7 +206,8 @@ def schedulers_of(trainer: Any, optimizer: Any) -> list:
     For strategies that replace an optimizer (``wrap_optimizer``): re-point these at
     the replacement with :func:`hookloop.repoint_lr_scheduler`.
     """
-    return [c.scheduler for c in trainer.lr_scheduler_configs if getattr(c.scheduler, "optimizer", None) is optimizer]
+    return [c.scheduler for c in trainer.lr_scheduler_configs
+            if getattr(c.scheduler, "optimizer", None) is optimizer]
 
 
 def before_optimizer_step(trainer: Any, optimizer: Any, clip: bool = True) -> None:
@@ -209,9 +224,9 @@ def before_optimizer_step(trainer: Any, optimizer: Any, clip: bool = True) -> No
     if not clip:
         if custom_clipping(trainer.module):
             raise ConfigurationError(
-                f"{type(trainer.module).__name__}.configure_gradient_clipping is not called: the strategy "
-                f"clips the gradients itself. Remove the override and set Trainer(gradient_clip_val=..., "
-                f"gradient_clip_algorithm=...)")
+                f"{type(trainer.module).__name__}.configure_gradient_clipping is not called: the "
+                "strategy clips the gradients itself. Remove the override and set "
+                "Trainer(gradient_clip_val=..., gradient_clip_algorithm=...)")
         return
     requests = trainer.state.clip_requests
     request = requests.pop(id(optimizer), None) if requests else None
@@ -312,7 +327,7 @@ def load_scheduler_states(trainer: Any, scheduler_states: list) -> None:
             f"configure_optimizers returned {len(configs)}: resume with the schedulers it "
             f"was saved with"
         )
-    for config, state in zip(configs, scheduler_states):
+    for config, state in zip(configs, scheduler_states, strict=True):  # lengths checked above
         config.scheduler.load_state_dict(state)
 
 
@@ -350,7 +365,8 @@ class LoopOptimizer:
         return f"LoopOptimizer({self.optimizer!r})"
 
 
-def repoint_optimizers(optimizers: list, old_names: dict[int, str], model: torch.nn.Module, owner: str) -> None:
+def repoint_optimizers(optimizers: list, old_names: dict[int, str], model: torch.nn.Module,
+                       owner: str) -> None:
     """Point the optimizers of ``configure_optimizers`` at the parameters that replaced
     those they were built on (a strategy that shards or distributes the module's
     parameters: fsdp's ``fully_shard``, tp's ``parallelize_module``), in place: the same
@@ -364,19 +380,20 @@ def repoint_optimizers(optimizers: list, old_names: dict[int, str], model: torch
     for optimizer in optimizers:
         if any(optimizer.state.values()):
             raise ConfigurationError(
-                f"{type(optimizer).__name__} from configure_optimizers already holds state; the {owner} "
-                f"strategy replaces the parameters after configure_optimizers and cannot carry state "
-                f"over to them. Create the optimizer without state (load state with ckpt_path=...)")
+                f"{type(optimizer).__name__} from configure_optimizers already holds state; the "
+                f"{owner} strategy replaces the parameters after configure_optimizers and cannot "
+                "carry state over to them. Create the optimizer without state (load state with "
+                "ckpt_path=...)")
         for group in optimizer.param_groups:
             replaced = []
             for p in group["params"]:
                 name = old_names.get(id(p))
                 if name is None or name not in new:
                     raise ConfigurationError(
-                        f"{type(optimizer).__name__} from configure_optimizers optimizes a tensor that is "
-                        f"not a parameter of the module ({tuple(p.shape)}): the {owner} strategy replaces "
-                        f"the module's parameters and re-points the optimizer at them, so optimize "
-                        f"self.parameters() (or some of them)")
+                        f"{type(optimizer).__name__} from configure_optimizers optimizes a tensor "
+                        f"that is not a parameter of the module ({tuple(p.shape)}): the {owner} "
+                        "strategy replaces the module's parameters and re-points the optimizer at "
+                        "them, so optimize self.parameters() (or some of them)")
                 replaced.append(new[name])
             group["params"][:] = replaced  # in place: LBFGS-like optimizers keep a reference
         optimizer.state.clear()

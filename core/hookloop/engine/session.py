@@ -24,23 +24,29 @@ from pathlib import Path
 from typing import Any
 
 from torch import nn
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    RandomSampler,
+    SequentialSampler,
+)
 
-from hookloop.resume import checkpoint as ckpt
-from hookloop.distributed import faults
-from hookloop.resume import loader_state
-from hookloop.engine import loop
 from hookloop.contract.errors import ConfigurationError
-from hookloop.distributed.strategy import data_parallel_rank
-from hookloop.helpers import DistributedSamplerWrapper, OrderedSampler, rebuild_dataloader
 from hookloop.contract.hookspecs import MODULE_HOOKS, hookimpl
-from hookloop.engine.loop import _per_device_batch, batch_limit
-from hookloop.distributed.mesh import build_device_mesh
-from hookloop.engine.optim import parse_optimizers
-from hookloop.resume.run import restore, resume_after_restart
 from hookloop.dispatch import resolve_events
-from hookloop.engine.step import PREDICT, TEST, VALIDATE, _StepModule, log_epoch_row, log_row
+from hookloop.distributed import faults
+from hookloop.distributed.mesh import build_device_mesh
 from hookloop.distributed.ranks import rank_zero_only
+from hookloop.distributed.strategy import data_parallel_rank
+from hookloop.engine import loop
+from hookloop.engine.loop import _per_device_batch, batch_limit
+from hookloop.engine.optim import parse_optimizers
+from hookloop.engine.step import PREDICT, TEST, VALIDATE, _StepModule, log_epoch_row, log_row
+from hookloop.helpers import DistributedSamplerWrapper, OrderedSampler, rebuild_dataloader
+from hookloop.resume import checkpoint as ckpt
+from hookloop.resume import loader_state
+from hookloop.resume.run import restore, resume_after_restart
 
 #: the ``stage`` argument of ``setup``/``teardown`` for each entry point
 SETUP_STAGE = {"fit": "fit", VALIDATE: "validate", TEST: "test", PREDICT: "predict"}
@@ -55,7 +61,8 @@ def fit(trainer) -> None:
     """Train ``trainer.module``: the whole of ``Trainer.fit`` inside one worker."""
     with session(trainer, "fit"):
         config, state = trainer.config, trainer.state
-        _accumulate_for_global_batch(trainer)  # before the strategy wraps (DeepSpeed's config reads it)
+        # before the strategy wraps (DeepSpeed's config reads it)
+        _accumulate_for_global_batch(trainer)
         build_model(trainer, "fit")
         train_loader = trainer.train_dataloader
         if config.overfit_batches:
@@ -65,7 +72,8 @@ def fit(trainer) -> None:
         train_loader = state.fit_train_loader = loader_state.resumable_loader(train_loader)
         # with workers: per-batch worker seeds, the same after a resume (hookloop.loader_state)
         val_loaders = [loader_state.resumable_loader(prepare_loader(trainer, v, training=False))
-                       if getattr(v, "num_workers", 0) else prepare_loader(trainer, v, training=False)
+                       if getattr(v, "num_workers", 0)
+                       else prepare_loader(trainer, v, training=False)
                        for v in trainer.val_dataloaders or []]
         state.fit_val_loaders = val_loaders
         warn_repeated_samples(trainer, val_loaders, "validation")
@@ -76,7 +84,8 @@ def fit(trainer) -> None:
             )
         state.train_batch_size = _per_device_batch(train_loader)  # saved in checkpoints' loop state
         # Lightning's: known from setup on (progress bars read it at on_train_start)
-        trainer.num_training_batches = batch_limit(train_loader, config.limit_train_batches, "limit_train_batches")
+        trainer.num_training_batches = batch_limit(train_loader, config.limit_train_batches,
+                                                   "limit_train_batches")
         if state.ckpt_path is not None:
             restore(trainer, state.ckpt_path, train_loader=train_loader)
         else:
@@ -90,11 +99,12 @@ def run_evaluation(trainer, stage: str) -> list[dict]:
     with session(trainer, stage):
         build_model(trainer, stage)
         attr = "val_dataloaders" if stage == VALIDATE else "test_dataloaders"
-        loaders = [prepare_loader(trainer, loader, training=False) for loader in getattr(trainer, attr)]
+        loaders = [prepare_loader(trainer, x, training=False) for x in getattr(trainer, attr)]
         warn_repeated_samples(trainer, loaders, "validation" if stage == VALIDATE else "test")
         if trainer.state.ckpt_path is not None:
             restore(trainer, trainer.state.ckpt_path)
-        limit = trainer.config.limit_val_batches if stage == VALIDATE else trainer.config.limit_test_batches
+        config = trainer.config
+        limit = config.limit_val_batches if stage == VALIDATE else config.limit_test_batches
         results = loop.evaluate(trainer, stage, loaders, limit=limit)
         log_row(trainer, {k: v for r in results for k, v in r.items()})
         if trainer.state.verbose and trainer.global_rank == 0:
@@ -106,7 +116,8 @@ def run_predict(trainer) -> Any:
     """``Trainer.predict`` inside one worker: per-batch outputs, in dataset order."""
     with session(trainer, PREDICT):
         build_model(trainer, PREDICT)
-        loaders = [prepare_loader(trainer, loader, training=False) for loader in trainer.predict_dataloaders]
+        loaders = [prepare_loader(trainer, x, training=False)
+                   for x in trainer.predict_dataloaders]
         if trainer.state.ckpt_path is not None:
             restore(trainer, trainer.state.ckpt_path)
         return loop.predict(trainer, loaders)
@@ -143,7 +154,8 @@ def session(trainer, stage: str):
     trainer.state.metrics.reset_run()  # Lightning: every run starts with no metrics
     try:
         hook.setup_environment(trainer=trainer)
-        rank_zero_only.rank = trainer.global_rank
+        # a function attribute (as Lightning's rank_zero_only.rank), which mypy cannot type
+        rank_zero_only.rank = trainer.global_rank  # type: ignore[attr-defined]
         _say_environment_settings(trainer)
         build_device_mesh(trainer)  # the process group exists: the run's one mesh, on_device_mesh
         _resolve_run_dir(trainer)
@@ -164,7 +176,9 @@ def session(trainer, stage: str):
     except BaseException as exc:
         # A collective that timed out or lost a peer: say which one, and which rank.
         state.status = "interrupted"
-        explained = faults.collective_failure_error(trainer, exc) if trainer.world_size > 1 else None
+        explained = None
+        if trainer.world_size > 1:
+            explained = faults.collective_failure_error(trainer, exc)
         if set_up and not isinstance(exc, (SystemExit, KeyboardInterrupt)):
             hook.on_exception(trainer=trainer, exception=explained or exc)
         if explained is not None:
@@ -226,15 +240,17 @@ def claim_run_dirs(trainer) -> list[str]:
     for logger in trainer.loggers:
         root = getattr(logger, "hookloop_run_root", None)
         root = root() if callable(root) else None
-        dirs.append(None if root is None else str(rundir.claim_in(root[0], token, trainer.state.run_index, root[1])))
-    run_dir = dirs[0] if dirs and dirs[0] is not None else str(rundir.claim(trainer.default_root_dir, token, trainer.state.run_index))
+        index = trainer.state.run_index
+        dirs.append(None if root is None else str(rundir.claim_in(root[0], token, index, root[1])))
+    run_dir = dirs[0] if dirs and dirs[0] is not None else str(
+        rundir.claim(trainer.default_root_dir, token, trainer.state.run_index))
     return [run_dir, *dirs]
 
 
 def adopt_run_dirs(trainer, dirs: list[str]) -> None:
     """Every rank: the run directory, and each logger's (``hookloop_use_run_dir``)."""
     trainer.state.log_dir = Path(dirs[0])
-    for logger, path in zip(trainer.loggers, dirs[1:]):
+    for logger, path in zip(trainer.loggers, dirs[1:], strict=False):
         if path is not None:
             logger.hookloop_use_run_dir(path)
 
@@ -243,19 +259,21 @@ def _resolve_run_dir(trainer) -> None:
     """``trainer.log_dir`` and the loggers' directories: decided by global rank 0 (once
     per Trainer) and broadcast."""
     if trainer.state.log_dir is None:
-        chosen = None
+        chosen: list[str] | OSError | None = None
         if trainer.global_rank == 0:
             try:
                 chosen = claim_run_dirs(trainer)
             except OSError as exc:
                 # Told to every rank, so none waits for a directory that never comes.
-                chosen = OSError(f"{exc.strerror or exc}: {exc.filename or trainer.default_root_dir}")
+                chosen = OSError(f"{exc.strerror or exc}: "
+                                 f"{exc.filename or trainer.default_root_dir}")
         chosen = trainer.broadcast(chosen, 0)
         if isinstance(chosen, OSError):
             raise ConfigurationError(
-                f"cannot create the run directory under default_root_dir={str(trainer.default_root_dir)!r} "
-                f"or a logger's save_dir ({chosen}): make it writable or choose another (Trainer(default_root_dir=...) "
-                f"or --default-root-dir, the logger's save_dir)"
+                "cannot create the run directory under "
+                f"default_root_dir={str(trainer.default_root_dir)!r} or a logger's save_dir "
+                f"({chosen}): make it writable or choose another (Trainer(default_root_dir=...) or "
+                "--default-root-dir, the logger's save_dir)"
             )
         adopt_run_dirs(trainer, chosen)
 
@@ -263,7 +281,8 @@ def _resolve_run_dir(trainer) -> None:
 def _prepare_data(trainer) -> None:
     """``prepare_data`` of the DataModule and the module: once per node (or per job),
     on one rank, while the others wait."""
-    sources = [s for s in (trainer.datamodule, trainer.module) if callable(getattr(type(s), "prepare_data", None))]
+    sources = [s for s in (trainer.datamodule, trainer.module)
+               if callable(getattr(type(s), "prepare_data", None))]
     if not sources:
         return
     for source in sources:
@@ -301,11 +320,14 @@ def _resolve_loaders(trainer, stage: str) -> None:
     for attr, method, wanted in order:
         if not wanted or getattr(trainer, attr) is not None:
             continue
-        source = next((s for s in (trainer.datamodule, trainer.module) if s is not None and provides(s, method)), None)
+        source = next((s for s in (trainer.datamodule, trainer.module)
+                       if s is not None and provides(s, method)), None)
         if source is None or getattr(source, method, None) is None:
             continue  # none, or set to None (how Lightning's tests turn a loader off)
-        if attr == "val_dataloaders" and stage == "fit" and not callable(getattr(trainer.module, "validation_step", None)):
-            trainer.print(f"hookloop: {type(source).__name__}.val_dataloader() is not used: {type(trainer.module).__name__} has no validation_step")
+        if attr == "val_dataloaders" and stage == "fit" and not callable(
+                getattr(trainer.module, "validation_step", None)):
+            trainer.print(f"hookloop: {type(source).__name__}.val_dataloader() is not used: "
+                          f"{type(trainer.module).__name__} has no validation_step")
             continue
         if isolate and attr == "val_dataloaders":
             rng = ckpt.rng_state()
@@ -315,7 +337,9 @@ def _resolve_loaders(trainer, stage: str) -> None:
                 ckpt.set_rng_state(rng)
         else:
             loaders = getattr(source, method)()
-        setattr(trainer, attr, loaders if attr == "train_dataloader" else as_loader_list(loaders, f"{type(source).__name__}.{method}()"))
+        if attr != "train_dataloader":
+            loaders = as_loader_list(loaders, f"{type(source).__name__}.{method}()")
+        setattr(trainer, attr, loaders)
     if stage == "fit":
         if trainer.train_dataloader is None:
             raise ConfigurationError(
@@ -324,7 +348,8 @@ def _resolve_loaders(trainer, stage: str) -> None:
             )
         check_loader(trainer.train_dataloader, "train_dataloaders")
     else:
-        attr = {VALIDATE: "val_dataloaders", TEST: "test_dataloaders", PREDICT: "predict_dataloaders"}[stage]
+        attr = {VALIDATE: "val_dataloaders", TEST: "test_dataloaders",
+                PREDICT: "predict_dataloaders"}[stage]
         if not getattr(trainer, attr):
             raise ConfigurationError(
                 f"{stage} needs data: pass dataloaders, or a datamodule (or module) with "
@@ -339,7 +364,8 @@ def check_loader(loader: Any, name: str) -> None:
             f"the datasets (torch.utils.data.ConcatDataset) into one loader"
         )
     if not isinstance(loader, DataLoader):
-        raise TypeError(f"{name} must be a torch.utils.data.DataLoader, got {type(loader).__name__}")
+        raise TypeError(f"{name} must be a torch.utils.data.DataLoader, got "
+                        f"{type(loader).__name__}")
 
 
 def as_loader_list(loaders: Any, name: str) -> list[DataLoader] | None:
@@ -352,7 +378,8 @@ def as_loader_list(loaders: Any, name: str) -> list[DataLoader] | None:
         loaders = [loaders]
     for i, loader in enumerate(loaders):
         if not isinstance(loader, DataLoader):
-            raise TypeError(f"{name}[{i}] must be a torch.utils.data.DataLoader, got {type(loader).__name__}")
+            raise TypeError(f"{name}[{i}] must be a torch.utils.data.DataLoader, got "
+                            f"{type(loader).__name__}")
     return list(loaders)
 
 
@@ -375,7 +402,8 @@ def build_model(trainer, stage: str) -> None:
             module.configure_optimizers(), type(module).__name__, trainer.automatic_optimization
         )
     trainer.model = hook.wrap_model(
-        trainer=trainer, model=_StepModule(module), optimizer=optimizers[0] if optimizers else None, optimizers=optimizers
+        trainer=trainer, model=_StepModule(module), optimizer=optimizers[0] if optimizers else None,
+        optimizers=optimizers,
     )
     wrapped = []
     for optimizer in optimizers:
@@ -396,10 +424,11 @@ def _sharded_samples(sampler: Any) -> int | None:
     """How many samples a sampler that hookloop knows shares out between the processes
     (``DistributedSampler``'s dataset; the user's sampler under ``DistributedSamplerWrapper``);
     ``None`` for any other sampler."""
+    # torch's stubs give Dataset and Sampler no __len__; these two samplers need one
     if isinstance(sampler, DistributedSampler):
-        return len(sampler.dataset)
+        return len(sampler.dataset)  # type: ignore[arg-type]
     if isinstance(sampler, DistributedSamplerWrapper):
-        return len(sampler.sampler)
+        return len(sampler.sampler)  # type: ignore[arg-type]
     return None
 
 
@@ -427,10 +456,10 @@ def warn_repeated_samples(trainer, loaders: list, what: str) -> None:
         if repeated:
             which = f"the {what} loader" + (f" {index}" if len(loaders) > 1 else "")
             warnings.warn(
-                f"{which} has {total} samples for {world} processes: the DistributedSampler repeats {repeated} of "
-                f"them so that every rank gets {-(-total // world)}, and {what} metrics count those twice (as in "
-                f"Lightning). For exact metrics run {what} on one process, or give the loader a multiple of {world} "
-                f"samples.",
+                f"{which} has {total} samples for {world} processes: the DistributedSampler "
+                f"repeats {repeated} of them so that every rank gets {-(-total // world)}, and "
+                f"{what} metrics count those twice (as in Lightning). For exact metrics run {what} "
+                f"on one process, or give the loader a multiple of {world} samples.",
                 stacklevel=2,
             )
 
@@ -438,12 +467,15 @@ def warn_repeated_samples(trainer, loaders: list, what: str) -> None:
 def _overfit_loader(trainer, loader: DataLoader) -> DataLoader:
     """``overfit_batches``: the same first batches every epoch, never shuffled."""
     if isinstance(loader.sampler, RandomSampler):
-        trainer.print("hookloop: overfit_batches: the training loader's shuffling is turned off, so every epoch sees the same batches")
+        trainer.print("hookloop: overfit_batches: the training loader's shuffling is turned off, "
+                      "so every epoch sees the same batches")
     sharded = trainer.world_size > 1 and trainer.config.use_distributed_sampler
     if isinstance(loader.sampler, RandomSampler) or (
-            sharded and type(loader.sampler) is SequentialSampler and type(loader.batch_sampler) is BatchSampler):
+            sharded and type(loader.sampler) is SequentialSampler
+            and type(loader.batch_sampler) is BatchSampler):
         # Sequential, and kept so by the distributed sampler (which shuffles training loaders).
-        return rebuild_dataloader(loader, OrderedSampler(loader.dataset))
+        # a map-style dataset (sized: RandomSampler and SequentialSampler take its len)
+        return rebuild_dataloader(loader, OrderedSampler(loader.dataset))  # type: ignore[arg-type]
     return loader
 
 
@@ -457,32 +489,36 @@ def _accumulate_for_global_batch(trainer) -> None:
     loader = trainer.train_dataloader
     per_device = _per_device_batch(loader)
     if per_device is None:
-        what = "a batch_sampler" if getattr(loader, "batch_sampler", None) is not None else "no batch_size"
+        has_sampler = getattr(loader, "batch_sampler", None) is not None
+        what = "a batch_sampler" if has_sampler else "no batch_size"
         raise ConfigurationError(
-            f"global_batch_size={wanted} needs the training loader's batch size, and the loader has {what} "
-            f"(it makes its own batches): give DataLoader(batch_size=...), or accumulate_grad_batches "
-            f"instead of global_batch_size")
+            f"global_batch_size={wanted} needs the training loader's batch size, and the loader "
+            f"has {what} (it makes its own batches): give DataLoader(batch_size=...), or "
+            "accumulate_grad_batches instead of global_batch_size")
     replicas = data_parallel_rank(trainer)[0]
     per_step = per_device * replicas
     if wanted % per_step:
         near = max(per_step, round(wanted / per_step) * per_step)
         raise ConfigurationError(
-            f"global_batch_size={wanted} is not a multiple of batch_size {per_device} (the training loader's) x "
-            f"{replicas} data-parallel process(es) = {per_step} samples per batch: give a global_batch_size that "
-            f"is a multiple of {per_step} (e.g. {near}), or change the loader's batch_size or the number of "
-            f"processes")
+            f"global_batch_size={wanted} is not a multiple of batch_size {per_device} (the "
+            f"training loader's) x {replicas} data-parallel process(es) = {per_step} samples per "
+            f"batch: give a global_batch_size that is a multiple of {per_step} (e.g. {near}), or "
+            "change the loader's batch_size or the number of processes")
     trainer.accumulate_grad_batches = wanted // per_step
 
 
 def _print_effective_batch(trainer, loader: DataLoader) -> None:
-    replicas = data_parallel_rank(trainer)[0]  # a tp group is one replica: its processes share batches
+    # a tp group is one replica: its processes share batches
+    replicas = data_parallel_rank(trainer)[0]
     wanted = trainer.config.global_batch_size
-    if trainer.global_rank != 0 or (replicas * trainer.accumulate_grad_batches <= 1 and wanted is None):
+    one = replicas * trainer.accumulate_grad_batches <= 1
+    if trainer.global_rank != 0 or (one and wanted is None):
         return
     per_device = _per_device_batch(loader)
-    if wanted is not None:  # the loader's batch size is known: _accumulate_for_global_batch checked it
-        print(f"hookloop: effective batch size {wanted} = {per_device} per device x {replicas} data-parallel "
-              f"process(es) x {trainer.accumulate_grad_batches} accumulated batches (global_batch_size={wanted})",
+    if wanted is not None:  # the loader's batch size is known (_accumulate_for_global_batch)
+        print(f"hookloop: effective batch size {wanted} = {per_device} per device x {replicas} "
+              f"data-parallel process(es) x {trainer.accumulate_grad_batches} accumulated batches "
+              f"(global_batch_size={wanted})",
               flush=True)
         return
     factors = f"{replicas} processes x {trainer.accumulate_grad_batches} accumulated batches"
@@ -490,7 +526,8 @@ def _print_effective_batch(trainer, loader: DataLoader) -> None:
         print(f"hookloop: effective batch size = (batch_sampler's batches) x {factors}", flush=True)
         return
     total = per_device * replicas * trainer.accumulate_grad_batches
-    print(f"hookloop: effective batch size {total} = {per_device} per device x {factors}", flush=True)
+    print(f"hookloop: effective batch size {total} = {per_device} per device x {factors}",
+          flush=True)
 
 
 def _print_results(stage: str, results: list[dict]) -> None:
@@ -528,7 +565,8 @@ def module_hooks_plugin(module: nn.Module) -> Any:
     defined = [name for name in MODULE_HOOKS if name != "setup" and defines_hook(module, name)]
     if not defined:
         return None
-    namespace: dict[str, Any] = {"hookloop_name": f"module:{type(module).__name__}", "hookloop_role": "observer"}
+    namespace: dict[str, Any] = {"hookloop_name": f"module:{type(module).__name__}",
+                                 "hookloop_role": "observer"}
     for name in defined:
         namespace[name] = _module_hook_impl(module, name, MODULE_HOOKS[name])
     return type("ModuleHooks", (), namespace)()
@@ -560,5 +598,6 @@ def _forwarding_function(name: str, args: tuple[str, ...], target: Any):
     pluggy passes each hook argument by the name the implementation's code declares."""
     params = ", ".join(args)
     namespace = {"_target": target}
-    exec(f"def {name}(self{', ' if args else ''}{params}):\n    return _target({params})\n", namespace)
+    exec(f"def {name}(self{', ' if args else ''}{params}):\n    return "
+         f"_target({params})\n", namespace)
     return namespace[name]

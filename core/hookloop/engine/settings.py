@@ -97,13 +97,15 @@ class TrainerConfig:
         if value is None:
             return
         if not _is_int(value) or value < 1:
-            raise ConfigurationError(f"global_batch_size={value!r} must be an integer >= 1 (samples per optimizer "
-                                     f"step over all the data-parallel processes), or None")
+            raise ConfigurationError(f"global_batch_size={value!r} must be an integer >= 1 "
+                                     "(samples per optimizer step over all the data-parallel "
+                                     "processes), or None")
         if self.accumulate_grad_batches != 1:
             raise ConfigurationError(
-                f"global_batch_size={value} and accumulate_grad_batches={self.accumulate_grad_batches} are both set: "
-                f"hookloop derives the accumulation from global_batch_size (global_batch_size / (batch_size x "
-                f"data-parallel processes)); give one of the two")
+                f"global_batch_size={value} and "
+                f"accumulate_grad_batches={self.accumulate_grad_batches} are both set: hookloop "
+                "derives the accumulation from global_batch_size (global_batch_size / (batch_size "
+                "x data-parallel processes)); give one of the two")
 
     def validate(self) -> None:
         """Check every value and normalise aliases; raise ``ConfigurationError``."""
@@ -119,7 +121,8 @@ class TrainerConfig:
         self._check_global_batch_size()
         every = self.check_val_every_n_epoch
         if every is not None and (not _is_int(every) or every < 1):
-            raise ConfigurationError(f"check_val_every_n_epoch={every!r} must be an integer >= 1, or None (count batches across epochs)")
+            raise ConfigurationError(f"check_val_every_n_epoch={every!r} must be an integer >= 1, "
+                                     "or None (count batches across epochs)")
         if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nodes:
             raise ConfigurationError(
                 f"node_rank={self.node_rank!r} must be in 0..nodes-1 (nodes={self.nodes})"
@@ -127,13 +130,15 @@ class TrainerConfig:
         if self.nodes > 1 and not self.rdzv_endpoint:
             raise ConfigurationError(
                 f"nodes={self.nodes} needs a rendezvous endpoint that every node can reach: "
-                f"--rdzv-endpoint HOST:PORT or Trainer(rdzv_endpoint='HOST:PORT'), the address of node 0"
+                "--rdzv-endpoint HOST:PORT or Trainer(rdzv_endpoint='HOST:PORT'), the address of "
+                "node 0"
             )
         for name in ("max_epochs", "max_steps"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 0):
                 raise ConfigurationError(f"{name}={value!r} must be None or an integer >= 0")
-        for name in ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches", "overfit_batches"):
+        for name in ("limit_train_batches", "limit_val_batches", "limit_test_batches",
+                     "limit_predict_batches", "overfit_batches"):
             value = getattr(self, name)
             if value is None and name != "overfit_batches":
                 continue
@@ -143,7 +148,8 @@ class TrainerConfig:
                     f"fraction of the loader (a float in [0.0, 1.0])"
                 )
         interval = self.val_check_interval
-        if not (_is_int(interval) and interval >= 1) and not (isinstance(interval, float) and 0.0 < interval <= 1.0):
+        if not (_is_int(interval) and interval >= 1) and not (
+                isinstance(interval, float) and 0.0 < interval <= 1.0):
             raise ConfigurationError(
                 f"val_check_interval={interval!r} must be a number of training batches (an integer "
                 f">= 1) or a fraction of the epoch (a float in (0.0, 1.0])"
@@ -155,12 +161,13 @@ class TrainerConfig:
             )
         if not _is_int(self.num_sanity_val_steps) or self.num_sanity_val_steps < -1:
             raise ConfigurationError(
-                f"num_sanity_val_steps={self.num_sanity_val_steps!r} must be an integer >= 0, or -1 "
-                f"for the whole validation set"
+                f"num_sanity_val_steps={self.num_sanity_val_steps!r} must be an integer >= 0, or "
+                "-1 for the whole validation set"
             )
         fast = self.fast_dev_run
         if not isinstance(fast, (bool, int)) or (not isinstance(fast, bool) and fast < 0):
-            raise ConfigurationError(f"fast_dev_run={fast!r} must be True/False or a number of batches >= 0")
+            raise ConfigurationError(f"fast_dev_run={fast!r} must be True/False or a number of "
+                                     "batches >= 0")
         if fast:
             # Lightning's debugging run: n batches of every loop, once, nothing saved.
             n = 1 if fast is True else int(fast)
@@ -179,37 +186,42 @@ class TrainerConfig:
         # made every weight NaN.
         if clip is not None and not (_is_number(clip) and math.isfinite(clip) and clip > 0):
             raise ConfigurationError(
-                f"gradient_clip_val={clip!r} must be a finite number > 0 (the largest gradient norm, or "
-                f"value, to keep), or None for no clipping"
+                f"gradient_clip_val={clip!r} must be a finite number > 0 (the largest gradient "
+                "norm, or value, to keep), or None for no clipping"
             )
         if self.gradient_clip_algorithm not in ("norm", "value"):
             raise ConfigurationError(
-                f"gradient_clip_algorithm={self.gradient_clip_algorithm!r} must be 'norm' or 'value'"
+                f"gradient_clip_algorithm={self.gradient_clip_algorithm!r} must be 'norm' or "
+                "'value'"
             )
         check_timeout_seconds("process_group_timeout", self.process_group_timeout)
         stop_every = self.stop_check_every_n_steps
         if stop_every != "auto" and (not isinstance(stop_every, int) or isinstance(stop_every, bool)
                                      or stop_every < 1):
             raise ConfigurationError(
-                f"stop_check_every_n_steps={stop_every!r} must be 'auto' or a whole number of optimizer steps >= 1: how "
-                f"often the processes agree on stopping for a SIGTERM or max_time (1: at every step, a stop comes 1 "
-                f"step after the signal; K: within 2K steps, with nothing done at the steps between; the default "
-                f"'auto': about once a second of steps, a stop within about 2 seconds or 2 steps)")
+                f"stop_check_every_n_steps={stop_every!r} must be 'auto' or a whole number of "
+                "optimizer steps >= 1: how often the processes agree on stopping for a SIGTERM or "
+                "max_time (1: at every step, a stop comes 1 step after the signal; K: within 2K "
+                "steps, with nothing done at the steps between; the default 'auto': about once a "
+                "second of steps, a stop within about 2 seconds or 2 steps)")
         for name in _SWITCHES:
             # A string is truthy: enable_checkpointing="no" would silently mean yes.
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ConfigurationError(f"{name}={value!r} must be True or False")
         if self.benchmark is not None and not isinstance(self.benchmark, bool):
-            raise ConfigurationError(f"benchmark={self.benchmark!r} must be True, False or None (leave cudnn's setting)")
-        if self.deterministic is not None and not isinstance(self.deterministic, bool) and self.deterministic != "warn":
+            raise ConfigurationError(f"benchmark={self.benchmark!r} must be True, False or None "
+                                     "(leave cudnn's setting)")
+        det = self.deterministic
+        if det is not None and not isinstance(det, bool) and det != "warn":
             raise ConfigurationError(
-                f"deterministic={self.deterministic!r} must be True, False, 'warn' (warn on nondeterministic "
-                f"operations instead of failing) or None (leave torch's setting)")
+                f"deterministic={self.deterministic!r} must be True, False, 'warn' (warn on "
+                "nondeterministic operations instead of failing) or None (leave torch's setting)")
         if not _is_int(self.max_restarts) or self.max_restarts < 0:
             raise ConfigurationError(f"max_restarts={self.max_restarts!r} must be an integer >= 0")
         if not isinstance(self.default_root_dir, (str, os.PathLike)):
-            raise ConfigurationError(f"default_root_dir={self.default_root_dir!r} must be a path (a str or os.PathLike)")
+            raise ConfigurationError(f"default_root_dir={self.default_root_dir!r} must be a path "
+                                     "(a str or os.PathLike)")
         self.num_processes()  # validates devices
 
     def apply_torch_flags(self) -> None:
@@ -223,8 +235,9 @@ class TrainerConfig:
             if benchmark is None:
                 benchmark = False  # cudnn's autotuner picks algorithms by timing
             elif benchmark:
-                warnings.warn("You passed `deterministic=True` and `benchmark=True`. Note that PyTorch ignores "
-                              "torch.backends.cudnn.deterministic=True when torch.backends.cudnn.benchmark=True.",
+                warnings.warn("You passed `deterministic=True` and `benchmark=True`. Note that "
+                              "PyTorch ignores torch.backends.cudnn.deterministic=True when "
+                              "torch.backends.cudnn.benchmark=True.",
                               stacklevel=3)
         if benchmark is not None:
             torch.backends.cudnn.benchmark = benchmark
@@ -242,8 +255,8 @@ class TrainerConfig:
 
 
 #: the on/off settings, checked to be real booleans
-_SWITCHES = ("enable_checkpointing", "enable_progress_bar", "enable_model_summary", "logger", "use_distributed_sampler",
-             "autoload_plugins", "requeue_on_preemption")
+_SWITCHES = ("enable_checkpointing", "enable_progress_bar", "enable_model_summary", "logger",
+             "use_distributed_sampler", "autoload_plugins", "requeue_on_preemption")
 
 
 #: The longest process-group timeout, in seconds (about 31 years). torch turns a timeout
@@ -259,9 +272,9 @@ def check_timeout_seconds(name: str, value: Any) -> None:
     if value is None or (_is_number(value) and 0 < value <= MAX_PROCESS_GROUP_TIMEOUT):
         return
     raise ConfigurationError(
-        f"{name}={value!r} must be a number of seconds > 0 and at most {MAX_PROCESS_GROUP_TIMEOUT:g} "
-        f"(about 31 years: torch cannot wait without a limit), or None for the backend's default "
-        f"(gloo 300, nccl 600)"
+        f"{name}={value!r} must be a number of seconds > 0 and at most "
+        f"{MAX_PROCESS_GROUP_TIMEOUT:g} (about 31 years: torch cannot wait without a limit), or "
+        "None for the backend's default (gloo 300, nccl 600)"
     )
 
 
@@ -344,8 +357,9 @@ def check_devices_on_cpu(config: TrainerConfig) -> None:
     n = count_devices(devices)
     raise ConfigurationError(
         f"devices={devices!r}: device indices name GPUs, and this run is on the CPU (accelerator="
-        f"{config.accelerator!r}{', no CUDA GPU here' if config.accelerator == 'auto' else ''}): give a number of "
-        f"processes instead, devices={n} (--devices {n}), or run on GPUs with accelerator='gpu'"
+        f"{config.accelerator!r}{', no CUDA GPU here' if config.accelerator == 'auto' else ''}): "
+        f"give a number of processes instead, devices={n} (--devices {n}), or run on GPUs with "
+        "accelerator='gpu'"
     )
 
 
@@ -398,10 +412,10 @@ def env_defaults(environ: Mapping[str, str] | None = None, launched: bool | None
                     and descends_from(launcher) is not False)
     if not launched:
         warnings.warn(
-            f"{DEFAULTS_ENV} is set, but no hookloop launcher started this process ({LAUNCHER_ENV} does not "
-            f"name its parent): the settings are left over from another `hookloop run` and are ignored "
-            f"({raw[:200]}). Unset it: `unset {DEFAULTS_ENV}`; give settings to Trainer(...) or to "
-            f"`hookloop run` (docs/environment.md)",
+            f"{DEFAULTS_ENV} is set, but no hookloop launcher started this process ({LAUNCHER_ENV} "
+            "does not name its parent): the settings are left over from another `hookloop run` and "
+            f"are ignored ({raw[:200]}). Unset it: `unset {DEFAULTS_ENV}`; give settings to "
+            "Trainer(...) or to `hookloop run` (docs/environment.md)",
             stacklevel=3,
         )
         return {}

@@ -19,14 +19,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hookloop.resume.checkpoint import AsyncCheckpointWriter
 from hookloop.distributed.strategy import data_parallel_rank
 from hookloop.engine.metrics import Metrics
+from hookloop.resume.checkpoint import AsyncCheckpointWriter
 
 # What does not travel when a spawn-based strategy pickles the trainer: hook callers
 # (pluggy's hold the hook-spec module), and what is rebuilt in every run.
-_NOT_PICKLED = ("on_before_optimizer_step", "on_before_zero_grad", "on_log_metrics", "loop_optimizer_cache",
-                "backward_events", "fit_train_loader", "fit_val_loaders")
+_NOT_PICKLED = ("on_before_optimizer_step", "on_before_zero_grad", "on_log_metrics",
+                "loop_optimizer_cache", "backward_events", "fit_train_loader", "fit_val_loaders")
 
 
 class LoopState:
@@ -100,7 +100,7 @@ class LoopState:
         self.prediction_writing = None
         self.loop_optimizer_cache: list | None = None
         self.clip_requests: dict[int, tuple] = {}
-        # the optimizer whose configure_gradient_clipping runs now: self.clip_gradients clips at once
+        # the optimizer whose configure_gradient_clipping runs now: self.clip_gradients clips now
         self.clipping_optimizer: Any = None
         # ModelCheckpoint(async_save=True)'s background writes: one at a time, waited for by
         # every synchronous save (save_checkpoint) so files are written in the order asked

@@ -363,7 +363,8 @@ class Trainer:
     def checkpoint_callback(self) -> Any:
         """The checkpoint plugin of the run (``best_model_path``, ``last_model_path``), or
         ``None`` with checkpointing off."""
-        return next((p for p in self.plugins if plugin_registry.plugin_name(p) == "checkpoint"), None)
+        name = plugin_registry.plugin_name
+        return next((p for p in self.plugins if name(p) == "checkpoint"), None)
 
     def log_metrics(self, metrics: dict, step: int | None = None) -> None:
         """Hand a row of metrics (names to numbers) to the loggers, for plugins that
@@ -404,7 +405,8 @@ class Trainer:
         so any strategy's ``broadcast`` serves)."""
         if self.world_size == 1:
             return [obj]
-        return [self.broadcast(obj if self.global_rank == rank else None, src=rank) for rank in range(self.world_size)]
+        return [self.broadcast(obj if self.global_rank == rank else None, src=rank)
+                for rank in range(self.world_size)]
 
     def all_gather(self, tensor: torch.Tensor, sync_grads: bool = False) -> torch.Tensor:
         """Every rank's ``tensor`` (same shape on every rank) stacked along a new first
@@ -483,8 +485,10 @@ class Trainer:
             datamodule, train_dataloaders = train_dataloaders, None
         _check_module(model, needs=("training_step", "configure_optimizers"))
         _check_ckpt_path("fit", ckpt_path)
-        if datamodule is not None and (train_dataloaders is not None or val_dataloaders is not None):
-            raise ConfigurationError("fit got both dataloaders and a datamodule: pass one or the other")
+        given = train_dataloaders is not None or val_dataloaders is not None
+        if datamodule is not None and given:
+            raise ConfigurationError(
+                "fit got both dataloaders and a datamodule: pass one or the other")
         if train_dataloaders is not None:
             check_loader(train_dataloaders, "train_dataloaders")
         val = as_loader_list(val_dataloaders, "val_dataloaders")
@@ -501,8 +505,8 @@ class Trainer:
         self._start(model, datamodule, ckpt_path, train=train_dataloaders, val=val)
         self._launch_or_run(session.fit)
 
-    def validate(self, model: nn.Module | None = None, dataloaders: Any = None, ckpt_path: Any = None,
-                 verbose: bool = True, datamodule: Any = None) -> list[dict]:
+    def validate(self, model: nn.Module | None = None, dataloaders: Any = None,
+                 ckpt_path: Any = None, verbose: bool = True, datamodule: Any = None) -> list[dict]:
         """Run ``validation_step`` over ``dataloaders``; one dict of metrics per loader."""
         return self._evaluate(VALIDATE, model, dataloaders, ckpt_path, verbose, datamodule)
 
@@ -511,8 +515,9 @@ class Trainer:
         """Run ``test_step`` over ``dataloaders``; one dict of metrics per loader."""
         return self._evaluate(TEST, model, dataloaders, ckpt_path, verbose, datamodule)
 
-    def predict(self, model: nn.Module | None = None, dataloaders: Any = None, datamodule: Any = None,
-                return_predictions: bool | None = None, ckpt_path: Any = None) -> Any:
+    def predict(self, model: nn.Module | None = None, dataloaders: Any = None,
+                datamodule: Any = None, return_predictions: bool | None = None,
+                ckpt_path: Any = None) -> Any:
         """Run ``predict_step`` (default: ``forward(batch)``) over ``dataloaders``.
 
         Returns the per-batch outputs in dataset order (a list per loader when there are
@@ -525,7 +530,8 @@ class Trainer:
         model = self._model_for("predict", model)
         _check_lightning_import(model)
         _check_ckpt_path("predict", ckpt_path)
-        self._start(model, datamodule, ckpt_path, predict=as_loader_list(dataloaders, "dataloaders"))
+        loaders = as_loader_list(dataloaders, "dataloaders")
+        self._start(model, datamodule, ckpt_path, predict=loaders)
         self.state.return_predictions = return_predictions is not False
         result = self._launch_or_run(run_predict)
         return None if result is True else result
@@ -560,10 +566,12 @@ class Trainer:
         if model is None:
             model = self.module
         if model is None:
-            raise ConfigurationError(f"trainer.{stage}() needs the module: trainer.{stage}(model, dataloaders)")
+            raise ConfigurationError(
+                f"trainer.{stage}() needs the module: trainer.{stage}(model, dataloaders)")
         return model
 
-    def _start(self, model, datamodule, ckpt_path, train=None, val=None, test=None, predict=None) -> None:
+    def _start(self, model, datamodule, ckpt_path, train=None, val=None, test=None,
+               predict=None) -> None:
         self.module, self.datamodule, self.state.ckpt_path = model, datamodule, ckpt_path
         self.train_dataloader, self.val_dataloaders = train, val
         self.test_dataloaders, self.predict_dataloaders = test, predict
@@ -588,19 +596,23 @@ class Trainer:
                 f"itself: set Trainer(gradient_clip_val=...) instead of calling self.clip_gradients"
             )
         # NaN clipped every weight into NaN; 0 does not clip (Lightning's, kept)
-        if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
-                                      and math.isfinite(value) and value >= 0):
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if value is not None and not (number and math.isfinite(value) and value >= 0):
             raise ConfigurationError(
-                f"self.clip_gradients(gradient_clip_val={value!r}): gradient_clip_val must be a finite number "
-                f"(> 0 clips the gradients' norm, or values, to it; 0 does not clip), or None for "
-                f"Trainer(gradient_clip_val=...)'s")
+                f"self.clip_gradients(gradient_clip_val={value!r}): gradient_clip_val must be a "
+                "finite number (> 0 clips the gradients' norm, or values, to it; 0 does not clip), "
+                "or None for Trainer(gradient_clip_val=...)'s")
         algorithm = algorithm or self.config.gradient_clip_algorithm
         if algorithm not in ("norm", "value"):
-            raise ConfigurationError(f"gradient_clip_algorithm={algorithm!r} must be 'norm' or 'value'")
-        real = getattr(optimizer, "optimizer", optimizer) if isinstance(optimizer, LoopOptimizer) else optimizer
+            raise ConfigurationError(
+                f"gradient_clip_algorithm={algorithm!r} must be 'norm' or 'value'")
+        real = optimizer
+        if isinstance(optimizer, LoopOptimizer):
+            real = getattr(optimizer, "optimizer", optimizer)
         value = value if value is not None else self.gradient_clip_val
         now = self.state.clipping_optimizer
-        if now is not None and (real is now or optimizer is now):  # inside configure_gradient_clipping
+        # inside configure_gradient_clipping
+        if now is not None and (real is now or optimizer is now):
             clip_gradients(self, cast(torch.optim.Optimizer, now), value, algorithm)
             return
         self.state.clip_requests[id(real)] = (value, algorithm)
@@ -622,7 +634,8 @@ class Trainer:
                     f"script file (an interactive session or notebook?). Use a spawn-based "
                     f"strategy (plugins=['ddp_spawn']) or run a script with `hookloop run`."
                 )
-            cmd = self.hook.launch_command(config=self.config, script=script, script_args=sys.argv[1:])
+            cmd = self.hook.launch_command(config=self.config, script=script,
+                                           script_args=sys.argv[1:])
             raise SystemExit(run_command(cmd, root=self.default_root_dir))
         return function(self)
 
@@ -662,12 +675,14 @@ def describe_from_environment(trainer: Trainer, model: nn.Module) -> None:
     world = trainer.config.num_processes() * (trainer.config.nodes or 1)
     mesh = trainer.config.mesh
     print(f"hookloop plan: {type(model).__name__} ({params:,} parameters) on {world} process(es)"
-          f"{' (mesh ' + ','.join(f'{k}={v}' for k, v in mesh.items()) + ')' if mesh else ''}; plugins: {names}")
-    for answer in reversed(answers):  # pluggy answers the last registered first: the order the run lists them
+          f"{' (mesh ' + ','.join(f'{k}={v}' for k, v in mesh.items()) + ')' if mesh else ''}; "
+          f"plugins: {names}")
+    # pluggy answers the last registered first: the order the run lists them
+    for answer in reversed(answers):
         print(answer)
     if not answers:
-        print(f"hookloop plan: no plugin of this run transforms {type(model).__name__}: every process holds it "
-              f"whole (nothing was trained)")
+        print(f"hookloop plan: no plugin of this run transforms {type(model).__name__}: every "
+              "process holds it whole (nothing was trained)")
     sys.stdout.flush()
     raise SystemExit(0)
 
@@ -689,7 +704,8 @@ def _is_datamodule(obj: Any) -> bool:
     """A DataModule by duck type (not a subclass of hookloop.DataModule): an object, not a
     loader or a collection of loaders, with one of the ``*_dataloader()`` methods."""
     return obj is not None and not isinstance(obj, (DataLoader, list, tuple, dict)) and any(
-        callable(getattr(obj, m, None)) for m in ("train_dataloader", "val_dataloader", "test_dataloader", "predict_dataloader"))
+        callable(getattr(obj, m, None))
+        for m in ("train_dataloader", "val_dataloader", "test_dataloader", "predict_dataloader"))
 
 
 def _check_module(module: Any, needs: tuple[str, ...]) -> None:
@@ -717,11 +733,11 @@ def _check_lightning_import(module: nn.Module) -> None:
     package = lightning.__module__.split(".")[0]
     where = "pytorch_lightning" if package == "pytorch_lightning" else "lightning.pytorch"
     raise ConfigurationError(
-        f"{cls.__name__} subclasses {where}.LightningModule (Lightning's own: the import was not changed), "
-        f"which hookloop's Trainer does not run: change `from {where} import LightningModule` (or "
-        f"`{'import pytorch_lightning as pl' if package == 'pytorch_lightning' else 'import lightning.pytorch as pl'}`"
-        f"; pl.LightningModule) to `from hookloop import Module` and subclass Module: the same hooks "
-        f"(docs/lightning.md lists the other names)"
+        f"{cls.__name__} subclasses {where}.LightningModule (Lightning's own: the import was not "
+        f"changed), which hookloop's Trainer does not run: change `from {where} import "
+        "LightningModule` (or "
+        f"`import {where} as pl`; pl.LightningModule) to `from hookloop import Module` and "
+        "subclass Module: the same hooks (docs/lightning.md lists the other names)"
     )
 
 
@@ -730,9 +746,10 @@ def _check_ckpt_path(entry: str, ckpt_path: Any) -> None:
     if ckpt_path is None or isinstance(ckpt_path, (str, os.PathLike)):
         return
     raise ConfigurationError(
-        f"{entry}(ckpt_path={ckpt_path!r}): ckpt_path must be the path of a checkpoint (a str or os.PathLike), "
-        f"'last', 'best' or None, got {type(ckpt_path).__name__}: 'last' is the newest last.ckpt under "
-        f"default_root_dir, 'best' the checkpoint callback's best, None no checkpoint"
+        f"{entry}(ckpt_path={ckpt_path!r}): ckpt_path must be the path of a checkpoint (a str or "
+        f"os.PathLike), 'last', 'best' or None, got {type(ckpt_path).__name__}: 'last' is the "
+        "newest last.ckpt under default_root_dir, 'best' the checkpoint callback's best, None no "
+        "checkpoint"
     )
 
 
@@ -749,5 +766,6 @@ def _check_training_step(module: nn.Module) -> None:
             f"{type(module).__name__}.training_step takes optimizer_idx: Lightning 1.x's automatic "
             f"optimization with several optimizers. hookloop does as Lightning 2 does: remove "
             f"optimizer_idx, set self.automatic_optimization = False, and step each optimizer in "
-            f"training_step (opt_g, opt_d = self.optimizers(); self.manual_backward(loss); opt_g.step())"
+            "training_step (opt_g, opt_d = self.optimizers(); self.manual_backward(loss); "
+            "opt_g.step())"
         )
