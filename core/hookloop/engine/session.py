@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -593,11 +594,31 @@ def _module_hook_impl(module: nn.Module, name: str, args: tuple[str, ...]):
     return hookimpl(tryfirst=True)(impl)
 
 
-def _forwarding_function(name: str, args: tuple[str, ...], target: Any):
-    """``def name(self, <args>): return target(<args>)`` with those parameter names:
-    pluggy passes each hook argument by the name the implementation's code declares."""
-    params = ", ".join(args)
-    namespace = {"_target": target}
-    exec(f"def {name}(self{', ' if args else ''}{params}):\n    return "
-         f"_target({params})\n", namespace)
-    return namespace[name]
+#: ``self, <args> -> target(<args>)`` for each argument list of ``MODULE_HOOKS``: pluggy
+#: passes each hook argument by the name the implementation's code declares, so every
+#: list has its own function (a hook with a new list fails at start, naming it).
+_FORWARDERS: dict[tuple[str, ...], Callable[[Any], Callable[..., Any]]] = {
+    (): lambda t: lambda self: t(),
+    ("stage",): lambda t: lambda self, stage: t(stage),
+    ("loss",): lambda t: lambda self, loss: t(loss),
+    ("optimizer",): lambda t: lambda self, optimizer: t(optimizer),
+    ("checkpoint",): lambda t: lambda self, checkpoint: t(checkpoint),
+    ("batch", "batch_idx"): lambda t: lambda self, batch, batch_idx: t(batch, batch_idx),
+    ("batch", "batch_idx", "dataloader_idx"):
+        lambda t: lambda self, batch, batch_idx, dataloader_idx:
+            t(batch, batch_idx, dataloader_idx),
+    ("outputs", "batch", "batch_idx"):
+        lambda t: lambda self, outputs, batch, batch_idx: t(outputs, batch, batch_idx),
+    ("outputs", "batch", "batch_idx", "dataloader_idx"):
+        lambda t: lambda self, outputs, batch, batch_idx, dataloader_idx:
+            t(outputs, batch, batch_idx, dataloader_idx),
+}
+
+
+def _forwarding_function(name: str, args: tuple[str, ...], target: Any) -> Callable[..., Any]:
+    """``def name(self, <args>): return target(<args>)`` with those parameter names."""
+    if args not in _FORWARDERS:
+        raise TypeError(f"module hook {name!r} takes {args}: add its forwarder to _FORWARDERS")
+    forward = _FORWARDERS[args](target)
+    forward.__name__ = forward.__qualname__ = name
+    return forward
