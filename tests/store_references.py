@@ -1,6 +1,6 @@
 """``make oracle``: compute pytorch-lightning 2.6.6's reference numbers and store them.
 
-    python tests/store_references.py [--all]
+    python tests/store_references.py [--all] [--scripts-only]
 
 Writes tests/oracle/expected/lightning-{one,ddp}.json (every oracle case, one process and
 ddp) and tests/lightning_scripts/expected/<case>-1p.json for the Lightning scripts that
@@ -23,6 +23,8 @@ sys.path[:0] = [str(HERE), str(HERE / "oracle"), str(HERE.parent)]
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--all", action="store_true", help="the ddp and slow Lightning scripts too")
+    parser.add_argument("--scripts-only", action="store_true",
+                        help="only the Lightning scripts' references (their harness or cases changed)")
     args = parser.parse_args(argv)
     from test_lightning_oracle import store_lightning_observations  # tests/oracle
 
@@ -31,9 +33,10 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="hookloop-oracle-") as tmp:
         base = Path(tmp)
-        (base / "oracle").mkdir()
-        store_lightning_observations(base / "oracle")
-        print("stored tests/oracle/expected/lightning-{one,ddp}.json", flush=True)
+        if not args.scripts_only:
+            (base / "oracle").mkdir()
+            store_lightning_observations(base / "oracle")
+            print("stored tests/oracle/expected/lightning-{one,ddp}.json", flush=True)
         for case in CASES:
             if case.blocked or not (case.fast or args.all):
                 continue
