@@ -86,3 +86,12 @@ def unknown_error(what: str) -> ConfigurationError:
         f"{what} needs a compatibility layer, and none is registered (import hookloop, whose "
         f"facade registers Lightning's): give plugins=[...] instead"
     )
+
+
+def as_list(value: Any) -> list:
+    """An argument given as one object, a list or a tuple (or ``None``), as a list."""
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return [value]

@@ -29,7 +29,7 @@ from typing import Any
 from hookloop.contract import registry as plugin_registry
 from hookloop.contract import translators as translators_module
 from hookloop.contract.errors import ConfigurationError
-from hookloop.contract.translators import ArgumentTranslator
+from hookloop.contract.translators import ArgumentTranslator, as_list
 from hookloop.distributed import mesh as mesh_module
 from hookloop.engine.settings import TrainerConfig, env_defaults
 from hookloop.resume import rundir
@@ -154,11 +154,11 @@ def resolve_settings(arguments: Mapping[str, Any], environ: Mapping[str, str], *
     from_env = env_defaults(environ, launched)
     names = {t.name for t in translators}
     env_plugins = plugin_registry.environment_plugins(environ, builtin=names)
-    specs = _as_list(given.get("plugins")) + _as_list(from_env.get("plugins")) + env_plugins
+    specs = as_list(given.get("plugins")) + as_list(from_env.get("plugins")) + env_plugins
     blocked = {s[3:] for s in specs if isinstance(s, str) and s.startswith("no:")}
     active = tuple(t for t in translators if t.name not in blocked)
     given, adapter, replaced = _translate(given, translators, active, environ)
-    in_code = [s for s in _as_list(given.get("plugins")) if not (isinstance(s, str) and s in names)]
+    in_code = [s for s in as_list(given.get("plugins")) if not (isinstance(s, str) and s in names)]
     if "plugins" in given:
         given["plugins"] = in_code
 
@@ -169,7 +169,7 @@ def resolve_settings(arguments: Mapping[str, Any], environ: Mapping[str, str], *
 
     # Plugins from code, `hookloop run --plugins` and HOOKLOOP_PLUGINS are combined; code
     # wins only where both name a plugin of the same exclusive role.
-    defaults = [s for s in _as_list(from_env.get("plugins")) + env_plugins
+    defaults = [s for s in as_list(from_env.get("plugins")) + env_plugins
                 if not (isinstance(s, str) and s in names)]
     options = config.plugin_options
     builtin = [n for n in _builtin_observers(config) if n not in replaced]
@@ -203,7 +203,7 @@ def _translate(given: dict[str, Any], translators: Sequence[ArgumentTranslator],
         if translator in active:
             continue
         where = f"plugins=[..., 'no:{translator.name}']"
-        if not any(s == f"no:{translator.name}" for s in _as_list(given.get("plugins"))):
+        if not any(s == f"no:{translator.name}" for s in as_list(given.get("plugins"))):
             where = f"no:{translator.name} in --plugins / HOOKLOOP_PLUGINS"
         for name, value in given.items():
             if translator.owns(name, value):
@@ -245,7 +245,7 @@ def _merge(given: dict[str, Any], fallbacks: dict[str, Any], from_env: dict[str,
         given.get("plugin_options") or {})
     if from_environ and sources["plugin_options"] == "default":
         sources["plugin_options"] = "environment"
-    settings["plugins"] = _as_list(settings.get("plugins"))
+    settings["plugins"] = as_list(settings.get("plugins"))
     if "autoload_plugins" not in settings:
         settings["autoload_plugins"] = plugin_registry.environment_autoload(environ)
         sources["autoload_plugins"] = "environment"
@@ -346,9 +346,3 @@ def _check_progress_bars(in_code: list, config: TrainerConfig) -> None:
             f"enable_progress_bar at True")
 
 
-def _as_list(value: Any) -> list:
-    if value is None:
-        return []
-    if isinstance(value, (list, tuple)):
-        return list(value)
-    return [value]

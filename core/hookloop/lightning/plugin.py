@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hookloop.contract.pluginspec import plugin_name
-from hookloop.contract.translators import Translation
+from hookloop.contract.translators import Translation, as_list
 from hookloop.lightning import callbacks as callbacks_module
 from hookloop.lightning import loggers as loggers_module
 from hookloop.lightning import strategies, tuner
@@ -48,8 +48,8 @@ class LightningCompatibility:
         strategy = given.pop("strategy", None)
         if isinstance(strategy, str):
             strategy = strategies.resolve_string(strategy)
-        in_code = list(loggers or []) + _as_list(given.get("plugins")) + _as_list(strategy)
-        given_callbacks = _as_list(given.pop("callbacks", None))
+        in_code = list(loggers or []) + as_list(given.get("plugins")) + as_list(strategy)
+        given_callbacks = as_list(given.pop("callbacks", None))
         callbacks_module.check_callbacks_argument(given_callbacks)
         in_code += given_callbacks
         # Lightning-style Callback objects become one observer that calls them in list order
@@ -68,14 +68,6 @@ class LightningCompatibility:
 
 #: the one instance the facade registers
 LIGHTNING = LightningCompatibility()
-
-
-def _as_list(value: Any) -> list:
-    if value is None:
-        return []
-    if isinstance(value, (list, tuple)):
-        return list(value)
-    return [value]
 
 
 def _name_loggers_apart(objects: list) -> None:
