@@ -46,6 +46,23 @@ def main() -> None:
             results[name] = {"error": f"{type(exc).__name__}: {exc}"}
     if int(os.environ.get("RANK", "0")) == 0:
         Path(args.out).write_text(json.dumps(results, default=float))
+    if ddp:
+        _leave_process_group()
+
+
+def _leave_process_group() -> None:
+    """Both ranks leave the process group together before the interpreter exits. A rank
+    that exits with its gloo group alive while the other still works can abort in torch's
+    teardown ("terminate called without an active exception", SIGABRT, seen under load
+    with Lightning's ddp runs), which torchrun reports as the job failing."""
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()  # the cases' DDP wrappers go while the group they hold still exists
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

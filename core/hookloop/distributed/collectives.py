@@ -229,7 +229,15 @@ def _distributed_in_traceback(exc: BaseException) -> bool:
 
     if isinstance(exc, getattr(dist, "DistError", ())):
         return True
-    return any(_frame_kind(frame) is not None for frame in _frames(exc))
+    return any(_frame_kind(frame) is not None or _in_torch_distributed(frame) for frame in _frames(exc))
+
+
+def _in_torch_distributed(frame) -> bool:
+    """A frame of torch.distributed's own code or of DistributedDataParallel: a collective
+    torch runs for itself (DDP's constructor compares the ranks' parameters with an
+    all_gather from torch/distributed/utils.py, then broadcasts them)."""
+    path = frame.f_code.co_filename.replace("\\", "/")
+    return "/torch/distributed/" in path or path.endswith("torch/nn/parallel/distributed.py")
 
 
 def _frames(exc: BaseException) -> list:
@@ -262,7 +270,14 @@ def describe_collective(exc: BaseException) -> str:
     frames = _frames(exc)
     kinds = [(frame, kind) for frame in frames if (kind := _frame_kind(frame)) is not None]
     if not kinds:
-        return "a collective"
+        inside = [frame for frame in frames if _in_torch_distributed(frame)]
+        if not inside:
+            return "a collective"
+        ddp = any(frame.f_code.co_name == "__init__" and frame.f_code.co_filename.replace("\\", "/").endswith(
+            "torch/nn/parallel/distributed.py") for frame in inside)
+        what = f"torch.distributed's {inside[-1].f_code.co_name}"
+        return what + (" in DistributedDataParallel's constructor (the ranks compare and broadcast the "
+                       "model's parameters)" if ddp else "")
     if any(kind == "agreement" for _, kind in kinds):
         return "all_reduce of the preemption check (the SIGTERM flag, at an optimizer-step boundary)"
     frame, kind = kinds[-1]
