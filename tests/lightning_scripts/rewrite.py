@@ -58,6 +58,7 @@ NAMES = {
     "OptimizerLRScheduler": "hookloop.contract.types:OptimizerLRScheduler",
     "TRAIN_DATALOADERS": "hookloop.contract.types:TRAIN_DATALOADERS",
     "EVAL_DATALOADERS": "hookloop.contract.types:EVAL_DATALOADERS",
+    "MisconfigurationException": "hookloop.contract.errors:MisconfigurationException",
     "DDPStrategy": "hookloop.lightning.strategies:DDPStrategy",
     "FSDPStrategy": "hookloop.lightning.strategies:FSDPStrategy",
     "DeepSpeedStrategy": "hookloop.lightning.strategies:DeepSpeedStrategy",

@@ -19,6 +19,13 @@ class ConfigurationError(HookloopError, ValueError):
     same_on_every_rank = True
 
 
+#: Lightning's name for the error of a setting that cannot work
+#: (``lightning.pytorch.utilities.exceptions.MisconfigurationException``): the same class, so
+#: ``except MisconfigurationException`` / ``pytest.raises(MisconfigurationException)`` in
+#: ported code catch hookloop's refusals where Lightning's would raise
+MisconfigurationException = ConfigurationError
+
+
 class PluginNotFoundError(HookloopError, LookupError):
     """A plugin name that no installed distribution registers."""
 

@@ -38,6 +38,7 @@ from hookloop.engine.step import (
     log_epoch_row,
     log_row,
     make_evaluation_step,
+    stop_requested,
 )
 from hookloop.helpers import DistributedSamplerWrapper, apply_to_tensors, batch_size_of
 from hookloop.resume import checkpoint as ckpt
@@ -94,9 +95,9 @@ def fit(trainer, train_loader: Any, val_loaders: list) -> None:
     hook.on_fit_start(trainer=trainer)
     if val_loaders and config.num_sanity_val_steps and validation.enabled:
         _sanity_check(trainer, val_loaders)
-    if trainer.should_stop:
+    if stop_requested(trainer):
         # Lightning's skip: stopped before training (a Timer whose time is up at fit
-        # start): no training events, no epoch.
+        # start): no training events, no epoch (with min_epochs/min_steps: it trains).
         hook.on_fit_end(trainer=trainer)
         return
     metrics = state.metrics
@@ -113,6 +114,8 @@ def fit(trainer, train_loader: Any, val_loaders: list) -> None:
     max_epochs = config.max_epochs
     if max_epochs is None:
         max_epochs = 1000 if config.max_steps is None else sys.maxsize
+    elif max_epochs == -1:  # Lightning's: no epoch limit
+        max_epochs = sys.maxsize
     step = TrainStep.build(trainer)
     # SIGTERM: stop at an optimizer-step boundary the ranks agree on, with a checkpoint
     # (hookloop.faults: every stop_check_every_n_steps boundaries, asynchronously).
@@ -170,7 +173,7 @@ def _fit_epochs(trainer, train_loader, step: TrainStep, validation, max_epochs: 
 
 def _done(trainer) -> bool:
     max_steps = trainer.config.max_steps
-    return trainer.should_stop or (max_steps is not None and trainer.global_step >= max_steps)
+    return stop_requested(trainer) or (max_steps is not None and trainer.global_step >= max_steps)
 
 
 def _sanity_check(trainer, val_loaders: list) -> None:
@@ -183,6 +186,10 @@ def _sanity_check(trainer, val_loaders: list) -> None:
         hook.on_sanity_check_start(trainer=trainer)
         steps = trainer.config.num_sanity_val_steps
         limit = None if steps == -1 else steps
+        # Lightning knows the validation loaders' counts from the sanity check on
+        val_limit = trainer.config.limit_val_batches
+        trainer.num_val_batches = [batch_limit(x, val_limit, "limit_val_batches")
+                                   for x in val_loaders]
         evaluate(trainer, VALIDATE, val_loaders, limit=limit, publish=False)
         hook.on_sanity_check_end(trainer=trainer)
     finally:
@@ -357,9 +364,9 @@ def _train_epoch(trainer, loader: DataLoader, step: TrainStep,
         # As Lightning: validation when due, and when should_stop ends the epoch early;
         # should_stop set by that validation (early stopping) ends the epoch here.
         if validate is not None and (validate(batch_idx, is_last)
-                                     or (stop and trainer.should_stop)):
+                                     or (stop and stop_requested(trainer))):
             validation.run()
-            stop = stop or trainer.should_stop
+            stop = stop or stop_requested(trainer)
         if boundary and step_plateau:  # after validation, so it can monitor a validation metric
             step_schedulers(trainer, "step", plateau=True, count=batch_idx + 1)
         if stop:

@@ -46,6 +46,10 @@ class TrainerConfig:
     max_restarts: int = 0
     max_epochs: int | None = None
     max_steps: int | None = None
+    #: Lightning's minimums: should_stop (early stopping) ends training only once this many
+    #: epochs (steps) are done; None: none (min_steps alone makes min_epochs 1, as Lightning)
+    min_epochs: int | None = None
+    min_steps: int | None = None
     #: Lightning's time limit: "DD:HH:MM:SS", a timedelta or a dict of its arguments; fit
     #: stops after the batch where the training time reaches it (a Timer, interval "step")
     max_time: Any = None
@@ -133,16 +137,21 @@ class TrainerConfig:
                 "--rdzv-endpoint HOST:PORT or Trainer(rdzv_endpoint='HOST:PORT'), the address of "
                 "node 0"
             )
-        for name in ("max_epochs", "max_steps"):
+        for name in ("max_epochs", "max_steps", "min_epochs", "min_steps"):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < 0):
-                raise ConfigurationError(f"{name}={value!r} must be None or an integer >= 0")
+            is_max = name.startswith("max")  # -1: Lightning's "no limit"
+            endless = is_max and value == -1
+            if value is not None and (not _is_int(value) or value < 0) and not endless:
+                limit = "an integer >= 0" + (", or -1 for no limit" if is_max else "")
+                raise ConfigurationError(f"{name}={value!r} must be None or {limit}")
+        if self.max_steps == -1:  # Lightning's default: no step limit, as None
+            self.max_steps = None
         for name in ("limit_train_batches", "limit_val_batches", "limit_test_batches",
                      "limit_predict_batches", "overfit_batches"):
             value = getattr(self, name)
             if value is None and name != "overfit_batches":
                 continue
-            if not _is_count_or_fraction(value):
+            if not is_count_or_fraction(value):
                 raise ConfigurationError(
                     f"{name}={value!r} must be a number of batches (an integer >= 0) or a "
                     f"fraction of the loader (a float in [0.0, 1.0])"
@@ -286,7 +295,8 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_count_or_fraction(value: Any) -> bool:
+def is_count_or_fraction(value: Any) -> bool:
+    """Whether ``value`` is a ``limit_*_batches``: a count >= 0 or a fraction in [0, 1]."""
     if _is_int(value):
         return value >= 0
     return isinstance(value, float) and 0.0 <= value <= 1.0

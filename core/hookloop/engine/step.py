@@ -93,6 +93,20 @@ class _StepModule(nn.Module):
 _CURRENT_EPOCH = object()
 
 
+def stop_requested(trainer) -> bool:
+    """Whether ``trainer.should_stop`` ends training now: once ``min_epochs`` epochs and
+    ``min_steps`` optimizer steps are done (Lightning's ``_can_stop_early``; ``min_steps``
+    alone makes ``min_epochs`` 1, as Lightning's ``_parse_loop_limits``). Until then
+    training goes on with ``should_stop`` left set."""
+    if not trainer.should_stop:
+        return False
+    config = trainer.config
+    # current_epoch: the epochs whose batches are done (Lightning's "processed" count)
+    if trainer.min_epochs and trainer.current_epoch < trainer.min_epochs:
+        return False
+    return not (config.min_steps and trainer.global_step < config.min_steps)
+
+
 def log_row(trainer, metrics: dict, step: int | None = None, epoch: Any = _CURRENT_EPOCH) -> None:
     """Hand a row of metrics to the loggers (``on_log_metrics``), without the ones logged
     with ``logger=False``. Nothing happens when no logger is enabled."""
@@ -384,8 +398,9 @@ class TrainStep:
             _log_step_metrics(trainer)
         if self.manual:
             stop = self.max_steps is not None and trainer.global_step >= self.max_steps
-        # should_stop set by a plugin at this batch's end stops here (as in Lightning).
-        return stop or trainer.should_stop
+        # should_stop set by a plugin at this batch's end stops here (as in Lightning),
+        # once min_epochs/min_steps are met.
+        return stop or stop_requested(trainer)
 
 
 def _optimization_calls(trainer: Any, optimizer: Any) -> tuple[Callable, Callable, Callable]:

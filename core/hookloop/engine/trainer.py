@@ -35,7 +35,7 @@ from hookloop.engine.session import (
     run_evaluation,
     run_predict,
 )
-from hookloop.engine.settings import check_devices_on_cpu
+from hookloop.engine.settings import check_devices_on_cpu, is_count_or_fraction
 from hookloop.engine.state import LoopState
 from hookloop.engine.step import (
     STEP_METHODS,
@@ -48,6 +48,9 @@ from hookloop.engine.step import (
     manual_optimizer_step,
 )
 from hookloop.helpers import clip_gradients
+from hookloop.observers.checkpoint import ModelCheckpoint
+from hookloop.observers.early_stopping import EarlyStopping
+from hookloop.observers.on_exception import OnExceptionCheckpoint
 from hookloop.resume import rundir
 from hookloop.resume.run import checkpoint_dict
 
@@ -58,6 +61,25 @@ _UNSET: Any = object()
 
 #: Lightning's name for ``trainer.state``'s class (now the loop's whole state)
 TrainerState = LoopState
+
+
+def _batch_limit_property(loop: str) -> property:
+    """``trainer.limit_<loop>_batches``, Lightning's attribute: the setting, ``1.0`` (the
+    whole loader) when not given; settable between runs, as Lightning's."""
+    name = f"limit_{loop}_batches"
+
+    def get(trainer: Any) -> int | float:  # noqa: PYI041 (a count or a fraction)
+        value = getattr(trainer.config, name)
+        return 1.0 if value is None else value
+
+    def set_(trainer: Any, value: int | float) -> None:  # noqa: PYI041
+        if not is_count_or_fraction(value):
+            raise ConfigurationError(
+                f"trainer.{name} = {value!r}: must be a number of batches (an integer >= 0) or "
+                f"a fraction of the loader (a float in [0.0, 1.0])")
+        setattr(trainer.config, name, value)
+
+    return property(get, set_, doc=get.__doc__)
 
 
 class FitLoopView:
@@ -114,6 +136,11 @@ class Trainer:
     own per-process loaders gets ``(replicas, rank)`` from
     :func:`hookloop.data_parallel_rank` (from ``setup`` on).
 
+    ``max_epochs``/``max_steps``: ``-1`` is Lightning's "no limit". ``min_epochs``/``min_steps``:
+    ``trainer.should_stop`` (an ``EarlyStopping``, a ``Timer``) ends training only once that
+    many epochs and optimizer steps are done, as Lightning's (``min_steps`` alone makes
+    ``min_epochs`` 1).
+
     ``max_time``: Lightning's time limit ("DD:HH:MM:SS", a timedelta or a dict such as
     ``{"hours": 12}``; ``hookloop run --max-time``): a :class:`hookloop.Timer` with that
     duration checked after every training batch, rank 0's clock deciding for every rank
@@ -153,6 +180,8 @@ class Trainer:
         max_restarts: int = _UNSET,
         max_epochs: int | None = _UNSET,
         max_steps: int | None = _UNSET,
+        min_epochs: int | None = _UNSET,
+        min_steps: int | None = _UNSET,
         max_time: Any = _UNSET,
         accumulate_grad_batches: int = _UNSET,
         global_batch_size: int | None = _UNSET,
@@ -220,6 +249,12 @@ class Trainer:
         #: batches of a training epoch (after limit_train_batches), known from fit's setup;
         #: None before, or for an unsized loader
         self.num_training_batches: int | None = None
+        #: batches of each validation/test/predict loader (after the limits), and of the
+        #: sanity check: set when that loop starts; empty before (Lightning's)
+        self.num_val_batches: list = []
+        self.num_test_batches: list = []
+        self.num_predict_batches: list = []
+        self.num_sanity_val_batches: list = []
         #: the loop's state (hookloop.state.LoopState), also Lightning's trainer.state
         self.state = LoopState(self, rundir.next_index())
         #: whether the training batch being run is the epoch's last (Lightning's)
@@ -264,6 +299,11 @@ class Trainer:
             out += p.callbacks if p is self._callback_hooks else [p]
         return out
 
+    limit_train_batches = _batch_limit_property("train")
+    limit_val_batches = _batch_limit_property("val")
+    limit_test_batches = _batch_limit_property("test")
+    limit_predict_batches = _batch_limit_property("predict")
+
     @property
     def gradient_clip_val(self) -> float | None:
         return self.config.gradient_clip_val
@@ -275,6 +315,17 @@ class Trainer:
     @property
     def max_steps(self) -> int | None:
         return self.config.max_steps
+
+    @property
+    def min_epochs(self) -> int:
+        """The epochs before ``should_stop`` may end training: the setting, else 1 with
+        ``min_steps``, else 0 (Lightning's, as it reads once a fit has started)."""
+        given = self.config.min_epochs
+        return given if given is not None else 0 if self.config.min_steps is None else 1
+
+    @property
+    def min_steps(self) -> int | None:
+        return self.config.min_steps
 
     @property
     def default_root_dir(self) -> Path:
@@ -365,6 +416,37 @@ class Trainer:
         ``None`` with checkpointing off."""
         name = plugin_registry.plugin_name
         return next((p for p in self.plugins if name(p) == "checkpoint"), None)
+
+    @property
+    def checkpoint_callbacks(self) -> list:
+        """Every checkpointing plugin of the run, in order (Lightning's: its ``Checkpoint``
+        subclasses, ``ModelCheckpoint`` and ``OnExceptionCheckpoint``); empty with none."""
+        kinds = (ModelCheckpoint, OnExceptionCheckpoint)
+        return [p for p in self.callbacks if isinstance(p, kinds)]
+
+    @property
+    def early_stopping_callbacks(self) -> list:
+        """Every :class:`hookloop.EarlyStopping` of the run, in order (Lightning's)."""
+        return [p for p in self.callbacks if isinstance(p, EarlyStopping)]
+
+    @property
+    def early_stopping_callback(self) -> Any:
+        """The first :class:`hookloop.EarlyStopping` of the run, or ``None`` (Lightning's)."""
+        found = self.early_stopping_callbacks
+        return found[0] if found else None
+
+    @property
+    def progress_bar_callback(self) -> Any:
+        """The run's progress bar plugin (``hookloop.ProgressBar``, the default, or a
+        ``TQDMProgressBar``/``RichProgressBar``), or ``None`` with
+        ``enable_progress_bar=False`` (Lightning's)."""
+        name = plugin_registry.plugin_name
+        return next((p for p in self.plugins if name(p) == "progress"), None)
+
+    @property
+    def lightning_module(self) -> nn.Module | None:
+        """The user's module (``trainer.module``; Lightning's name), ``None`` before a run."""
+        return self.module
 
     def log_metrics(self, metrics: dict, step: int | None = None) -> None:
         """Hand a row of metrics (names to numbers) to the loggers, for plugins that

@@ -83,7 +83,7 @@ class ProgressBar:
             from tqdm import tqdm
 
             total = getattr(trainer, "num_training_batches", None)
-            limit = f"/{trainer.max_epochs}" if trainer.max_epochs and trainer.max_epochs < 10**6 else ""
+            limit = f"/{trainer.max_epochs}" if trainer.max_epochs and 0 < trainer.max_epochs < 10**6 else ""
             self._bar = tqdm(total=total, desc=f"Epoch {epoch + 1}{limit}", file=self._out(), dynamic_ncols=True,
                              leave=True, unit="it")
 
@@ -101,7 +101,7 @@ class ProgressBar:
         elapsed = time.monotonic() - self._epoch_start
         batches = trainer.state.total_batch_idx - self._first_batch
         rate = batches / elapsed if elapsed > 0 else float("inf")
-        limit = f"/{trainer.max_epochs}" if trainer.max_epochs and trainer.max_epochs < 10**6 else ""
+        limit = f"/{trainer.max_epochs}" if trainer.max_epochs and 0 < trainer.max_epochs < 10**6 else ""
         values = " ".join(f"{k}={v}" for k, v in shown.items())
         print(f"Epoch {epoch + 1}{limit}: {batches} batches in {elapsed:.1f}s ({rate:.1f} it/s)"
               + (f"  {values}" if values else ""), file=self._out(), flush=True)
