@@ -290,3 +290,59 @@ def test_misconfiguration_exception_catches_hookloops_refusals(tmp_path, make_kw
         with pytest.raises(fw.MisconfigurationException):
             trainer = fw.Trainer(str(tmp_path / name), max_epochs=1, **make_kwargs(fw))
             trainer.fit(_module_class(fw)(), DataLoader(_data(8), batch_size=4), DataLoader(_data(8), batch_size=4))
+
+
+# ---------------------------------------------------------------------------------------
+# BackboneFinetuning
+# ---------------------------------------------------------------------------------------
+
+
+def _backbone_run(name: str, root: str, **finetuning) -> tuple:
+    fw = _fw(name)
+    BackboneFinetuning = (__import__("pytorch_lightning").callbacks.BackboneFinetuning if name == "lightning"
+                          else hookloop.BackboneFinetuning)
+    lrs: list = []
+
+    class Transfer(_module_class(fw)):
+        def __init__(self):
+            super().__init__()
+            self.backbone = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU())
+            self.layer = nn.Linear(8, 2)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.layer.parameters(), lr=0.2)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self.layer(self.backbone(x)), y)
+
+        def on_train_epoch_end(self):
+            lrs.append([round(g["lr"], 12) for g in self.trainer.optimizers[0].param_groups])
+
+    fw.seed(0)
+    model = Transfer()
+    trainer = fw.Trainer(root, max_epochs=5, callbacks=[BackboneFinetuning(**finetuning)])
+    trainer.fit(model, DataLoader(_data(16), batch_size=4))
+    return lrs, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("finetuning", [
+    {"unfreeze_backbone_at_epoch": 1, "lambda_func": lambda epoch: 1.5},
+    {"unfreeze_backbone_at_epoch": 2, "backbone_initial_lr": 0.05, "train_bn": False},
+    {"unfreeze_backbone_at_epoch": 0, "backbone_initial_ratio_lr": 0.5, "should_align": False},
+])
+def test_backbone_finetuning_is_lightnings(tmp_path, finetuning):
+    """The backbone frozen, unfrozen at the epoch given with Lightning's learning rates
+    (every epoch's param groups), and the same weights at the end."""
+    (pl_lrs, pl_weights), (hl_lrs, hl_weights) = (_backbone_run(name, str(tmp_path / name), **finetuning)
+                                                  for name in FRAMEWORKS)
+    assert hl_lrs == pl_lrs and len(pl_lrs[-1]) == 2
+    for a, b in zip(hl_weights, pl_weights):
+        torch.testing.assert_close(a, b)
+
+
+def test_backbone_finetuning_without_a_backbone_says_so(tmp_path):
+    fw = _fw("hookloop")
+    trainer = fw.Trainer(str(tmp_path), max_epochs=1, callbacks=[hookloop.BackboneFinetuning()])
+    with pytest.raises(hookloop.ConfigurationError, match="Model has no nn.Module attribute `backbone`"):
+        trainer.fit(_module_class(fw)(), DataLoader(_data(8), batch_size=4))

@@ -13,7 +13,13 @@ from hookloop import _moved
 
 _moved.install()  # `import hookloop.step` and the other module paths of 0.10 (deprecated)
 
-from hookloop.lightning.callbacks import BaseFinetuning, BasePredictionWriter, Callback, GradientAccumulationScheduler
+from hookloop.lightning.callbacks import (
+    BackboneFinetuning,
+    BaseFinetuning,
+    BasePredictionWriter,
+    Callback,
+    GradientAccumulationScheduler,
+)
 from hookloop.resume.checkpoint import (
     TaggedCheckpointDir,
     atomic_copy_tree,
@@ -104,6 +110,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "CONTRACT_VERSION",
+    "BackboneFinetuning",
     "BaseFinetuning",
     "BasePredictionWriter",
     "CSVLogger",

@@ -39,6 +39,7 @@ NAMES = {
     "EarlyStopping": "hookloop:EarlyStopping",
     "LearningRateMonitor": "hookloop:LearningRateMonitor",
     "BaseFinetuning": "hookloop:BaseFinetuning",
+    "BackboneFinetuning": "hookloop:BackboneFinetuning",
     "BasePredictionWriter": "hookloop:BasePredictionWriter",
     "GradientAccumulationScheduler": "hookloop:GradientAccumulationScheduler",
     "TQDMProgressBar": "hookloop:TQDMProgressBar",

@@ -41,6 +41,7 @@ from __future__ import annotations
 import copy
 import enum
 import inspect
+import logging
 import sys
 from typing import Any, Iterable, Sequence
 
@@ -710,6 +711,84 @@ class BaseFinetuning(Callback):
     def freeze_before_training(self, pl_module) -> None:
         """Override to add your freeze logic."""
         raise NotImplementedError
+
+
+def multiplicative(epoch: int) -> float:
+    """:class:`BackboneFinetuning`'s default ``lambda_func``: the backbone's learning rate
+    doubles every epoch (Lightning's)."""
+    return 2.0
+
+
+class BackboneFinetuning(BaseFinetuning):
+    """Lightning's ``BackboneFinetuning``: the module's ``backbone`` (an ``nn.Module``) is
+    frozen before training and unfrozen at ``unfreeze_backbone_at_epoch`` as a new param
+    group of every optimizer, with learning rate ``backbone_initial_lr`` (default: the first
+    group's times ``backbone_initial_ratio_lr``), then multiplied by
+    ``lambda_func(epoch + 1)`` at each later epoch's start, up to the first group's learning
+    rate when ``should_align``. ``verbose`` logs both rates (``hookloop`` logger) at each
+    change, rounded to ``rounding`` digits."""
+
+    def __init__(self, unfreeze_backbone_at_epoch: int = 10, lambda_func: Any = multiplicative,
+                 backbone_initial_ratio_lr: float = 10e-2, backbone_initial_lr: float | None = None,
+                 should_align: bool = True, initial_denom_lr: float = 10.0, train_bn: bool = True,
+                 verbose: bool = False, rounding: int = 12) -> None:
+        super().__init__()
+        self.unfreeze_backbone_at_epoch = unfreeze_backbone_at_epoch
+        self.lambda_func = lambda_func
+        self.backbone_initial_ratio_lr = backbone_initial_ratio_lr
+        self.backbone_initial_lr = backbone_initial_lr
+        self.should_align = should_align
+        self.initial_denom_lr = initial_denom_lr
+        self.train_bn = train_bn
+        self.verbose = verbose
+        self.rounding = rounding
+        self.previous_backbone_lr: float | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"internal_optimizer_metadata": self._internal_optimizer_metadata,
+                "previous_backbone_lr": self.previous_backbone_lr}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.previous_backbone_lr = state_dict["previous_backbone_lr"]
+        super().load_state_dict(state_dict)
+
+    def _check_backbone(self, pl_module) -> None:
+        if not isinstance(getattr(pl_module, "backbone", None), nn.Module):
+            raise ConfigurationError(
+                f"BackboneFinetuning needs the module's backbone: {type(pl_module).__name__} has no "
+                f"nn.Module attribute `backbone` (set self.backbone = ... in __init__, or subclass "
+                f"hookloop.BaseFinetuning to freeze other modules)")
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self._check_backbone(pl_module)  # before freeze_before_training reads it
+        super().setup(trainer, pl_module, stage)
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self._check_backbone(pl_module)
+        super().on_fit_start(trainer, pl_module)
+
+    def freeze_before_training(self, pl_module) -> None:
+        self.freeze(pl_module.backbone)
+
+    def finetune_function(self, pl_module, epoch: int, optimizer: torch.optim.Optimizer) -> None:
+        current_lr = optimizer.param_groups[0]["lr"]
+        if epoch == self.unfreeze_backbone_at_epoch:
+            backbone_lr = (self.backbone_initial_lr if self.backbone_initial_lr is not None
+                           else current_lr * self.backbone_initial_ratio_lr)
+            self.previous_backbone_lr = backbone_lr
+            self.unfreeze_and_add_param_group(pl_module.backbone, optimizer, backbone_lr, train_bn=self.train_bn,
+                                              initial_denom_lr=self.initial_denom_lr)
+        elif epoch > self.unfreeze_backbone_at_epoch:
+            backbone_lr = self.lambda_func(epoch + 1) * self.previous_backbone_lr
+            if self.should_align and backbone_lr > current_lr:
+                backbone_lr = current_lr
+            optimizer.param_groups[-1]["lr"] = backbone_lr
+            self.previous_backbone_lr = backbone_lr
+        else:
+            return
+        if self.verbose:
+            logging.getLogger("hookloop").info(f"Current lr: {round(current_lr, self.rounding)}, "
+                                               f"Backbone lr: {round(backbone_lr, self.rounding)}")
 
 
 class WriteInterval(enum.Enum):
