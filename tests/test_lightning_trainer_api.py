@@ -346,3 +346,41 @@ def test_backbone_finetuning_without_a_backbone_says_so(tmp_path):
     trainer = fw.Trainer(str(tmp_path), max_epochs=1, callbacks=[hookloop.BackboneFinetuning()])
     with pytest.raises(hookloop.ConfigurationError, match="Model has no nn.Module attribute `backbone`"):
         trainer.fit(_module_class(fw)(), DataLoader(_data(8), batch_size=4))
+
+
+# ---------------------------------------------------------------------------------------
+# Lightning names hookloop refuses, each naming what to use instead
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("lightning_module", "name", "instead"), [
+    ("pytorch_lightning.callbacks", "LearningRateFinder", r"hookloop.Tuner\(trainer\).lr_find\(model, ...\)"),
+    ("pytorch_lightning.callbacks", "BatchSizeFinder", r"hookloop.Tuner\(trainer\).scale_batch_size\(model"),
+    ("pytorch_lightning.utilities", "CombinedLoader", r"as a list \(val_dataloaders=\[a, b\]"),
+])
+def test_refused_lightning_names_say_what_to_use_instead(lightning_module, name, instead):
+    """The import a port rewrites (tests/lightning_scripts/rewrite.py) reaches hookloop's
+    name, and making one is an error naming the replacement."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    assert hasattr(importlib.import_module(lightning_module), name)  # Lightning 2.6.6 has it
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from lightning_scripts import rewrite
+
+    refused = rewrite.resolve(name)
+    with pytest.raises(hookloop.ConfigurationError, match=f"hookloop has no {name} .*{instead}"):
+        refused(min_lr=1e-4) if name != "CombinedLoader" else refused({"a": [1]}, mode="sequential")
+
+
+@pytest.mark.parametrize("interval", ["00:00:01:00", {"minutes": 1}, __import__("datetime").timedelta(seconds=30)])
+def test_a_time_based_val_check_interval_is_refused_naming_the_alternatives(interval):
+    """Lightning 2.6.6 validates every so much time; hookloop refuses it (docs/lightning.md),
+    naming the batch-count and fraction forms."""
+    import pytorch_lightning as pl
+
+    pl.Trainer(val_check_interval=interval, logger=False, enable_checkpointing=False)  # Lightning takes it
+    with pytest.raises(hookloop.ConfigurationError,
+                       match=r"is a duration \(Lightning's time-based validation\).*val_check_interval=N"):
+        hookloop.Trainer(val_check_interval=interval, logger=False)

@@ -7,6 +7,7 @@ starts from them, and arguments given in code win.
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import os
@@ -157,6 +158,12 @@ class TrainerConfig:
                     f"fraction of the loader (a float in [0.0, 1.0])"
                 )
         interval = self.val_check_interval
+        if isinstance(interval, (str, dict, datetime.timedelta)):
+            raise ConfigurationError(
+                f"val_check_interval={interval!r} is a duration (Lightning's time-based validation), "
+                "which hookloop does not support (docs/lightning.md): give a number of training "
+                "batches (val_check_interval=N) or a fraction of the epoch (a float in (0.0, 1.0])"
+            )
         if not (_is_int(interval) and interval >= 1) and not (
                 isinstance(interval, float) and 0.0 < interval <= 1.0):
             raise ConfigurationError(

@@ -791,6 +791,45 @@ class BackboneFinetuning(BaseFinetuning):
                                                f"Backbone lr: {round(backbone_lr, self.rounding)}")
 
 
+class _Refused:
+    """A Lightning name hookloop does not have: making one raises a
+    :class:`~hookloop.ConfigurationError` that names what to use instead (docs/lightning.md)."""
+
+    instead = ""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise ConfigurationError(f"hookloop has no {type(self).__name__} (docs/lightning.md): {self.instead}")
+
+
+class LearningRateFinder(_Refused):
+    """Lightning's ``LearningRateFinder`` callback, refused: the finder is
+    ``hookloop.Tuner(trainer).lr_find(model, ...)`` before ``fit``, or ``hookloop tune lr``."""
+
+    instead = ("run the finder before fit with hookloop.Tuner(trainer).lr_find(model, ...) (Lightning's "
+               "arguments; .suggestion()), or from the command line with `hookloop tune lr SCRIPT`, and "
+               "remove the callback")
+
+
+class BatchSizeFinder(_Refused):
+    """Lightning's ``BatchSizeFinder`` callback, refused: the search is
+    ``hookloop.Tuner(trainer).scale_batch_size(model, ...)`` before ``fit``, or
+    ``hookloop tune batch-size``."""
+
+    instead = ("run the search before fit with hookloop.Tuner(trainer).scale_batch_size(model, ...) "
+               "(Lightning's arguments), or from the command line with `hookloop tune batch-size "
+               "SCRIPT`, and remove the callback")
+
+
+class CombinedLoader(_Refused):
+    """Lightning's ``CombinedLoader``, refused: several validation/test/predict loaders
+    are a list; one training loader."""
+
+    instead = ("give several validation, test or predict loaders as a list (val_dataloaders=[a, b]: each "
+               "its own dataloader_idx, as CombinedLoader's 'sequential' mode); for training, combine "
+               "the data in one loader (torch.utils.data.ConcatDataset, or a Dataset returning one "
+               "item of each)")
+
+
 class WriteInterval(enum.Enum):
     BATCH = "batch"
     EPOCH = "epoch"
