@@ -384,3 +384,51 @@ def test_a_time_based_val_check_interval_is_refused_naming_the_alternatives(inte
     with pytest.raises(hookloop.ConfigurationError,
                        match=r"is a duration \(Lightning's time-based validation\).*val_check_interval=N"):
         hookloop.Trainer(val_check_interval=interval, logger=False)
+
+
+# ---------------------------------------------------------------------------------------
+# avg_fn on the averaging plugins (hookloop-averaging)
+# ---------------------------------------------------------------------------------------
+
+
+def _averaged_run(name: str, root: str, kind: str) -> tuple:
+    fw = _fw(name)
+    counts: list = []
+
+    def avg_fn(average, weights, num_averaged):  # a fixed-rate average: not either default
+        counts.append(int(num_averaged))
+        return average + 0.3 * (weights - average)
+
+    if name == "lightning":
+        from pytorch_lightning.callbacks import StochasticWeightAveraging, WeightAveraging
+
+        averaging = (StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=2, annealing_epochs=1, avg_fn=avg_fn)
+                     if kind == "swa" else WeightAveraging(avg_fn=avg_fn))
+    else:
+        options = {"swa_lrs": 0.05, "swa_epoch_start": 2, "annealing_epochs": 1} if kind == "swa" else {}
+        averaging = hookloop.plugin(kind, avg_fn=avg_fn, **options)
+    fw.seed(0)
+    model = _module_class(fw)()
+    trainer = fw.Trainer(root, max_epochs=4, callbacks=[averaging])
+    trainer.fit(model, DataLoader(_data(16), batch_size=4))
+    return counts, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("kind", ["swa", "ema"])
+def test_avg_fn_averages_as_lightning(tmp_path, kind):
+    """``avg_fn=`` on ``swa`` (Lightning's ``StochasticWeightAveraging(avg_fn=)``) and
+    ``ema`` (Lightning's ``WeightAveraging(avg_fn=)``): called with the same counts, the
+    same weights at the end."""
+    pytest.importorskip("hookloop_averaging")
+    (pl_counts, pl_weights), (hl_counts, hl_weights) = (_averaged_run(name, str(tmp_path / name), kind)
+                                                        for name in FRAMEWORKS)
+    assert hl_counts == pl_counts and pl_counts
+    for a, b in zip(hl_weights, pl_weights):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("kind", ["swa", "ema"])
+def test_an_avg_fn_that_is_not_a_function_is_refused(kind):
+    pytest.importorskip("hookloop_averaging")
+    with pytest.raises(hookloop.ConfigurationError, match=f"{kind} avg_fn=3 must be a function"):
+        hookloop.plugin(kind, avg_fn=3)

@@ -73,6 +73,14 @@ def _torch_optimizer(optimizer: Any) -> Any:
     return optimizer
 
 
+def _checked_avg_fn(plugin: str, avg_fn: Any) -> Any:
+    if avg_fn is not None and not callable(avg_fn):
+        raise hookloop.ConfigurationError(
+            f"{plugin} avg_fn={avg_fn!r} must be a function (average, weights, num_averaged) -> new average, "
+            f"as torch.optim.swa_utils.AveragedModel's, or None")
+    return avg_fn
+
+
 class _Averaging:
     """What EMA and SWA share: the averaged tensors, the validation swap, the copy at the
     end of fit, and checkpoint state."""
@@ -160,6 +168,9 @@ class _Averaging:
                 cur = current[name]
                 if self.n_averaged == 0 or not self._is_averaged(name):
                     avg.copy_(cur)
+                elif self.avg_fn is not None:  # Lightning's avg_fn: (average, current, num_averaged)
+                    count = torch.tensor(self.n_averaged, dtype=torch.long, device=avg.device)
+                    avg.copy_(self.avg_fn(avg, cur, count))
                 else:
                     self._average_one(avg, cur)
         self.n_averaged += 1
@@ -251,12 +262,14 @@ class EMA(_Averaging):
     use_buffers: True: average the buffers too (Lightning's default); False: copy the model's buffers at each update
     validate_on_average: validate on the averaged weights (default True)
     apply_at_end: copy the average into the model when fit ends (default True)
+    avg_fn: Lightning's WeightAveraging(avg_fn=...): new_average = avg_fn(average, weights, num_averaged) in place of the decay formula (default None)
     """
 
     hookloop_name = "ema"
 
     def __init__(self, decay: float = 0.999, update_every_n_steps: int = 1, update_starting_at_step: int = 0,
-                 use_buffers: bool = True, validate_on_average: bool = True, apply_at_end: bool = True):
+                 use_buffers: bool = True, validate_on_average: bool = True, apply_at_end: bool = True,
+                 avg_fn: Any = None):
         if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay <= 1.0:
             raise hookloop.ConfigurationError(f"ema decay={decay!r} must be a number in [0, 1]")
         for name, value, low in (("update_every_n_steps", update_every_n_steps, 1),
@@ -264,6 +277,7 @@ class EMA(_Averaging):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise hookloop.ConfigurationError(f"ema {name}={value!r} must be an integer >= {low}")
         self.decay = float(decay)
+        self.avg_fn = _checked_avg_fn("ema", avg_fn)
         self.update_every_n_steps = update_every_n_steps
         self.update_starting_at_step = update_starting_at_step
         self.use_buffers = bool(use_buffers)
@@ -344,6 +358,7 @@ class SWA(_Averaging):
     update_bn: recompute BatchNorm statistics on the averaged weights at the end of fit (default True)
     validate_on_average: validate on the averaged weights (default True; Lightning's SWA validates the trained ones)
     apply_at_end: copy the average into the model when fit ends (default True)
+    avg_fn: Lightning's avg_fn: new_average = avg_fn(average, weights, num_averaged) in place of the equal average (default None)
     """
 
     hookloop_name = "swa"
@@ -351,7 +366,7 @@ class SWA(_Averaging):
 
     def __init__(self, swa_lrs: Any = None, swa_epoch_start: Any = 0.8, annealing_epochs: int = 10,
                  annealing_strategy: str = "cos", update_bn: bool = True, validate_on_average: bool = True,
-                 apply_at_end: bool = True):
+                 apply_at_end: bool = True, avg_fn: Any = None):
         if isinstance(swa_epoch_start, bool) or not isinstance(swa_epoch_start, (int, float)) or (
                 isinstance(swa_epoch_start, int) and swa_epoch_start < 1) or (
                 isinstance(swa_epoch_start, float) and not 0.0 <= swa_epoch_start <= 1.0):
@@ -369,6 +384,7 @@ class SWA(_Averaging):
             raise hookloop.ConfigurationError(
                 f"swa annealing_strategy={annealing_strategy!r} must be 'cos' or 'linear'")
         self.swa_lrs = swa_lrs
+        self.avg_fn = _checked_avg_fn("swa", avg_fn)
         self.swa_epoch_start = swa_epoch_start
         self.annealing_epochs = annealing_epochs
         self.annealing_strategy = annealing_strategy
