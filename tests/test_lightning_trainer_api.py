@@ -432,3 +432,37 @@ def test_an_avg_fn_that_is_not_a_function_is_refused(kind):
     pytest.importorskip("hookloop_averaging")
     with pytest.raises(hookloop.ConfigurationError, match=f"{kind} avg_fn=3 must be a function"):
         hookloop.plugin(kind, avg_fn=3)
+
+
+# ---------------------------------------------------------------------------------------
+# Logging from a callback: Lightning 2.6.6's Callback has no `log`; callbacks log through
+# the module (`pl_module.log`), which hookloop's callbacks do alike
+# ---------------------------------------------------------------------------------------
+
+
+def _callback_logging_run(name: str, root: str) -> dict:
+    fw = _fw(name)
+
+    class Logs(fw.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            pl_module.log("cb_batch", float(batch_idx))
+            pl_module.log("cb_both", float(trainer.global_step), on_step=True, on_epoch=True)
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            pl_module.log("cb_epoch", float(trainer.current_epoch) + 0.5)
+
+        def on_validation_epoch_end(self, trainer, pl_module):
+            pl_module.log("cb_val", float(trainer.current_epoch) + 0.25)
+
+    fw.seed(0)
+    trainer = fw.Trainer(root, max_epochs=2, callbacks=[Logs()], num_sanity_val_steps=0)
+    trainer.fit(_module_class(fw)(), DataLoader(_data(12), batch_size=4), DataLoader(_data(8, 2), batch_size=4))
+    return {k: round(float(v), 6) for k, v in trainer.callback_metrics.items() if k.startswith("cb_")}
+
+
+def test_a_callback_logs_through_the_module_as_in_lightning(tmp_path):
+    import pytorch_lightning as pl
+
+    assert not hasattr(pl.Callback, "log") and not hasattr(hookloop.Callback, "log")
+    seen = {name: _callback_logging_run(name, str(tmp_path / name)) for name in FRAMEWORKS}
+    assert seen["hookloop"] == seen["lightning"] and len(seen["lightning"]) == 6
