@@ -164,7 +164,7 @@ def saved_run(tmp: Path, module: nn.Module | None = None) -> Path:
 
 @row("C01")
 def _(tmp):
-    hookloop.Trainer(max_epochs=-1)
+    hookloop.Trainer(max_epochs=-2)
 
 
 @row("C02")

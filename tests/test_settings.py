@@ -184,7 +184,7 @@ def test_the_trainer_assigns_what_the_resolution_gives(tmp_path):
 @pytest.mark.parametrize(
     "arguments, environ, message",
     [
-        ({"max_epochs": -1}, {}, "max_epochs=-1 must be None or an integer >= 0"),
+        ({"max_epochs": -2}, {}, "max_epochs=-2 must be None or an integer >= 0, or -1 for no limit"),
         ({"precision": "fp8"}, {}, "precision='fp8' is not one of"),
         ({"not_an_argument": 1}, {}, r"Trainer got unknown arguments \['not_an_argument'\]"),
         ({}, {DEFAULTS_ENV: "{not json"}, f"{DEFAULTS_ENV} is not valid JSON"),
