@@ -160,9 +160,10 @@ class TrainerConfig:
         interval = self.val_check_interval
         if isinstance(interval, (str, dict, datetime.timedelta)):
             raise ConfigurationError(
-                f"val_check_interval={interval!r} is a duration (Lightning's time-based validation), "
-                "which hookloop does not support (docs/lightning.md): give a number of training "
-                "batches (val_check_interval=N) or a fraction of the epoch (a float in (0.0, 1.0])"
+                f"val_check_interval={interval!r} is a duration (Lightning's time-based "
+                "validation), which hookloop does not support (docs/lightning.md): give a number "
+                "of training batches (val_check_interval=N) or a fraction of the epoch (a float "
+                "in (0.0, 1.0])"
             )
         if not (_is_int(interval) and interval >= 1) and not (
                 isinstance(interval, float) and 0.0 < interval <= 1.0):
