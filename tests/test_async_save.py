@@ -78,8 +78,18 @@ def checkpoints(trainer) -> dict[str, dict]:
         book["last_model_path"] = book["last_model_path"].replace(root, "ROOT")
         book["latest"] = [p.replace(root, "ROOT") for p in book["latest"]]
         book["best_k_models"] = {p.replace(root, "ROOT"): v for p, v in book["best_k_models"].items()}
+        book["kth_best_model_path"] = book["kth_best_model_path"].replace(root, "ROOT")
+        state["callbacks"] = _rooted(state["callbacks"], root)  # Lightning's copy of the same bookkeeping
         found[path.name] = state
     return found
+
+
+def _rooted(value, root: str):
+    if isinstance(value, str):
+        return value.replace(root, "ROOT")
+    if isinstance(value, dict):
+        return {_rooted(k, root): _rooted(v, root) for k, v in value.items()}
+    return value
 
 
 class SlowWrites:
@@ -185,7 +195,8 @@ def test_at_most_one_save_is_in_flight_and_writes_overlap_training(tmp_path, mon
     trainer = hookloop.Trainer(default_root_dir=str(tmp_path), logger=False, enable_progress_bar=False,
                                enable_model_summary=False, max_steps=12,
                                callbacks=[Box(box), hookloop.ModelCheckpoint(
-                                   every_n_train_steps=1, every_n_epochs=0, save_top_k=3, async_save=True)])
+                                   every_n_train_steps=1, every_n_epochs=0, save_top_k=3, async_save=True,
+                                   monitor="step", mode="max")])  # the 3 newest (Lightning needs a monitor)
     module = Scripted()
     trainer.fit(module, train_loader())
     # one serialised file per step (last.ckpt is its copy), and epoch 0's end's last.ckpt

@@ -91,8 +91,8 @@ def test_the_environment_gives_autoload_and_mesh_only_when_nothing_else_does():
 def test_plugin_options_merge_per_option_environment_then_fallback_then_cli_then_code():
     environ = {
         "HOOKLOOP_PLUGIN_OPTIONS": "checkpoint.save_top_k=1; checkpoint.save_last=false; "
-        "checkpoint.every_n_epochs=4; checkpoint.mode=max"
-    }
+        "checkpoint.every_n_epochs=4; checkpoint.mode=max; checkpoint.monitor=val_loss"
+    }  # (a monitor: Lightning refuses save_top_k=2 without one)
     settings, plan = resolve(
         {"plugin_options": {"checkpoint": {"save_last": True}}},
         environ=environ,
@@ -103,6 +103,7 @@ def test_plugin_options_merge_per_option_environment_then_fallback_then_cli_then
         "save_last": True,
         "every_n_epochs": 4,
         "mode": "max",
+        "monitor": "val_loss",
     }
     (checkpoint,) = [p for p in plan.plugins if plugin_name(p) == "checkpoint"]
     assert (checkpoint.save_top_k, checkpoint.save_last, checkpoint.mode) == (2, True, "max")

@@ -15,7 +15,6 @@ Layer: above :mod:`hookloop.engine.step`; below the session and the trainer.
 
 from __future__ import annotations
 
-import re
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -452,6 +451,7 @@ def evaluate(trainer, stage: str, loaders: list, limit: Any, publish: bool = Tru
         with torch.no_grad(), _enter(contexts):
             for dataloader_idx, loader in enumerate(loaders):
                 metrics.suffix = f"/dataloader_idx_{dataloader_idx}" if len(loaders) > 1 else ""
+                metrics.dataloader_idx = dataloader_idx if len(loaders) > 1 else None
                 n = batch_limit(loader, limit, limit_name)
                 if n == 0:
                     continue
@@ -461,20 +461,21 @@ def evaluate(trainer, stage: str, loaders: list, limit: Any, publish: bool = Tru
                         _log_eval_step(trainer, stage, publish)
                     if n is not None and batch_idx + 1 >= n:
                         break
-        metrics.suffix = ""
+        metrics.suffix, metrics.dataloader_idx = "", None
         _epoch_level_event(trainer, f"on_{prefix}_epoch_end")
         computed = metrics.finish_epoch(stage, publish=publish)
         # a name logged with on_step and on_epoch is a result as name_epoch only (Lightning)
         computed = {k: v for k, v in computed.items()
-                    if not (k in metrics.forked and f"{k}_epoch" in computed)}
+                    if not (k in metrics.forked and metrics.forked[k][1] in computed)}
         end_args = {"sanity_checking": trainer.sanity_checking} if prefix == "validation" else {}
         getattr(hook, f"on_{prefix}_end")(trainer=trainer, metrics=dict(computed), **end_args)
         metrics.reset_metric_objects(stage)  # torchmetrics Metrics, after on_*_end (Lightning)
     finally:
         metrics.stage, metrics.suffix, metrics.epoch_level = saved
+        metrics.dataloader_idx = None
         model.train(was_training)
         ckpt.set_rng_state(rng)
-    return _per_loader(computed, len(loaders))
+    return _per_loader(computed, len(loaders), dict(metrics.loader_of))
 
 
 def _log_eval_step(trainer, stage: str, publish: bool) -> None:
@@ -498,15 +499,14 @@ def _epoch_level_event(trainer, name: str) -> None:
         metrics.epoch_level = False
 
 
-_LOADER_SUFFIX = re.compile(r"/dataloader_idx_(\d+)$")
-
-
-def _per_loader(computed: dict, n_loaders: int) -> list[dict]:
+def _per_loader(computed: dict, n_loaders: int, loader_of: dict[str, int]) -> list[dict]:
+    """Each loader's result: what was logged while it ran (Lightning's), and what the
+    epoch-level hooks logged, in every loader's."""
     results: list[dict] = [{} for _ in range(max(n_loaders, 1))]
     for name, value in computed.items():
-        match = _LOADER_SUFFIX.search(name)
-        if match and int(match.group(1)) < len(results):
-            results[int(match.group(1))][name] = value
+        index = loader_of.get(name)
+        if index is not None and index < len(results):
+            results[index][name] = value
         else:
             for result in results:
                 result[name] = value

@@ -83,6 +83,11 @@ class Metrics:
         self.epoch_level = False
         #: "/dataloader_idx_N" while evaluating one of several loaders
         self.suffix = ""
+        #: N while evaluating loader N of several (None otherwise)
+        self.dataloader_idx: int | None = None
+        #: epoch key -> the loader it was logged under (several evaluation loaders): that
+        #: loader's result holds it, as Lightning's (even with add_dataloader_idx=False)
+        self.loader_of: dict[str, int] = {}
         #: increases every training micro-batch: replica values of one step share it
         self.step_token = 0
         #: the step token when the training epoch's values were last computed: a forked
@@ -96,8 +101,12 @@ class Metrics:
         self.prog_bar: set[str] = set()
         self.not_for_logger: set[str] = set()
         #: names logged with both on_step and on_epoch: reported as name_step, name_epoch
-        #: and name (the step value during the epoch, the epoch value after it)
-        self.forked: set[str] = set()
+        #: and name (the step value during the epoch, the epoch value after it); each
+        #: name -> its (step key, epoch key): Lightning's ``x_step/dataloader_idx_0`` for
+        #: ``x`` logged on one of several loaders
+        self.forked: dict[str, tuple[str, str]] = {}
+        #: a forked name's step or epoch key -> ("step" or "epoch", the name)
+        self.fork_parts: dict[str, tuple[str, str]] = {}
         #: the training epoch's partial sums while an epoch stopped early ends (its
         #: metrics computed, its sums kept for a resume): what checkpoints save meanwhile
         self.kept_train_sums: dict[str, list] | None = None
@@ -151,8 +160,10 @@ class Metrics:
             metric = _torchmetrics_metric(name, value)
             value = _scalar(name, metric._forward_cache, "forward() result", device)
             sync_dist = False
-        if self.suffix and add_dataloader_idx:
-            name = name + self.suffix
+        suffix = self.suffix if add_dataloader_idx else ""
+        # Lightning's names: x/dataloader_idx_0, and x_step/dataloader_idx_0 when forked
+        step_key, epoch_key = f"{name}_step{suffix}", f"{name}_epoch{suffix}"
+        name = name + suffix
         training = self.stage == "train" and not self.epoch_level
         if on_step is None:
             on_step = training
@@ -170,16 +181,17 @@ class Metrics:
             # Lightning: an evaluation metric logged per step goes to the loggers once per
             # batch (as name_step when it is also per epoch), and only its epoch value is a
             # result and a callback metric
-            key = f"{name}_step" if on_epoch else name
+            key = step_key if on_epoch else name
             self.eval_step_row[key] = self.trainer.reduce(value, op) if sync_dist else value
             if not for_logger:
                 self.not_for_logger.add(key)
             if not on_epoch:
                 return
             on_step = False
-        names = (name, f"{name}_step", f"{name}_epoch") if forked else (name,)
+        names = (name, step_key, epoch_key) if forked else (name,)
         if forked:
-            self.forked.add(name)
+            self.forked[name] = (step_key, epoch_key)
+            self.fork_parts[step_key], self.fork_parts[epoch_key] = ("step", name), ("epoch", name)
         if prog_bar:
             self.prog_bar.update(names)
         if not for_logger:
@@ -189,7 +201,7 @@ class Metrics:
             # are reduced once at the epoch's end (as Lightning): summing values already
             # reduced and reducing again would count every rank world_size times.
             step_value = self.trainer.reduce(value, op) if sync_dist else value
-            key = f"{name}_step" if forked else name
+            key = step_key if forked else name
             slot = self.step_values.get(key)
             thread = threading.get_ident()
             if slot is None or slot[0] != self.step_token:
@@ -197,14 +209,18 @@ class Metrics:
             else:
                 slot[1][thread] = step_value  # another replica of the same step
         if on_epoch and metric is not None:
-            key = f"{name}_epoch" if forked else name
+            key = epoch_key if forked else name
             self.epoch_metrics.setdefault(self.stage, {})[key] = metric
+            if self.dataloader_idx is not None:
+                self.loader_of[key] = self.dataloader_idx
         elif on_epoch:
             if batch_size is None:
                 batch = getattr(_STEP_BATCH, "batch", None)
                 batch = self.trainer.state.current_batch if batch is None else batch
                 batch_size = batch_size_of(batch)
-            key = f"{name}_epoch" if forked else name
+            key = epoch_key if forked else name
+            if self.dataloader_idx is not None:
+                self.loader_of[key] = self.dataloader_idx
             # Lightning's _ResultMetric: accumulate in the logged dtype, float32 (the default
             # dtype) for anything but float32/float64, so epoch means are bit-equal to its.
             v = value
@@ -231,7 +247,7 @@ class Metrics:
         self.callback_metrics = {}
         self.step_values = {}
         self.eval_step_row = {}
-        self.prog_bar, self.not_for_logger, self.forked = set(), set(), set()
+        self.prog_bar, self.not_for_logger, self.forked, self.fork_parts = set(), set(), {}, {}
 
     def start(self, stage: str) -> None:
         """A new epoch of ``stage``: forget its epoch sums (and, for training, the step
@@ -239,6 +255,7 @@ class Metrics:
         self.stage = stage
         self.epoch_sums[stage] = {}
         self.epoch_metrics[stage] = {}
+        self.loader_of = {}
         if stage == "train":
             self.step_values = {}
 
@@ -284,8 +301,9 @@ class Metrics:
             values = torch.stack([t.to(torch.float64) for t in tensors.values()]).tolist()
             for name, value in zip(tensors, values, strict=True):
                 out[name] = value
-                if name.endswith("_epoch") and name[:-6] in self.forked:
-                    out[name[:-6]] = value
+                part = self.fork_parts.get(name)
+                if part is not None and part[0] == "epoch":
+                    out[part[1]] = value
         if stage == "train":
             self.epoch_token = self.step_token
             out = {**self.latest_step_values(), **out}  # the epoch value wins for a forked name
@@ -313,8 +331,9 @@ class Metrics:
         floats = torch.stack([t.to(torch.float64) for t in tensors]).tolist()
         out = dict(zip(names, floats, strict=True))
         for name, is_fresh in zip(names, fresh, strict=True):
-            if name.endswith("_step") and name[:-5] in self.forked and is_fresh:
-                out[name[:-5]] = out[name]
+            part = self.fork_parts.get(name)
+            if part is not None and part[0] == "step" and is_fresh:
+                out[part[1]] = out[name]
         return out
 
     def read(self) -> dict[str, float]:

@@ -362,8 +362,8 @@ class CallbackHooks:
             state = cb.state_dict()
             if state:
                 states[cb.state_key] = state
-        if states:
-            checkpoint["callbacks"] = states
+        if states:  # beside what hookloop's own ModelCheckpoint/EarlyStopping put there
+            checkpoint.setdefault("callbacks", {}).update(states)
         module = trainer.module
         for cb in self.callbacks:
             cb.on_save_checkpoint(trainer, module, checkpoint)

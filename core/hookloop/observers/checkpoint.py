@@ -32,6 +32,7 @@ from hookloop.resume.checkpoint import NONFINITE, _write_checkpoint, atomic_copy
 from hookloop.contract.errors import CheckpointError, ConfigurationError
 from hookloop.contract.hookspecs import hookimpl
 from hookloop.contract.pluginspec import plugin_name
+from hookloop.distributed.ranks import rank_zero_info
 
 _GROUP = re.compile(r"\{([A-Za-z_][\w.]*)([:}])")
 
@@ -51,7 +52,11 @@ class ModelCheckpoint:
     save_last: None (default): hookloop's own ``last.ckpt`` (to resume from) in the run
         directory's ``checkpoints/`` at every save and epoch end, nothing more in
         ``dirpath`` (Lightning writes none); True: also ``last.ckpt`` in ``dirpath``, as
-        Lightning's ``save_last=True``; False: no ``last.ckpt`` anywhere (no resume file)
+        Lightning's ``save_last=True``; ``"link"``: that ``last.ckpt`` is a symbolic link
+        to the newest top-k checkpoint (a file while none was saved), as Lightning's;
+        False: no ``last.ckpt`` anywhere (no resume file)
+    save_on_exception: when ``fit`` raises, save a checkpoint named by ``filename`` (and
+        ``last.ckpt``) first, as Lightning's (False)
     every_n_epochs: save in every n-th epoch (0: never by epochs; None: 1, or 0 when
         every_n_train_steps is given, as in Lightning)
     every_n_train_steps: also save every n optimizer steps (None: not within epochs)
@@ -74,26 +79,38 @@ class ModelCheckpoint:
     def __init__(self, dirpath: str | os.PathLike | None = None, filename: str | None = None, monitor: str | None = None,
                  mode: str = "min", save_top_k: int = 1, save_last: bool | None = None, every_n_epochs: int | None = None,
                  every_n_train_steps: int | None = None, auto_insert_metric_name: bool = True,
-                 save_on_train_epoch_end: bool | None = None, async_save: bool = False):
+                 save_on_train_epoch_end: bool | None = None, async_save: bool = False, save_on_exception: bool = False):
         if mode not in ("min", "max"):
             raise ConfigurationError(
                 f"checkpoint mode={mode!r} must be 'min' (lower {monitor or 'monitored value'} is better) or 'max'")
         if not isinstance(save_top_k, int) or save_top_k < -1:
             raise ConfigurationError(f"checkpoint save_top_k={save_top_k!r} must be -1 (all), 0 or a count")
+        if monitor is None and save_top_k not in (-1, 0, 1):
+            # Lightning's refusal: without a metric there is nothing to rank k checkpoints by.
+            raise ConfigurationError(
+                f"ModelCheckpoint(save_top_k={save_top_k}, monitor=None) is not a valid configuration: no quantity "
+                f"for top_k to track. Pass monitor='<a logged metric>' to keep the {save_top_k} best, save_top_k=-1 "
+                f"to keep every checkpoint, or save_top_k=1 to keep the newest")
         if every_n_epochs is None:  # Lightning's default: by epochs unless by steps
             every_n_epochs = 1 if every_n_train_steps is None else 0
         if not isinstance(every_n_epochs, int) or every_n_epochs < 0:
             raise ConfigurationError(
                 f"checkpoint every_n_epochs={every_n_epochs!r} must be an integer >= 0 (or None)")
-        if save_last not in (None, True, False):
-            raise ConfigurationError(f"checkpoint save_last={save_last!r} must be True, False or None")
+        if save_last not in (None, True, False, "link"):
+            raise ConfigurationError(f"checkpoint save_last={save_last!r} must be True, False, 'link' or None")
+        if save_on_exception not in (True, False):
+            raise ConfigurationError(f"checkpoint save_on_exception={save_on_exception!r} must be True or False")
         if save_on_train_epoch_end not in (None, True, False):
             raise ConfigurationError(
                 f"checkpoint save_on_train_epoch_end={save_on_train_epoch_end!r} must be True, False or None")
         if every_n_train_steps is not None and (not isinstance(every_n_train_steps, int) or every_n_train_steps < 1):
             raise ConfigurationError(
                 f"checkpoint every_n_train_steps={every_n_train_steps!r} must be None or an integer >= 1")
+        if dirpath:  # as Lightning: the absolute, resolved directory (setup resolves None)
+            dirpath = os.path.realpath(os.path.expanduser(dirpath))
         self.dirpath, self.filename, self.monitor, self.mode = dirpath, filename, monitor, mode
+        self._dirpath_given = dirpath is not None
+        self.save_on_exception = save_on_exception
         self.save_top_k, self.save_last = save_top_k, save_last
         self.every_n_epochs, self.every_n_train_steps = every_n_epochs, every_n_train_steps
         self.auto_insert_metric_name = auto_insert_metric_name
@@ -104,6 +121,14 @@ class ModelCheckpoint:
         self.best_model_path = ""
         self.best_model_score: float | None = None
         self.last_model_path = ""
+        #: Lightning's: the monitored value of the newest top-k save, and the worst kept
+        #: checkpoint (the one the next better value pushes out) once k are kept
+        self.current_score: float | None = None
+        self.kth_best_model_path = ""
+        self.kth_value: float = math.inf if mode == "min" else -math.inf
+        self._last_checkpoint_saved = ""  # the newest top-k file written (save_last="link" points to it)
+        #: the checkpoint this fit resumed from: never removed by top-k pruning (Lightning)
+        self._resumed_from: str | None = None
         self.latest: list[str] = []  # without a monitor: the newest files, oldest first
         self.dir: Path | None = None
         #: where hookloop's own last.ckpt goes: the run directory's checkpoints/
@@ -136,7 +161,10 @@ class ModelCheckpoint:
         self._last_global_step_saved = None  # a new fit; a resume restores it after this
         trainer.state.after_validation.append(self._after_validation)
         self.resume_dir = Path(trainer.log_dir) / "checkpoints"
-        self.dir = Path(self.dirpath) if self.dirpath else self.resume_dir
+        self.dir = Path(self.dirpath) if self._dirpath_given else self.resume_dir
+        # Lightning's ``dirpath`` after setup: the directory the checkpoints go to
+        self.dirpath = str(self.dir)
+        self._resumed_from = None
         sharded = self._sharded = getattr(trainer.strategy, "hookloop_checkpoint_format", "file") == "directory"
         for last in self._last_paths():
             if last.exists() and last.is_dir() != sharded:
@@ -320,18 +348,31 @@ class ModelCheckpoint:
             elif self.monitor is None or self._qualifies(value):
                 if value is not None and math.isnan(value):
                     value = math.inf if self.mode == "min" else -math.inf  # as Lightning: kept as the worst
-                path = str(self.dir / name)
+                # A file of that name that this save does not replace (another run's, in a
+                # shared dirpath) is kept: this one gets -v1, -v2, ... (Lightning's versions)
+                path = self._versioned(trainer, str(self.dir / name), self._replaced(value))
                 drop = self._book(path, value)
                 writes = self._write(trainer, path)
-                written = path
+                written = self._last_checkpoint_saved = path
                 self._remove(trainer, drop, background)
         self._last_saved = position
         lasts = self._last_paths()
         if lasts:
+            if lasts[-1].parent == self.dir and self.dir != self.resume_dir:
+                # dirpath's last.ckpt (save_last=True/"link"): versioned as the top-k files;
+                # the one of this run (resumed: of the run it continues) is replaced
+                lasts[-1] = Path(self._versioned(trainer, str(lasts[-1]), self.last_model_path))
+                previous = self.last_model_path
+                if previous and previous != str(lasts[-1]) and Path(previous).parent == self.dir:
+                    self._remove(trainer, [previous], background, keep_last=False)
             self.last_model_path = str(lasts[-1])
             lasts = self._keep_finite_lasts(trainer, lasts)
         for last in lasts:
-            if written is not None:
+            link = (self.save_last == "link" and self.save_top_k != 0 and self._last_checkpoint_saved
+                    and last.parent == self.dir and self.dir != self.resume_dir and last.name.startswith("last"))
+            if link:
+                self._link(trainer, self._last_checkpoint_saved, str(last), background)
+            elif written is not None:
                 self._copy(trainer, written, str(last), background)
             else:
                 writes = self._write(trainer, str(last))
@@ -383,6 +424,35 @@ class ModelCheckpoint:
             paths.append(self.dir / "last.ckpt")
         return paths
 
+    def _replaced(self, value: float | None) -> str | None:
+        """The kept checkpoint a save of ``value`` takes the place of (Lightning's
+        ``del_filepath``): a file of its name may be written over. Without a monitor, the
+        newest one; with one, the k-th best once k are kept."""
+        if value is None:
+            return self.best_model_path or None
+        if self.save_top_k != -1 and len(self.best_k_models) >= self.save_top_k and self.best_k_models:
+            return self._worst()
+        return None
+
+    def _worst(self) -> str:
+        pick = max if self.mode == "min" else min
+        return pick(self.best_k_models, key=self.best_k_models.__getitem__)
+
+    def _versioned(self, trainer, path: str, replaceable: str | None) -> str:
+        """``path``, or ``<name>-v1.ckpt``, ``-v2``, ... while a file of that name exists
+        and is not ``replaceable`` (Lightning's version counter). Global rank 0 looks, and
+        every rank gets its answer (the name is part of a collective save)."""
+        chosen = path
+        if trainer.is_global_zero:
+            stem, suffix = (path[:-len(".ckpt")], ".ckpt") if path.endswith(".ckpt") else (path, "")
+            version = 1
+            while os.path.lexists(chosen) and chosen != replaceable:
+                chosen = f"{stem}-v{version}{suffix}"
+                version += 1
+        if trainer.world_size > 1:
+            chosen = trainer.broadcast(chosen, 0)
+        return chosen
+
     def _qualifies(self, value: float) -> bool:
         if self.save_top_k == -1 or len(self.best_k_models) < self.save_top_k:
             return True
@@ -401,21 +471,27 @@ class ModelCheckpoint:
             self.best_model_path = path
             return drop
         self.best_k_models[path] = value
+        self.current_score = value
         if self.save_top_k != -1 and len(self.best_k_models) > self.save_top_k:
-            worst = max(self.best_k_models, key=self.best_k_models.get) if self.mode == "min" else min(
-                self.best_k_models, key=self.best_k_models.get)
+            worst = self._worst()
             del self.best_k_models[worst]
             drop.append(worst)
+        if self.save_top_k == -1 or len(self.best_k_models) == self.save_top_k:
+            self.kth_best_model_path = self._worst()
+            self.kth_value = self.best_k_models[self.kth_best_model_path]
         best = min(self.best_k_models, key=self.best_k_models.get) if self.mode == "min" else max(
             self.best_k_models, key=self.best_k_models.get)
         self.best_model_path, self.best_model_score = best, self.best_k_models[best]
         return drop
 
-    def _remove(self, trainer, paths: list[str], background: list | None = None) -> None:
+    def _remove(self, trainer, paths: list[str], background: list | None = None, keep_last: bool = True) -> None:
         """Remove the checkpoints pushed out of the top k (rank 0). ``background``: a save
-        in the background: queue the removal after the new file's write."""
+        in the background: queue the removal after the new file's write. As Lightning,
+        never the checkpoint this fit resumed from, nor a file outside this directory."""
         if trainer.is_global_zero:
-            paths = [p for p in paths if p != self.last_model_path and p not in self.best_k_models]
+            resumed = os.path.abspath(self._resumed_from) if self._resumed_from else None
+            paths = [p for p in paths if (p != self.last_model_path or not keep_last) and p not in self.best_k_models
+                     and os.path.abspath(p) != resumed and Path(os.path.abspath(p)).parent == self.dir.absolute()]
             if background is not None:
                 if paths:
                     background.append(lambda: _remove_files(paths))
@@ -423,6 +499,28 @@ class ModelCheckpoint:
             _remove_files(paths)
         if background is None:
             trainer.barrier("checkpoint_remove")
+
+    def _link(self, trainer, source: str, target: str, background: list | None = None) -> None:
+        """``save_last="link"``: ``target`` becomes a relative symbolic link to ``source``
+        (installed with a rename: a reader sees the old last.ckpt or the new link)."""
+        def install() -> None:
+            if os.path.abspath(source) == os.path.abspath(target):
+                return
+            if os.path.isdir(target) and not os.path.islink(target):
+                shutil.rmtree(target)
+            tmp = f"{target}.link-tmp"
+            if os.path.lexists(tmp):
+                os.remove(tmp)
+            os.symlink(os.path.relpath(source, os.path.dirname(target)), tmp)
+            os.replace(tmp, target)
+
+        if trainer.is_global_zero:
+            if background is not None:
+                background.append(install)
+                return
+            install()
+        if background is None:
+            trainer.barrier("checkpoint_last")
 
     def _copy(self, trainer, source: str, target: str, background: list | None = None) -> None:
         """last.ckpt as a copy of the checkpoint just written (no second serialisation).
@@ -447,19 +545,78 @@ class ModelCheckpoint:
 
     # -- state ------------------------------------------------------------------------------
 
+    @property
+    def state_key(self) -> str:
+        """Lightning's key of this callback's state in ``checkpoint["callbacks"]``."""
+        every_n_epochs = self.every_n_epochs if self.every_n_train_steps is None else 0
+        return "ModelCheckpoint" + repr({
+            "monitor": self.monitor, "mode": self.mode, "every_n_train_steps": self.every_n_train_steps or 0,
+            "every_n_epochs": every_n_epochs, "train_time_interval": None})
+
+    def state_dict(self) -> dict[str, Any]:
+        """Lightning's state of a ModelCheckpoint (scores as tensors, as Lightning's)."""
+        return {
+            "monitor": self.monitor, "best_model_score": _tensor(self.best_model_score),
+            "best_model_path": self.best_model_path, "current_score": _tensor(self.current_score),
+            "dirpath": self.dirpath, "best_k_models": {p: _tensor(v) for p, v in self.best_k_models.items()},
+            "kth_best_model_path": self.kth_best_model_path, "kth_value": _tensor(self.kth_value),
+            "last_model_path": self.last_model_path,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Lightning's: the bookkeeping when ``dirpath`` is the one saved (else only
+        ``best_model_path``, with a warning)."""
+        saved_dir = state_dict.get("dirpath", self.dirpath)
+        if self.dirpath == saved_dir:
+            self.best_model_score = _float(state_dict["best_model_score"])
+            self.kth_best_model_path = state_dict.get("kth_best_model_path", self.kth_best_model_path)
+            self.kth_value = _float(state_dict.get("kth_value", self.kth_value))
+            self.best_k_models = {p: _float(v) for p, v in state_dict.get("best_k_models", self.best_k_models).items()}
+            self.last_model_path = state_dict.get("last_model_path", self.last_model_path)
+        else:
+            warnings.warn(
+                f"The dirpath has changed from {saved_dir!r} to {self.dirpath!r}, therefore `best_model_score`, "
+                f"`kth_best_model_path`, `kth_value`, `last_model_path` and `best_k_models` won't be reloaded. "
+                f"Only `best_model_path` will be reloaded.", stacklevel=2)
+        self.best_model_path = state_dict["best_model_path"]
+
+    @hookimpl
+    def on_exception(self, trainer, exception):
+        """``save_on_exception``: a checkpoint of where ``fit`` failed, named by
+        ``filename`` (not ranked), and ``last.ckpt``, as Lightning's."""
+        saved_here = self._last_saved is not None and self._last_saved[1] == trainer.global_step
+        if (not self.save_on_exception or trainer.state.fn != "fit" or trainer.sanity_checking
+                or self.dir is None or saved_here):
+            return
+        path = self._versioned(trainer, str(self.dir / self.format_name(trainer)), None)
+        trainer.save_checkpoint(path)
+        self._last_saved = self._position(trainer)
+        for last in self._last_paths():
+            self._copy(trainer, path, str(last))
+        if trainer.is_global_zero:
+            rank_zero_info(f"An {type(exception).__name__} was raised with message: {exception}, saved checkpoint "
+                           f"to {path}")
+
     @hookimpl
     def on_save_checkpoint(self, checkpoint):
+        # Lightning's place too, so code that reads a Lightning checkpoint reads this one
+        checkpoint.setdefault("callbacks", {})[self.state_key] = self.state_dict()
         checkpoint["plugins"]["checkpoint"] = {
             "dir": str(self.dir) if self.dir else None, "monitor": self.monitor, "mode": self.mode,
             "best_k_models": dict(self.best_k_models), "best_model_path": self.best_model_path,
             "best_model_score": self.best_model_score, "last_model_path": self.last_model_path,
             "latest": list(self.latest), "last_global_step_saved": self._last_global_step_saved,
+            "current_score": self.current_score, "kth_best_model_path": self.kth_best_model_path,
+            "kth_value": self.kth_value,
         }
 
     @hookimpl
-    def on_load_checkpoint(self, checkpoint):
+    def on_load_checkpoint(self, trainer, checkpoint):
         """Continue the bookkeeping of the run the checkpoint came from, when it kept its
         checkpoints where this one does and ranked them by the same metric."""
+        # (set by hookloop.resume.run.restore: the file this run loaded)
+        loaded = getattr(trainer.state, "loaded_ckpt_path", None)
+        self._resumed_from = str(loaded) if loaded is not None else None
         state = checkpoint.get("plugins", {}).get("checkpoint")
         if state:
             # The run's position, whatever the directory: the step already saved stays saved.
@@ -469,6 +626,20 @@ class ModelCheckpoint:
         self.best_k_models = {p: s for p, s in state["best_k_models"].items() if Path(p).exists()}
         self.best_model_path, self.best_model_score = state["best_model_path"], state["best_model_score"]
         self.last_model_path, self.latest = state["last_model_path"], list(state["latest"])
+        self.current_score = state.get("current_score")
+        self.kth_best_model_path = state.get("kth_best_model_path", "")
+        self.kth_value = state.get("kth_value", self.kth_value)
+
+
+def _tensor(value: float | None) -> Any:
+    """A score as Lightning keeps it: a 0-d tensor (None stays None)."""
+    import torch
+
+    return None if value is None else torch.tensor(float(value))
+
+
+def _float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def _weights_finite(trainer) -> bool:

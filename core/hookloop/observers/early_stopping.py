@@ -14,6 +14,7 @@ broadcasts, so every rank stops at the same optimizer step; the loop honours
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -75,6 +76,12 @@ class EarlyStopping:
         self.best_score: float | None = None
         self.stopped_epoch: int | None = None
         self.reason: str | None = None
+        #: Lightning's EarlyStoppingReason value: 0 not stopped, 1 stopping threshold,
+        #: 2 divergence threshold, 3 patience exhausted, 4 non-finite metric
+        self._reason_code = 0
+        #: Lightning's text of why it stopped (None until it does)
+        self.stopping_reason_message: str | None = None
+        self._lightning_message: str | None = None
 
     def _on_epoch_end(self, trainer) -> bool:
         """Lightning's choice: at the training epoch's end when validation runs once at
@@ -107,13 +114,24 @@ class EarlyStopping:
         current = torch.tensor(value, dtype=torch.float32)
         lower = self.mode == "min"
         better = torch.lt if lower else torch.gt
+        order = "<" if lower else ">"
+        previous = self.best_score if self.best_score is not None else (math.inf if lower else -math.inf)
         if self.check_finite and not torch.isfinite(current):
+            self._reason_code = 4
+            self._lightning_message = (f"Monitored metric {self.monitor} = {current} is not finite. Previous best "
+                                       f"value was {previous:.3f}. Signaling Trainer to stop.")
             return f"{self.monitor} = {value} is not finite"
         threshold = self.stopping_threshold
         if threshold is not None and better(current, threshold):
+            self._reason_code = 1
+            self._lightning_message = (f"Stopping threshold reached: {self.monitor} = {current} {order} {threshold}. "
+                                       f"Signaling Trainer to stop.")
             return f"{self.monitor} = {value:.6g} reached the stopping threshold {threshold}"
         threshold = self.divergence_threshold
         if threshold is not None and better(-current, -threshold):
+            self._reason_code = 2
+            self._lightning_message = (f"Divergence threshold reached: {self.monitor} = {current} {order} "
+                                       f"{threshold}. Signaling Trainer to stop.")
             return f"{self.monitor} = {value:.6g} went past the divergence threshold {threshold}"
         best = self.best_score
         best = torch.tensor(best if best is not None else (math.inf if lower else -math.inf), dtype=torch.float32)
@@ -126,6 +144,9 @@ class EarlyStopping:
             return None
         self.wait_count += 1
         if self.wait_count >= self.patience:
+            self._reason_code = 3
+            self._lightning_message = (f"Monitored metric {self.monitor} did not improve in the last "
+                                       f"{self.wait_count} records. Best score: {previous:.3f}. Signaling Trainer to stop.")
             best_text = "none" if self.best_score is None else f"{self.best_score:.6g}"
             return (f"{self.monitor} did not improve by more than {self.min_delta} for {self.wait_count} checks "
                     f"(best {best_text})")
@@ -148,17 +169,46 @@ class EarlyStopping:
             else:
                 reason = self._decide(float(metrics[self.monitor]))
                 decision = ("stop", reason) if reason else ("go", None)
-        decision, self.wait_count, self.best_score = trainer.broadcast((decision, self.wait_count, self.best_score), 0)
+        decision, self.wait_count, self.best_score, self._reason_code, self._lightning_message = trainer.broadcast(
+            (decision, self.wait_count, self.best_score, self._reason_code, self._lightning_message), 0)
         if decision[0] == "error":
             raise ConfigurationError(decision[1])
         if decision[0] == "stop":
             trainer.should_stop = True
             self.stopped_epoch, self.reason = trainer.current_epoch, decision[1]
+            self.stopping_reason_message = self._lightning_message
             trainer.print(f"hookloop: early stopping at epoch {trainer.current_epoch}, step {trainer.global_step}: "
                           f"{decision[1]}", flush=True)
 
+    @property
+    def state_key(self) -> str:
+        """Lightning's key of this callback's state in ``checkpoint["callbacks"]``."""
+        return "EarlyStopping" + repr({"monitor": self.monitor, "mode": self.mode})
+
+    def state_dict(self) -> dict[str, Any]:
+        """Lightning's state of an EarlyStopping (the best score as a tensor, +-inf before
+        the first check, as Lightning's)."""
+        best = self.best_score if self.best_score is not None else (math.inf if self.mode == "min" else -math.inf)
+        return {
+            "wait_count": self.wait_count, "stopped_epoch": self.stopped_epoch or 0,
+            "best_score": torch.tensor(best, dtype=torch.float32), "patience": self.patience,
+            "stopping_reason": self._reason_code,
+            "stopping_reason_message": self.stopping_reason_message,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.wait_count = state_dict["wait_count"]
+        self.stopped_epoch = state_dict["stopped_epoch"]
+        best = float(state_dict["best_score"])
+        self.best_score = best if math.isfinite(best) else None
+        self.patience = state_dict["patience"]
+        self._reason_code = int(state_dict.get("stopping_reason", 0))
+        self.stopping_reason_message = state_dict.get("stopping_reason_message")
+
     @hookimpl
     def on_save_checkpoint(self, checkpoint):
+        # Lightning's place too, so code that reads a Lightning checkpoint reads this one
+        checkpoint.setdefault("callbacks", {})[self.state_key] = self.state_dict()
         checkpoint["plugins"]["early_stopping"] = {"wait_count": self.wait_count, "best_score": self.best_score}
 
     @hookimpl

@@ -23,6 +23,11 @@ from hookloop.engine.loop import _per_device_batch, batch_limit
 from hookloop.dispatch import event
 
 
+#: The ``pytorch-lightning_version`` hookloop's checkpoints carry: the Lightning release
+#: whose checkpoint layout they follow (hookloop never imports pytorch_lightning).
+LIGHTNING_FORMAT_VERSION = "2.6.6"
+
+
 def checkpoint_dict(trainer) -> dict:
     """The whole run state; plugins add theirs in ``on_save_checkpoint``.
 
@@ -39,6 +44,15 @@ def checkpoint_dict(trainer) -> dict:
     rng = ckpt.rng_state(ckpt.rank_cuda_devices(trainer))
     epoch_rng = trainer.state.epoch_rng if trainer.batch_idx else None
     checkpoint = {
+        # Lightning's keys, beside hookloop's own, so what reads a Lightning checkpoint
+        # (ckpt["epoch"], ckpt["callbacks"][state_key]) reads this one; "loops" cannot be
+        # Lightning's progress objects: None, which Lightning's restore skips
+        # (docs/decisions.md, "Lightning's checkpoint keys")
+        "epoch": trainer.current_epoch,
+        "global_step": trainer.global_step,
+        "pytorch-lightning_version": LIGHTNING_FORMAT_VERSION,
+        "loops": None,
+        "callbacks": {},
         "hookloop": {"version": hookloop.__version__, "format": ckpt.FORMAT_VERSION},
         "state_dict": module.state_dict(),
         "optimizer_states": [o.state_dict() for o in trainer.optimizers],
@@ -152,6 +166,8 @@ def restore(trainer, ckpt_path: Any, fall_back: bool = False, train_loader: Any 
             return None
         path, fall_back = found, True
     checkpoint, path = _read_checkpoint(trainer, path, fall_back)
+    # Lightning's trainer.ckpt_path: what ModelCheckpoint's pruning never removes
+    trainer.state.loaded_ckpt_path = path
     ckpt.check_format(checkpoint, path)  # a readable file of a newer hookloop: no falling back
     callbacks = trainer._callback_hooks
     if callbacks is not None and trainer.state.fn == "fit":
