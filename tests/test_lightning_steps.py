@@ -1,0 +1,157 @@
+"""Issue 35, items 1, 2, 3 and 9: the training step as Lightning runs it, each case run
+under pytorch-lightning 2.6.6 and hookloop with the same module code (written once against
+``fw.LightningModule``, as tests/oracle does) and compared.
+
+1. ``training_step`` returning ``None`` and a loader yielding ``None`` batches skip the batch;
+2. several ``EarlyStopping`` callbacks each act;
+3. a module's ``lr_scheduler_step``, ``optimizer_step`` and ``optimizer_zero_grad`` are called
+   as Lightning calls them;
+9. ``configure_optimizers`` returning ``None``, manual optimization's schedulers, a scheduler
+   dict with extra keys: accepted as Lightning accepts them.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import hookloop
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "oracle"))
+import frameworks  # noqa: E402
+
+BOTH = ("lightning", "hookloop")
+
+
+def _data(n: int = 20, seed: int = 1) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, generator=g)
+    return TensorDataset(x, (x[:, 0] > 0).long())
+
+
+def _trainer(fw, root: str, **kw):
+    kw.setdefault("enable_checkpointing", False)
+    if fw.name == "lightning":
+        return fw.pl.Trainer(accelerator="cpu", devices=1, default_root_dir=root, logger=False,
+                             enable_progress_bar=False, enable_model_summary=False, **kw)
+    return hookloop.Trainer(accelerator="cpu", default_root_dir=root, logger=False,
+                            enable_progress_bar=False, **kw)
+
+
+def _run(case) -> dict:
+    """``case(fw, root)`` under each framework, from the same seed; its warnings' messages
+    (the first line) are in ``"warnings"``."""
+    seen = {}
+    for name in BOTH:
+        fw = frameworks.load(name)
+        fw.seed_everything(0)
+        with tempfile.TemporaryDirectory() as root, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = case(fw, root)
+        seen[name] = (result, [str(w.message).splitlines()[0] for w in caught])
+    return seen
+
+
+def _warned(messages: list, text: str) -> bool:
+    return any(text in m for m in messages)
+
+
+def _recorder(fw, log: list):
+    """A callback recording the step's events with the batch index and global step."""
+
+    class Recorder(fw.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            log.append(("batch_start", batch_idx, trainer.global_step))
+
+        def on_before_zero_grad(self, trainer, pl_module, optimizer):
+            log.append(("before_zero_grad", trainer.global_step))
+
+        def on_before_backward(self, trainer, pl_module, loss):
+            log.append(("before_backward", trainer.global_step))
+
+        def on_after_backward(self, trainer, pl_module):
+            log.append(("after_backward", trainer.global_step))
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            log.append(("before_optimizer_step", trainer.global_step))
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            shown = sorted(outputs) if isinstance(outputs, dict) else outputs
+            log.append(("batch_end", batch_idx, trainer.global_step, shown, batch is None))
+
+    return Recorder()
+
+
+def _linear(fw, skip=(), step_lr: bool = True):
+    class Linear(fw.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(4, 2)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = F.cross_entropy(self.layer(x), y)
+            return None if batch_idx in skip else loss
+
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+            if not step_lr:
+                return optimizer
+            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+            return [optimizer], [{"scheduler": scheduler, "interval": "step"}]
+
+    return Linear
+
+
+def _weights(module) -> list:
+    return [p.detach().flatten().tolist() for p in module.parameters()]
+
+
+# -- 1. training_step returning None, a loader yielding None ------------------------------
+
+
+def test_training_step_returning_none_skips_the_backward_as_lightning():
+    """Batches 1 and 4 of 7 return None, accumulating 2: the window's zero_grad and
+    optimizer step still run (global_step counts 4), their backward does not; the other
+    batches train as usual."""
+
+    def case(fw, root):
+        module, log = _linear(fw, skip=(1, 4))(), []
+        trainer = _trainer(fw, root, max_epochs=2, accumulate_grad_batches=2,
+                           callbacks=[_recorder(fw, log)])
+        trainer.fit(module, DataLoader(_data(20), batch_size=3))
+        return log, trainer.global_step, _weights(module), trainer.optimizers[0].param_groups[0]["lr"]
+
+    seen = _run(case)
+    (lightning, lightning_warnings), (ours, our_warnings) = seen["lightning"], seen["hookloop"]
+    assert ours == lightning
+    assert _warned(lightning_warnings, "`training_step` returned `None`")
+    assert _warned(our_warnings, "`training_step` returned `None`")
+
+
+def test_a_loader_yielding_none_skips_the_batch_as_lightning():
+    """Batches 2 and 5 of 7 are None: no batch start, no step (global_step does not count
+    them), the schedulers due there step, ``on_train_batch_end`` sees ``None``."""
+
+    def case(fw, root):
+        g = torch.Generator().manual_seed(3)
+        batches = [None if i in (2, 5) else (torch.randn(3, 4, generator=g), torch.tensor([0, 1, 1]))
+                   for i in range(7)]
+        module, log = _linear(fw)(), []
+        trainer = _trainer(fw, root, max_epochs=2, accumulate_grad_batches=2,
+                           callbacks=[_recorder(fw, log)])
+        trainer.fit(module, DataLoader(batches, batch_size=None))
+        return log, trainer.global_step, _weights(module), trainer.optimizers[0].param_groups[0]["lr"]
+
+    seen = _run(case)
+    (lightning, lightning_warnings), (ours, our_warnings) = seen["lightning"], seen["hookloop"]
+    assert ours == lightning
+    assert _warned(lightning_warnings, "train_dataloader yielded None")
+    assert _warned(our_warnings, "train_dataloader yielded None")
