@@ -155,3 +155,32 @@ def test_a_loader_yielding_none_skips_the_batch_as_lightning():
     assert ours == lightning
     assert _warned(lightning_warnings, "train_dataloader yielded None")
     assert _warned(our_warnings, "train_dataloader yielded None")
+
+
+# -- 2. several EarlyStopping callbacks ---------------------------------------------------
+
+
+def _two_metrics(fw):
+    class TwoMetrics(_linear(fw, step_lr=False)):
+        def validation_step(self, batch, batch_idx):
+            # "falling" improves every epoch; "flat" never does after the first
+            self.log("falling", torch.tensor(10.0 - self.current_epoch))
+            self.log("flat", torch.tensor(1.0))
+
+    return TwoMetrics
+
+
+def test_every_early_stopping_callback_acts_as_in_lightning():
+    """Lightning checks every EarlyStopping: the one whose patience runs out first stops."""
+
+    def case(fw, root):
+        slow = fw.EarlyStopping(monitor="falling", patience=3)
+        fast = fw.EarlyStopping(monitor="flat", patience=2)
+        trainer = _trainer(fw, root, max_epochs=10, callbacks=[slow, fast], num_sanity_val_steps=0)
+        trainer.fit(_two_metrics(fw)(), DataLoader(_data(20), batch_size=5),
+                    DataLoader(_data(10, seed=2), batch_size=5))
+        return (trainer.current_epoch, trainer.global_step, slow.wait_count, fast.wait_count,
+                slow.stopped_epoch, fast.stopped_epoch)
+
+    seen = _run(case)
+    assert seen["hookloop"][0] == seen["lightning"][0]

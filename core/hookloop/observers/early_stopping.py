@@ -73,7 +73,7 @@ class EarlyStopping:
         self.verbose, self.strict, self.log_rank_zero_only = verbose, strict, log_rank_zero_only
         self.wait_count = 0
         self.best_score: float | None = None
-        self.stopped_epoch: int | None = None
+        self.stopped_epoch = 0  # Lightning's: 0 until it stops
         self.reason: str | None = None
 
     def _on_epoch_end(self, trainer) -> bool:
@@ -157,12 +157,14 @@ class EarlyStopping:
             trainer.print(f"hookloop: early stopping at epoch {trainer.current_epoch}, step {trainer.global_step}: "
                           f"{decision[1]}", flush=True)
 
+    # Under its plugin name: a second EarlyStopping in callbacks= is early_stopping-2.
     @hookimpl
     def on_save_checkpoint(self, checkpoint):
-        checkpoint["plugins"]["early_stopping"] = {"wait_count": self.wait_count, "best_score": self.best_score}
+        checkpoint["plugins"][self.hookloop_name] = {"wait_count": self.wait_count,
+                                                     "best_score": self.best_score}
 
     @hookimpl
     def on_load_checkpoint(self, checkpoint):
-        state = checkpoint.get("plugins", {}).get("early_stopping")
+        state = checkpoint.get("plugins", {}).get(self.hookloop_name)
         if state:
             self.wait_count, self.best_score = state["wait_count"], state["best_score"]
