@@ -184,3 +184,112 @@ def test_every_early_stopping_callback_acts_as_in_lightning():
 
     seen = _run(case)
     assert seen["hookloop"][0] == seen["lightning"][0]
+
+
+# -- 9. valid Lightning code hookloop refused ---------------------------------------------
+
+
+def test_configure_optimizers_returning_none_trains_without_an_optimizer_as_lightning():
+    def case(fw, root):
+        class NoOptimizer(_linear(fw)):
+            def configure_optimizers(self):
+                return None
+
+        module = NoOptimizer()
+        before = _weights(module)
+        trainer = _trainer(fw, root, max_epochs=2)
+        trainer.fit(module, DataLoader(_data(20), batch_size=5))
+        return trainer.global_step, _weights(module) == before, len(trainer.optimizers)
+
+    seen = _run(case)
+    assert seen["hookloop"][0] == seen["lightning"][0] == (8, True, 1)
+    for name in BOTH:
+        assert _warned(seen[name][1], "configure_optimizers` returned `None`")
+
+
+class _Warmup:
+    """A scheduler with no ``step()``: the module advances it (manual optimization)."""
+
+    def __init__(self, optimizer):
+        self.optimizer, self.count = optimizer, 0
+
+    def advance(self):
+        self.count += 1
+        for group in self.optimizer.param_groups:
+            group["lr"] = 0.1 * min(1.0, self.count / 4)
+
+    def state_dict(self):
+        return {"count": self.count}
+
+    def load_state_dict(self, state):
+        self.count = state["count"]
+
+
+def _manual(fw, schedulers):
+    class Manual(_linear(fw, step_lr=False)):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+            x, y = batch
+            loss = F.cross_entropy(self.layer(x), y)
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+            optimizer.step()
+            if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                scheduler.step(loss.detach() * 0 + 1.0)  # never improves: the lr drops
+            else:
+                scheduler.advance()
+
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+            return schedulers(optimizer)
+
+    return Manual
+
+
+def test_manual_optimization_takes_lightnings_schedulers():
+    """A ReduceLROnPlateau without a monitor, a scheduler object without step(), and a
+    config's plateau keys (warned, ignored), all stepped by the module."""
+    forms = {
+        "plateau without monitor": lambda opt: ([opt], [torch.optim.lr_scheduler.ReduceLROnPlateau(
+            opt, patience=1)]),
+        "no step()": lambda opt: ([opt], [_Warmup(opt)]),
+        "config with monitor": lambda opt: {"optimizer": opt, "lr_scheduler": {
+            "scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=1),
+            "monitor": "loss", "strict": True}},
+    }
+    for form, schedulers in forms.items():
+        def case(fw, root, schedulers=schedulers):
+            module = _manual(fw, schedulers)()
+            trainer = _trainer(fw, root, max_epochs=2)
+            trainer.fit(module, DataLoader(_data(20), batch_size=5))
+            return trainer.global_step, _weights(module), trainer.optimizers[0].param_groups[0]["lr"]
+
+        seen = _run(case)
+        assert seen["hookloop"][0] == seen["lightning"][0], form
+        if form == "config with monitor":
+            for name in BOTH:
+                assert _warned(seen[name][1], "will be ignored" if name == "lightning" else "ignored"), name
+
+
+def test_extra_keys_in_a_scheduler_config_are_warned_about_and_ignored_as_lightning():
+    def case(fw, root):
+        class Extra(_linear(fw)):
+            def configure_optimizers(self):
+                optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+                scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+                return {"optimizer": optimizer,
+                        "lr_scheduler": {"scheduler": scheduler, "interval": "step", "warmup": 3}}
+
+        module = Extra()
+        trainer = _trainer(fw, root, max_epochs=1)
+        trainer.fit(module, DataLoader(_data(20), batch_size=5))
+        return trainer.global_step, _weights(module), trainer.optimizers[0].param_groups[0]["lr"]
+
+    seen = _run(case)
+    assert seen["hookloop"][0] == seen["lightning"][0]
+    for name in BOTH:
+        assert _warned(seen[name][1], "warmup"), name
