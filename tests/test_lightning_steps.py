@@ -293,3 +293,98 @@ def test_extra_keys_in_a_scheduler_config_are_warned_about_and_ignored_as_lightn
     assert seen["hookloop"][0] == seen["lightning"][0]
     for name in BOTH:
         assert _warned(seen[name][1], "warmup"), name
+
+
+# -- 3. the module's optimizer_step, optimizer_zero_grad and lr_scheduler_step ------------
+
+
+class _NeedsProgress:
+    """A scheduler whose ``step`` needs an argument: only ``lr_scheduler_step`` can step it."""
+
+    def __init__(self, optimizer):
+        self.optimizer, self.base = optimizer, optimizer.param_groups[0]["lr"]
+
+    def step(self, progress):
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.base * (1.0 - 0.1 * progress)
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def _overriding(fw, log: list, skip_odd_windows: bool = False):
+    class Overriding(_linear(fw, step_lr=False)):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = F.cross_entropy(self.layer(x), y)
+            self.log("train_loss", loss, on_step=False, on_epoch=True)
+            return loss
+
+        def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+            log.append(("optimizer_step", epoch, batch_idx, self.trainer.global_step))
+            if skip_odd_windows and (batch_idx // 2) % 2:
+                optimizer_closure()  # Lightning's way of not stepping
+                return
+            optimizer.step(closure=optimizer_closure)
+            for group in optimizer.param_groups:  # a warm-up after the step, as Lightning's docs
+                group["lr"] = group["lr"] * 1.5
+
+        def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+            log.append(("optimizer_zero_grad", epoch, batch_idx))
+            optimizer.zero_grad(set_to_none=False)
+
+        def lr_scheduler_step(self, scheduler, metric):
+            log.append(("lr_scheduler_step", type(scheduler).__name__, metric is None))
+            if isinstance(scheduler, _NeedsProgress):
+                scheduler.step(self.trainer.current_epoch / 2)
+            elif metric is None:
+                scheduler.step()
+            else:
+                scheduler.step(metric)
+
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+            step = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+            plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0)
+            return [optimizer], [{"scheduler": step, "interval": "step"},
+                                 {"scheduler": _NeedsProgress(optimizer), "interval": "epoch"},
+                                 {"scheduler": plateau, "monitor": "train_loss"}]
+
+    return Overriding
+
+
+def test_the_modules_optimization_overrides_are_called_as_lightning_calls_them():
+    """Arguments, order (among the step's events) and frequency under accumulation; the
+    weights and the learning rate after it."""
+    for skip in (False, True):
+        def case(fw, root, skip=skip):
+            log: list = []
+            module = _overriding(fw, log, skip_odd_windows=skip)()
+            trainer = _trainer(fw, root, max_epochs=3, accumulate_grad_batches=2,
+                               callbacks=[_recorder(fw, log)])
+            trainer.fit(module, DataLoader(_data(20), batch_size=3))
+            return log, trainer.global_step, _weights(module), trainer.optimizers[0].param_groups[0]["lr"]
+
+        seen = _run(case)
+        ours, lightning = seen["hookloop"][0], seen["lightning"][0]
+        assert ours[0] == _closure_order(lightning[0]), skip
+        assert ours[1:] == lightning[1:], skip
+
+
+def _closure_order(log: list) -> list:
+    """Lightning's events with each ``optimizer_step`` moved after the window's last
+    backward: Lightning calls it first and runs that batch's zero_grad (a window of one
+    batch), forward and backward inside its closure; hookloop calls it after them (docs/decisions.md, "The module's
+    optimizer_step runs after the window's last backward")."""
+    log, out = list(log), []
+    while log:
+        entry = log.pop(0)
+        if entry[0] == "optimizer_step":
+            while log and log[0][0] in ("before_zero_grad", "optimizer_zero_grad",
+                                        "before_backward", "after_backward"):
+                out.append(log.pop(0))
+        out.append(entry)
+    return out

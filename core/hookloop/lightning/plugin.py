@@ -20,6 +20,7 @@ from hookloop.contract.pluginspec import plugin_name
 from hookloop.contract.translators import Translation, as_list
 from hookloop.lightning import callbacks as callbacks_module
 from hookloop.lightning import loggers as loggers_module
+from hookloop.lightning import optimization
 from hookloop.lightning import strategies, tuner
 
 
@@ -64,7 +65,10 @@ class LightningCompatibility:
         return Translation(arguments=given, adapter=adapter, replaces_builtin=replaces)
 
     def before_fit(self, trainer: Any, model: Any, train_dataloaders: Any, datamodule: Any) -> None:
-        """``hookloop tune``: the script's first ``fit`` runs the finder and ends."""
+        """The module's ``optimizer_step``/``optimizer_zero_grad``/``lr_scheduler_step``
+        overrides join the run (:mod:`hookloop.lightning.optimization`); ``hookloop tune``:
+        the script's first ``fit`` runs the finder and ends."""
+        optimization.attach(trainer, model)
         if os.environ.get(tuner.TUNE_ENV) and not trainer.__dict__.get("_hookloop_tuning"):
             tuner.tune_from_environment(trainer, model, train_dataloaders, datamodule)
 
