@@ -114,6 +114,10 @@ def _weights(module) -> list:
     return [p.detach().flatten().tolist() for p in module.parameters()]
 
 
+def _lr(trainer) -> float:
+    return trainer.optimizers[0].param_groups[0]["lr"]
+
+
 # -- 1. training_step returning None, a loader yielding None ------------------------------
 
 
@@ -127,7 +131,7 @@ def test_training_step_returning_none_skips_the_backward_as_lightning():
         trainer = _trainer(fw, root, max_epochs=2, accumulate_grad_batches=2,
                            callbacks=[_recorder(fw, log)])
         trainer.fit(module, DataLoader(_data(20), batch_size=3))
-        return log, trainer.global_step, _weights(module), trainer.optimizers[0].param_groups[0]["lr"]
+        return log, trainer.global_step, _weights(module), _lr(trainer)
 
     seen = _run(case)
     (lightning, lightning_warnings), (ours, our_warnings) = seen["lightning"], seen["hookloop"]
@@ -142,13 +146,14 @@ def test_a_loader_yielding_none_skips_the_batch_as_lightning():
 
     def case(fw, root):
         g = torch.Generator().manual_seed(3)
-        batches = [None if i in (2, 5) else (torch.randn(3, 4, generator=g), torch.tensor([0, 1, 1]))
+        batches = [None if i in (2, 5)
+                   else (torch.randn(3, 4, generator=g), torch.tensor([0, 1, 1]))
                    for i in range(7)]
         module, log = _linear(fw)(), []
         trainer = _trainer(fw, root, max_epochs=2, accumulate_grad_batches=2,
                            callbacks=[_recorder(fw, log)])
         trainer.fit(module, DataLoader(batches, batch_size=None))
-        return log, trainer.global_step, _weights(module), trainer.optimizers[0].param_groups[0]["lr"]
+        return log, trainer.global_step, _weights(module), _lr(trainer)
 
     seen = _run(case)
     (lightning, lightning_warnings), (ours, our_warnings) = seen["lightning"], seen["hookloop"]
@@ -266,13 +271,13 @@ def test_manual_optimization_takes_lightnings_schedulers():
             module = _manual(fw, schedulers)()
             trainer = _trainer(fw, root, max_epochs=2)
             trainer.fit(module, DataLoader(_data(20), batch_size=5))
-            return trainer.global_step, _weights(module), trainer.optimizers[0].param_groups[0]["lr"]
+            return trainer.global_step, _weights(module), _lr(trainer)
 
         seen = _run(case)
         assert seen["hookloop"][0] == seen["lightning"][0], form
         if form == "config with monitor":
-            for name in BOTH:
-                assert _warned(seen[name][1], "will be ignored" if name == "lightning" else "ignored"), name
+            for name in BOTH:  # the keys are ignored, each says
+                assert _warned(seen[name][1], "ignored"), name
 
 
 def test_extra_keys_in_a_scheduler_config_are_warned_about_and_ignored_as_lightning():
@@ -287,7 +292,7 @@ def test_extra_keys_in_a_scheduler_config_are_warned_about_and_ignored_as_lightn
         module = Extra()
         trainer = _trainer(fw, root, max_epochs=1)
         trainer.fit(module, DataLoader(_data(20), batch_size=5))
-        return trainer.global_step, _weights(module), trainer.optimizers[0].param_groups[0]["lr"]
+        return trainer.global_step, _weights(module), _lr(trainer)
 
     seen = _run(case)
     assert seen["hookloop"][0] == seen["lightning"][0]
@@ -366,7 +371,7 @@ def test_the_modules_optimization_overrides_are_called_as_lightning_calls_them()
             trainer = _trainer(fw, root, max_epochs=3, accumulate_grad_batches=2,
                                callbacks=[_recorder(fw, log)])
             trainer.fit(module, DataLoader(_data(20), batch_size=3))
-            return log, trainer.global_step, _weights(module), trainer.optimizers[0].param_groups[0]["lr"]
+            return log, trainer.global_step, _weights(module), _lr(trainer)
 
         seen = _run(case)
         ours, lightning = seen["hookloop"][0], seen["lightning"][0]
@@ -377,8 +382,9 @@ def test_the_modules_optimization_overrides_are_called_as_lightning_calls_them()
 def _closure_order(log: list) -> list:
     """Lightning's events with each ``optimizer_step`` moved after the window's last
     backward: Lightning calls it first and runs that batch's zero_grad (a window of one
-    batch), forward and backward inside its closure; hookloop calls it after them (docs/decisions.md, "The module's
-    optimizer_step runs after the window's last backward")."""
+    batch), forward and backward inside its closure; hookloop calls it after them
+    (docs/decisions.md, "The module's optimizer_step runs after the window's last
+    backward")."""
     log, out = list(log), []
     while log:
         entry = log.pop(0)

@@ -147,7 +147,8 @@ def _from_dict(result: dict, owner: str, automatic: bool) -> tuple[list, list[Sc
     scheduler = result.get("lr_scheduler")
     configs = []
     if scheduler is not None:
-        configs.append(_scheduler_config(scheduler, owner, automatic, monitor=result.get("monitor")))
+        configs.append(_scheduler_config(scheduler, owner, automatic,
+                                         monitor=result.get("monitor")))
     return [optimizer], configs
 
 

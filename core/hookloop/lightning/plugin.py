@@ -20,8 +20,7 @@ from hookloop.contract.pluginspec import plugin_name
 from hookloop.contract.translators import Translation, as_list
 from hookloop.lightning import callbacks as callbacks_module
 from hookloop.lightning import loggers as loggers_module
-from hookloop.lightning import optimization
-from hookloop.lightning import strategies, tuner
+from hookloop.lightning import optimization, strategies, tuner
 
 
 class LightningCompatibility:
