@@ -783,15 +783,6 @@ def _(tmp):
     quiet().fit(MyModel(), loader())
 
 
-@row("M05")
-def _(tmp):
-    class MyModel(TinyModule):
-        def configure_optimizers(self):
-            return None
-
-    quiet().fit(MyModel(), loader())
-
-
 @row("M06")
 def _(tmp):
     class MyModel(TinyModule):
@@ -811,17 +802,6 @@ def _(tmp):
             return {"optimizer": opt, "lr_scheduler": plateau, "monitor": "val_lost"}
 
     quiet().fit(MyModel(), loader(), loader(8))
-
-
-@row("M08")
-def _(tmp):
-    class MyModel(TinyModule):
-        def configure_optimizers(self):
-            opt = torch.optim.SGD(self.parameters(), lr=0.1)
-            return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1),
-                                                       "intervall": "step"}}
-
-    quiet().fit(MyModel(), loader())
 
 
 @row("M09")

@@ -343,8 +343,11 @@ def _train_epoch(trainer, loader: DataLoader, step: TrainStep,
             batch_idx, batch, is_last = item
         trainer.batch_idx = trainer.state.fetched_batch_idx = batch_idx
         trainer.is_last_batch = is_last
-        if batch_start is not None and -1 in batch_start(trainer=trainer, batch=batch,
-                                                         batch_idx=batch_idx):
+        boundary = is_last or (batch_idx + 1) % accumulate == 0
+        if batch is None:  # Lightning skips a batch the loader yields as None, with a warning
+            stop = step.skip(batch_idx, boundary, is_last)
+        elif batch_start is not None and -1 in batch_start(trainer=trainer, batch=batch,
+                                                           batch_idx=batch_idx):
             # Lightning: on_train_batch_start returning -1 ends the epoch (inside a window:
             # its gradients are zeroed at the next window's start). Lightning marks the
             # skipping batch the epoch's last, so its (non-plateau) step and epoch
@@ -354,8 +357,8 @@ def _train_epoch(trainer, loader: DataLoader, step: TrainStep,
                 step_schedulers(trainer, "step", plateau=False, count=batch_idx + 1)
                 step_schedulers(trainer, "epoch", plateau=False, count=trainer.current_epoch + 1)
             return EPOCH_CUT
-        boundary = is_last or (batch_idx + 1) % accumulate == 0
-        stop = step.run(batch, batch_idx, boundary, is_last)  # it counts the batch as done
+        else:
+            stop = step.run(batch, batch_idx, boundary, is_last)  # it counts the batch as done
         # Several processes: the agreement, a no-op off its every-K schedule (hookloop.faults).
         if boundary and preemption is not None and (
                 preemption.requested if single else preemption.agreed(trainer)):

@@ -9,6 +9,7 @@ through a loss scaler), :func:`load_scheduler_states` and :func:`schedulers_of`.
 from __future__ import annotations
 
 import difflib
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +18,10 @@ import torch
 from hookloop.contract.errors import CheckpointError, ConfigurationError
 from hookloop.helpers import clip_gradients
 
-_SCHEDULER_KEYS = ("scheduler", "interval", "frequency", "monitor", "strict", "name")
+_SCHEDULER_KEYS = ("scheduler", "interval", "frequency", "monitor", "strict", "name",
+                   "reduce_on_plateau")
+#: the lr_scheduler config keys manual optimization ignores (Lightning warns): the module steps
+_MANUAL_IGNORED_KEYS = ("reduce_on_plateau", "monitor", "strict")
 
 
 @dataclass
@@ -36,10 +40,34 @@ class SchedulerConfig:
     monitor: str | None = None
     strict: bool = True
     name: str | None = None
+    #: the config's ``reduce_on_plateau`` (Lightning's key: a custom scheduler stepped with
+    #: the monitored value); ``None``: whether it is a ``ReduceLROnPlateau``
+    plateau: bool | None = None
+    #: how the loop steps it: ``None`` calls ``scheduler.step()`` (``step(value)`` on a
+    #: plateau); else ``step_with(scheduler, value or None)`` (the Lightning layer sets
+    #: the module's ``lr_scheduler_step`` here)
+    step_with: Any = None
 
     @property
     def reduce_on_plateau(self) -> bool:
+        if self.plateau is not None:
+            return self.plateau
         return isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+
+class NoOptimizer(torch.optim.Optimizer):
+    """What a fit runs with when ``configure_optimizers`` returns ``None`` (Lightning's
+    ``_MockOptimizer``): its ``step`` and ``zero_grad`` do nothing, so the module trains
+    (forward and backward) without its weights changing."""
+
+    def __init__(self) -> None:
+        super().__init__([torch.zeros(1)], {})
+
+    def step(self, closure: Any = None) -> Any:
+        return closure() if closure is not None else None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
 
 
 def parse_optimizers(result: Any, owner: str,
@@ -48,37 +76,35 @@ def parse_optimizers(result: Any, owner: str,
 
     An optimizer; a list/tuple of optimizers; ``([optimizers], [schedulers or configs])``;
     ``{"optimizer": ..., "lr_scheduler": scheduler or config, "monitor": ...}``; a
-    list/tuple of such dicts; or ``None`` (manual optimization only). Several optimizers
-    need manual optimization, as in Lightning 2.
+    list/tuple of such dicts; or ``None`` (warned, as Lightning: the fit runs with a
+    :class:`NoOptimizer`). Several optimizers need manual optimization, as in Lightning 2.
     """
     optimizers: list = []
     configs: list[SchedulerConfig] = []
     if result is None:
-        if automatic:
-            raise ConfigurationError(
-                f"{owner}.configure_optimizers returned None: automatic optimization needs an "
-                f"optimizer (return one), or set self.automatic_optimization = False"
-            )
-        return [], []
+        warnings.warn(f"`{owner}.configure_optimizers` returned `None`, this fit will run with "
+                      "no optimizer", UserWarning, stacklevel=3)
+        return [NoOptimizer()], []
     Optimizer = torch.optim.Optimizer
     pair = isinstance(result, (list, tuple)) and len(result) == 2
     if isinstance(result, Optimizer):
         optimizers = [result]
     elif isinstance(result, dict):
-        optimizers, configs = _from_dict(result, owner)
+        optimizers, configs = _from_dict(result, owner, automatic)
     elif isinstance(result, (list, tuple)) and result and all(isinstance(r, dict) for r in result):
         for item in result:
-            opts, confs = _from_dict(item, owner)
+            opts, confs = _from_dict(item, owner, automatic)
             optimizers += opts
             configs += confs
     elif pair and isinstance(result[0], (list, tuple)):
         optimizers = list(result[0])
         schedulers = result[1] if isinstance(result[1], (list, tuple)) else [result[1]]
-        configs = [_scheduler_config(s, owner) for s in schedulers if s is not None]
+        configs = [_scheduler_config(s, owner, automatic) for s in schedulers if s is not None]
     elif pair and isinstance(result[0], Optimizer) and not isinstance(result[1], Optimizer):
         # (optimizer, scheduler): hookloop accepted it before Lightning's forms; kept.
         optimizers = [result[0]]
-        configs = [_scheduler_config(result[1], owner)] if result[1] is not None else []
+        configs = ([_scheduler_config(result[1], owner, automatic)]
+                   if result[1] is not None else [])
     elif isinstance(result, (list, tuple)):
         optimizers = list(result)
     bad = [type(o).__name__ for o in optimizers if not isinstance(o, torch.optim.Optimizer)]
@@ -105,11 +131,12 @@ def parse_optimizers(result: Any, owner: str,
     return optimizers, configs
 
 
-def _from_dict(result: dict, owner: str) -> tuple[list, list[SchedulerConfig]]:
+def _from_dict(result: dict, owner: str, automatic: bool) -> tuple[list, list[SchedulerConfig]]:
     unknown = set(result) - {"optimizer", "lr_scheduler", "monitor", "frequency"}
-    if unknown:
+    if unknown:  # Lightning warns and ignores them
         known = ("optimizer", "lr_scheduler", "monitor")
-        raise ConfigurationError(_unknown_keys(owner, unknown, known))
+        warnings.warn(_unknown_keys(owner, unknown, known) + ": they are ignored",
+                      RuntimeWarning, stacklevel=4)
     if "frequency" in result:
         raise ConfigurationError(
             f"{owner}.configure_optimizers: an optimizer 'frequency' alternates optimizers under "
@@ -120,31 +147,59 @@ def _from_dict(result: dict, owner: str) -> tuple[list, list[SchedulerConfig]]:
     scheduler = result.get("lr_scheduler")
     configs = []
     if scheduler is not None:
-        configs.append(_scheduler_config(scheduler, owner, monitor=result.get("monitor")))
+        configs.append(_scheduler_config(scheduler, owner, automatic,
+                                         monitor=result.get("monitor")))
     return [optimizer], configs
 
 
-def _scheduler_config(scheduler: Any, owner: str, monitor: str | None = None) -> SchedulerConfig:
-    """``monitor``: the dict's top-level ``monitor``, used unless the config names one."""
+def _scheduler_config(scheduler: Any, owner: str, automatic: bool,
+                      monitor: str | None = None) -> SchedulerConfig:
+    """``monitor``: the dict's top-level ``monitor``, used unless the config names one.
+
+    As Lightning's: unknown keys of a config are warned about and ignored (automatic
+    optimization; manual: refused); under manual optimization the module steps its
+    schedulers, so ``reduce_on_plateau``, ``monitor`` and ``strict`` are ignored (warned)
+    and a scheduler needs no ``step()`` and no metric to monitor."""
     if isinstance(scheduler, dict):
+        what = "lr_scheduler config"
         unknown = set(scheduler) - set(_SCHEDULER_KEYS)
-        if unknown:
-            what = "lr_scheduler config"
+        if unknown and not automatic:
             raise ConfigurationError(_unknown_keys(owner, unknown, _SCHEDULER_KEYS, what=what))
+        if unknown:
+            warnings.warn(_unknown_keys(owner, unknown, _SCHEDULER_KEYS, what=what)
+                          + ": they are ignored", RuntimeWarning, stacklevel=4)
+        ignored = [] if automatic else [k for k in _MANUAL_IGNORED_KEYS if k in scheduler]
+        if ignored:
+            warnings.warn(
+                f"{owner}.configure_optimizers: the lr_scheduler config key(s) {ignored} are "
+                "ignored under manual optimization: call lr_scheduler.step() in training_step",
+                RuntimeWarning, stacklevel=4)
         if "scheduler" not in scheduler:
             raise ConfigurationError(
                 f"{owner}.configure_optimizers: an lr_scheduler config needs a 'scheduler' entry")
-        config = SchedulerConfig(**scheduler)
+        given = {k: v for k, v in scheduler.items()
+                 if k in _SCHEDULER_KEYS and k not in ignored and k != "reduce_on_plateau"}
+        plateau = None if ignored else scheduler.get("reduce_on_plateau")
+        config = SchedulerConfig(**given, plateau=plateau)
     else:
         config = SchedulerConfig(scheduler)
-    if config.monitor is None:
+    if config.monitor is None and automatic:
         config.monitor = monitor
-    return _checked(config, owner)
+    return _checked(config, owner, automatic)
 
 
-def _checked(config: SchedulerConfig, owner: str) -> SchedulerConfig:
-    if not hasattr(config.scheduler, "step"):
-        raise ConfigurationError(f"{owner}.configure_optimizers: {type(config.scheduler).__name__} "
+def _checked(config: SchedulerConfig, owner: str, automatic: bool) -> SchedulerConfig:
+    scheduler = config.scheduler
+    if not (callable(getattr(scheduler, "state_dict", None))
+            and callable(getattr(scheduler, "load_state_dict", None))):
+        raise ConfigurationError(
+            f"{owner}.configure_optimizers: the LR scheduler {type(scheduler).__name__} has no "
+            "state_dict()/load_state_dict(), which checkpoints save and restore it with: "
+            "define both (as torch's LR schedulers do)")
+    if not automatic:
+        return config  # the module steps it (Lightning checks nothing more)
+    if not hasattr(scheduler, "step"):
+        raise ConfigurationError(f"{owner}.configure_optimizers: {type(scheduler).__name__} "
                                  "is not an LR scheduler (no step())")
     if config.interval not in ("epoch", "step"):
         raise ConfigurationError(
@@ -179,7 +234,10 @@ def step_schedulers(trainer: Any, interval: str, plateau: bool, count: int) -> N
                 or count % config.frequency):
             continue
         if not plateau:
-            config.scheduler.step()
+            if config.step_with is None:
+                config.scheduler.step()
+            else:
+                config.step_with(config.scheduler, None)
             continue
         value = trainer.callback_metrics.get(config.monitor)
         if value is None:
@@ -197,7 +255,10 @@ def step_schedulers(trainer: Any, interval: str, plateau: bool, count: int) -> N
                               f"(strict=False); logged: {available}")
                 config._told_missing = True
             continue
-        config.scheduler.step(value)
+        if config.step_with is None:
+            config.scheduler.step(value)
+        else:
+            config.step_with(config.scheduler, value)
 
 
 def schedulers_of(trainer: Any, optimizer: Any) -> list:

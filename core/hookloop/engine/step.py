@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -350,18 +351,19 @@ class TrainStep:
             if self.manual:
                 loss: Any = _manual_loss(out)  # training_step did its backward and steps itself
             else:
-                loss = out if type(out) is torch.Tensor else _loss_from(out)
-                if loss.ndim != 0:
-                    raise TypeError(
-                        f"training_step must return a scalar loss tensor (or a dict with a 'loss' "
-                        f"entry), got a tensor of shape {tuple(loss.shape)}: reduce it, e.g. with "
-                        f".mean()")
-                scaled = loss / self.accumulate if self.accumulate > 1 else loss
-                if self.on_before_backward is not None:
-                    self.on_before_backward(trainer=trainer, loss=scaled)
-                self.backward(scaled)  # type: ignore[misc]
-                if self.on_after_backward is not None:
-                    self.on_after_backward(trainer=trainer)
+                loss = out if type(out) is torch.Tensor else _loss_from(out, trainer)
+                if loss is not None:  # None: Lightning skips the batch's backward (_loss_from)
+                    if loss.ndim != 0:
+                        raise TypeError(
+                            f"training_step must return a scalar loss tensor (or a dict with a "
+                            f"'loss' entry), got a tensor of shape {tuple(loss.shape)}: reduce "
+                            f"it, e.g. with .mean()")
+                    scaled = loss / self.accumulate if self.accumulate > 1 else loss
+                    if self.on_before_backward is not None:
+                        self.on_before_backward(trainer=trainer, loss=scaled)
+                    self.backward(scaled)  # type: ignore[misc]
+                    if self.on_after_backward is not None:
+                        self.on_after_backward(trainer=trainer)
         finally:
             if sync is not None:
                 sync.__exit__(None, None, None)
@@ -387,7 +389,7 @@ class TrainStep:
         state.loop_stage = "train"
         state.total_batch_idx += 1
         if self.on_train_batch_end is not None:
-            detached = loss if self.manual else loss.detach()  # (manual: detached, or None)
+            detached = loss if self.manual or loss is None else loss.detach()  # manual: detached
             outputs = detached if out is loss else apply_to_tensors(out, torch.Tensor.detach)
             self.on_train_batch_end(trainer=trainer, outputs=outputs, loss=detached, batch=batch,
                                     batch_idx=batch_idx)
@@ -401,6 +403,27 @@ class TrainStep:
         # should_stop set by a plugin at this batch's end stops here (as in Lightning),
         # once min_epochs/min_steps are met.
         return stop or stop_requested(trainer)
+
+    def skip(self, batch_idx: int, boundary: bool, is_last: bool) -> bool:
+        """A batch the loader yielded as ``None``, skipped as Lightning skips it (with its
+        warning): no ``on_train_batch_start``, ``training_step``, zero_grad or optimizer
+        step (``global_step`` stays); the schedulers due at this batch step all the same,
+        the batch counts as done and ``on_train_batch_end`` sees ``outputs=None``,
+        ``batch=None``. Returns True when training should stop."""
+        warnings.warn("train_dataloader yielded None. If this was on purpose, ignore this "
+                      "warning...", stacklevel=3)
+        trainer, state = self.trainer, self.trainer.state
+        if boundary and self.step_schedules:
+            step_schedulers(trainer, "step", plateau=False, count=batch_idx + 1)
+        if is_last and self.epoch_schedules:
+            step_schedulers(trainer, "epoch", plateau=False, count=trainer.current_epoch + 1)
+        trainer.batch_idx = batch_idx + 1
+        state.loop_stage = "train"
+        state.total_batch_idx += 1
+        if self.on_train_batch_end is not None:
+            self.on_train_batch_end(trainer=trainer, outputs=None, loss=None, batch=None,
+                                    batch_idx=batch_idx)
+        return trainer.should_stop
 
 
 def _optimization_calls(trainer: Any, optimizer: Any) -> tuple[Callable, Callable, Callable]:
@@ -438,14 +461,33 @@ def _step_end(callers, trainer, out):
     return out
 
 
-def _loss_from(out: Any) -> torch.Tensor:
+def _loss_from(out: Any, trainer: Any) -> torch.Tensor | None:
+    """The loss in what ``training_step`` returned (not a tensor itself): a dict's
+    ``loss``, or ``None`` when the step returned ``None``.
+
+    As in Lightning, ``None`` skips the batch's backward (and ``on_before_backward``/
+    ``on_after_backward``); the window's ``zero_grad`` and optimizer step still run, so a
+    window whose every batch returned ``None`` steps without gradients (nothing changes)
+    and ``global_step`` counts it.
+    """
+    if out is None:
+        if trainer.world_size > 1:
+            raise ConfigurationError(
+                "training_step returned None under several processes: skipping a batch on one "
+                "rank leaves the others waiting in the gradient all-reduce. Return a loss on "
+                "every rank (e.g. loss * 0 for a batch to ignore)")
+        # once per place, as Python shows a warning (Lightning's WarningCache: once)
+        warnings.warn("`training_step` returned `None`. If this was on purpose, ignore this "
+                      "warning... (the batch's backward is skipped, as in Lightning)", stacklevel=4)
+        return None
     if isinstance(out, dict) and "loss" in out:
         out = out["loss"]
     if isinstance(out, torch.Tensor):
         return out
     raise TypeError(
         f"training_step must return the loss as a scalar tensor (or a dict with a 'loss' "
-        f"entry), got {type(out).__name__}: return e.g. F.cross_entropy(logits, y)"
+        f"entry), or None to skip the batch, got {type(out).__name__}: return e.g. "
+        f"F.cross_entropy(logits, y)"
     )
 
 

@@ -420,7 +420,7 @@ def _event_function(event: str, args: tuple[str, ...], methods: list):
         params = "trainer, outputs, loss, batch, batch_idx"
         body = (
             "    module = trainer.module\n"
-            "    outputs = _outputs(trainer, outputs, loss)\n"
+            "    outputs = _outputs(trainer, outputs, loss, batch)\n"
             "    for m in _methods:\n"
             "        m(trainer, module, outputs, batch, batch_idx)\n"
         )
@@ -435,11 +435,17 @@ def _event_function(event: str, args: tuple[str, ...], methods: list):
     return namespace[event]
 
 
-def lightning_train_outputs(trainer, outputs: Any, loss: Any) -> dict:
-    """``on_train_batch_end``'s ``outputs`` as Lightning's callbacks get them."""
+def lightning_train_outputs(trainer, outputs: Any, loss: Any, batch: Any = ()) -> dict | None:
+    """``on_train_batch_end``'s ``outputs`` as Lightning's callbacks get them: ``None``
+    for a batch the loader yielded as ``None``, ``{}`` when ``training_step`` returned
+    ``None`` (automatic optimization)."""
     from collections.abc import Mapping
 
+    if batch is None:
+        return None
     if getattr(trainer, "automatic_optimization", True):
+        if loss is None:
+            return {}
         accumulate = trainer.accumulate_grad_batches
         scaled = loss / accumulate if loss is not None else None
         extra = {k: v for k, v in outputs.items() if k != "loss"} if isinstance(outputs, Mapping) else {}

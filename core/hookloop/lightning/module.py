@@ -338,6 +338,34 @@ class Module(HyperparametersMixin, nn.Module):
 
     configure_gradient_clipping.hookloop_placeholder = True  # the Trainer's settings: optim.custom_clipping
 
+    # Lightning's optimization hooks: overridden, they are called as Lightning calls them
+    # (hookloop.lightning.optimization); these defaults are what the loop does without them.
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any,
+                       optimizer_closure: Any = None) -> None:
+        """Lightning's: ``optimizer.step(closure=optimizer_closure)``, once per accumulation
+        window of automatic optimization (``batch_idx``: the window's last batch). Override
+        it to change how, or whether, the optimizer steps (warm-up, skipping steps)."""
+        optimizer.step(closure=optimizer_closure)
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+        """Lightning's: ``optimizer.zero_grad()`` at each accumulation window's first batch
+        (automatic optimization). Override it to zero the gradients another way."""
+        optimizer.zero_grad()
+
+    def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
+        """Lightning's: ``scheduler.step()`` (``scheduler.step(metric)`` on a plateau),
+        whenever the loop steps a scheduler (automatic optimization). Override it for a
+        scheduler whose ``step`` takes other arguments."""
+        if metric is None:
+            scheduler.step()
+        else:
+            scheduler.step(metric)
+
+    for _hook in (optimizer_step, optimizer_zero_grad, lr_scheduler_step):
+        _hook.hookloop_placeholder = True  # not the user's: optimization.overridden
+    del _hook
+
     def toggle_optimizer(self, optimizer: Any) -> None:
         """Freeze every parameter that ``optimizer`` does not train (``requires_grad=False``)
         until :meth:`untoggle_optimizer`, as Lightning's GAN examples do."""

@@ -20,7 +20,7 @@ from hookloop.contract.pluginspec import plugin_name
 from hookloop.contract.translators import Translation, as_list
 from hookloop.lightning import callbacks as callbacks_module
 from hookloop.lightning import loggers as loggers_module
-from hookloop.lightning import strategies, tuner
+from hookloop.lightning import optimization, strategies, tuner
 
 
 class LightningCompatibility:
@@ -51,17 +51,23 @@ class LightningCompatibility:
         in_code = list(loggers or []) + as_list(given.get("plugins")) + as_list(strategy)
         given_callbacks = as_list(given.pop("callbacks", None))
         callbacks_module.check_callbacks_argument(given_callbacks)
+        # Lightning runs every callback given: two EarlyStopping are two plugins
+        _name_apart([c for c in given_callbacks
+                     if not isinstance(c, (str, type)) and hasattr(c, "hookloop_role")])
         in_code += given_callbacks
         # Lightning-style Callback objects become one observer that calls them in list order
         in_code, adapter = callbacks_module.callback_hooks(in_code)
         if in_code or "plugins" in given:
             given["plugins"] = in_code
-        _name_loggers_apart(loggers or [])
+        _name_apart(loggers or [])
         replaces = frozenset({"csv"}) if loggers is not None else frozenset()
         return Translation(arguments=given, adapter=adapter, replaces_builtin=replaces)
 
     def before_fit(self, trainer: Any, model: Any, train_dataloaders: Any, datamodule: Any) -> None:
-        """``hookloop tune``: the script's first ``fit`` runs the finder and ends."""
+        """The module's ``optimizer_step``/``optimizer_zero_grad``/``lr_scheduler_step``
+        overrides join the run (:mod:`hookloop.lightning.optimization`); ``hookloop tune``:
+        the script's first ``fit`` runs the finder and ends."""
+        optimization.attach(trainer, model)
         if os.environ.get(tuner.TUNE_ENV) and not trainer.__dict__.get("_hookloop_tuning"):
             tuner.tune_from_environment(trainer, model, train_dataloaders, datamodule)
 
@@ -70,11 +76,13 @@ class LightningCompatibility:
 LIGHTNING = LightningCompatibility()
 
 
-def _name_loggers_apart(objects: list) -> None:
-    """Two loggers of one kind in ``logger=[...]`` (two CSVLoggers) are two plugins: the
-    second and later get ``<name>-2``, ``<name>-3`` as their plugin names."""
+def _name_apart(objects: list) -> None:
+    """Two objects of one kind in ``logger=[...]`` (two CSVLoggers) or ``callbacks=[...]``
+    (two EarlyStopping) are two plugins: the second and later get ``<name>-2``,
+    ``<name>-3`` as their plugin names (the first keeps its name, and so its place in a
+    checkpoint's ``plugins`` state)."""
     seen: dict[str, int] = {}
-    for obj in objects:
+    for obj in {id(obj): obj for obj in objects}.values():  # one object given twice: once
         name = plugin_name(obj)
         seen[name] = seen.get(name, 0) + 1
         if seen[name] > 1:

@@ -74,7 +74,7 @@ class EarlyStopping:
         self.verbose, self.strict, self.log_rank_zero_only = verbose, strict, log_rank_zero_only
         self.wait_count = 0
         self.best_score: float | None = None
-        self.stopped_epoch: int | None = None
+        self.stopped_epoch = 0  # Lightning's: 0 until it stops
         self.reason: str | None = None
         #: Lightning's EarlyStoppingReason value: 0 not stopped, 1 stopping threshold,
         #: 2 divergence threshold, 3 patience exhausted, 4 non-finite metric
@@ -209,10 +209,12 @@ class EarlyStopping:
     def on_save_checkpoint(self, checkpoint):
         # Lightning's place too, so code that reads a Lightning checkpoint reads this one
         checkpoint.setdefault("callbacks", {})[self.state_key] = self.state_dict()
-        checkpoint["plugins"]["early_stopping"] = {"wait_count": self.wait_count, "best_score": self.best_score}
+        # under its plugin name: a second EarlyStopping in callbacks= is early_stopping-2
+        checkpoint["plugins"][self.hookloop_name] = {"wait_count": self.wait_count,
+                                                     "best_score": self.best_score}
 
     @hookimpl
     def on_load_checkpoint(self, checkpoint):
-        state = checkpoint.get("plugins", {}).get("early_stopping")
+        state = checkpoint.get("plugins", {}).get(self.hookloop_name)
         if state:
             self.wait_count, self.best_score = state["wait_count"], state["best_score"]
