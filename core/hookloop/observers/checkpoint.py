@@ -601,7 +601,7 @@ class ModelCheckpoint:
     def on_save_checkpoint(self, checkpoint):
         # Lightning's place too, so code that reads a Lightning checkpoint reads this one
         checkpoint.setdefault("callbacks", {})[self.state_key] = self.state_dict()
-        checkpoint["plugins"]["checkpoint"] = {
+        checkpoint["plugins"][self.hookloop_name] = {
             "dir": str(self.dir) if self.dir else None, "monitor": self.monitor, "mode": self.mode,
             "best_k_models": dict(self.best_k_models), "best_model_path": self.best_model_path,
             "best_model_score": self.best_model_score, "last_model_path": self.last_model_path,
@@ -617,7 +617,7 @@ class ModelCheckpoint:
         # (set by hookloop.resume.run.restore: the file this run loaded)
         loaded = getattr(trainer.state, "loaded_ckpt_path", None)
         self._resumed_from = str(loaded) if loaded is not None else None
-        state = checkpoint.get("plugins", {}).get("checkpoint")
+        state = checkpoint.get("plugins", {}).get(self.hookloop_name)  # checkpoint-2: a second one in callbacks=
         if state:
             # The run's position, whatever the directory: the step already saved stays saved.
             self._last_global_step_saved = state.get("last_global_step_saved")
