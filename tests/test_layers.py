@@ -49,7 +49,7 @@ LAYERS: list[list[str]] = [
     ["lightning.module", "lightning.datamodule"],
     ["contract.registry"],
     ["contract.checks", "lightning.strategies", "engine.resolution"],
-    ["engine.trainer", "lightning.tuner", "lightning.plugin"],
+    ["engine.trainer", "lightning.tuner", "lightning.plugin", "lightning.views"],
     ["tools.cli", "lightning.cli", "tools.scaffold", "tools.plot", "__main__"],
     ["hookloop"],
     ["testing"],

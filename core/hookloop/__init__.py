@@ -98,8 +98,11 @@ from hookloop._version import __version__
 # (the engine never imports hookloop.lightning; `no:lightning` blocks it: docs/lightning.md)
 from hookloop.contract import translators as _translators
 from hookloop.lightning.plugin import LIGHTNING as _LIGHTNING
+from hookloop.lightning.views import VIEWS as _VIEWS
 
 _translators.register(_LIGHTNING)
+for _name, _view in _VIEWS.items():
+    _translators.register_view(_name, _view)
 
 
 def __getattr__(name: str):

@@ -70,6 +70,23 @@ def registered() -> tuple[ArgumentTranslator, ...]:
     return tuple(_REGISTERED.values())
 
 
+#: Read-only attributes of the Trainer that a compatibility layer provides over the run's
+#: plugins (Lightning's ``trainer.early_stopping_callbacks``, ``trainer.lightning_module``):
+#: name -> function of the trainer. The engine's ``Trainer.__getattr__`` looks a name up
+#: here only when it has no such attribute itself.
+_VIEWS: dict[str, Any] = {}
+
+
+def register_view(name: str, view: Any) -> None:
+    """Provide ``trainer.<name>`` as ``view(trainer)`` (the facade registers Lightning's)."""
+    _VIEWS[name] = view
+
+
+def view(name: str) -> Any:
+    """The function behind ``trainer.<name>``, or ``None``."""
+    return _VIEWS.get(name)
+
+
 def blocked_error(translator: str, what: str, blocked_by: str) -> ConfigurationError:
     """The error for an argument (or variable) ``what`` of a blocked compatibility layer."""
     return ConfigurationError(

@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from hookloop.contract import registry as plugin_registry
+from hookloop.contract import translators
 from hookloop.contract.errors import ConfigurationError
 from hookloop.distributed import mesh as mesh_module
 from hookloop.distributed.launch import in_worker, run_command
@@ -48,9 +49,6 @@ from hookloop.engine.step import (
     manual_optimizer_step,
 )
 from hookloop.helpers import clip_gradients
-from hookloop.observers.checkpoint import ModelCheckpoint
-from hookloop.observers.early_stopping import EarlyStopping
-from hookloop.observers.on_exception import OnExceptionCheckpoint
 from hookloop.resume import rundir
 from hookloop.resume.run import checkpoint_dict
 
@@ -417,36 +415,14 @@ class Trainer:
         name = plugin_registry.plugin_name
         return next((p for p in self.plugins if name(p) == "checkpoint"), None)
 
-    @property
-    def checkpoint_callbacks(self) -> list:
-        """Every checkpointing plugin of the run, in order (Lightning's: its ``Checkpoint``
-        subclasses, ``ModelCheckpoint`` and ``OnExceptionCheckpoint``); empty with none."""
-        kinds = (ModelCheckpoint, OnExceptionCheckpoint)
-        return [p for p in self.callbacks if isinstance(p, kinds)]
-
-    @property
-    def early_stopping_callbacks(self) -> list:
-        """Every :class:`hookloop.EarlyStopping` of the run, in order (Lightning's)."""
-        return [p for p in self.callbacks if isinstance(p, EarlyStopping)]
-
-    @property
-    def early_stopping_callback(self) -> Any:
-        """The first :class:`hookloop.EarlyStopping` of the run, or ``None`` (Lightning's)."""
-        found = self.early_stopping_callbacks
-        return found[0] if found else None
-
-    @property
-    def progress_bar_callback(self) -> Any:
-        """The run's progress bar plugin (``hookloop.ProgressBar``, the default, or a
-        ``TQDMProgressBar``/``RichProgressBar``), or ``None`` with
-        ``enable_progress_bar=False`` (Lightning's)."""
-        name = plugin_registry.plugin_name
-        return next((p for p in self.plugins if name(p) == "progress"), None)
-
-    @property
-    def lightning_module(self) -> nn.Module | None:
-        """The user's module (``trainer.module``; Lightning's name), ``None`` before a run."""
-        return self.module
+    def __getattr__(self, name: str) -> Any:
+        # Only for names the Trainer lacks: a compatibility layer's read-only views over
+        # the run's plugins (Lightning's trainer.early_stopping_callbacks...; registered in
+        # hookloop.contract.translators by the facade).
+        view = translators.view(name) if not name.startswith("__") else None
+        if view is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return view(self)
 
     def log_metrics(self, metrics: dict, step: int | None = None) -> None:
         """Hand a row of metrics (names to numbers) to the loggers, for plugins that
