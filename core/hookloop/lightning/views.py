@@ -46,5 +46,5 @@ def lightning_module(trainer: Any) -> Any:
     return trainer.module
 
 
-VIEWS = {f.__name__: f for f in (checkpoint_callbacks, early_stopping_callbacks, early_stopping_callback,
-                                  progress_bar_callback, lightning_module)}
+VIEWS = {f.__name__: f for f in (checkpoint_callbacks, early_stopping_callbacks,
+                                  early_stopping_callback, progress_bar_callback, lightning_module)}
