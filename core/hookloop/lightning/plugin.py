@@ -53,7 +53,7 @@ class LightningCompatibility:
         callbacks_module.check_callbacks_argument(given_callbacks)
         in_code += given_callbacks
         # Lightning-style Callback objects become one observer that calls them in list order
-        in_code, adapter = callbacks_module.callback_hooks(in_code)
+        in_code, adapter = callbacks_module.callback_hooks(in_code, given_callbacks)
         if in_code or "plugins" in given:
             given["plugins"] = in_code
         _name_loggers_apart(loggers or [])
