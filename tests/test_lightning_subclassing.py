@@ -193,3 +193,88 @@ def test_a_hookloop_style_override_stays_a_hook_implementation(tmp_path):
 
     fit("hookloop", [Counting(monitor="val_loss")], tmp_path, max_epochs=2, enable_progress_bar=False)
     assert Counting.calls == 2
+
+
+# ---------------------------------------------------------------------------------------
+# LightningCLI.add_lightning_class_args with a Callback subclass (Lightning's fine-tuning
+# example: MilestonesFinetuning(BaseFinetuning) added under "finetuning")
+# ---------------------------------------------------------------------------------------
+
+
+def finetuning_cli(framework: str, args: list, tmp_path):
+    if framework == "lightning":
+        from pytorch_lightning.cli import LightningCLI
+
+        module_base, data_base, finetuning_base = pl.LightningModule, pl.LightningDataModule, pl.callbacks.BaseFinetuning
+    else:
+        LightningCLI = hookloop.LightningCLI  # noqa: N806
+        module_base, data_base, finetuning_base = hookloop.Module, hookloop.DataModule, hookloop.BaseFinetuning
+
+    class MilestonesFinetuning(finetuning_base):  # the example's, unchanged
+        def __init__(self, milestones: tuple = (5, 10), train_bn: bool = False):
+            super().__init__()
+            self.milestones = milestones
+            self.train_bn = train_bn
+
+        def freeze_before_training(self, pl_module):
+            self.freeze(modules=pl_module.feature_extractor, train_bn=self.train_bn)
+
+        def finetune_function(self, pl_module, epoch: int, optimizer):
+            if epoch == self.milestones[0]:
+                self.unfreeze_and_add_param_group(modules=pl_module.feature_extractor[-2:], optimizer=optimizer,
+                                                  train_bn=self.train_bn)
+            elif epoch == self.milestones[1]:
+                self.unfreeze_and_add_param_group(modules=pl_module.feature_extractor[:-2], optimizer=optimizer,
+                                                  train_bn=self.train_bn)
+
+    class Net(module_base):
+        def __init__(self, lr: float = 0.05):
+            super().__init__()
+            torch.manual_seed(0)
+            self.lr = lr
+            self.feature_extractor = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8),
+                                                         torch.nn.ReLU())
+            self.head = torch.nn.Linear(8, 3)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self.head(self.feature_extractor(x)), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(filter(lambda p: p.requires_grad, self.parameters()), lr=self.lr)
+
+    class Data(data_base):
+        def __init__(self, batch_size: int = 8):
+            super().__init__()
+            self.batch_size = batch_size
+
+        def train_dataloader(self):
+            return DataLoader(tiny_data(32), batch_size=self.batch_size)
+
+    class FinetuningCLI(LightningCLI):
+        def add_arguments_to_parser(self, parser):
+            parser.add_lightning_class_args(MilestonesFinetuning, "finetuning")
+
+    cli = FinetuningCLI(Net, Data, run=False, args=args, save_config_kwargs={"overwrite": True},
+                        trainer_defaults={"accelerator": "cpu", "enable_progress_bar": False, "logger": False,
+                                          "enable_checkpointing": False, "default_root_dir": str(tmp_path / framework)})
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    weights = [p.detach().clone() for p in cli.model.parameters()]
+    return cli.trainer, weights
+
+
+def test_a_callback_added_with_add_lightning_class_args_trains_as_lightnings(tmp_path, monkeypatch):
+    import sys
+    import warnings
+
+    monkeypatch.setattr(sys, "argv", ["finetuning.py"])
+    warnings.filterwarnings("ignore")
+    args = ["--finetuning.milestones", "[1,2]", "--trainer.max_epochs", "3"]
+    (pl_trainer, pl_weights), (hl_trainer, hl_weights) = (finetuning_cli(f, args, tmp_path)
+                                                          for f in ("lightning", "hookloop"))
+    groups = len(pl_trainer.optimizers[0].param_groups)
+    assert groups == 3  # the backbone unfrozen in two steps, as the example means
+    assert len(hl_trainer.optimizers[0].param_groups) == groups
+    assert any(type(cb).__name__ == "MilestonesFinetuning" for cb in hl_trainer.callbacks)
+    for a, b in zip(pl_weights, hl_weights, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
