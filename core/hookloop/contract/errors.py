@@ -19,6 +19,11 @@ class ConfigurationError(HookloopError, ValueError):
     same_on_every_rank = True
 
 
+class HookSignatureError(ConfigurationError, RuntimeError):
+    """A module method whose arguments cannot take what the loop passes it (Lightning
+    raises a ``RuntimeError`` for these: code that catches one catches this)."""
+
+
 class PluginNotFoundError(HookloopError, LookupError):
     """A plugin name that no installed distribution registers."""
 
