@@ -465,15 +465,17 @@ def _check_dataloader_idx(module: Any, stage: str, n_loaders: int) -> None:
             params = None
         if params is None:
             continue
-        if n_loaders == 1 and "dataloader_idx" in params and params["dataloader_idx"].default is inspect.Parameter.empty:
+        where = f"`{type(module).__name__}.{name}()`"
+        index = params.get("dataloader_idx")
+        if n_loaders == 1 and index is not None and index.default is inspect.Parameter.empty:
             raise HookSignatureError(
                 f"You provided only a single `{loader}`, but have included `dataloader_idx` in "
-                f"`{type(module).__name__}.{name}()`: it is passed only with several loaders. Either remove the "
-                f"argument or give it a default value i.e. `dataloader_idx=0`.")
+                f"{where}: it is passed only with several loaders. Either remove the argument or "
+                f"give it a default value i.e. `dataloader_idx=0`.")
         if n_loaders > 1 and name != STEP_METHODS[stage] and not _accepts_dataloader_idx(method):
             raise HookSignatureError(
-                f"You provided multiple `{loader}`, but no `dataloader_idx` argument in "
-                f"`{type(module).__name__}.{name}()`. Try adding `dataloader_idx=0` to its signature.")
+                f"You provided multiple `{loader}`, but no `dataloader_idx` argument in {where}. "
+                f"Try adding `dataloader_idx=0` to its signature.")
 
 
 def make_evaluation_step(trainer, stage: str, n_loaders: int) -> Callable:
