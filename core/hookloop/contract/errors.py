@@ -26,6 +26,11 @@ class ConfigurationError(HookloopError, ValueError):
 MisconfigurationException = ConfigurationError
 
 
+class HookSignatureError(ConfigurationError, RuntimeError):
+    """A module method whose arguments cannot take what the loop passes it (Lightning
+    raises a ``RuntimeError`` for these: code that catches one catches this)."""
+
+
 class PluginNotFoundError(HookloopError, LookupError):
     """A plugin name that no installed distribution registers."""
 

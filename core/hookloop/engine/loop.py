@@ -425,6 +425,17 @@ def _end_epoch(trainer, epoch: int, resumed_stage: str, stopped: bool = False,
 # ---------------------------------------------------------------------------------------
 
 
+def _set_sampler_epoch(loader: Any, epoch: int) -> None:
+    """``set_epoch(epoch)`` on the loader's sampler and its batch sampler's sampler (once
+    each), those that have one."""
+    samplers = {id(s): s for s in (getattr(loader, "sampler", None),
+                                   getattr(getattr(loader, "batch_sampler", None), "sampler", None))
+                if s is not None}
+    for sampler in samplers.values():
+        if callable(getattr(sampler, "set_epoch", None)):
+            sampler.set_epoch(epoch)
+
+
 def evaluate(trainer, stage: str, loaders: list, limit: Any, publish: bool = True) -> list[dict]:
     """Run ``validation_step``/``test_step`` over ``loaders``; one dict of metrics per
     loader (names suffixed ``/dataloader_idx_N`` when there are several).
@@ -448,6 +459,11 @@ def evaluate(trainer, stage: str, loaders: list, limit: Any, publish: bool = Tru
     sanity = trainer.sanity_checking
     setattr(trainer, "num_sanity_val_batches" if sanity else f"num_{EVAL_COUNT[stage]}_batches",
             counts)
+    # as the training loader's: a sampler that shuffles by epoch (a DistributedSampler
+    # (shuffle=True)) follows the training epochs, at each validation of a fit and once
+    # per validate/test run (Lightning's)
+    for loader in loaders:
+        _set_sampler_epoch(loader, trainer.current_epoch)
     try:
         getattr(hook, f"on_{prefix}_start")(trainer=trainer)
         _epoch_level_event(trainer, f"on_{prefix}_epoch_start")
@@ -535,6 +551,8 @@ def predict(trainer, loaders: list) -> Any:
     per_loader: list[list] = []
     limit = trainer.config.limit_predict_batches
     trainer.num_predict_batches = [batch_limit(x, limit, "limit_predict_batches") for x in loaders]
+    for loader in loaders:
+        _set_sampler_epoch(loader, trainer.current_epoch)  # as evaluate's
     # Lightning's BasePredictionWriter callbacks: each batch's sample indices, and this
     # rank's predictions for write_on_epoch_end
     writing = state.prediction_writing = _prediction_writing(trainer, len(loaders))

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookloop.contract.errors import ConfigurationError
+from hookloop.contract.errors import ConfigurationError, HookSignatureError
 
 # OBSERVER_CODES, observe_hook_calls, resolve_events: also hookloop.step's names of 0.10
 from hookloop.dispatch import OBSERVER_CODES as OBSERVER_CODES
@@ -502,6 +502,39 @@ def _manual_loss(out: Any) -> torch.Tensor | None:
 # ---------------------------------------------------------------------------------------
 
 
+_LOADER_ARGUMENT = {VALIDATE: "val", TEST: "test", PREDICT: "predict"}
+
+
+def _check_dataloader_idx(module: Any, stage: str, n_loaders: int) -> None:
+    """Lightning's check when an evaluation starts: with one loader, a step or batch hook
+    whose ``dataloader_idx`` has no default (it is passed only with several loaders); with
+    several, a batch hook that cannot take one."""
+    prefix = EVENT_PREFIX[stage]
+    names = (STEP_METHODS[stage], f"on_{prefix}_batch_start", f"on_{prefix}_batch_end")
+    loader = f"{_LOADER_ARGUMENT[stage]}_dataloader"
+    for name in names:
+        method = getattr(module, name, None)
+        if getattr(method, "hookloop_placeholder", False):
+            continue  # the base class's do-nothing hook, not the user's
+        try:
+            params = inspect.signature(method).parameters if callable(method) else None
+        except (TypeError, ValueError):
+            params = None
+        if params is None:
+            continue
+        where = f"`{type(module).__name__}.{name}()`"
+        index = params.get("dataloader_idx")
+        if n_loaders == 1 and index is not None and index.default is inspect.Parameter.empty:
+            raise HookSignatureError(
+                f"You provided only a single `{loader}`, but have included `dataloader_idx` in "
+                f"{where}: it is passed only with several loaders. Either remove the argument or "
+                f"give it a default value i.e. `dataloader_idx=0`.")
+        if n_loaders > 1 and name != STEP_METHODS[stage] and not _accepts_dataloader_idx(method):
+            raise HookSignatureError(
+                f"You provided multiple `{loader}`, but no `dataloader_idx` argument in {where}. "
+                f"Try adding `dataloader_idx=0` to its signature.")
+
+
 def make_evaluation_step(trainer, stage: str, n_loaders: int) -> Callable:
     """The function running one batch of ``stage`` (``"validate"``, ``"test"`` or
     ``"predict"``) over ``n_loaders`` loaders: move the batch, ``on_<stage>_batch_start``,
@@ -510,6 +543,7 @@ def make_evaluation_step(trainer, stage: str, n_loaders: int) -> Callable:
     mode and the forward contexts are the caller's, around the whole run."""
     state = trainer.state
     prefix = EVENT_PREFIX[stage]
+    _check_dataloader_idx(trainer.module, stage, n_loaders)
     batch_start = event(trainer, f"on_{prefix}_batch_start")
     batch_end = event(trainer, f"on_{prefix}_batch_end")
     step_end_user = (None if stage == PREDICT

@@ -323,21 +323,29 @@ class CallbackHooks:
     hookloop_name = "callbacks"
     hookloop_role = "observer"
 
-    def __init__(self, callbacks: Sequence[Callback]):
+    def __init__(self, members: Sequence[Any]):
         from hookloop.contract.hookspecs import hookimpl
 
-        self.callbacks = list(callbacks)
+        # members: the Callbacks, and the hookloop plugins (EarlyStopping, TQDMProgressBar,
+        # EMA...) whose user subclass overrides Lightning hooks with Lightning's arguments
+        # (see lightning_overrides: those overrides are called here, the plugins' own
+        # hook implementations stay theirs), in the order of callbacks=[...]
+        members = list(members)
+        self.callbacks = [cb for cb in members if isinstance(cb, Callback)]
+        self.subclassed = [cb for cb in members if not isinstance(cb, Callback)]
         for callback in self.callbacks:
             check_callback(callback)
         for name, (event, args) in EVENT_HOOKS.items():
-            methods = [getattr(cb, name) for cb in self.callbacks if overridden(cb, name)]
+            methods = [_lightning_method(cb, name) for cb in members if _calls(cb, name)]
             if methods:
                 setattr(self, event, hookimpl(tryfirst=True)(_event_function(event, args, methods)))
-        if any(overridden(cb, "teardown") for cb in self.callbacks):
+        self._members = members
+        if any(_calls(cb, "teardown") for cb in members):
             def teardown(trainer, stage):
                 module = trainer.module
-                for cb in self.callbacks:
-                    cb.teardown(trainer, module, stage)
+                for cb in self._members:
+                    if _calls(cb, "teardown"):
+                        _lightning_method(cb, "teardown")(trainer, module, stage)
 
             self.teardown = hookimpl(tryfirst=True)(teardown)
         if any(overridden(cb, "on_save_checkpoint") or overridden(cb, "state_dict") for cb in self.callbacks):
@@ -349,12 +357,13 @@ class CallbackHooks:
     def __reduce__(self):
         # The implementations are closures: a spawn-based strategy pickles the callbacks
         # and builds them again.
-        return (CallbackHooks, (self.callbacks,))
+        return (CallbackHooks, (self._members,))
 
     def setup(self, trainer, stage: str) -> None:  # not a hookimpl: the session calls it
         module = trainer.module
-        for cb in self.callbacks:
-            cb.setup(trainer, module, stage)
+        for cb in self._members:
+            if _calls(cb, "setup"):
+                _lightning_method(cb, "setup")(trainer, module, stage)
 
     def _save(self, trainer, checkpoint):
         states = {}
@@ -457,23 +466,114 @@ def lightning_train_outputs(trainer, outputs: Any, loss: Any, batch: Any = ()) -
     return {}
 
 
-def callback_hooks(objects: Iterable[Any]) -> tuple[list, CallbackHooks | None]:
+def callback_hooks(objects: Iterable[Any], given_callbacks: Sequence[Any] = ()) -> tuple[list, CallbackHooks | None]:
     """``objects`` with the :class:`Callback` objects replaced by one :class:`CallbackHooks`
-    (where the first of them stood), and that plugin (``None`` when there are none)."""
+    (where the first of them stood), and that plugin (``None`` when there are none).
+
+    A hookloop plugin of ``given_callbacks`` (Lightning's ``callbacks=``) whose user
+    subclass overrides Lightning hooks with Lightning's arguments
+    (:func:`lightning_overrides`) stays in ``objects``, and its overrides are called by
+    the :class:`CallbackHooks` too, in list order. Given as ``plugins=``, the same object
+    is a plugin under the plugin contract (those overrides refused)."""
     objects = list(objects)
-    callbacks = [o for o in objects if isinstance(o, Callback)]
-    if not callbacks:
+    members = [o for o in objects if isinstance(o, Callback)
+               or (any(o is c for c in given_callbacks) and _lightning_subclassed(o))]
+    if not members:
         return objects, None
-    hooks = CallbackHooks(callbacks)
+    for o in members:
+        if not isinstance(o, Callback):
+            _hide_overrides(o)
+    hooks = CallbackHooks(members)
     out, placed = [], False
     for o in objects:
-        if isinstance(o, Callback):
-            if not placed:
-                out.append(hooks)
-                placed = True
-        else:
+        if (isinstance(o, Callback) or any(o is m for m in hooks.subclassed)) and not placed:
+            out.append(hooks)
+            placed = True
+        if not isinstance(o, Callback):
             out.append(o)
     return out, hooks
+
+
+# ---------------------------------------------------------------------------------------
+# Subclasses of hookloop's Lightning-named plugins
+# ---------------------------------------------------------------------------------------
+# EarlyStopping, TQDMProgressBar, EMA... are hookloop plugins: their hook implementations
+# take hookloop's event arguments. Lightning code subclasses them and overrides a hook with
+# Lightning's arguments (``on_train_epoch_end(self, trainer, pl_module)``, ``setup(self,
+# trainer, pl_module, stage)``), calling ``super()`` with those. The plugin contract
+# (hookloop.contract.pluginspec.hookimpl_options) keeps an undecorated override of an
+# inherited hook implementation one, with the event's arguments, and refuses other
+# arguments; that stays so for plugin authors. An object given in ``callbacks=`` is
+# Lightning's argument, though: there an override in the user's subclass whose arguments
+# are not the event's is Lightning's hook, called as Lightning calls it (by the
+# CallbackHooks adapter, with ``(trainer, pl_module, ...)``), and hidden from the plugin
+# manager on that object. The base's hook methods take Lightning's arguments too, so the
+# override's ``super()`` call runs the plugin's own behaviour, as in Lightning.
+
+#: Lightning hooks a subclass of a hookloop plugin may override with Lightning's arguments
+_SUBCLASS_HOOKS: dict[str, str] = {**{name: event for name, (event, _) in EVENT_HOOKS.items()},
+                                   "setup": "setup", "teardown": "teardown"}
+
+
+def _own_code(cls: type) -> bool:
+    """Whether ``cls`` is hookloop's (the core or a hookloop_* plugin package), not the user's."""
+    top = cls.__module__.split(".")[0]
+    return top == "hookloop" or top.startswith("hookloop_")
+
+
+def lightning_overrides(cls: type) -> tuple[str, ...]:
+    """The Lightning hooks that ``cls``, a user's subclass of a hookloop plugin, overrides
+    with Lightning's arguments: undecorated, defined in the user's code, and taking an
+    argument the hookloop event of that name does not have (``pl_module``)."""
+    if isinstance(cls, type) and issubclass(cls, Callback) or _own_code(cls):
+        return ()
+    if not any(_own_code(base) and any(True for _ in pluginspec.implementations(base)) for base in cls.__mro__[1:]):
+        return ()
+    specs = pluginspec.specs()
+    found = []
+    for name, event in _SUBCLASS_HOOKS.items():
+        owner = next((c for c in cls.__mro__ if name in c.__dict__), None)
+        if owner is None or _own_code(owner) or event not in specs:
+            continue
+        function = getattr(owner.__dict__[name], "__func__", owner.__dict__[name])
+        if not callable(function) or getattr(function, pluginspec.IMPL_ATTRIBUTE, None) is not None:
+            continue  # decorated: a hook implementation, under the plugin contract
+        if any(arg not in specs[event] for arg in pluginspec.varnames(function)[0]):
+            found.append(name)
+    return tuple(found)
+
+
+def _lightning_subclassed(obj: Any) -> bool:
+    import types
+
+    return not isinstance(obj, (str, type, types.ModuleType)) and obj is not None \
+        and bool(lightning_overrides(type(obj)))
+
+
+def _hide_overrides(obj: Any) -> None:
+    """The plugin manager does not see ``obj``'s Lightning overrides as hook
+    implementations (the adapter calls them); calling them on ``obj`` still works."""
+    import functools
+
+    for name in lightning_overrides(type(obj)):
+        obj.__dict__[name] = functools.partial(getattr(type(obj), name), obj)
+
+
+def _calls(member: Any, name: str) -> bool:
+    """Whether the adapter calls ``member``'s Lightning hook ``name``."""
+    if isinstance(member, Callback):
+        return overridden(member, name)
+    return name in lightning_overrides(type(member))
+
+
+def _lightning_method(member: Any, name: str):
+    """``member.name`` as Lightning calls it (a subclassed plugin's: the class's method,
+    not the attribute that hides it from the plugin manager)."""
+    if isinstance(member, Callback):
+        return getattr(member, name)
+    import types
+
+    return types.MethodType(getattr(type(member), name), member)
 
 
 def check_callbacks_argument(objects: Iterable[Any]) -> None:

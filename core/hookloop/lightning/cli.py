@@ -42,6 +42,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from hookloop.contract import registry
 from hookloop.engine.settings import TrainerConfig, env_defaults
+from hookloop.lightning.callbacks import Callback
 from hookloop.lightning.datamodule import DataModule
 from hookloop.contract.errors import ConfigurationError, MissingDependencyError
 from hookloop.helpers import GLOBAL_SEED_ENV, seed_everything
@@ -122,7 +123,7 @@ class LightningArgumentParser(ArgumentParser):
     def add_lightning_class_args(self, lightning_class: Any, nested_key: str, subclass_mode: bool = False,
                                  required: bool = True) -> list[str]:
         """Add the ``__init__`` arguments of ``lightning_class`` (a Trainer, a module, a
-        data module, a callback plugin class, or a function returning one) under
+        data module, a Callback or plugin class, or a function returning one) under
         ``nested_key``; ``subclass_mode`` takes a ``class_path`` of any subclass."""
         if callable(lightning_class) and not isinstance(lightning_class, type):
             lightning_class = class_from_function(lightning_class)
@@ -132,8 +133,10 @@ class LightningArgumentParser(ArgumentParser):
                 f"module, a plugin class) or a function that returns one"
             )
         is_trainer = issubclass(lightning_class, Trainer)
-        if not is_trainer and getattr(lightning_class, "hookloop_role", None) is not None:
-            self.callback_keys.append(nested_key)  # a plugin class: added to the Trainer's callbacks
+        if not is_trainer and (issubclass(lightning_class, Callback)
+                               or getattr(lightning_class, "hookloop_role", None) is not None):
+            # a Callback (Lightning's rule) or a plugin class: added to the Trainer's callbacks
+            self.callback_keys.append(nested_key)
         if subclass_mode:
             return self.add_subclass_arguments(lightning_class, nested_key, fail_untyped=False, required=required)
         added = self.add_class_arguments(lightning_class, nested_key, fail_untyped=False,

@@ -271,6 +271,11 @@ class Module(HyperparametersMixin, nn.Module):
         trainer = self.__dict__.get("_hookloop_trainer")
         if trainer is None:
             return  # called outside a run (e.g. a unit test of training_step)
+        if on_step is False and on_epoch is False:  # Lightning's refusal, from a callback's hook too
+            raise ConfigurationError(
+                f"`self.log({name!r}, ..., on_step=False, on_epoch=False)` is not useful: the value would be "
+                f"kept neither per step nor per epoch. Give on_step=True or on_epoch=True (or leave both out "
+                f"for the hook's defaults)")
         trainer.state.metrics.log(name, value, prog_bar, logger is not False, on_step, on_epoch, op, sync_dist, add_dataloader_idx, batch_size)
 
     def log_dict(self, dictionary: Any, **kwargs: Any) -> None:

@@ -56,7 +56,7 @@ class LightningCompatibility:
                      if not isinstance(c, (str, type)) and hasattr(c, "hookloop_role")])
         in_code += given_callbacks
         # Lightning-style Callback objects become one observer that calls them in list order
-        in_code, adapter = callbacks_module.callback_hooks(in_code)
+        in_code, adapter = callbacks_module.callback_hooks(in_code, given_callbacks)
         if in_code or "plugins" in given:
             given["plugins"] = in_code
         _name_apart(loggers or [])

@@ -46,6 +46,7 @@ from hookloop.engine.defaults import Defaults
 from hookloop.contract.errors import ConfigurationError, MissingDependencyError
 from hookloop.contract.hookspecs import hookimpl
 from hookloop.engine.state import LoopState
+from hookloop.resume import checkpoint
 from hookloop.distributed.ranks import rank_zero_info, rank_zero_warn
 
 __all__ = ["Tuner", "LRFinder", "lr_schedule", "is_oom_error"]
@@ -442,11 +443,15 @@ class Tuner:
         saved = copy.deepcopy(model.state_dict())
         finder = LRFinder(mode, min_lr, max_lr, num_training)
         hooks = _LRFinderHooks(lr_schedule(mode, min_lr, max_lr, num_training), early_stop_threshold)
+        # the random generators as they were (Lightning's isolate_rng): the search draws
+        # nothing the run after it (or a second search) would have drawn
+        rng = checkpoint.rng_state()
         try:
             with _SearchRun(trainer, [hooks], max_steps=num_training):
                 _fit(trainer, model, train_dataloaders, datamodule)
         finally:
             _restore_weights(model, saved)
+            checkpoint.set_rng_state(rng)
         if len(hooks.losses) < num_training:
             rank_zero_info(f"LR finder stopped early after {len(hooks.losses)} steps due to diverging loss.")
         finder.results = {"lr": hooks.lrs, "loss": hooks.losses}

@@ -54,7 +54,12 @@ def _version(trainer) -> Any:
 
 
 class _Bar:
-    """What both bars share: Lightning's ``ProgressBar`` base (totals, metrics, enabling)."""
+    """What both bars share: Lightning's ``ProgressBar`` base (totals, metrics, enabling).
+
+    The hook implementations also take Lightning's arguments (``pl_module``, ``stage``...,
+    with defaults, which pluggy never passes): a Lightning subclass's override calls them
+    through ``super()`` with those (hookloop.lightning.callbacks, "Subclasses of
+    hookloop's Lightning-named plugins")."""
 
     hookloop_name = "progress"
     hookloop_role = "observer"
@@ -152,7 +157,7 @@ class _Bar:
     # -- the run ---------------------------------------------------------------------------
 
     @hookimpl
-    def setup(self, trainer):
+    def setup(self, trainer, pl_module=None, stage=None):
         self._trainer = trainer
         if not trainer.is_global_zero:
             self.disable()  # rank 0 draws (Lightning's)
@@ -162,7 +167,7 @@ class _Bar:
             trainer.plugin_manager.register(self._per_batch, name="progress.per_batch")
 
     @hookimpl
-    def teardown(self, trainer):
+    def teardown(self, trainer, pl_module=None, stage=None):
         per_batch, self._per_batch = self._per_batch, None
         if per_batch is not None:
             trainer.plugin_manager.unregister(per_batch)
@@ -337,21 +342,21 @@ class TQDMProgressBar(_Bar):
     # -- training -------------------------------------------------------------------------
 
     @hookimpl
-    def on_sanity_check_start(self):
+    def on_sanity_check_start(self, trainer=None, pl_module=None):
         self.val_progress_bar = self.init_sanity_tqdm()
         self.train_progress_bar = tqdm_class()(disable=True)  # a stand-in, as Lightning's
 
     @hookimpl
-    def on_sanity_check_end(self):
+    def on_sanity_check_end(self, trainer=None, pl_module=None):
         self.val_progress_bar.close()
         self.train_progress_bar.close()
 
     @hookimpl
-    def on_train_start(self):
+    def on_train_start(self, trainer=None, pl_module=None):
         self.train_progress_bar = self.init_train_tqdm()
 
     @hookimpl
-    def on_train_epoch_start(self, trainer):
+    def on_train_epoch_start(self, trainer, pl_module=None):
         if self._leave:
             self.train_progress_bar = self.init_train_tqdm()
         self._start_total(self.train_progress_bar, self.total_train_batches, f"Epoch {trainer.current_epoch}")
@@ -363,14 +368,14 @@ class TQDMProgressBar(_Bar):
             bar.set_postfix(self.get_metrics(trainer))
 
     @hookimpl
-    def on_train_epoch_end(self, trainer):
+    def on_train_epoch_end(self, trainer, pl_module=None):
         if not self.train_progress_bar.disable:
             self.train_progress_bar.set_postfix(self.get_metrics(trainer))
         if self._leave:
             self.train_progress_bar.close()
 
     @hookimpl
-    def on_train_end(self):
+    def on_train_end(self, trainer=None, pl_module=None):
         self.train_progress_bar.close()
 
     # -- validation, test, predict ------------------------------------------------------------
@@ -394,41 +399,41 @@ class TQDMProgressBar(_Bar):
             self._update_n(bar, n)
 
     @hookimpl
-    def on_validation_start(self, trainer):
+    def on_validation_start(self, trainer, pl_module=None):
         if not trainer.sanity_checking:
             self.val_progress_bar = self.init_validation_tqdm()
         self._eval_bar_start("val", self.sanity_check_description if trainer.sanity_checking else
                              self.validation_description)
 
     @hookimpl
-    def on_validation_end(self, trainer):
+    def on_validation_end(self, trainer, pl_module=None):
         self.val_progress_bar.close()
         self._current_eval_dataloader_idx = None
         if self._train_progress_bar is not None and trainer.state.fn == "fit":
             self.train_progress_bar.set_postfix(self.get_metrics(trainer))
 
     @hookimpl
-    def on_test_start(self):
+    def on_test_start(self, trainer=None, pl_module=None):
         self.test_progress_bar = self.init_test_tqdm()
         self._eval_bar_start("test", self.test_description)
 
     @hookimpl
-    def on_test_end(self):
+    def on_test_end(self, trainer=None, pl_module=None):
         self.test_progress_bar.close()
         self._current_eval_dataloader_idx = None
 
     @hookimpl
-    def on_predict_start(self):
+    def on_predict_start(self, trainer=None, pl_module=None):
         self.predict_progress_bar = self.init_predict_tqdm()
         self._eval_bar_start("predict", self.predict_description)
 
     @hookimpl
-    def on_predict_end(self):
+    def on_predict_end(self, trainer=None, pl_module=None):
         self.predict_progress_bar.close()
         self._current_eval_dataloader_idx = None
 
     @hookimpl
-    def on_exception(self):
+    def on_exception(self, trainer=None, pl_module=None, exception=None):
         for bar in (self._train_progress_bar, self._val_progress_bar, self._test_progress_bar,
                     self._predict_progress_bar):
             if bar is not None:
@@ -554,17 +559,17 @@ class RichProgressBar(_Bar):
     # -- training ---------------------------------------------------------------------------
 
     @hookimpl
-    def on_sanity_check_start(self):
+    def on_sanity_check_start(self, trainer=None, pl_module=None):
         self._start_progress()
 
     @hookimpl
-    def on_sanity_check_end(self):
+    def on_sanity_check_end(self, trainer=None, pl_module=None):
         if self.progress is not None and self.val_sanity_progress_bar_id is not None:
             self.progress.update(self.val_sanity_progress_bar_id, advance=0, visible=False)
             self.progress.refresh()
 
     @hookimpl
-    def on_train_epoch_start(self, trainer):
+    def on_train_epoch_start(self, trainer, pl_module=None):
         self._start_progress()
         if self.progress is None:
             return
@@ -595,11 +600,11 @@ class RichProgressBar(_Bar):
                 self._show_metrics(trainer)
 
     @hookimpl
-    def on_train_epoch_end(self, trainer):
+    def on_train_epoch_end(self, trainer, pl_module=None):
         self._show_metrics(trainer)
 
     @hookimpl
-    def on_train_end(self):
+    def on_train_end(self, trainer=None, pl_module=None):
         self._stop_progress()
 
     # -- validation, test, predict ------------------------------------------------------------
@@ -633,14 +638,14 @@ class RichProgressBar(_Bar):
         self._current_eval_dataloader_idx = None
 
     @hookimpl
-    def on_validation_start(self, trainer):
+    def on_validation_start(self, trainer, pl_module=None):
         if trainer.sanity_checking:
             self._eval_start("val_sanity", self.sanity_check_description)
         else:
             self._eval_start("val", self.validation_description)
 
     @hookimpl
-    def on_validation_end(self, trainer):
+    def on_validation_end(self, trainer, pl_module=None):
         if trainer.sanity_checking:
             self._eval_end("val_sanity")
             return
@@ -652,28 +657,28 @@ class RichProgressBar(_Bar):
             self._current_eval_dataloader_idx = None
 
     @hookimpl
-    def on_test_start(self):
+    def on_test_start(self, trainer=None, pl_module=None):
         self._eval_start("test", self.test_description)
 
     @hookimpl
-    def on_test_end(self):
+    def on_test_end(self, trainer=None, pl_module=None):
         self._stop_progress()
         self._current_eval_dataloader_idx = None
 
     @hookimpl
-    def on_predict_start(self):
+    def on_predict_start(self, trainer=None, pl_module=None):
         self._eval_start("predict", self.predict_description)
 
     @hookimpl
-    def on_predict_end(self):
+    def on_predict_end(self, trainer=None, pl_module=None):
         self._stop_progress()
         self._current_eval_dataloader_idx = None
 
     @hookimpl
-    def on_exception(self):
+    def on_exception(self, trainer=None, pl_module=None, exception=None):
         self._stop_progress()
 
     @hookimpl
-    def teardown(self, trainer):
+    def teardown(self, trainer, pl_module=None, stage=None):
         self._stop_progress()
         super().teardown(trainer)

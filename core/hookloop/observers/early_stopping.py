@@ -94,13 +94,15 @@ class EarlyStopping:
             return True  # (Lightning: never, when check_val_every_n_epoch != 1)
         return config.check_val_every_n_epoch == 1 and config.val_check_interval == 1.0
 
+    # pl_module: a Lightning subclass's override calls these through super() with
+    # Lightning's arguments (pluggy passes only trainer)
     @hookimpl
-    def on_validation_end(self, trainer):
+    def on_validation_end(self, trainer, pl_module=None):
         if trainer.state == "fit" and not trainer.sanity_checking and not self._on_epoch_end(trainer):
             self.check(trainer)
 
     @hookimpl
-    def on_train_epoch_end(self, trainer):
+    def on_train_epoch_end(self, trainer, pl_module=None):
         if self._on_epoch_end(trainer):
             self.check(trainer)
 

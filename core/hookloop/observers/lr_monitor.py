@@ -36,17 +36,50 @@ class LearningRateMonitor:
         intervals = {c.interval for c in trainer.lr_scheduler_configs}
         return "step" if intervals == {"step"} else "epoch"
 
-    def values(self, trainer) -> dict[str, float]:
-        """Every group's learning rate (and momentum), by Lightning's names."""
-        out: dict[str, float] = {}
+    @staticmethod
+    def _names(trainer):
+        """``(optimizer, its name)`` for each optimizer: ``lr-<Optimizer>``, then
+        ``lr-<Optimizer>-<j>`` for the j-th of a class (Lightning's)."""
         counts: dict[str, int] = {}
         for optimizer in trainer.optimizers:
             base = type(getattr(optimizer, "optimizer", optimizer)).__name__
             index = counts[base] = counts.get(base, -1) + 1
-            name = f"lr-{base}" if index == 0 else f"lr-{base}-{index}"
+            yield optimizer, (f"lr-{base}" if index == 0 else f"lr-{base}-{index}")
+
+    @staticmethod
+    def _group_key(name: str, groups: list, g: int) -> str:
+        """Lightning's suffix: the group's ``name`` (``"pg<i>"`` when it has none) with
+        several groups; with one, its ``name`` when it has one."""
+        if len(groups) > 1:
+            return f"{name}/{groups[g].get('name', f'pg{g + 1}')}"
+        return f"{name}/{groups[g]['name']}" if groups[g].get("name") else name
+
+    @hookimpl
+    def on_train_start(self, trainer):
+        """Lightning's refusals, when training starts: no logger to write to, and
+        parameter groups of one optimizer that share a ``name`` (their values would
+        overwrite each other)."""
+        if not trainer.loggers:
+            raise ConfigurationError(
+                "Cannot use `LearningRateMonitor` callback with `Trainer` that has no logger: it logs the "
+                "learning rates through the loggers. Remove logger=False from Trainer(...) (or give a logger), "
+                "or remove the LearningRateMonitor from callbacks")
+        for optimizer, name in self._names(trainer):
+            names = [group.get("name", f"pg{i}") for i, group in enumerate(optimizer.param_groups, start=1)]
+            duplicates = {n for n in names if names.count(n) > 1}
+            if duplicates:
+                raise ConfigurationError(
+                    f"A single `Optimizer` cannot have multiple parameter groups with identical `name` values. "
+                    f"{name} has duplicated parameter group names {duplicates}: give each parameter group of "
+                    f"configure_optimizers a different 'name' (or none)")
+
+    def values(self, trainer) -> dict[str, float]:
+        """Every group's learning rate (and momentum), by Lightning's names."""
+        out: dict[str, float] = {}
+        for optimizer, name in self._names(trainer):
             groups = optimizer.param_groups
             for g, group in enumerate(groups):
-                key = name if len(groups) == 1 else f"{name}/pg{g + 1}"
+                key = self._group_key(name, groups, g)
                 out[key] = float(group["lr"])
                 if self.log_momentum:
                     momentum = group.get("momentum", (group.get("betas") or (None,))[0])

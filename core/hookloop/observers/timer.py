@@ -166,13 +166,15 @@ class Timer:
         if self._interval == "epoch" and self._duration is not None:
             self._check(trainer)
 
+    # The sanity check is a validation here as in Lightning: its time is "validate"'s until
+    # the first validation of the fit (Lightning keeps no "sanity_check" time)
     @hookimpl
-    def on_validation_start(self, trainer):
-        self._start_time["sanity_check" if trainer.sanity_checking else "validate"] = time.monotonic()
+    def on_validation_start(self):
+        self._start_time["validate"] = time.monotonic()
 
     @hookimpl
-    def on_validation_end(self, trainer):
-        self._end_time["sanity_check" if trainer.sanity_checking else "validate"] = time.monotonic()
+    def on_validation_end(self):
+        self._end_time["validate"] = time.monotonic()
 
     @hookimpl
     def on_test_start(self):

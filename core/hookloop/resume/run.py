@@ -184,7 +184,9 @@ def restore(trainer, ckpt_path: Any, fall_back: bool = False, train_loader: Any 
     if train_loader is not None:
         _adapt_position(trainer, loop, train_loader)
         loader_state.resumed(train_loader)
-    if checkpoint.get("metrics"):
+    if checkpoint.get("metrics") and trainer.state.fn == "fit":
+        # only a resumed fit goes on with the saved metrics: validate/test/predict from a
+        # checkpoint start with none, as every run does (Lightning's)
         trainer.state.metrics.load_state_dict(checkpoint["metrics"])
     if rng is not None:
         ckpt.set_rng_state(rng)

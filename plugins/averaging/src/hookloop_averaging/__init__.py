@@ -194,21 +194,34 @@ class _Averaging:
                 if names is None or name in names:
                     current[name].copy_(avg)
 
+    # -- Lightning's callback hooks ---------------------------------------------------------
+    # A Lightning subclass (``class MyEMA(EMA)``) overrides Lightning's hooks and calls
+    # super() with Lightning's arguments: the hook implementations below take them too
+    # (with defaults, which pluggy never passes), and setup/teardown exist to be called so.
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        """Lightning's ``WeightAveraging.setup``: nothing to do here (the average starts
+        at ``on_fit_start``); a subclass's override is called when fit, validate, test or
+        predict begins, before the module's ``setup``, as in Lightning."""
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        """Lightning's ``teardown``: nothing to do here; a subclass's override is called."""
+
     # -- validation on the average ------------------------------------------------------
 
     @hookloop.hookimpl(tryfirst=True)
-    def on_validation_start(self, trainer):
+    def on_validation_start(self, trainer, pl_module=None):
         if self.validate_on_average and self._fitting and self.average is not None and self.n_averaged:
             self._swap(trainer)
 
     @hookloop.hookimpl(tryfirst=True)
-    def on_validation_end(self, trainer):
+    def on_validation_end(self, trainer, pl_module=None):
         # first of all implementations: a checkpoint written here has the trained weights
         if self._swapped:
             self._swap(trainer)
 
     @hookloop.hookimpl
-    def on_exception(self, trainer):
+    def on_exception(self, trainer, pl_module=None, exception=None):
         if self._swapped and self.average is not None:
             self._swap(trainer)
 
@@ -301,12 +314,12 @@ class EMA(_Averaging):
         avg.copy_(self.decay * avg + (1 - self.decay) * cur)  # torch's get_ema_avg_fn, then copy_
 
     @hookloop.hookimpl
-    def on_fit_start(self, trainer):
+    def on_fit_start(self, trainer, pl_module=None):
         self._start(trainer)
         self._params = set(dict(trainer.module.named_parameters()))
 
     @hookloop.hookimpl(tryfirst=True)
-    def on_train_batch_end(self, trainer):
+    def on_train_batch_end(self, trainer, pl_module=None, outputs=None, batch=None, batch_idx=None):
         step = trainer.global_step
         if step <= self.latest_update_step:
             return  # no optimizer step since the last update (accumulation), or already done
@@ -316,7 +329,7 @@ class EMA(_Averaging):
             self.latest_update_step = step
 
     @hookloop.hookimpl
-    def on_fit_end(self, trainer):
+    def on_fit_end(self, trainer, pl_module=None):
         self._fitting = False
         if self.apply_at_end and self.average is not None and self.n_averaged:
             self._copy_to_model(trainer)
@@ -410,7 +423,7 @@ class SWA(_Averaging):
         avg.copy_(avg + (cur - avg) / (self.n_averaged + 1))
 
     @hookloop.hookimpl
-    def on_fit_start(self, trainer):
+    def on_fit_start(self, trainer, pl_module=None):
         if len(trainer.optimizers) != 1:
             raise hookloop.ConfigurationError(
                 f"swa works with one optimizer; configure_optimizers returned {len(trainer.optimizers)}")
@@ -461,7 +474,8 @@ class SWA(_Averaging):
                 config.scheduler = _Frozen(config.scheduler)
 
     @hookloop.hookimpl(tryfirst=True)
-    def on_train_epoch_start(self, trainer, epoch):
+    def on_train_epoch_start(self, trainer, pl_module=None):
+        epoch = trainer.current_epoch
         if not self.swa_start <= epoch <= self.swa_end:
             return
         if self.scheduler is None:
@@ -471,14 +485,14 @@ class SWA(_Averaging):
             self.latest_update_epoch = epoch
 
     @hookloop.hookimpl(tryfirst=True)
-    def on_train_epoch_end(self, trainer):
+    def on_train_epoch_end(self, trainer, pl_module=None):
         # an epoch that ran to its end (not one stopped inside by max_steps): Lightning's
         # epoch-interval SWALR step; before the checkpoint observer saves at this event
         if self.scheduler is not None and trainer.state.loop_stage == "epoch_end":
             self.scheduler.step()
 
     @hookloop.hookimpl
-    def on_fit_end(self, trainer):
+    def on_fit_end(self, trainer, pl_module=None):
         self._fitting = False
         for config, scheduler in self._held:
             config.scheduler = scheduler
