@@ -52,8 +52,9 @@ class LightningCompatibility:
         given_callbacks = as_list(given.pop("callbacks", None))
         callbacks_module.check_callbacks_argument(given_callbacks)
         # Lightning runs every callback given: two EarlyStopping are two plugins
-        _name_apart([c for c in given_callbacks
-                     if not isinstance(c, (str, type)) and hasattr(c, "hookloop_role")])
+        # (a second progress bar stays an error, as Lightning's)
+        _name_apart([c for c in given_callbacks if not isinstance(c, (str, type))
+                     and hasattr(c, "hookloop_role") and plugin_name(c) in SEVERAL_ALLOWED])
         in_code += given_callbacks
         # Lightning-style Callback objects become one observer that calls them in list order
         in_code, adapter = callbacks_module.callback_hooks(in_code, given_callbacks)
@@ -74,6 +75,10 @@ class LightningCompatibility:
 
 #: the one instance the facade registers
 LIGHTNING = LightningCompatibility()
+
+#: the callbacks Lightning runs several of (each acts); a second of any other kind given in
+#: ``callbacks=`` is the registry's conflict error, as Lightning refuses two progress bars
+SEVERAL_ALLOWED = frozenset({"early_stopping", "checkpoint"})
 
 
 def _name_apart(objects: list) -> None:
