@@ -45,6 +45,7 @@ PYTEST_INI = """\
 addopts = --strict-markers --disable-pytest-warnings -p no:cacheprovider
 markers =
     cloud: Run the cloud tests for example
+    flaky: pytest-rerunfailures' marker (Lightning's CI has the plugin; here a test runs once)
 filterwarnings =
     error::FutureWarning
     ignore::FutureWarning:onnxscript

@@ -19,8 +19,9 @@ import argparse
 import json
 import sys
 import tempfile
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 from .run import HERE, VENDOR, run_files
 from .vendor_tests import FILES
