@@ -120,14 +120,15 @@ def guess(message: str) -> str:
 def hookloop_results(files: list[str], results_dir: Path | None, root: Path) -> dict:
     out = {}
     for file in files:
-        cached = results_dir / (file.replace("/", "__") + ".json") if results_dir else None
+        # the JSON `python -m tests.lightning_unit.run hookloop FILE` prints
+        cached = results_dir / (file.replace("/", "_") + ".json") if results_dir else None
         if cached and cached.is_file():
-            out[file] = json.loads(cached.read_text())
+            out[file] = json.loads(cached.read_text())[file]
             continue
         out[file] = run_files("hookloop", [file], root / "hookloop")[file]
         if cached:
             cached.parent.mkdir(parents=True, exist_ok=True)
-            cached.write_text(json.dumps(out[file], indent=1, sort_keys=True))
+            cached.write_text(json.dumps({file: out[file]}, indent=1, sort_keys=True))
     return out
 
 
@@ -164,9 +165,17 @@ def main(argv: list[str] | None = None) -> int:
             for file in files:
                 store_reference(file, root)
                 print(f"stored {reference_path(file).relative_to(HERE.parents[1])}", file=sys.stderr, flush=True)
-        results = hookloop_results(files, args.results, root)
-    rows = {f: compare(stored_reference(f), results[f], status.get(f, {})) for f in files}
+        references, unstored = {}, []
+        for file in files:
+            try:
+                references[file] = stored_reference(file)
+            except stored.StaleReference as exc:
+                unstored.append(f"{file}: {exc}")
+        results = hookloop_results(list(references), args.results, root)
+    rows = {f: compare(references[f], results[f], status.get(f, {})) for f in references}
     print(format_table(rows))
+    for line in unstored:
+        print(f"not in the table, {line}")
     if args.draft_status:
         for file, row in rows.items():
             if row["unlisted"]:
