@@ -10,6 +10,11 @@ fails loudly (``ImportError: cannot import name 'X' from 'hookloop'``).
 In both, ``lightning.pytorch.demos`` becomes ``lightning_demos``: the vendored copy of
 Lightning's demos, itself rewritten for the same framework, so both run the same code.
 
+``rewrite(source, "hookloop", missing="placeholder")`` (Lightning's unit tests, tests/lightning_unit)
+binds a name hookloop lacks to a `Missing` placeholder instead, so that the failure is the
+test's that uses it, not the whole file's: any use of the placeholder (call, attribute,
+subclassing, ``pytest.raises``) fails naming the Lightning name.
+
 Only import statements change; each rewritten statement stays on its lines (a multi-line
 import becomes one line plus blank lines), so tracebacks point at the original lines.
 ``import lightning as L`` / ``import lightning.pytorch as pl`` under hookloop become
@@ -74,6 +79,34 @@ FACTS = {
     "_IS_WINDOWS": lambda: sys.platform == "win32",
 }
 
+
+def _fact(name: str):
+    """``_X_AVAILABLE`` / ``_X_GREATER_EQUAL_1_2`` (Lightning's checks of an installed package):
+    computed here, like `FACTS`; None for any other name."""
+    import re
+
+    if name in FACTS:
+        return FACTS[name]
+    found = re.fullmatch(r"_([A-Z0-9]+)_(AVAILABLE|GREATER_EQUAL_(\d+(?:_\d+)*))", name)
+    if not found:
+        return None
+    package = found.group(1).lower()
+    if found.group(2) == "AVAILABLE":
+        return lambda: importlib.util.find_spec(package) is not None
+
+    def at_least() -> bool:
+        from importlib.metadata import PackageNotFoundError, version
+
+        from packaging.version import Version
+
+        try:
+            return Version(version(package)).release >= tuple(int(x) for x in found.group(3).split("_"))
+        except PackageNotFoundError:
+            return False
+
+    return at_least
+
+
 # Lightning's subpackages: ``from lightning.pytorch import callbacks`` binds a namespace.
 SUBPACKAGES = {"pytorch", "callbacks", "loggers", "utilities", "cli", "core", "trainer", "strategies",
                "profilers", "tuner", "loops", "plugins", "accelerators", "types", "imports", "model_helpers",
@@ -109,15 +142,15 @@ def reference_module(module: str) -> str:
 
 def target(name: str) -> tuple[str, str] | None:
     """hookloop's (module, attribute) for a Lightning name; None for an environment fact."""
-    if name in FACTS:
+    if _fact(name):
         return None
     return tuple(NAMES.get(name, f"hookloop:{name}").split(":"))  # type: ignore[return-value]
 
 
 def resolve(name: str, lightning_module: str = "lightning.pytorch"):
     """The hookloop object for a Lightning name (what a rewritten import binds)."""
-    if name in FACTS:
-        return FACTS[name]()
+    if _fact(name):
+        return _fact(name)()
     if name == "demos":
         return importlib.import_module("lightning_demos")
     if name in SUBPACKAGES and name not in NAMES:
@@ -147,7 +180,48 @@ class namespace(types.ModuleType):  # noqa: N801 - used like a module
             raise AttributeError(str(exc)) from None
 
 
-def _hookloop_import(node: ast.AST) -> str:
+class Missing:
+    """A Lightning name hookloop lacks, bound where its import was; any use raises ImportError.
+
+    Its class is named ``hookloop_lacks_<Name>``, so that even an error that only names the
+    type (``pytest.raises``: "expected exception must be a BaseException type, not ...")
+    says which name is missing."""
+
+    def __init__(self, qualname: str, reason: str, path: str = ""):
+        object.__setattr__(self, "_qualname", qualname)
+        object.__setattr__(self, "_reason", reason)
+        # the name as Lightning's object prints it (``EarlyStoppingReason.PATIENCE_EXHAUSTED``):
+        # a parametrized test's id (tests/lightning_unit/outcomes.py)
+        object.__setattr__(self, "_path", path or qualname.rsplit(".", 1)[-1])
+
+    def _fail(self, *args, **kwargs):
+        raise ImportError(self._reason)
+
+    __call__ = __iter__ = __enter__ = _fail
+
+    def __getattr__(self, name: str):
+        # an attribute of what is missing is missing too (``Reason.PATIENCE`` in a decorator
+        # at import time): the test that uses it fails, not the collection of the file
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return type(self)(f"{self._qualname}.{name}", self._reason, f"{self._path}.{name}")
+
+    def __mro_entries__(self, bases):
+        self._fail()
+
+    def __repr__(self) -> str:
+        return f"<hookloop lacks {self._qualname}>"
+
+
+def resolve_or_missing(name: str, lightning_module: str):
+    """`resolve`, or a `Missing` placeholder for a name hookloop lacks."""
+    try:
+        return resolve(name, lightning_module)
+    except ImportError as exc:
+        return type(f"hookloop_lacks_{name}", (Missing,), {})(f"{lightning_module}.{name}", str(exc))
+
+
+def _hookloop_import(node: ast.AST, missing: str = "raise") -> str:
     if isinstance(node, ast.Import):
         parts = []
         for alias in node.names:
@@ -174,7 +248,10 @@ def _hookloop_import(node: ast.AST) -> str:
         if alias.name == "*":
             raise ValueError(f"'from {node.module} import *' cannot be rewritten name by name")
         tgt = target(alias.name)
-        if tgt is None or alias.name == "demos" or (alias.name in SUBPACKAGES and alias.name not in NAMES):
+        if missing == "placeholder":
+            parts.append(f"{bound} = __import__('tests.lightning_scripts.rewrite', fromlist=['resolve_or_missing'])"
+                         f".resolve_or_missing({alias.name!r}, {node.module!r})")
+        elif tgt is None or alias.name == "demos" or (alias.name in SUBPACKAGES and alias.name not in NAMES):
             parts.append(f"{bound} = __import__('tests.lightning_scripts.rewrite', fromlist=['resolve'])"
                          f".resolve({alias.name!r}, {node.module!r})")
         else:
@@ -192,6 +269,10 @@ def _reference_import(node: ast.AST) -> str:
                 parts.append(f"import {name} as {alias.asname}")
             elif name != alias.name and "." not in alias.name:
                 parts.append(f"import {name} as {alias.name}")
+            elif name != alias.name and alias.name.split(".")[0] == "lightning":
+                # ``import lightning.fabric``: binds ``lightning``, whose ``.pytorch``/``.fabric`` are used
+                parts.append("lightning = __import__('tests.lightning_scripts.rewrite', "
+                             "fromlist=['reference_package']).reference_package()")
             elif name != alias.name:
                 raise ValueError(f"'import {alias.name}' without 'as' cannot be rewritten")
             else:
@@ -199,6 +280,15 @@ def _reference_import(node: ast.AST) -> str:
         return "; ".join(parts)
     names = ", ".join(a.name + (f" as {a.asname}" if a.asname else "") for a in node.names)
     return f"from {reference_module(node.module)} import {names}"
+
+
+def reference_package() -> types.ModuleType:
+    """What ``import lightning.pytorch`` binds, for the installed reference: a module whose
+    ``pytorch`` and ``fabric`` are pytorch-lightning's and lightning-fabric's packages."""
+    package = types.ModuleType("lightning")
+    package.pytorch = importlib.import_module("pytorch_lightning")
+    package.fabric = importlib.import_module("lightning_fabric")
+    return package
 
 
 def lightning_imports(source: str) -> list[ast.AST]:
@@ -211,11 +301,18 @@ def lightning_imports(source: str) -> list[ast.AST]:
     return nodes
 
 
-def rewrite(source: str, framework: str) -> str:
-    """``source`` with its Lightning imports pointed at ``framework``; nothing else changes."""
+def rewrite(source: str, framework: str, missing: str = "raise") -> str:
+    """``source`` with its Lightning imports pointed at ``framework``; nothing else changes.
+    ``missing="placeholder"``: a name hookloop lacks binds a `Missing` (hookloop only)."""
     if framework not in FRAMEWORKS:
         raise ValueError(f"framework must be one of {FRAMEWORKS}, not {framework!r}")
-    make = _hookloop_import if framework == "hookloop" else _reference_import
+    if missing not in ("raise", "placeholder"):
+        raise ValueError(f"missing must be 'raise' or 'placeholder', not {missing!r}")
+    if framework == "hookloop":
+        def make(node):
+            return _hookloop_import(node, missing)
+    else:
+        make = _reference_import
     lines = source.splitlines(keepends=True)
     for node in sorted(lightning_imports(source), key=lambda n: n.lineno, reverse=True):
         first, last = node.lineno - 1, node.end_lineno - 1
