@@ -50,7 +50,7 @@ def test_status_entries_name_a_category_a_reason_and_a_test_passing_under_lightn
 
 def test_a_name_hookloop_lacks_fails_the_test_that_uses_it_not_the_file():
     source = ("import pytest\n"
-              "from lightning.pytorch.utilities.exceptions import MisconfigurationException\n"
+              "from lightning.pytorch.callbacks import ThroughputMonitor\n"
               "from lightning.pytorch.callbacks.early_stopping import EarlyStopping, EarlyStoppingReason\n"
               "REASONS = [EarlyStoppingReason.PATIENCE_EXHAUSTED]\n")
     ns: dict = {}
@@ -60,11 +60,11 @@ def test_a_name_hookloop_lacks_fails_the_test_that_uses_it_not_the_file():
     assert ns["EarlyStopping"] is hookloop.EarlyStopping
     with pytest.raises(ImportError, match="EarlyStoppingReason"):
         ns["REASONS"][0]()
-    with pytest.raises(TypeError, match="hookloop_lacks_MisconfigurationException"):
-        with pytest.raises(ns["MisconfigurationException"]):
+    with pytest.raises(TypeError, match="hookloop_lacks_ThroughputMonitor"):
+        with pytest.raises(ns["ThroughputMonitor"]):
             pass
-    with pytest.raises(ImportError, match="MisconfigurationException"):
-        class Sub(ns["MisconfigurationException"]):
+    with pytest.raises(ImportError, match="ThroughputMonitor"):
+        class Sub(ns["ThroughputMonitor"]):
             pass
 
 
