@@ -402,7 +402,7 @@ class TrainStep:
             stop = self.max_steps is not None and trainer.global_step >= self.max_steps
         # should_stop set by a plugin at this batch's end stops here (as in Lightning),
         # once min_epochs/min_steps are met.
-        return stop or stop_requested(trainer)
+        return stop or (trainer.should_stop and stop_requested(trainer))  # no call per batch
 
     def skip(self, batch_idx: int, boundary: bool, is_last: bool) -> bool:
         """A batch the loader yielded as ``None``, skipped as Lightning skips it (with its

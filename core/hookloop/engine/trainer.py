@@ -421,6 +421,8 @@ class Trainer:
         # hookloop.contract.translators by the facade).
         view = translators.view(name) if not name.startswith("__") else None
         if view is None:
+            if hasattr(type(self), name):  # a property's own AttributeError: let it surface
+                return object.__getattribute__(self, name)
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return view(self)
 
