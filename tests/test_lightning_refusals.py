@@ -160,3 +160,23 @@ def _lr_keys_written(root) -> list[str]:
     with open(path) as f:
         header = next(csv.reader(f))
     return sorted(k for k in header if k.startswith("lr-"))
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(swa_epoch_start=0, swa_lrs=0.1), ">0 integer or a float between 0 and 1"),
+    (dict(swa_epoch_start=1.5, swa_lrs=0.1), ">0 integer or a float between 0 and 1"),
+    (dict(swa_epoch_start=-1, swa_lrs=0.1), ">0 integer or a float between 0 and 1"),
+    (dict(swa_epoch_start=5, swa_lrs=[0.2, 1]), "positive float, or a list of positive floats"),
+    (dict(swa_epoch_start=5, swa_lrs=1), "positive float, or a list of positive floats"),
+])
+def test_stochastic_weight_averaging_refuses_lightnings_arguments_in_its_words(kwargs, words):
+    """Lightning's test_swa_raises: the same arguments refused by both, Lightning's words in
+    hookloop's message (an int learning rate is refused by both)."""
+    from hookloop_averaging import SWA
+
+    from hookloop.contract.errors import MisconfigurationException
+
+    with pytest.raises(pl.utilities.exceptions.MisconfigurationException, match=re.escape(words)):
+        pl.callbacks.StochasticWeightAveraging(**kwargs)
+    with pytest.raises(MisconfigurationException, match=re.escape(words)):
+        SWA(**kwargs)

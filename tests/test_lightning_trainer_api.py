@@ -357,6 +357,7 @@ def test_backbone_finetuning_without_a_backbone_says_so(tmp_path):
     ("pytorch_lightning.callbacks", "LearningRateFinder", r"hookloop.Tuner\(trainer\).lr_find\(model, ...\)"),
     ("pytorch_lightning.callbacks", "BatchSizeFinder", r"hookloop.Tuner\(trainer\).scale_batch_size\(model"),
     ("pytorch_lightning.utilities", "CombinedLoader", r"as a list \(val_dataloaders=\[a, b\]"),
+    ("pytorch_lightning.callbacks", "WeightAveraging", r"hookloop_averaging.EMA \(Lightning's EMAWeightAveraging"),
 ])
 def test_refused_lightning_names_say_what_to_use_instead(lightning_module, name, instead):
     """The import a port rewrites (tests/lightning_scripts/rewrite.py) reaches hookloop's

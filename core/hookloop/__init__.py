@@ -23,7 +23,12 @@ from hookloop.lightning.callbacks import (
 
 # Lightning names hookloop refuses: making one is an error naming what to use instead
 # (docs/lightning.md); importable so that a ported import reaches that error (not in __all__)
-from hookloop.lightning.callbacks import BatchSizeFinder, CombinedLoader, LearningRateFinder  # noqa: F401
+from hookloop.lightning.callbacks import (  # noqa: F401
+    BatchSizeFinder,
+    CombinedLoader,
+    LearningRateFinder,
+    WeightAveraging,
+)
 from hookloop.resume.checkpoint import (
     TaggedCheckpointDir,
     atomic_copy_tree,

@@ -68,6 +68,8 @@ NAMES = {
     "DDPStrategy": "hookloop.lightning.strategies:DDPStrategy",
     "FSDPStrategy": "hookloop.lightning.strategies:FSDPStrategy",
     "DeepSpeedStrategy": "hookloop.lightning.strategies:DeepSpeedStrategy",
+    "StochasticWeightAveraging": "hookloop_averaging:SWA",
+    "EMAWeightAveraging": "hookloop_averaging:EMA",
 }
 
 # Facts about the environment that Lightning exposes as private constants (is torchvision

@@ -81,6 +81,40 @@ def test_lightning_names_alias_the_installed_reference_and_go_away():
         import lightning  # noqa: F401
 
 
+
+def test_docs_lightning_lists_every_name_the_tests_use_with_its_status():
+    """Issue 35: docs/lightning.md lists every Lightning name the vendored tests use, with
+    its status as hookloop decides it now (tests/lightning_unit/names.py): regenerate with
+    ``python -m tests.lightning_unit.names --write`` when a name is added or changes status."""
+    from tests.lightning_unit import names
+
+    text = names.DOC.read_text()
+    assert names.BEGIN in text and names.END in text, "docs/lightning.md lost its generated names block"
+    written = text[text.index(names.BEGIN):text.index(names.END) + len(names.END)]
+    assert written == names.render(), (
+        "docs/lightning.md's list of the names Lightning's unit tests use is out of date: "
+        "run python -m tests.lightning_unit.names --write")
+    used = {name for _, name in names.used_names()}
+    assert {"ModelCheckpoint", "Trainer(max_epochs=)", "trainer.global_step", "log(on_step=)"} <= used
+
+
+def test_the_names_status_is_hookloops_not_a_hand_written_list(tmp_path):
+    """A name hookloop has is supported, a refusal is refused, a private one not claimed,
+    one hookloop lacks missing; a 'not supported' row turns missing into not supported."""
+    import hookloop
+    from tests.lightning_unit import names
+
+    trainer = hookloop.Trainer(default_root_dir=tmp_path, logger=False, enable_progress_bar=False)
+    assert names.status("import", "ModelCheckpoint", trainer) == "supported"
+    assert names.status("import", "CombinedLoader", trainer) == "refused"
+    assert names.status("import", "_FitLoop", trainer) == "not claimed"
+    assert names.status("import", "NoSuchLightningName", trainer) == "missing"
+    assert names.status("import", "Strategy", trainer) == "not supported"
+    assert names.status("call", "Trainer(max_epochs=)", trainer) == "supported"
+    assert names.status("call", "Trainer(no_such_argument=)", trainer) == "missing"
+    assert names.status("trainer", "trainer.global_step", trainer) == "supported"
+    assert names.status("trainer", "trainer.no_such_attribute", trainer) == "missing"
+
 @pytest.mark.full
 @pytest.mark.parametrize("file", FILES)
 def test_hookloop_fails_only_where_status_says(file, tmp_path):

@@ -904,7 +904,9 @@ class _Refused:
     instead = ""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise ConfigurationError(f"hookloop has no {type(self).__name__} (docs/lightning.md): {self.instead}")
+        # the refused Lightning name, also when a subclass of it is made (class Mine(WeightAveraging))
+        refused = next(c for c in type(self).__mro__ if _Refused in c.__bases__)
+        raise ConfigurationError(f"hookloop has no {refused.__name__} (docs/lightning.md): {self.instead}")
 
 
 class LearningRateFinder(_Refused):
@@ -934,6 +936,18 @@ class CombinedLoader(_Refused):
                "its own dataloader_idx, as CombinedLoader's 'sequential' mode); for training, combine "
                "the data in one loader (torch.utils.data.ConcatDataset, or a Dataset returning one "
                "item of each)")
+
+
+class WeightAveraging(_Refused):
+    """Lightning's generic ``WeightAveraging`` base class (subclassed with a
+    ``should_update`` schedule), refused: hookloop's averaging plugins are its two
+    schedules, ``hookloop_averaging.EMA`` (Lightning's ``EMAWeightAveraging``) and
+    ``hookloop_averaging.SWA`` (``StochasticWeightAveraging``)."""
+
+    instead = ("use hookloop_averaging.EMA (Lightning's EMAWeightAveraging: decay, update_every_n_steps, "
+               "update_starting_at_step, use_buffers, avg_fn=) or hookloop_averaging.SWA "
+               "(StochasticWeightAveraging) in callbacks= (pip install hookloop-averaging); a custom "
+               "should_update schedule has no equivalent: EMA's update_every_n_steps/update_starting_at_step")
 
 
 class WriteInterval(enum.Enum):

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 import hookloop
+from hookloop.distributed.ranks import rank_zero_info, rank_zero_warn
 
 __all__ = ["EMA", "SWA"]
 
@@ -384,13 +385,14 @@ class SWA(_Averaging):
                 isinstance(swa_epoch_start, int) and swa_epoch_start < 1) or (
                 isinstance(swa_epoch_start, float) and not 0.0 <= swa_epoch_start <= 1.0):
             raise hookloop.ConfigurationError(
-                f"swa swa_epoch_start={swa_epoch_start!r} must be an int >= 1 (the 1-based epoch) or a "
-                f"float in [0, 1] (a fraction of max_epochs)")
+                f"swa swa_epoch_start={swa_epoch_start!r} should be a >0 integer or a float between 0 and 1 "
+                f"(Lightning's words): an int >= 1 is the 1-based epoch, a float in [0, 1] a fraction of max_epochs")
         lrs = swa_lrs if isinstance(swa_lrs, (list, tuple)) else [swa_lrs]
-        if swa_lrs is not None and not all(
-                isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0 for lr in lrs):
+        if swa_lrs is not None and not all(isinstance(lr, float) and lr > 0 for lr in lrs):
+            # Lightning's rule: floats only (an int learning rate is refused there too)
             raise hookloop.ConfigurationError(
-                f"swa swa_lrs={swa_lrs!r} must be a positive float or a list of positive floats (one per parameter group)")
+                f"swa swa_lrs={swa_lrs!r} should be a positive float, or a list of positive floats (one per "
+                f"parameter group), e.g. swa_lrs=1e-2")
         if isinstance(annealing_epochs, bool) or not isinstance(annealing_epochs, int) or annealing_epochs < 0:
             raise hookloop.ConfigurationError(f"swa annealing_epochs={annealing_epochs!r} must be an integer >= 0")
         if annealing_strategy not in ("cos", "linear"):
@@ -470,6 +472,12 @@ class SWA(_Averaging):
         self._scheduler_state = None
         for config in trainer.lr_scheduler_configs:  # hold the module's schedulers still
             if getattr(config.scheduler, "optimizer", None) is optimizer and not isinstance(config.scheduler, _Frozen):
+                if not resumed:  # Lightning's warning and info line, at the same moment
+                    if config.interval != "epoch" or config.frequency != 1:
+                        rank_zero_warn(f"SWA is currently only supported every epoch. Found {config.scheduler.__class__.__name__} "
+                                       f"stepping every {config.frequency} {config.interval}(s): SWALR steps at each "
+                                       f"epoch's end while SWA averages", category=UserWarning)
+                    rank_zero_info(f"Swapping scheduler `{config.scheduler.__class__.__name__}` for `SWALR`")
                 self._held.append((config, config.scheduler))
                 config.scheduler = _Frozen(config.scheduler)
 
