@@ -177,3 +177,81 @@ def test_ddp_metric_syncs_itself_once(jobs):
             assert m["correct"] == pytest.approx(sum(CORRECT)), (fw, m)  # 10, not 20 (reduced twice)
             assert m["val_acc"] == pytest.approx(sum(CORRECT) / 16), (fw, m)
         assert record["hookloop"] == pytest.approx(record["lightning"])
+
+
+def f1_class(base):
+    """F1 (not linear in the batches: an epoch's F1 is not the mean of the batches') logged
+    the ways Lightning's examples log it: a Metric object step and epoch, an update-only
+    Metric, a tensor value per batch (averaged), a MetricCollection computed at epoch end
+    with log_dict, and a test-time Metric."""
+    class F1Module(base):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Linear(8, 3)
+            f1 = lambda: torchmetrics.F1Score(task="multiclass", num_classes=3, average="macro")  # noqa: E731
+            self.f1, self.vf1, self.vf1_value, self.test_f1 = f1(), f1(), f1(), f1()
+            self.collection = torchmetrics.MetricCollection(
+                {"f1": torchmetrics.F1Score(task="multiclass", num_classes=3, average="micro"),
+                 "acc": torchmetrics.Accuracy(task="multiclass", num_classes=3)}, prefix="col_")
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            out = self.net(x)
+            self.f1(out.argmax(-1), y)
+            self.log("train_f1", self.f1, on_step=True, on_epoch=True, prog_bar=True)
+            return nn.functional.cross_entropy(out, y)
+
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            preds = self.net(x).argmax(-1)
+            self.vf1.update(preds, y)
+            self.log("val_f1", self.vf1)
+            self.log("val_f1_value", self.vf1_value(preds, y))
+            self.collection.update(preds, y)
+
+        def on_validation_epoch_end(self):
+            self.log_dict(self.collection.compute())
+            self.collection.reset()
+
+        def test_step(self, batch, batch_idx):
+            x, y = batch
+            self.test_f1(self.net(x).argmax(-1), y)
+            self.log("test_f1", self.test_f1)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    return F1Module
+
+
+def test_f1_logged_the_ways_lightning_examples_log_it_equals_lightnings(tmp_path):
+    """Issue 35 reported an F1 logged in one process as 0.767 where Lightning gives 0.823 (the
+    example was not named). The patterns Lightning's examples use, on batches of 7 that do not
+    divide the 50 samples (the last is smaller: a mean of batch F1s is neither the epoch's F1
+    nor a size-weighted mean), give Lightning's numbers exactly, fit and test."""
+    import pytorch_lightning as pl
+
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(50, 8, generator=g), torch.randint(0, 3, (50,), generator=g)
+
+    def loader():
+        return DataLoader(TensorDataset(x, y), batch_size=7)
+
+    results = {}
+    for name, trainer_class, base in (("lightning", pl.Trainer, pl.LightningModule),
+                                      ("hookloop", hookloop.Trainer, hookloop.Module)):
+        extra = dict(accelerator="cpu", devices=1) if name == "lightning" else {}
+        trainer = trainer_class(max_epochs=2, default_root_dir=tmp_path / name, logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False, **extra)
+        module = f1_class(base)()
+        trainer.fit(module, loader(), loader())
+        fitted = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        tested = trainer.test(module, loader(), verbose=False)
+        results[name] = (fitted, tested)
+    assert set(results["hookloop"][0]) == set(results["lightning"][0]) >= {
+        "train_f1_step", "train_f1_epoch", "val_f1", "val_f1_value", "col_f1", "col_acc"}
+    assert results["hookloop"][0] == pytest.approx(results["lightning"][0], abs=1e-6)
+    (hl_test,), (pl_test,) = results["hookloop"][1], results["lightning"][1]
+    assert hl_test == pytest.approx(pl_test, abs=1e-6) and set(hl_test) == {"test_f1"}
