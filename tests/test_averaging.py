@@ -457,3 +457,42 @@ def test_fsdp_sharded_average_resumes_bit_identical(hookloop_processes, tmp_path
         for k in full[2]:
             assert torch.equal(full[2][k], resumed[2][k]), (rank, k)
     assert not torch.equal(results[0][0][0]["net.0.weight"], results[1][0][0]["net.0.weight"])  # shards differ
+
+
+def test_swa_sets_up_swalr_before_the_modules_epoch_start_as_lightning(tmp_path):
+    """Lightning's test_swa_multiple_lrs: a callback's on_train_epoch_start runs before the
+    module's, so the module sees SWALR's ``initial_lr``/``swa_lr`` in the param groups. The
+    same module under pytorch-lightning 2.6.6 and hookloop (the swa plugin was called after
+    the module's hook: KeyError 'initial_lr')."""
+    import pytorch_lightning as pl
+    from hookloop_averaging import SWA
+
+    def run(trainer_class, base, callback, **extra):
+        seen = []
+
+        class TwoGroups(base):
+            def __init__(self):
+                super().__init__()
+                self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 1)
+
+            def training_step(self, batch, batch_idx):
+                return self.b(self.a(batch[0])).pow(2).mean()
+
+            def configure_optimizers(self):
+                return torch.optim.SGD([{"params": self.a.parameters(), "lr": 0.1},
+                                        {"params": self.b.parameters(), "lr": 0.2}])
+
+            def on_train_epoch_start(self):
+                groups = self.trainer.optimizers[0].param_groups
+                seen.append([(g["lr"], g.get("initial_lr"), g.get("swa_lr")) for g in groups])
+
+        trainer = trainer_class(default_root_dir=tmp_path, max_epochs=1, logger=False, enable_checkpointing=False,
+                                enable_progress_bar=False, enable_model_summary=False, callbacks=[callback], **extra)
+        trainer.fit(TwoGroups(), DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=4))
+        return seen
+
+    lightning = run(pl.Trainer, pl.LightningModule, pl.callbacks.StochasticWeightAveraging(swa_lrs=[0.3, 0.4]),
+                    accelerator="cpu", devices=1)
+    ours = run(hookloop.Trainer, hookloop.Module, SWA(swa_lrs=[0.3, 0.4]))
+    assert lightning == [[(0.1, 0.3, 0.3), (0.2, 0.4, 0.4)]]
+    assert ours == lightning

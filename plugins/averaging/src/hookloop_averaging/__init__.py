@@ -481,16 +481,19 @@ class SWA(_Averaging):
                 self._held.append((config, config.scheduler))
                 config.scheduler = _Frozen(config.scheduler)
 
-    @hookloop.hookimpl(tryfirst=True)
+    @hookloop.hookimpl(wrapper=True)
     def on_train_epoch_start(self, trainer, pl_module=None):
+        # a wrapper: before every other implementation, the module's hook included (Lightning
+        # calls a callback's on_train_epoch_start before the module's, which may read SWALR's
+        # initial_lr/swa_lr in the optimizer's param groups)
         epoch = trainer.current_epoch
-        if not self.swa_start <= epoch <= self.swa_end:
-            return
-        if self.scheduler is None:
-            self._make_scheduler(trainer, resumed=False)
-        if epoch > self.latest_update_epoch:
-            self._update(trainer)
-            self.latest_update_epoch = epoch
+        if self.swa_start <= epoch <= self.swa_end:
+            if self.scheduler is None:
+                self._make_scheduler(trainer, resumed=False)
+            if epoch > self.latest_update_epoch:
+                self._update(trainer)
+                self.latest_update_epoch = epoch
+        return (yield)
 
     @hookloop.hookimpl(tryfirst=True)
     def on_train_epoch_end(self, trainer, pl_module=None):
