@@ -120,12 +120,15 @@ def test_lr_find_refuses_bad_input(tmp_path):
     tuner = hookloop.Tuner(_trainer(tmp_path))
     with pytest.raises(hookloop.ConfigurationError, match="mode"):
         tuner.lr_find(job.Regression(), mode="cosine")
-    with pytest.raises(hookloop.ConfigurationError, match="min_lr < max_lr"):
-        tuner.lr_find(job.Regression(), min_lr=1.0, max_lr=0.1)
+    with pytest.raises(hookloop.ConfigurationError, match="min_lr > 0 and max_lr > 0"):
+        tuner.lr_find(job.Regression(), min_lr=0.0, max_lr=0.1)
     model = job.Regression()
     del model.lr
-    with pytest.raises(hookloop.ConfigurationError, match="learning_rate"):
+    # Lightning's AttributeError (and its wording), still a ConfigurationError
+    with pytest.raises(AttributeError, match="should have one of these fields: \\('lr', 'learning_rate'\\)"):
         tuner.lr_find(model)
+    with pytest.raises(hookloop.ConfigurationError, match="could not find this as a field"):
+        tuner.lr_find(model, attr_name="rate")
     # ddp_spawn would run the search in workers it spawns and lose its results there
     spawning = hookloop.Tuner(_trainer(tmp_path, plugins=["ddp_spawn"], devices=2))
     with pytest.raises(hookloop.ConfigurationError, match="'ddp_spawn' spawns its workers"):
@@ -168,6 +171,66 @@ def test_lr_find_matches_lightning(tmp_path, accumulate):
     assert found.suggestion() == pytest.approx(expected.suggestion(), rel=1e-12)
     assert model.lr == pytest.approx(lit.lr, rel=1e-12)
     assert len(found.results["loss"]) == job.NUM_TRAINING
+
+
+def test_lr_find_min_lr_above_max_lr_sweeps_down_as_lightning(tmp_path):
+    """Lightning takes min_lr > max_lr (a sweep downwards); hookloop refused it before."""
+    pl = pytest.importorskip("pytorch_lightning")
+    from pytorch_lightning.tuner import Tuner as LightningTuner
+
+    class LitRegression(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = job.net()
+            self.lr = 0.01
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    loader = DataLoader(job.data(), batch_size=job.BATCH, shuffle=False)
+    lt = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path / "pl"))
+    expected = LightningTuner(lt).lr_find(LitRegression(), train_dataloaders=loader, num_training=6,
+                                          min_lr=0.5, max_lr=1e-4, update_attr=False)
+    found = hookloop.Tuner(_trainer(tmp_path)).lr_find(job.Regression(), loader, num_training=6,
+                                                       min_lr=0.5, max_lr=1e-4, update_attr=False)
+    assert found.results["lr"] == pytest.approx(expected.results["lr"], rel=1e-12)
+    assert found.results["loss"] == pytest.approx(expected.results["loss"], rel=1e-6)
+    assert found.results["lr"][-1] < found.results["lr"][0]
+
+
+@pytest.mark.parametrize("losses, skip_begin, skip_end", [([0.0, 1.0, 2.0], 1, 1), ([], 10, 1)])
+def test_lr_finder_suggestion_without_enough_points_logs_lightnings_error(caplog, losses, skip_begin, skip_end):
+    """Lightning logs an error (not a warning) and returns None; the same on the same results."""
+    pytest.importorskip("pytorch_lightning")
+    from pytorch_lightning.tuner.lr_finder import _LRFinder
+
+    suggestions = []
+    for finder_class in (_LRFinder, hookloop.LRFinder):
+        finder = finder_class(mode="exponential", lr_min=1e-8, lr_max=1.0, num_training=100)
+        finder.results = {"lr": [float(i) for i in range(len(losses))], "loss": list(losses)}
+        caplog.clear()
+        with caplog.at_level("ERROR"):
+            suggestions.append(finder.suggestion(skip_begin=skip_begin, skip_end=skip_end))
+        assert "Failed to compute suggestion for learning rate" in caplog.text, finder_class
+    assert suggestions == [None, None]
+
+
+def test_lr_find_with_several_optimizers_is_lightnings_refusal(tmp_path):
+    class TwoOptimizers(job.Regression):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+        def configure_optimizers(self):
+            return [torch.optim.SGD(self.parameters(), lr=self.lr), torch.optim.Adam(self.parameters())]
+
+    with pytest.raises(hookloop.ConfigurationError, match="only works with single optimizer"):
+        hookloop.Tuner(_trainer(tmp_path)).lr_find(TwoOptimizers())
 
 
 def test_scale_batch_size_refuses_what_it_cannot_scale(tmp_path):

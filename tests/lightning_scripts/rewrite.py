@@ -60,6 +60,9 @@ NAMES = {
     "rank_zero_warn": "hookloop.distributed.ranks:rank_zero_warn",
     "rank_zero_debug": "hookloop.distributed.ranks:rank_zero_debug",
     "LightningOptimizer": "hookloop.engine.optim:LoopOptimizer",
+    "LRSchedulerConfig": "hookloop:SchedulerConfig",
+    # what Lightning's Tuner.lr_find returns (its class name is private; hookloop's is public)
+    "_LRFinder": "hookloop:LRFinder",
     "STEP_OUTPUT": "hookloop.contract.types:STEP_OUTPUT",
     "OptimizerLRScheduler": "hookloop.contract.types:OptimizerLRScheduler",
     "TRAIN_DATALOADERS": "hookloop.contract.types:TRAIN_DATALOADERS",

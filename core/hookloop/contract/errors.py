@@ -31,6 +31,18 @@ class HookSignatureError(ConfigurationError, RuntimeError):
     raises a ``RuntimeError`` for these: code that catches one catches this)."""
 
 
+class AutomaticOptimizationError(ConfigurationError, RuntimeError):
+    """What automatic optimization cannot do: several optimizers, a ``training_step`` taking
+    ``optimizer_idx`` (Lightning raises a ``RuntimeError`` for these: code that catches one
+    catches this). Manual optimization can."""
+
+
+class MissingAttributeError(ConfigurationError, AttributeError):
+    """An attribute of the user's module that a feature needs and cannot find (the
+    learning rate ``lr_find`` sets; Lightning raises an ``AttributeError`` for these:
+    code that catches one catches this)."""
+
+
 class PluginNotFoundError(HookloopError, LookupError):
     """A plugin name that no installed distribution registers."""
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import difflib
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from hookloop.contract.errors import CheckpointError, ConfigurationError
+from hookloop.contract.errors import AutomaticOptimizationError, CheckpointError, ConfigurationError
 from hookloop.helpers import clip_gradients
 
 _SCHEDULER_KEYS = ("scheduler", "interval", "frequency", "monitor", "strict", "name",
@@ -26,33 +26,34 @@ _MANUAL_IGNORED_KEYS = ("reduce_on_plateau", "monitor", "strict")
 
 @dataclass
 class SchedulerConfig:
-    """One LR scheduler and when the loop steps it (Lightning's ``lr_scheduler_config``).
+    """One LR scheduler and when the loop steps it (Lightning's ``LRSchedulerConfig``,
+    which is this class: configs compare equal field by field, as Lightning's).
 
     ``interval`` is ``"epoch"`` or ``"step"`` (optimizer steps); it steps every
     ``frequency`` intervals. ``ReduceLROnPlateau`` steps with the value of ``monitor``
     from ``trainer.callback_metrics``; when that metric was never logged it is an
-    error (``strict``) or the step is skipped with a note (``strict=False``).
+    error (``strict``) or the step is skipped with a warning (``strict=False``).
     """
 
     scheduler: Any
+    #: the config's name (the ``LearningRateMonitor`` key)
+    name: str | None = None
     interval: str = "epoch"
     frequency: int = 1
+    #: stepped with the monitored value (Lightning's key: also a custom scheduler);
+    #: ``None``: whether it is a ``ReduceLROnPlateau``
+    reduce_on_plateau: bool | None = None
     monitor: str | None = None
     strict: bool = True
-    name: str | None = None
-    #: the config's ``reduce_on_plateau`` (Lightning's key: a custom scheduler stepped with
-    #: the monitored value); ``None``: whether it is a ``ReduceLROnPlateau``
-    plateau: bool | None = None
     #: how the loop steps it: ``None`` calls ``scheduler.step()`` (``step(value)`` on a
     #: plateau); else ``step_with(scheduler, value or None)`` (the Lightning layer sets
     #: the module's ``lr_scheduler_step`` here)
-    step_with: Any = None
+    step_with: Any = field(default=None, compare=False, repr=False)
 
-    @property
-    def reduce_on_plateau(self) -> bool:
-        if self.plateau is not None:
-            return self.plateau
-        return isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    def __post_init__(self) -> None:
+        if self.reduce_on_plateau is None:
+            self.reduce_on_plateau = isinstance(self.scheduler,
+                                                torch.optim.lr_scheduler.ReduceLROnPlateau)
 
 
 class NoOptimizer(torch.optim.Optimizer):
@@ -70,14 +71,16 @@ class NoOptimizer(torch.optim.Optimizer):
         pass
 
 
-def parse_optimizers(result: Any, owner: str,
-                     automatic: bool) -> tuple[list, list[SchedulerConfig]]:
+def parse_optimizers(result: Any, owner: str, automatic: bool,
+                     custom_step: bool = False) -> tuple[list, list[SchedulerConfig]]:
     """What Lightning users return from ``configure_optimizers``, as (optimizers, schedulers).
 
     An optimizer; a list/tuple of optimizers; ``([optimizers], [schedulers or configs])``;
     ``{"optimizer": ..., "lr_scheduler": scheduler or config, "monitor": ...}``; a
     list/tuple of such dicts; or ``None`` (warned, as Lightning: the fit runs with a
     :class:`NoOptimizer`). Several optimizers need manual optimization, as in Lightning 2.
+    ``custom_step``: the module steps the schedulers itself (Lightning's
+    ``lr_scheduler_step``), so a scheduler needs no ``step()``.
     """
     optimizers: list = []
     configs: list[SchedulerConfig] = []
@@ -90,34 +93,36 @@ def parse_optimizers(result: Any, owner: str,
     if isinstance(result, Optimizer):
         optimizers = [result]
     elif isinstance(result, dict):
-        optimizers, configs = _from_dict(result, owner, automatic)
+        optimizers, configs = _from_dict(result, owner, automatic, custom_step)
     elif isinstance(result, (list, tuple)) and result and all(isinstance(r, dict) for r in result):
         for item in result:
-            opts, confs = _from_dict(item, owner, automatic)
+            opts, confs = _from_dict(item, owner, automatic, custom_step)
             optimizers += opts
             configs += confs
     elif pair and isinstance(result[0], (list, tuple)):
         optimizers = list(result[0])
         schedulers = result[1] if isinstance(result[1], (list, tuple)) else [result[1]]
-        configs = [_scheduler_config(s, owner, automatic) for s in schedulers if s is not None]
+        configs = [_scheduler_config(s, owner, automatic, custom_step)
+                   for s in schedulers if s is not None]
     elif pair and isinstance(result[0], Optimizer) and not isinstance(result[1], Optimizer):
         # (optimizer, scheduler): hookloop accepted it before Lightning's forms; kept.
         optimizers = [result[0]]
-        configs = ([_scheduler_config(result[1], owner, automatic)]
+        configs = ([_scheduler_config(result[1], owner, automatic, custom_step)]
                    if result[1] is not None else [])
     elif isinstance(result, (list, tuple)):
         optimizers = list(result)
     bad = [type(o).__name__ for o in optimizers if not isinstance(o, torch.optim.Optimizer)]
     if not optimizers or bad:
         raise ConfigurationError(
-            f"{owner}.configure_optimizers must return an optimizer, a list of optimizers, "
-            f"([optimizers], [schedulers]), or {{'optimizer': ..., 'lr_scheduler': ...}}; got "
+            f"Unknown configuration for model optimizers: {owner}.configure_optimizers must "
+            f"return an optimizer, a list of optimizers, ([optimizers], [schedulers]), "
+            f"{{'optimizer': ..., 'lr_scheduler': ...}} or a list of such dicts; got "
             f"{type(result).__name__}{' holding ' + ', '.join(bad) if bad else ''}"
         )
     if automatic and len(optimizers) > 1:
-        raise ConfigurationError(
-            f"{owner}.configure_optimizers returned {len(optimizers)} optimizers. Training with "
-            f"several optimizers needs manual optimization, as in Lightning 2: set "
+        raise AutomaticOptimizationError(
+            f"Training with multiple optimizers is only supported with manual optimization: "
+            f"{owner}.configure_optimizers returned {len(optimizers)} optimizers. Set "
             f"self.automatic_optimization = False in __init__ and step them in training_step "
             f"(opt_g, opt_d = self.optimizers(); self.manual_backward(loss); opt_g.step() ...)."
         )
@@ -125,18 +130,21 @@ def parse_optimizers(result: Any, owner: str,
         driven = getattr(config.scheduler, "optimizer", None)
         if driven is not None and not any(driven is o for o in optimizers):
             raise ConfigurationError(
-                f"{owner}.configure_optimizers: the scheduler {type(config.scheduler).__name__} "
-                f"drives an optimizer that configure_optimizers did not return"
+                f"Some schedulers are attached with an optimizer that wasn't returned from "
+                f"`configure_optimizers`: {owner}.configure_optimizers returned the scheduler "
+                f"{type(config.scheduler).__name__}, whose optimizer is not among the optimizers "
+                f"it returned; return that optimizer too, or build the scheduler on one returned"
             )
     return optimizers, configs
 
 
-def _from_dict(result: dict, owner: str, automatic: bool) -> tuple[list, list[SchedulerConfig]]:
+def _from_dict(result: dict, owner: str, automatic: bool,
+               custom_step: bool) -> tuple[list, list[SchedulerConfig]]:
     unknown = set(result) - {"optimizer", "lr_scheduler", "monitor", "frequency"}
     if unknown:  # Lightning warns and ignores them
         known = ("optimizer", "lr_scheduler", "monitor")
-        warnings.warn(_unknown_keys(owner, unknown, known) + ": they are ignored",
-                      RuntimeWarning, stacklevel=4)
+        warnings.warn(_unknown_keys(owner, unknown, known, what="the optimizer configuration")
+                      + ": they are ignored", RuntimeWarning, stacklevel=4)
     if "frequency" in result:
         raise ConfigurationError(
             f"{owner}.configure_optimizers: an optimizer 'frequency' alternates optimizers under "
@@ -147,12 +155,12 @@ def _from_dict(result: dict, owner: str, automatic: bool) -> tuple[list, list[Sc
     scheduler = result.get("lr_scheduler")
     configs = []
     if scheduler is not None:
-        configs.append(_scheduler_config(scheduler, owner, automatic,
+        configs.append(_scheduler_config(scheduler, owner, automatic, custom_step,
                                          monitor=result.get("monitor")))
     return [optimizer], configs
 
 
-def _scheduler_config(scheduler: Any, owner: str, automatic: bool,
+def _scheduler_config(scheduler: Any, owner: str, automatic: bool, custom_step: bool,
                       monitor: str | None = None) -> SchedulerConfig:
     """``monitor``: the dict's top-level ``monitor``, used unless the config names one.
 
@@ -161,7 +169,7 @@ def _scheduler_config(scheduler: Any, owner: str, automatic: bool,
     schedulers, so ``reduce_on_plateau``, ``monitor`` and ``strict`` are ignored (warned)
     and a scheduler needs no ``step()`` and no metric to monitor."""
     if isinstance(scheduler, dict):
-        what = "lr_scheduler config"
+        what = "the lr scheduler dict"
         unknown = set(scheduler) - set(_SCHEDULER_KEYS)
         if unknown and not automatic:
             raise ConfigurationError(_unknown_keys(owner, unknown, _SCHEDULER_KEYS, what=what))
@@ -171,59 +179,77 @@ def _scheduler_config(scheduler: Any, owner: str, automatic: bool,
         ignored = [] if automatic else [k for k in _MANUAL_IGNORED_KEYS if k in scheduler]
         if ignored:
             warnings.warn(
-                f"{owner}.configure_optimizers: the lr_scheduler config key(s) {ignored} are "
-                "ignored under manual optimization: call lr_scheduler.step() in training_step",
-                RuntimeWarning, stacklevel=4)
+                f"The lr scheduler dict contains the key(s) {ignored}, but the keys will be "
+                f"ignored. You need to call `lr_scheduler.step()` manually in manual optimization "
+                f"({owner}.configure_optimizers; under manual optimization training_step steps "
+                "the schedulers)", RuntimeWarning, stacklevel=4)
         if "scheduler" not in scheduler:
             raise ConfigurationError(
-                f"{owner}.configure_optimizers: an lr_scheduler config needs a 'scheduler' entry")
-        given = {k: v for k, v in scheduler.items()
-                 if k in _SCHEDULER_KEYS and k not in ignored and k != "reduce_on_plateau"}
-        plateau = None if ignored else scheduler.get("reduce_on_plateau")
-        config = SchedulerConfig(**given, plateau=plateau)
+                f'The lr scheduler dict must have the key "scheduler" with its item being an lr '
+                f"scheduler: {owner}.configure_optimizers returned an lr_scheduler config without "
+                "one ({'scheduler': scheduler, 'interval': 'epoch', ...})")
+        given = {k: v for k, v in scheduler.items() if k in _SCHEDULER_KEYS and k not in ignored}
+        config = SchedulerConfig(**given)
     else:
         config = SchedulerConfig(scheduler)
+    if not automatic:  # Lightning's: the module steps it, with whatever it needs
+        config.reduce_on_plateau = False
     if config.monitor is None and automatic:
         config.monitor = monitor
-    return _checked(config, owner, automatic)
+    return _checked(config, owner, automatic, custom_step)
 
 
-def _checked(config: SchedulerConfig, owner: str, automatic: bool) -> SchedulerConfig:
+def _checked(config: SchedulerConfig, owner: str, automatic: bool,
+             custom_step: bool) -> SchedulerConfig:
     scheduler = config.scheduler
     if not (callable(getattr(scheduler, "state_dict", None))
             and callable(getattr(scheduler, "load_state_dict", None))):
         raise ConfigurationError(
-            f"{owner}.configure_optimizers: the LR scheduler {type(scheduler).__name__} has no "
-            "state_dict()/load_state_dict(), which checkpoints save and restore it with: "
-            "define both (as torch's LR schedulers do)")
+            f"The provided lr scheduler `{type(scheduler).__name__}` is invalid. It should have "
+            f"`state_dict` and `load_state_dict` methods defined ({owner}.configure_optimizers): "
+            "checkpoints save and restore it with them; define both (as torch's LR schedulers do)")
     if not automatic:
         return config  # the module steps it (Lightning checks nothing more)
-    if not hasattr(scheduler, "step"):
-        raise ConfigurationError(f"{owner}.configure_optimizers: {type(scheduler).__name__} "
-                                 "is not an LR scheduler (no step())")
+    torch_api = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    if not custom_step and not isinstance(scheduler, torch_api):
+        raise ConfigurationError(
+            f"The provided lr scheduler `{type(scheduler).__name__}` doesn't follow PyTorch's "
+            f"LRScheduler API (it is not a torch.optim.lr_scheduler.LRScheduler). "
+            f"{owner}.configure_optimizers returned it under automatic optimization, where the "
+            "loop steps it: override the `LightningModule.lr_scheduler_step` hook with your own "
+            "logic to step it, or subclass LRScheduler")
     if config.interval not in ("epoch", "step"):
         raise ConfigurationError(
-            f"lr_scheduler interval={config.interval!r} must be 'epoch' or 'step'")
+            f'The "interval" key in lr scheduler dict must be "step" or "epoch" but is '
+            f'"{config.interval}" ({owner}.configure_optimizers)')
     frequency = config.frequency
     if not isinstance(frequency, int) or isinstance(frequency, bool) or frequency < 1:
         raise ConfigurationError(
             f"lr_scheduler frequency={config.frequency!r} must be an integer >= 1")
     if config.reduce_on_plateau and not config.monitor:
         raise ConfigurationError(
-            f"{owner}.configure_optimizers returned a ReduceLROnPlateau scheduler without the "
-            "metric it monitors: return {'optimizer': optimizer, 'lr_scheduler': scheduler, "
+            f"`configure_optimizers` must include a monitor when a `ReduceLROnPlateau` scheduler "
+            f"is used: {owner}.configure_optimizers returned one without the metric it "
+            "monitors. Return {'optimizer': optimizer, 'lr_scheduler': scheduler, "
             "'monitor': 'val_loss'} (or 'monitor' inside the lr_scheduler config)"
         )
+    if (isinstance(scheduler, torch.optim.lr_scheduler.OneCycleLR)
+            and config.interval == "epoch"):
+        warnings.warn(
+            "A `OneCycleLR` scheduler is using 'interval': 'epoch'. Are you sure you didn't "
+            f"mean 'interval': 'step'? ({owner}.configure_optimizers: OneCycleLR's schedule is "
+            "usually counted in optimizer steps)", RuntimeWarning, stacklevel=5)
     return config
 
 
-def _unknown_keys(owner: str, unknown: set, known: tuple, what: str = "dict") -> str:
-    parts = []
-    for key in sorted(map(str, unknown)):
-        close = difflib.get_close_matches(key, known, n=1)
-        parts.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    return (f"{owner}.configure_optimizers: unknown {what} key(s) {', '.join(parts)}; "
-            f"known: {', '.join(known)}")
+def _unknown_keys(owner: str, unknown: set, known: tuple, what: str) -> str:
+    """Lightning's wording (``Found unsupported keys in WHAT: {...}``), with close matches."""
+    keys = sorted(map(str, unknown))
+    close = [f"{key!r} (did you mean {match[0]!r}?)" for key in keys
+             if (match := difflib.get_close_matches(key, known, n=1))]
+    hint = f": {', '.join(close)}" if close else ""
+    return (f"Found unsupported keys in {what}: {{{', '.join(map(repr, keys))}}} "
+            f"({owner}.configure_optimizers{hint}; known: {', '.join(known)})")
 
 
 def step_schedulers(trainer: Any, interval: str, plateau: bool, count: int) -> None:
@@ -241,19 +267,19 @@ def step_schedulers(trainer: Any, interval: str, plateau: bool, count: int) -> N
             continue
         value = trainer.callback_metrics.get(config.monitor)
         if value is None:
-            available = ", ".join(sorted(trainer.callback_metrics)) or "none"
             if config.strict:
                 raise ConfigurationError(
-                    f"ReduceLROnPlateau monitors {config.monitor!r}, which was never logged "
-                    f"(logged metrics: {available}). Log it with self.log({config.monitor!r}, "
-                    "value), or monitor one of those ('monitor' in configure_optimizers), or set "
-                    "'strict': False in the lr_scheduler config to skip the step when it is "
-                    "missing."
+                    f"ReduceLROnPlateau conditioned on metric {config.monitor} which is not "
+                    f"available. Available metrics are: {list(trainer.callback_metrics)}. "
+                    f"Log it with self.log({config.monitor!r}, value), or monitor one of those "
+                    "('monitor' in configure_optimizers), or set 'strict': False in the "
+                    "lr_scheduler config to skip the step when it is missing."
                 )
-            if not getattr(config, "_told_missing", False):
-                trainer.print(f"hookloop: ReduceLROnPlateau skipped: {config.monitor!r} not logged "
-                              f"(strict=False); logged: {available}")
-                config._told_missing = True
+            if trainer.is_global_zero:  # as Lightning: a warning at every skipped step
+                warnings.warn(
+                    f"ReduceLROnPlateau conditioned on metric {config.monitor} which is not "
+                    "available but strict is set to `False`. Skipping learning rate update.",
+                    RuntimeWarning, stacklevel=2)
             continue
         if config.step_with is None:
             config.scheduler.step(value)
@@ -405,9 +431,18 @@ class LoopOptimizer:
         self._trainer = trainer
         self.optimizer = optimizer
 
-    def step(self, closure: Any = None) -> Any:
+    def step(self, closure: Any = None, **kwargs: Any) -> Any:
         """Step once. A ``closure`` (Lightning's: it computes the loss and calls
-        ``manual_backward``) runs first, once; its result is returned."""
+        ``manual_backward``) runs first, once; its result is returned. Lightning passes
+        extra keyword arguments on to the optimizer's ``step``; hookloop's step goes through
+        the ``optimizer_step`` hook, which takes none, so they are refused."""
+        if kwargs:
+            raise ConfigurationError(
+                f"optimizer.step({', '.join(f'{k}=...' for k in kwargs)}): hookloop's manual "
+                f"optimizer step passes no keyword arguments to {type(self.optimizer).__name__}"
+                ".step (docs/lightning.md). Set what they choose on the optimizer before the "
+                "step (opt.param_groups[0]['lr'] = ...), or call opt.optimizer.step(...) "
+                "yourself (outside the run's optimizer_step hooks: no AMP scaling or clipping)")
         result = closure() if closure is not None else None
         self._trainer._manual_optimizer_step(self.optimizer)
         return result

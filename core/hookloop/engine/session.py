@@ -399,9 +399,12 @@ def build_model(trainer, stage: str) -> None:
     optimizers: list = []
     trainer.lr_scheduler_configs = []
     if stage == "fit":
+        # a module that steps its schedulers itself (lr_scheduler_step) may return any object
+        step_hook = getattr(type(module), "lr_scheduler_step", None)
+        custom_step = callable(step_hook) and not getattr(step_hook, "hookloop_placeholder", False)
         optimizers, trainer.lr_scheduler_configs = parse_optimizers(
-            module.configure_optimizers(), type(module).__name__, trainer.automatic_optimization
-        )
+            module.configure_optimizers(), type(module).__name__, trainer.automatic_optimization,
+            custom_step=custom_step)
     trainer.model = hook.wrap_model(
         trainer=trainer, model=_StepModule(module), optimizer=optimizers[0] if optimizers else None,
         optimizers=optimizers,

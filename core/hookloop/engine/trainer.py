@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 from hookloop.contract import registry as plugin_registry
 from hookloop.contract import translators
-from hookloop.contract.errors import ConfigurationError
+from hookloop.contract.errors import AutomaticOptimizationError, ConfigurationError
 from hookloop.distributed import mesh as mesh_module
 from hookloop.distributed.launch import in_worker, run_command
 from hookloop.engine import session
@@ -822,10 +822,11 @@ def _check_training_step(module: nn.Module) -> None:
     except (TypeError, ValueError):
         return
     if "optimizer_idx" in params:
-        raise ConfigurationError(
-            f"{type(module).__name__}.training_step takes optimizer_idx: Lightning 1.x's automatic "
-            f"optimization with several optimizers. hookloop does as Lightning 2 does: remove "
-            f"optimizer_idx, set self.automatic_optimization = False, and step each optimizer in "
-            "training_step (opt_g, opt_d = self.optimizers(); self.manual_backward(loss); "
-            "opt_g.step())"
+        raise AutomaticOptimizationError(
+            f"Training with multiple optimizers is only supported with manual optimization "
+            f"({type(module).__name__}.training_step takes optimizer_idx: Lightning 1.x's "
+            f"automatic optimization with several optimizers). Remove the `optimizer_idx` "
+            f"argument from `training_step`, set `self.automatic_optimization = False` and step "
+            "each optimizer in training_step (opt_g, opt_d = self.optimizers(); "
+            "self.manual_backward(loss); opt_g.step())"
         )

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 import os
 from typing import Any
@@ -43,11 +44,13 @@ import torch
 
 from hookloop.contract import registry as plugin_registry
 from hookloop.engine.defaults import Defaults
-from hookloop.contract.errors import ConfigurationError, MissingDependencyError
+from hookloop.contract.errors import ConfigurationError, MissingAttributeError, MissingDependencyError
 from hookloop.contract.hookspecs import hookimpl
 from hookloop.engine.state import LoopState
 from hookloop.resume import checkpoint
 from hookloop.distributed.ranks import rank_zero_info, rank_zero_warn
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Tuner", "LRFinder", "lr_schedule", "is_oom_error"]
 
@@ -90,10 +93,11 @@ class LRFinder:
         lrs = torch.tensor(self.results["lr"][skip_begin:-skip_end])
         finite = torch.isfinite(losses)
         losses, lrs = losses[finite], lrs[finite]
-        if len(losses) < 2:
-            rank_zero_warn(
-                "lr_find: not enough points to suggest a learning rate (fewer than 2 finite losses after "
-                "skipping the first and last): raise num_training or give more batches")
+        if len(losses) < 2:  # torch.gradient needs 2; logged as Lightning logs it
+            log.error(
+                "Failed to compute suggestion for learning rate because there are not enough points. Increase "
+                "the loop iteration limits or the size of your dataset/dataloader (lr_find: fewer than 2 finite "
+                "losses after skipping the first and last; raise num_training or give more batches).")
             self._optimal_idx = None
             return None
         gradients = torch.gradient(losses, spacing=[lrs])[0]
@@ -154,8 +158,8 @@ class _LRFinderHooks:
     def on_train_start(self, trainer):
         if len(trainer.optimizers) != 1:
             raise ConfigurationError(
-                f"configure_optimizers() returned {len(trainer.optimizers)} optimizers; the learning rate "
-                f"finder works with a single optimizer")
+                f"`model.configure_optimizers()` returned {len(trainer.optimizers)}, but learning rate finder "
+                f"only works with single optimizer: return one optimizer while you search")
         self.start_step = trainer.global_step
 
     @hookimpl
@@ -429,8 +433,10 @@ class Tuner:
             raise ConfigurationError(f"lr_find(mode={mode!r}) must be 'exponential' or 'linear'")
         if not (isinstance(num_training, int) and num_training >= 1):
             raise ConfigurationError(f"lr_find(num_training={num_training!r}) must be an int >= 1")
-        if not (0 < min_lr < max_lr) or not math.isfinite(max_lr):
-            raise ConfigurationError(f"lr_find needs 0 < min_lr < max_lr, got min_lr={min_lr!r}, max_lr={max_lr!r}")
+        # min_lr > max_lr sweeps downwards, as Lightning's schedule does
+        if not all(isinstance(v, (int, float)) and 0 < v and math.isfinite(v) for v in (min_lr, max_lr)):
+            raise ConfigurationError(
+                f"lr_find needs finite min_lr > 0 and max_lr > 0, got min_lr={min_lr!r}, max_lr={max_lr!r}")
         if isinstance(train_dataloaders, torch.utils.data.DataLoader) is False and datamodule is None and \
                 train_dataloaders is not None and callable(getattr(train_dataloaders, "train_dataloader", None)):
             datamodule, train_dataloaders = train_dataloaders, None
@@ -623,14 +629,14 @@ def tune_from_environment(trainer: Any, model: Any, train_dataloaders: Any, data
 def _lr_attr_name(model: Any, attr_name: str) -> str:
     if attr_name:
         if not _getattr(model, attr_name)[0]:
-            raise ConfigurationError(
+            raise MissingAttributeError(
                 f"The attribute name for the learning rate was set to {attr_name}, but could not find this as "
                 f"a field in `model` or `model.hparams`.")
         return attr_name
     for name in ("lr", "learning_rate"):
         if _getattr(model, name)[0]:
             return name
-    raise ConfigurationError(
+    raise MissingAttributeError(
         "When using the learning rate finder, either `model` or `model.hparams` should have one of these "
         "fields: ('lr', 'learning_rate'). If your model has a different name for the learning rate, set it "
         "with `.lr_find(attr_name=...)`.")
