@@ -14,6 +14,7 @@ broadcasts, so every rank stops at the same optimizer step; the loop honours
 from __future__ import annotations
 
 import math
+from enum import Enum
 from typing import Any
 
 import torch
@@ -21,6 +22,16 @@ import torch
 from hookloop.contract.errors import ConfigurationError
 from hookloop.contract.hookspecs import hookimpl
 from hookloop.distributed.ranks import rank_zero_info, rank_zero_warn
+
+
+class EarlyStoppingReason(Enum):
+    """Why an :class:`EarlyStopping` stopped training (Lightning's enum, its values)."""
+
+    NOT_STOPPED = 0
+    STOPPING_THRESHOLD = 1
+    DIVERGENCE_THRESHOLD = 2
+    PATIENCE_EXHAUSTED = 3
+    NON_FINITE_METRIC = 4
 
 
 class EarlyStopping:
@@ -55,7 +66,8 @@ class EarlyStopping:
                  check_on_train_epoch_end: bool | None = None, log_rank_zero_only: bool = False):
         if mode not in ("min", "max"):
             raise ConfigurationError(
-                f"early_stopping mode={mode!r} must be 'min' (lower {monitor} is better) or 'max'")
+                f"EarlyStopping(mode={mode!r}): `mode` can be min, max, got {mode} ('min': lower {monitor} is "
+                f"better, 'max': higher is better)")
         if not isinstance(patience, int) or patience < 0:
             raise ConfigurationError(f"early_stopping patience={patience!r} must be an integer >= 0")
         if isinstance(min_delta, bool) or not isinstance(min_delta, (int, float)) or not math.isfinite(min_delta):
@@ -76,9 +88,8 @@ class EarlyStopping:
         self.best_score: float | None = None
         self.stopped_epoch = 0  # Lightning's: 0 until it stops
         self.reason: str | None = None
-        #: Lightning's EarlyStoppingReason value: 0 not stopped, 1 stopping threshold,
-        #: 2 divergence threshold, 3 patience exhausted, 4 non-finite metric
-        self._reason_code = 0
+        #: why it stopped, as Lightning's (NOT_STOPPED until it does)
+        self.stopping_reason = EarlyStoppingReason.NOT_STOPPED
         #: Lightning's text of why it stopped (None until it does)
         self.stopping_reason_message: str | None = None
         self._lightning_message: str | None = None
@@ -119,19 +130,19 @@ class EarlyStopping:
         order = "<" if lower else ">"
         previous = self.best_score if self.best_score is not None else (math.inf if lower else -math.inf)
         if self.check_finite and not torch.isfinite(current):
-            self._reason_code = 4
+            self.stopping_reason = EarlyStoppingReason.NON_FINITE_METRIC
             self._lightning_message = (f"Monitored metric {self.monitor} = {current} is not finite. Previous best "
                                        f"value was {previous:.3f}. Signaling Trainer to stop.")
             return f"{self.monitor} = {value} is not finite"
         threshold = self.stopping_threshold
         if threshold is not None and better(current, threshold):
-            self._reason_code = 1
+            self.stopping_reason = EarlyStoppingReason.STOPPING_THRESHOLD
             self._lightning_message = (f"Stopping threshold reached: {self.monitor} = {current} {order} {threshold}. "
                                        f"Signaling Trainer to stop.")
             return f"{self.monitor} = {value:.6g} reached the stopping threshold {threshold}"
         threshold = self.divergence_threshold
         if threshold is not None and better(-current, -threshold):
-            self._reason_code = 2
+            self.stopping_reason = EarlyStoppingReason.DIVERGENCE_THRESHOLD
             self._lightning_message = (f"Divergence threshold reached: {self.monitor} = {current} {order} "
                                        f"{threshold}. Signaling Trainer to stop.")
             return f"{self.monitor} = {value:.6g} went past the divergence threshold {threshold}"
@@ -146,7 +157,7 @@ class EarlyStopping:
             return None
         self.wait_count += 1
         if self.wait_count >= self.patience:
-            self._reason_code = 3
+            self.stopping_reason = EarlyStoppingReason.PATIENCE_EXHAUSTED
             self._lightning_message = (f"Monitored metric {self.monitor} did not improve in the last "
                                        f"{self.wait_count} records. Best score: {previous:.3f}. Signaling Trainer to stop.")
             best_text = "none" if self.best_score is None else f"{self.best_score:.6g}"
@@ -171,8 +182,8 @@ class EarlyStopping:
             else:
                 reason = self._decide(float(metrics[self.monitor]))
                 decision = ("stop", reason) if reason else ("go", None)
-        decision, self.wait_count, self.best_score, self._reason_code, self._lightning_message = trainer.broadcast(
-            (decision, self.wait_count, self.best_score, self._reason_code, self._lightning_message), 0)
+        decision, self.wait_count, self.best_score, self.stopping_reason, self._lightning_message = trainer.broadcast(
+            (decision, self.wait_count, self.best_score, self.stopping_reason, self._lightning_message), 0)
         if decision[0] == "error":
             raise ConfigurationError(decision[1])
         if decision[0] == "stop":
@@ -185,7 +196,7 @@ class EarlyStopping:
     @property
     def state_key(self) -> str:
         """Lightning's key of this callback's state in ``checkpoint["callbacks"]``."""
-        return "EarlyStopping" + repr({"monitor": self.monitor, "mode": self.mode})
+        return type(self).__qualname__ + repr({"monitor": self.monitor, "mode": self.mode})
 
     def state_dict(self) -> dict[str, Any]:
         """Lightning's state of an EarlyStopping (the best score as a tensor, +-inf before
@@ -194,7 +205,7 @@ class EarlyStopping:
         return {
             "wait_count": self.wait_count, "stopped_epoch": self.stopped_epoch or 0,
             "best_score": torch.tensor(best, dtype=torch.float32), "patience": self.patience,
-            "stopping_reason": self._reason_code,
+            "stopping_reason": self.stopping_reason.value,
             "stopping_reason_message": self.stopping_reason_message,
         }
 
@@ -204,7 +215,7 @@ class EarlyStopping:
         best = float(state_dict["best_score"])
         self.best_score = best if math.isfinite(best) else None
         self.patience = state_dict["patience"]
-        self._reason_code = int(state_dict.get("stopping_reason", 0))
+        self.stopping_reason = EarlyStoppingReason(int(state_dict.get("stopping_reason", 0)))
         self.stopping_reason_message = state_dict.get("stopping_reason_message")
 
     @hookimpl
