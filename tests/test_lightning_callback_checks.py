@@ -249,3 +249,21 @@ def test_resuming_a_checkpoint_past_max_epochs_is_refused_as_lightning(framework
         fit(trainer_of(framework, tmp_path / "again", max_epochs=1), make_module(framework), ckpt_path=str(path))
     # max_epochs equal to the checkpoint's epoch: no error (both)
     fit(trainer_of(framework, tmp_path / "equal", max_epochs=2), make_module(framework), ckpt_path=str(path))
+
+
+# -- BaseFinetuning under DeepSpeed ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_finetuning_under_deepspeed_is_lightnings_not_implemented_error(framework, tmp_path):
+    pytest.importorskip("deepspeed")  # the strategy both frameworks refuse the callback under
+    callbacks = names(framework)[0]
+    module = make_module(framework)
+    module.backbone = torch.nn.Linear(8, 8)
+    callback = callbacks.BackboneFinetuning()
+    options = {"accelerator": "cpu"} if framework == "lightning" else {}
+    trainer = names(framework)[2](strategy="deepspeed", callbacks=[callback], logger=False,
+                                  default_root_dir=str(tmp_path), **options)
+    with pytest.raises(NotImplementedError, match="The Finetuning callback does not support running with the "
+                                                  "DeepSpeed strategy"):
+        callback.setup(trainer, module, stage=None)

@@ -93,6 +93,7 @@ class EarlyStopping:
         #: Lightning's text of why it stopped (None until it does)
         self.stopping_reason_message: str | None = None
         self._lightning_message: str | None = None
+        self._why: str | None = None  # hookloop's reason to stop, said when it stops
 
     def _on_epoch_end(self, trainer) -> bool:
         """Lightning's choice: at the training epoch's end when validation runs once at
@@ -110,21 +111,32 @@ class EarlyStopping:
     @hookimpl
     def on_validation_end(self, trainer, pl_module=None):
         if trainer.state == "fit" and not trainer.sanity_checking and not self._on_epoch_end(trainer):
-            self.check(trainer)
+            self._run_early_stopping_check(trainer)
 
     @hookimpl
     def on_train_epoch_end(self, trainer, pl_module=None):
         if self._on_epoch_end(trainer):
-            self.check(trainer)
+            self._run_early_stopping_check(trainer)
 
-    def _decide(self, value: float) -> str | None:
-        """Why to stop now, or None; updates the patience count.
+    def _run_early_stopping_check(self, trainer) -> None:
+        """The check the hooks run (Lightning's name, so code that wraps or counts it
+        finds it): :meth:`check`."""
+        self.check(trainer)
+
+    def _evaluate_stopping_criteria(self, current: torch.Tensor) -> tuple[bool, str | None]:
+        """Whether to stop now, and Lightning's message why (Lightning's name and result);
+        updates the patience count, and keeps hookloop's shorter reason in ``_why``.
 
         Lightning 2.6's rules and arithmetic: the metric as a float32 tensor (how it logs
         a value), a best score that starts at +-inf (a first nan or inf is a check
         without improvement, not a best score), improvement by more than ``min_delta``,
         and ``wait_count >= patience`` stops."""
-        current = torch.tensor(value, dtype=torch.float32)
+        self._why = self._stop_reason(current)
+        return self._why is not None, self._lightning_message if self._why is not None else None
+
+    def _stop_reason(self, current: torch.Tensor) -> str | None:
+        """hookloop's reason to stop now (Lightning's message in ``_lightning_message``), or None."""
+        value = float(current)
         lower = self.mode == "min"
         better = torch.lt if lower else torch.gt
         order = "<" if lower else ">"
@@ -180,8 +192,12 @@ class EarlyStopping:
                                      f"(logged: {', '.join(sorted(metrics)) or 'none'}): log it with "
                                      f"self.log({self.monitor!r}, ...) or monitor one of those")
             else:
-                reason = self._decide(float(metrics[self.monitor]))
-                decision = ("stop", reason) if reason else ("go", None)
+                self._why = None
+                stop, message = self._evaluate_stopping_criteria(
+                    torch.tensor(float(metrics[self.monitor]), dtype=torch.float32))
+                if stop:
+                    self._lightning_message = message
+                decision = ("stop", self._why or message or "its stopping criteria were met") if stop else ("go", None)
         decision, self.wait_count, self.best_score, self.stopping_reason, self._lightning_message = trainer.broadcast(
             (decision, self.wait_count, self.best_score, self.stopping_reason, self._lightning_message), 0)
         if decision[0] == "error":
