@@ -394,7 +394,7 @@ def test_timer_queries_and_bad_input():
     assert set(timer.state_dict()["time_elapsed"]) == {"train", "sanity_check", "validate", "test", "predict"}
     with pytest.raises(hookloop.ConfigurationError, match="DD:HH:MM:SS"):
         hookloop.Timer(duration="1 hour")
-    with pytest.raises(hookloop.ConfigurationError, match="'step' and 'epoch'"):
+    with pytest.raises(hookloop.ConfigurationError, match="Possible choices are: step, epoch"):
         hookloop.Timer(interval="batch")
 
 

@@ -79,9 +79,13 @@ def test_max_time_stops_fit_at_the_step_lightning_stops_at(tmp_path, max_time, s
     assert len(timers) == 1 and timers[0]._interval == "step"
 
 
-def test_max_time_beside_a_timer_is_refused_with_the_conflict_named(tmp_path):
-    with pytest.raises(hookloop.ConfigurationError, match=r"max_time='00:01:00:00'.*Timer"):
-        _hookloop_trainer(tmp_path, max_time="00:01:00:00", callbacks=[hookloop.Timer(duration="00:02:00:00")])
+def test_max_time_beside_a_timer_is_ignored_as_lightning_ignores_it(tmp_path):
+    # Lightning's: the Timer given wins, an info line says so at setup
+    # (tests/test_lightning_callback_checks.py compares the two)
+    timer = hookloop.Timer(duration="00:02:00:00")
+    trainer = _hookloop_trainer(tmp_path, max_time="00:01:00:00", callbacks=[timer])
+    assert [p for p in trainer.plugins if isinstance(p, hookloop.Timer)] == [timer]
+    assert timer._duration == 2 * 3600
 
 
 def test_a_bad_max_time_names_the_argument(tmp_path):

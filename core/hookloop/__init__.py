@@ -80,7 +80,7 @@ from hookloop.distributed.failures import install_worker_hook
 from hookloop.lightning.module import Module
 from hookloop.observers.checkpoint import ModelCheckpoint
 from hookloop.observers.csvlog import CSVLogger
-from hookloop.observers.early_stopping import EarlyStopping
+from hookloop.observers.early_stopping import EarlyStopping, EarlyStoppingReason
 from hookloop.observers.ledger import Ledger
 from hookloop.observers.lr_monitor import LearningRateMonitor
 from hookloop.observers.bars import RichProgressBar, RichProgressBarTheme, TQDMProgressBar
@@ -132,6 +132,7 @@ __all__ = [
     "ConfigurationError",
     "DataModule",
     "EarlyStopping",
+    "EarlyStoppingReason",
     "GradientAccumulationScheduler",
     "DistributedSamplerWrapper",
     "HookloopContractWarning",

@@ -177,7 +177,7 @@ def resolve_settings(arguments: Mapping[str, Any], environ: Mapping[str, str], *
     chosen = plugin_registry.collect(in_code, defaults, autoload=config.autoload_plugins,
                                      builtin=builtin, options=options, autoloaded=autoloaded)
     if config.max_time is not None:
-        chosen.append(_max_time_timer(config.max_time, chosen))
+        chosen += [t for t in [_max_time_timer(config.max_time, chosen)] if t is not None]
     chosen += plugin_registry.default_precision_plugin(chosen, config.precision)
     chosen = [plugin_registry.apply_options(p, options) for p in chosen]
     plugin_registry.check_option_targets(chosen, options)
@@ -307,17 +307,16 @@ def environment_settings(
 
 def _max_time_timer(max_time: Any, chosen: list) -> Any:
     """``Trainer(max_time=...)``: Lightning's ``Timer(duration=max_time, interval="step")``,
-    added after the other plugins. Refused beside a Timer the user gave (Lightning ignores
-    ``max_time`` then, with an info line; two time limits are a conflict worth naming)."""
+    added after the other plugins; None beside a Timer the user gave, which then says at
+    setup that ``max_time`` was ignored (Lightning's info line)."""
     from hookloop.observers.timer import Timer, parse_duration
 
     parse_duration(max_time, "Trainer(max_time=...)")
     given = [p for p in chosen if isinstance(p, Timer) or plugin_registry.plugin_name(p) == "timer"]
     if given:
-        raise ConfigurationError(
-            f"Trainer(max_time={max_time!r}) and a Timer in the plugins/callbacks "
-            f"({type(given[0]).__name__}) both set a time limit: give the limit once, as "
-            f"max_time or as Timer(duration=...)")
+        if isinstance(given[0], Timer):
+            given[0]._max_time_ignored = True
+        return None
     return Timer(duration=max_time, interval="step")
 
 

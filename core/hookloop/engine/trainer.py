@@ -96,7 +96,7 @@ class FitLoopView:
         return self._trainer.max_epochs
 
     @property
-    def max_steps(self) -> int | None:
+    def max_steps(self) -> int:
         return self._trainer.max_steps
 
     @property
@@ -311,8 +311,10 @@ class Trainer:
         return self.config.max_epochs
 
     @property
-    def max_steps(self) -> int | None:
-        return self.config.max_steps
+    def max_steps(self) -> int:
+        """The step limit; -1 without one (Lightning's value: ``Trainer(max_steps=-1)``, its
+        default, and ``max_steps=None`` read back as -1)."""
+        return -1 if self.config.max_steps is None else self.config.max_steps
 
     @property
     def min_epochs(self) -> int:

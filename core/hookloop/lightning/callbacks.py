@@ -51,6 +51,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from hookloop.contract import pluginspec
 from hookloop.contract.errors import ConfigurationError
+from hookloop.distributed.ranks import rank_zero_warn
+from hookloop.lightning import optimization as lightning_optimization
 from hookloop.observers import bars, csvlog, early_stopping, lr_monitor, model_summary, progress, timer
 from hookloop.observers import checkpoint as model_checkpoint
 
@@ -609,11 +611,12 @@ class GradientAccumulationScheduler(Callback):
             raise TypeError("GradientAccumulationScheduler(scheduling={}) is empty: give {epoch: factor, ...}")
         if any(not isinstance(key, int) or key < 0 for key in scheduling):
             raise ConfigurationError(
-                f"GradientAccumulationScheduler: epochs should be ints >= 0. Got {list(scheduling.keys())}.")
+                f"GradientAccumulationScheduler(scheduling={scheduling!r}): Epoch should be an int greater than or "
+                f"equal to 0. Got {list(scheduling.keys())}. The keys are the epochs (from 0) where a factor starts.")
         if any(not isinstance(value, int) or value < 1 for value in scheduling.values()):
             raise ConfigurationError(
-                f"GradientAccumulationScheduler: accumulation factors should be ints > 0. "
-                f"Got {list(scheduling.values())}.")
+                f"GradientAccumulationScheduler(scheduling={scheduling!r}): Accumulation factor should be an int "
+                f"greater than 0. Got {list(scheduling.values())}. The values are how many batches to accumulate.")
         scheduling = dict(scheduling)
         if min(scheduling) != 0:
             scheduling[0] = 1
@@ -630,23 +633,33 @@ class GradientAccumulationScheduler(Callback):
         return 1
 
     def on_train_start(self, trainer, pl_module) -> None:
-        if not getattr(trainer, "automatic_optimization", True):
-            raise ConfigurationError(
-                "GradientAccumulationScheduler does not work with manual optimization "
-                "(self.automatic_optimization = False): remove the callback or use automatic optimization")
+        # Lightning's checks, errors and warning (RuntimeError, a UserWarning, ValueError)
+        if not (getattr(pl_module, "automatic_optimization", True) and getattr(trainer, "automatic_optimization", True)):
+            raise RuntimeError(
+                "Automatic gradient accumulation and the `GradientAccumulationScheduler` is not supported for "
+                "manual optimization (self.automatic_optimization = False). Please remove the callback or switch "
+                "to automatic optimization.")
+        if self.going_to_accumulate_grad_batches() and any(
+                lightning_optimization.overridden(pl_module, name)
+                for name in ("optimizer_step", "optimizer_zero_grad")):
+            rank_zero_warn(
+                "When using `Trainer(accumulate_grad_batches != 1)` and overriding "
+                "`LightningModule.optimizer_{step,zero_grad}`, the hooks will not be called on every batch "
+                "(rather, they are called on every optimization step).")
         strategy = getattr(trainer, "strategy", None)
         if strategy is not None and "deepspeed" in type(strategy).__module__:
-            raise ConfigurationError(
-                "the deepspeed strategy cannot change accumulate_grad_batches between epochs: "
-                "remove GradientAccumulationScheduler")
+            raise RuntimeError(
+                f"The `{type(strategy).__name__}` does not support `accumulate_grad_batches` changing between "
+                f"epochs: remove the GradientAccumulationScheduler or choose another strategy.")
         if trainer.config.global_batch_size is not None:
             raise ConfigurationError(
                 f"Trainer(global_batch_size={trainer.config.global_batch_size}) and GradientAccumulationScheduler "
                 f"are both set: the accumulation is derived from global_batch_size; remove one of them")
         if trainer.config.accumulate_grad_batches != 1 and not trainer.state.accumulation_scheduled:
             raise ConfigurationError(
-                "Trainer(accumulate_grad_batches=...) and GradientAccumulationScheduler are both set: "
-                "remove accumulate_grad_batches from the Trainer or remove the callback")
+                f"You have set `accumulate_grad_batches` and are using the `GradientAccumulationScheduler` "
+                f"callback (Trainer(accumulate_grad_batches={trainer.config.accumulate_grad_batches})). Either remove "
+                f"`accumulate_grad_batches` from the Trainer or remove the callback.")
         trainer.state.accumulation_scheduled = True
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
@@ -782,9 +795,9 @@ class BaseFinetuning(Callback):
         self.freeze_before_training(pl_module)
         strategy = getattr(trainer, "strategy", None)
         if strategy is not None and "deepspeed" in type(strategy).__module__:
-            raise ConfigurationError(
-                "BaseFinetuning does not work with the deepspeed strategy: choose another strategy or "
-                "remove the callback")
+            raise NotImplementedError(
+                "The Finetuning callback does not support running with the DeepSpeed strategy. Choose a different "
+                "strategy or disable the callback.")
 
     @staticmethod
     def _apply_mapping_to_param_groups(param_groups: list[dict[str, Any]], mapping: dict) -> list[dict[str, Any]]:

@@ -14,6 +14,7 @@ broadcasts, so every rank stops at the same optimizer step; the loop honours
 from __future__ import annotations
 
 import math
+from enum import Enum
 from typing import Any
 
 import torch
@@ -21,6 +22,16 @@ import torch
 from hookloop.contract.errors import ConfigurationError
 from hookloop.contract.hookspecs import hookimpl
 from hookloop.distributed.ranks import rank_zero_info, rank_zero_warn
+
+
+class EarlyStoppingReason(Enum):
+    """Why an :class:`EarlyStopping` stopped training (Lightning's enum, its values)."""
+
+    NOT_STOPPED = 0
+    STOPPING_THRESHOLD = 1
+    DIVERGENCE_THRESHOLD = 2
+    PATIENCE_EXHAUSTED = 3
+    NON_FINITE_METRIC = 4
 
 
 class EarlyStopping:
@@ -55,7 +66,8 @@ class EarlyStopping:
                  check_on_train_epoch_end: bool | None = None, log_rank_zero_only: bool = False):
         if mode not in ("min", "max"):
             raise ConfigurationError(
-                f"early_stopping mode={mode!r} must be 'min' (lower {monitor} is better) or 'max'")
+                f"EarlyStopping(mode={mode!r}): `mode` can be min, max, got {mode} ('min': lower {monitor} is "
+                f"better, 'max': higher is better)")
         if not isinstance(patience, int) or patience < 0:
             raise ConfigurationError(f"early_stopping patience={patience!r} must be an integer >= 0")
         if isinstance(min_delta, bool) or not isinstance(min_delta, (int, float)) or not math.isfinite(min_delta):
@@ -76,12 +88,12 @@ class EarlyStopping:
         self.best_score: float | None = None
         self.stopped_epoch = 0  # Lightning's: 0 until it stops
         self.reason: str | None = None
-        #: Lightning's EarlyStoppingReason value: 0 not stopped, 1 stopping threshold,
-        #: 2 divergence threshold, 3 patience exhausted, 4 non-finite metric
-        self._reason_code = 0
+        #: why it stopped, as Lightning's (NOT_STOPPED until it does)
+        self.stopping_reason = EarlyStoppingReason.NOT_STOPPED
         #: Lightning's text of why it stopped (None until it does)
         self.stopping_reason_message: str | None = None
         self._lightning_message: str | None = None
+        self._why: str | None = None  # hookloop's reason to stop, said when it stops
 
     def _on_epoch_end(self, trainer) -> bool:
         """Lightning's choice: at the training epoch's end when validation runs once at
@@ -99,39 +111,50 @@ class EarlyStopping:
     @hookimpl
     def on_validation_end(self, trainer, pl_module=None):
         if trainer.state == "fit" and not trainer.sanity_checking and not self._on_epoch_end(trainer):
-            self.check(trainer)
+            self._run_early_stopping_check(trainer)
 
     @hookimpl
     def on_train_epoch_end(self, trainer, pl_module=None):
         if self._on_epoch_end(trainer):
-            self.check(trainer)
+            self._run_early_stopping_check(trainer)
 
-    def _decide(self, value: float) -> str | None:
-        """Why to stop now, or None; updates the patience count.
+    def _run_early_stopping_check(self, trainer) -> None:
+        """The check the hooks run (Lightning's name, so code that wraps or counts it
+        finds it): :meth:`check`."""
+        self.check(trainer)
+
+    def _evaluate_stopping_criteria(self, current: torch.Tensor) -> tuple[bool, str | None]:
+        """Whether to stop now, and Lightning's message why (Lightning's name and result);
+        updates the patience count, and keeps hookloop's shorter reason in ``_why``.
 
         Lightning 2.6's rules and arithmetic: the metric as a float32 tensor (how it logs
         a value), a best score that starts at +-inf (a first nan or inf is a check
         without improvement, not a best score), improvement by more than ``min_delta``,
         and ``wait_count >= patience`` stops."""
-        current = torch.tensor(value, dtype=torch.float32)
+        self._why = self._stop_reason(current)
+        return self._why is not None, self._lightning_message if self._why is not None else None
+
+    def _stop_reason(self, current: torch.Tensor) -> str | None:
+        """hookloop's reason to stop now (Lightning's message in ``_lightning_message``), or None."""
+        value = float(current)
         lower = self.mode == "min"
         better = torch.lt if lower else torch.gt
         order = "<" if lower else ">"
         previous = self.best_score if self.best_score is not None else (math.inf if lower else -math.inf)
         if self.check_finite and not torch.isfinite(current):
-            self._reason_code = 4
+            self.stopping_reason = EarlyStoppingReason.NON_FINITE_METRIC
             self._lightning_message = (f"Monitored metric {self.monitor} = {current} is not finite. Previous best "
                                        f"value was {previous:.3f}. Signaling Trainer to stop.")
             return f"{self.monitor} = {value} is not finite"
         threshold = self.stopping_threshold
         if threshold is not None and better(current, threshold):
-            self._reason_code = 1
+            self.stopping_reason = EarlyStoppingReason.STOPPING_THRESHOLD
             self._lightning_message = (f"Stopping threshold reached: {self.monitor} = {current} {order} {threshold}. "
                                        f"Signaling Trainer to stop.")
             return f"{self.monitor} = {value:.6g} reached the stopping threshold {threshold}"
         threshold = self.divergence_threshold
         if threshold is not None and better(-current, -threshold):
-            self._reason_code = 2
+            self.stopping_reason = EarlyStoppingReason.DIVERGENCE_THRESHOLD
             self._lightning_message = (f"Divergence threshold reached: {self.monitor} = {current} {order} "
                                        f"{threshold}. Signaling Trainer to stop.")
             return f"{self.monitor} = {value:.6g} went past the divergence threshold {threshold}"
@@ -146,7 +169,7 @@ class EarlyStopping:
             return None
         self.wait_count += 1
         if self.wait_count >= self.patience:
-            self._reason_code = 3
+            self.stopping_reason = EarlyStoppingReason.PATIENCE_EXHAUSTED
             self._lightning_message = (f"Monitored metric {self.monitor} did not improve in the last "
                                        f"{self.wait_count} records. Best score: {previous:.3f}. Signaling Trainer to stop.")
             best_text = "none" if self.best_score is None else f"{self.best_score:.6g}"
@@ -169,10 +192,14 @@ class EarlyStopping:
                                      f"(logged: {', '.join(sorted(metrics)) or 'none'}): log it with "
                                      f"self.log({self.monitor!r}, ...) or monitor one of those")
             else:
-                reason = self._decide(float(metrics[self.monitor]))
-                decision = ("stop", reason) if reason else ("go", None)
-        decision, self.wait_count, self.best_score, self._reason_code, self._lightning_message = trainer.broadcast(
-            (decision, self.wait_count, self.best_score, self._reason_code, self._lightning_message), 0)
+                self._why = None
+                stop, message = self._evaluate_stopping_criteria(
+                    torch.tensor(float(metrics[self.monitor]), dtype=torch.float32))
+                if stop:
+                    self._lightning_message = message
+                decision = ("stop", self._why or message or "its stopping criteria were met") if stop else ("go", None)
+        decision, self.wait_count, self.best_score, self.stopping_reason, self._lightning_message = trainer.broadcast(
+            (decision, self.wait_count, self.best_score, self.stopping_reason, self._lightning_message), 0)
         if decision[0] == "error":
             raise ConfigurationError(decision[1])
         if decision[0] == "stop":
@@ -185,7 +212,7 @@ class EarlyStopping:
     @property
     def state_key(self) -> str:
         """Lightning's key of this callback's state in ``checkpoint["callbacks"]``."""
-        return "EarlyStopping" + repr({"monitor": self.monitor, "mode": self.mode})
+        return type(self).__qualname__ + repr({"monitor": self.monitor, "mode": self.mode})
 
     def state_dict(self) -> dict[str, Any]:
         """Lightning's state of an EarlyStopping (the best score as a tensor, +-inf before
@@ -194,7 +221,7 @@ class EarlyStopping:
         return {
             "wait_count": self.wait_count, "stopped_epoch": self.stopped_epoch or 0,
             "best_score": torch.tensor(best, dtype=torch.float32), "patience": self.patience,
-            "stopping_reason": self._reason_code,
+            "stopping_reason": self.stopping_reason.value,
             "stopping_reason_message": self.stopping_reason_message,
         }
 
@@ -204,7 +231,7 @@ class EarlyStopping:
         best = float(state_dict["best_score"])
         self.best_score = best if math.isfinite(best) else None
         self.patience = state_dict["patience"]
-        self._reason_code = int(state_dict.get("stopping_reason", 0))
+        self.stopping_reason = EarlyStoppingReason(int(state_dict.get("stopping_reason", 0)))
         self.stopping_reason_message = state_dict.get("stopping_reason_message")
 
     @hookimpl

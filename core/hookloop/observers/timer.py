@@ -19,6 +19,7 @@ Lightning.
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from datetime import timedelta
@@ -26,6 +27,7 @@ from typing import Any
 
 from hookloop.contract.errors import ConfigurationError
 from hookloop.contract.hookspecs import hookimpl
+from hookloop.distributed.ranks import rank_zero_info
 
 #: Lightning's RunningStage values: the stages whose times are kept
 STAGES = ("train", "sanity_check", "validate", "test", "predict")
@@ -42,7 +44,7 @@ def parse_duration(duration: Any, what: str = "Timer(duration=...)") -> float | 
         match = re.fullmatch(r"(\d+):(\d\d):(\d\d):(\d\d)", duration.strip())
         if not match:
             raise ConfigurationError(
-                f"{what.format(duration)} is not a valid duration: give a string DD:HH:MM:SS "
+                f"{what.format(duration)} is not a valid duration. Expected a string in the format DD:HH:MM:SS "
                 f"(e.g. '00:12:00:00' for 12 hours), a datetime.timedelta or a dict such as {{'hours': 12}}")
         days, hours, minutes, seconds = (int(g) for g in match.groups())
         try:
@@ -92,7 +94,7 @@ class Timer:
     def __init__(self, duration: Any = None, interval: str = "step", verbose: bool = True):
         if interval not in ("step", "epoch"):
             raise ConfigurationError(
-                f"Timer(interval={interval!r}) is not supported: the choices are 'step' and 'epoch'")
+                f"Unsupported parameter value `Timer(interval={interval})`. Possible choices are: step, epoch")
         self._duration = parse_duration(duration)
         self._interval = interval
         self._verbose = verbose
@@ -100,6 +102,8 @@ class Timer:
         self._end_time: dict[str, float | None] = dict.fromkeys(STAGES)
         self._offset = 0.0
         self._per_step: Any = None
+        #: set by ``Trainer(max_time=...)`` given beside this Timer: said at setup
+        self._max_time_ignored = False
 
     # -- Lightning's queries ----------------------------------------------------------------
 
@@ -136,6 +140,8 @@ class Timer:
 
     @hookimpl
     def setup(self, trainer):
+        if self._max_time_ignored:
+            _announce(trainer, "Ignoring `Trainer(max_time=...)`, callbacks list already contains a Timer.")
         # Only a step-interval timer with a duration pays a call per batch.
         if self._duration is not None and self._interval == "step" and self._per_step is None:
             self._per_step = _StepCheck(self)
@@ -210,7 +216,18 @@ class Timer:
         trainer.should_stop = trainer.should_stop or stop
         if stop and self._verbose:
             elapsed = timedelta(seconds=int(self.time_elapsed("train")))
-            trainer.print(f"Time limit reached. Elapsed time is {elapsed}. Signaling Trainer to stop.", flush=True)
+            _announce(trainer, f"Time limit reached. Elapsed time is {elapsed}. Signaling Trainer to stop.")
+
+
+def _announce(trainer, message: str) -> None:
+    """Lightning's info line, said once on rank 0: logged (as Lightning logs it) where
+    logging shows ``hookloop``'s info lines, printed where it would show nothing (Lightning's
+    own logger prints its info lines by default; hookloop's leaves logging to the user)."""
+    if logging.getLogger("hookloop").isEnabledFor(logging.INFO) and logging.getLogger("hookloop").hasHandlers():
+        if trainer.global_rank == 0:
+            rank_zero_info(message)
+    else:
+        trainer.print(message, flush=True)
 
 
 class _StepCheck:

@@ -17,7 +17,7 @@ from typing import Any
 from hookloop.resume import checkpoint as ckpt
 from hookloop.resume import loader_state
 from hookloop.distributed.strategy import data_parallel_rank
-from hookloop.contract.errors import CheckpointError
+from hookloop.contract.errors import CheckpointError, ConfigurationError
 from hookloop.helpers import apply_to_tensors, gather_per_rank, own_entry
 from hookloop.engine.loop import _per_device_batch, batch_limit
 from hookloop.dispatch import event
@@ -177,6 +177,13 @@ def restore(trainer, ckpt_path: Any, fall_back: bool = False, train_loader: Any 
     trainer.hook.load_model_state(trainer=trainer, checkpoint=checkpoint)
     loop = checkpoint["loop"]
     trainer.state.load_state_dict(loop)
+    max_epochs = trainer.max_epochs
+    if trainer.state.fn == "fit" and max_epochs not in (None, -1) and trainer.current_epoch > max_epochs:
+        # Lightning's refusal: the run would train nothing and say nothing
+        raise ConfigurationError(
+            f"You restored a checkpoint with current_epoch={trainer.current_epoch}, but you have set "
+            f"Trainer(max_epochs={max_epochs}) ({str(path)!r}): set max_epochs to more than "
+            f"{trainer.current_epoch} (or -1 for no limit) to train on, or resume from an earlier checkpoint")
     rng, trainer.state.epoch_rng, derive = _rank_rng(trainer, checkpoint, loop)
     trainer.state.loader_resume_state = own_entry(checkpoint.get("loader_per_rank"), trainer)
     if trainer.batch_idx and trainer.state.loop_stage == "train" and trainer.state.epoch_rng is None:
