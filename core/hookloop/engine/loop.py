@@ -518,7 +518,7 @@ def _eval_mode(trainer, prefix: str) -> None:
         trainer.model.eval()
 
 
-def _train_mode(trainer, prefix: str, was_training: bool) -> bool | None:
+def _train_mode(trainer, prefix: str, was_training: bool | None) -> bool | None:
     """After a finished evaluation run: the module's ``on_{prefix}_model_train`` override
     (then None: it set the mode), else ``was_training``, the mode to restore."""
     override = _module_override(trainer, f"on_{prefix}_model_train")

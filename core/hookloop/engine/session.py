@@ -620,7 +620,8 @@ _EVAL_FORWARDERS: dict[tuple[str, ...], Callable[[Any, str], Callable[..., Any]]
             t(outputs, batch, batch_idx, dataloader_idx) if len(getattr(trainer, loaders) or ()) > 1
             else t(outputs, batch, batch_idx)),
 }
-_STAGE_LOADERS = {"validation": "val_dataloaders", "test": "test_dataloaders", "predict": "predict_dataloaders"}
+_STAGE_LOADERS = {"validation": "val_dataloaders", "test": "test_dataloaders",
+                  "predict": "predict_dataloaders"}
 
 
 def _forwarding_function(name: str, args: tuple[str, ...], target: Any) -> Callable[..., Any]:
