@@ -406,3 +406,14 @@ def test_save_last_link_with_a_url_dirpath_is_refused_at_setup(tmp_path):
             callback.setup(trainer=trainer, pl_module=_module(fw), stage="fit")
         messages[name] = str(info.value)
     assert "memory://not-a-filesystem-path" in messages["hookloop"]
+
+
+def test_another_checkpoint_name_last_is_refused(tmp_path, monkeypatch):
+    import hookloop
+
+    assert frameworks.load("lightning").ModelCheckpoint.CHECKPOINT_NAME_LAST == hookloop.ModelCheckpoint.CHECKPOINT_NAME_LAST
+    monkeypatch.setattr(hookloop.ModelCheckpoint, "CHECKPOINT_NAME_LAST", "last-{epoch}")
+    fw = frameworks.load("hookloop")
+    mc = fw.ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True)
+    with pytest.raises(hookloop.ConfigurationError, match="CHECKPOINT_NAME_LAST='last-\\{epoch\\}'.*last_model_path"):
+        _fit(fw, tmp_path, _module(fw), max_epochs=1, callbacks=[mc])

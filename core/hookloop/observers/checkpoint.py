@@ -80,6 +80,8 @@ class ModelCheckpoint:
     hookloop_role = "observer"
     #: Lightning's: the first version suffix of a name already taken (``name-v1.ckpt``)
     STARTING_VERSION = 1
+    #: Lightning's name of the last checkpoint; only "last" (refused otherwise at setup)
+    CHECKPOINT_NAME_LAST = "last"
 
     def __init__(self, dirpath: str | os.PathLike | None = None, filename: str | None = None, monitor: str | None = None,
                  mode: str = "min", save_top_k: int = 1, save_last: bool | Literal["link"] | None = None, every_n_epochs: int | None = None,
@@ -176,6 +178,11 @@ class ModelCheckpoint:
         stage = trainer.state.fn if stage is None else stage
         if stage != "fit":
             return
+        if self.CHECKPOINT_NAME_LAST != "last":
+            raise ConfigurationError(
+                f"ModelCheckpoint.CHECKPOINT_NAME_LAST={self.CHECKPOINT_NAME_LAST!r}: hookloop names the last "
+                f"checkpoint last.ckpt (ckpt_path='last' and restarts find it by that name); leave it 'last' and copy "
+                f"trainer.checkpoint_callback.last_model_path after fit to keep it under another name")
         if self.save_last == "link" and self._remote:
             raise ValueError(f"`ModelCheckpoint(save_last='link')` is only supported for local file paths, got "
                              f"`dirpath={self._remote}`: give a local directory")
