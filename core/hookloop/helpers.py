@@ -12,6 +12,7 @@ import math
 import os
 import random
 import weakref
+import warnings
 from typing import Any, Iterator
 
 import torch
@@ -99,10 +100,26 @@ def own_entry(per_rank: Any, trainer: Any) -> Any:
 GLOBAL_SEED_ENV = "PL_GLOBAL_SEED"
 
 
-def seed_everything(seed: int) -> int:
+def seed_everything(seed: int | None = None, verbose: bool = True) -> int:
     """Seed Python's, NumPy's (if installed) and torch's generators, and record ``seed`` in
     the environment (``PL_GLOBAL_SEED``, as Lightning does) for the distributed samplers
-    (:func:`distributed_sampler`) of this process and of the processes it starts."""
+    (:func:`distributed_sampler`) of this process and of the processes it starts.
+
+    Without a seed, as Lightning's: the one ``PL_GLOBAL_SEED`` holds, else 0 (warned,
+    unless ``verbose=False``). Returns the seed set."""
+    if seed is None:
+        recorded = os.environ.get(GLOBAL_SEED_ENV)
+        if recorded is None:
+            seed = 0
+            if verbose:
+                warnings.warn(f"No seed found, seed set to {seed}", stacklevel=2)
+        else:
+            try:
+                seed = int(recorded)
+            except ValueError:
+                raise ValueError(f"Invalid seed specified via {GLOBAL_SEED_ENV}: {recorded!r} (an integer, "
+                                 f"or unset it and pass seed_everything(seed))") from None
+    seed = int(seed)
     os.environ[GLOBAL_SEED_ENV] = str(seed)
     random.seed(seed)
     try:

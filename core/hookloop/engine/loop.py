@@ -447,11 +447,11 @@ def evaluate(trainer, stage: str, loaders: list, limit: Any, publish: bool = Tru
     hook, model, metrics = trainer.hook, trainer.model, trainer.state.metrics
     prefix = EVENT_PREFIX[stage]
     saved = (metrics.stage, metrics.suffix, metrics.epoch_level)
-    was_training = model.training
+    was_training: bool | None = model.training
     rng = ckpt.rng_state()
     contexts = [c for c in hook.forward_context(trainer=trainer) if c is not None]
     run_batch = make_evaluation_step(trainer, stage, len(loaders))
-    model.eval()
+    _eval_mode(trainer, prefix)
     metrics.start(stage)
     # Lightning's per-loader batch counts, for progress bars (num_val_batches, ...)
     limit_name = f"limit_{'val' if stage == VALIDATE else stage}_batches"
@@ -489,12 +489,43 @@ def evaluate(trainer, stage: str, loaders: list, limit: Any, publish: bool = Tru
         end_args = {"sanity_checking": trainer.sanity_checking} if prefix == "validation" else {}
         getattr(hook, f"on_{prefix}_end")(trainer=trainer, metrics=dict(computed), **end_args)
         metrics.reset_metric_objects(stage)  # torchmetrics Metrics, after on_*_end (Lightning)
+        was_training = _train_mode(trainer, prefix, was_training)
     finally:
         metrics.stage, metrics.suffix, metrics.epoch_level = saved
         metrics.dataloader_idx = None
-        model.train(was_training)
+        if was_training is not None:
+            model.train(was_training)
         ckpt.set_rng_state(rng)
     return _per_loader(computed, len(loaders), dict(metrics.loader_of))
+
+
+def _module_override(trainer, name: str) -> Callable[[], None] | None:
+    """The module's own ``name`` (Lightning's ``on_validation_model_eval``, ...) when its
+    class defines one, else None (the loop's default applies)."""
+    method = getattr(type(trainer.module), name, None)
+    if callable(method) and not getattr(method, "hookloop_placeholder", False):
+        return getattr(trainer.module, name)
+    return None
+
+
+def _eval_mode(trainer, prefix: str) -> None:
+    """Eval mode for an evaluation run: ``model.eval()``, or the module's
+    ``on_{prefix}_model_eval`` override in its place (Lightning's hook)."""
+    override = _module_override(trainer, f"on_{prefix}_model_eval")
+    if override is not None:
+        override()
+    else:
+        trainer.model.eval()
+
+
+def _train_mode(trainer, prefix: str, was_training: bool | None) -> bool | None:
+    """After a finished evaluation run: the module's ``on_{prefix}_model_train`` override
+    (then None: it set the mode), else ``was_training``, the mode to restore."""
+    override = _module_override(trainer, f"on_{prefix}_model_train")
+    if override is None:
+        return was_training
+    override()
+    return None
 
 
 def _log_eval_step(trainer, stage: str, publish: bool) -> None:
@@ -545,8 +576,9 @@ def predict(trainer, loaders: list) -> Any:
     keep = state.return_predictions
     contexts = [c for c in hook.forward_context(trainer=trainer) if c is not None]
     run_batch = make_evaluation_step(trainer, PREDICT, len(loaders))
-    was_training, saved_stage = model.training, metrics.stage
-    model.eval()
+    was_training: bool | None = model.training
+    saved_stage = metrics.stage
+    _eval_mode(trainer, "predict")
     metrics.stage = PREDICT
     per_loader: list[list] = []
     limit = trainer.config.limit_predict_batches
@@ -580,9 +612,11 @@ def predict(trainer, loaders: list) -> Any:
         results = [_gather_predictions(trainer, loader, outputs)
                    for loader, outputs in zip(loaders, per_loader, strict=True)] if keep else None
         hook.on_predict_end(trainer=trainer)
+        was_training = _train_mode(trainer, "predict", was_training)
     finally:
         metrics.stage = saved_stage
-        model.train(was_training)
+        if was_training is not None:
+            model.train(was_training)
     if results is None:
         return None
     return results[0] if len(results) == 1 else results

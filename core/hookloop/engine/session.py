@@ -607,19 +607,32 @@ _FORWARDERS: dict[tuple[str, ...], Callable[[Any], Callable[..., Any]]] = {
     ("optimizer",): lambda t: lambda self, optimizer: t(optimizer),
     ("checkpoint",): lambda t: lambda self, checkpoint: t(checkpoint),
     ("batch", "batch_idx"): lambda t: lambda self, batch, batch_idx: t(batch, batch_idx),
-    ("batch", "batch_idx", "dataloader_idx"):
-        lambda t: lambda self, batch, batch_idx, dataloader_idx:
-            t(batch, batch_idx, dataloader_idx),
     ("outputs", "batch", "batch_idx"):
         lambda t: lambda self, outputs, batch, batch_idx: t(outputs, batch, batch_idx),
-    ("outputs", "batch", "batch_idx", "dataloader_idx"):
-        lambda t: lambda self, outputs, batch, batch_idx, dataloader_idx:
-            t(outputs, batch, batch_idx, dataloader_idx),
 }
+
+# An evaluation batch hook gets ``dataloader_idx`` only when its stage has several loaders
+# (as Lightning calls it: ``on_validation_batch_start(self, batch, batch_idx)`` is valid).
+_EVAL_FORWARDERS: dict[tuple[str, ...], Callable[[Any, str], Callable[..., Any]]] = {
+    ("batch", "batch_idx", "dataloader_idx"):
+        lambda t, loaders: lambda self, trainer, batch, batch_idx, dataloader_idx: (
+            t(batch, batch_idx, dataloader_idx) if len(getattr(trainer, loaders) or ()) > 1
+            else t(batch, batch_idx)),
+    ("outputs", "batch", "batch_idx", "dataloader_idx"):
+        lambda t, loaders: lambda self, trainer, outputs, batch, batch_idx, dataloader_idx: (
+            t(outputs, batch, batch_idx, dataloader_idx) if len(getattr(trainer, loaders) or ()) > 1
+            else t(outputs, batch, batch_idx)),
+}
+_STAGE_LOADERS = {"validation": "val_dataloaders", "test": "test_dataloaders",
+                  "predict": "predict_dataloaders"}
 
 
 def _forwarding_function(name: str, args: tuple[str, ...], target: Any) -> Callable[..., Any]:
     """``def name(self, <args>): return target(<args>)`` with those parameter names."""
+    if args in _EVAL_FORWARDERS:
+        forward = _EVAL_FORWARDERS[args](target, _STAGE_LOADERS[name.split("_")[1]])
+        forward.__name__ = forward.__qualname__ = name
+        return forward
     if args not in _FORWARDERS:
         raise TypeError(f"module hook {name!r} takes {args}: add its forwarder to _FORWARDERS")
     forward = _FORWARDERS[args](target)

@@ -95,6 +95,12 @@ class FitLoopView:
     def max_epochs(self) -> int | None:
         return self._trainer.max_epochs
 
+    @max_epochs.setter
+    def max_epochs(self, value: int | None) -> None:
+        """Lightning's way to train on with the same Trainer: ``fit_loop.max_epochs = n``
+        before the next ``fit``."""
+        self._trainer.config.max_epochs = value
+
     @property
     def max_steps(self) -> int:
         return self._trainer.max_steps
@@ -309,6 +315,11 @@ class Trainer:
     @property
     def max_epochs(self) -> int | None:
         return self.config.max_epochs
+
+    @property
+    def fast_dev_run(self) -> bool | int:
+        """The ``fast_dev_run`` setting as given (False, True or a number of batches)."""
+        return self.config.fast_dev_run
 
     @property
     def max_steps(self) -> int:

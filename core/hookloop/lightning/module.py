@@ -14,6 +14,7 @@ Any ``nn.Module`` with those methods works; subclass ``hookloop.Module`` to get
 
 from __future__ import annotations
 
+import argparse
 import inspect
 from typing import Any
 
@@ -83,7 +84,7 @@ class HyperparametersMixin:
 
         Called in ``__init__`` with no arguments it takes all of ``__init__``'s arguments
         (by their values at the time of the call); names pick some of them, a dict gives
-        them directly; ``ignore`` leaves some out. ``Module.load_from_checkpoint(path)``
+        them directly (an ``argparse.Namespace`` too, as its entries); ``ignore`` leaves some out. ``Module.load_from_checkpoint(path)``
         re-creates the module from them. Checkpoints are loaded with
         ``torch.load(weights_only=True)``, so each value must be made of numbers,
         strings, tensors, ``None``, lists, tuples and dicts: anything else (a module, a
@@ -92,6 +93,8 @@ class HyperparametersMixin:
         ignore = [ignore] if isinstance(ignore, str) else list(ignore or ())
         if len(args) == 1 and isinstance(args[0], dict):
             values = dict(args[0])
+        elif len(args) == 1 and isinstance(args[0], argparse.Namespace):
+            values = vars(args[0]).copy()  # Lightning's: the Namespace's entries are the hyperparameters
         else:
             caller = frame if frame is not None else inspect.currentframe().f_back
             init_args = _init_arguments(caller)
@@ -367,8 +370,47 @@ class Module(HyperparametersMixin, nn.Module):
         else:
             scheduler.step(metric)
 
-    for _hook in (optimizer_step, optimizer_zero_grad, lr_scheduler_step):
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """Lightning's: ``loss.backward(*args, **kwargs)`` for every micro-batch (and every
+        ``manual_backward``). Override it to backpropagate another way."""
+        loss.backward(*args, **kwargs)
+
+    for _hook in (optimizer_step, optimizer_zero_grad, lr_scheduler_step, backward):
         _hook.hookloop_placeholder = True  # not the user's: optimization.overridden
+    del _hook
+
+    # Lightning's model-mode hooks of evaluation: overridden, each replaces what the loop
+    # does (hookloop.engine.loop._eval_mode/_train_mode); these defaults are that.
+
+    def on_validation_model_eval(self) -> None:
+        """Lightning's: ``self.trainer.model.eval()`` before validation (the sanity check's
+        too). Override it to keep some layers in train mode."""
+        self.trainer.model.eval()
+
+    def on_validation_model_train(self) -> None:
+        """Lightning's: after validation, the train mode back (the loop restores the mode
+        the model had; an override sets it instead)."""
+        self.trainer.model.train()
+
+    def on_test_model_eval(self) -> None:
+        """Lightning's: ``self.trainer.model.eval()`` before testing."""
+        self.trainer.model.eval()
+
+    def on_test_model_train(self) -> None:
+        """Lightning's: after testing, the train mode back (see on_validation_model_train)."""
+        self.trainer.model.train()
+
+    def on_predict_model_eval(self) -> None:
+        """Lightning's: ``self.trainer.model.eval()`` before predicting."""
+        self.trainer.model.eval()
+
+    def on_predict_model_train(self) -> None:
+        """Lightning's: after predicting, the train mode back (see on_validation_model_train)."""
+        self.trainer.model.train()
+
+    for _hook in (on_validation_model_eval, on_validation_model_train, on_test_model_eval, on_test_model_train,
+                  on_predict_model_eval, on_predict_model_train):
+        _hook.hookloop_placeholder = True  # not the user's: hookloop.engine.loop._module_override
     del _hook
 
     def toggle_optimizer(self, optimizer: Any) -> None:

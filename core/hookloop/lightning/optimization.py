@@ -17,9 +17,14 @@ costs nothing per step (the engine's plain-torch path stays):
 * ``optimizer_zero_grad(epoch, batch_idx, optimizer)``: at each window's first batch,
   after ``on_before_zero_grad``;
 * ``lr_scheduler_step(scheduler, metric)``: for every scheduler step the loop takes
-  (``metric``: the monitored value of a plateau scheduler, else ``None``).
+  (``metric``: the monitored value of a plateau scheduler, else ``None``);
+* ``backward(loss, **backward_kwargs)``: in place of ``loss.backward()``, for every
+  micro-batch and every ``manual_backward`` (as Lightning). A plugin that runs the
+  backward itself (fp16's loss scaling, DeepSpeed's engine) cannot hand it over: with one
+  of them the override is refused when ``fit`` starts.
 
-Under manual optimization none is called (as Lightning): the module steps its optimizers.
+Under manual optimization the first three are not called (as Lightning): the module steps
+its optimizers.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from hookloop.contract.hookspecs import hookimpl
 
 #: the plugin's name in a run
 NAME = "lightning_module_optimization"
-HOOKS = ("optimizer_step", "optimizer_zero_grad", "lr_scheduler_step")
+HOOKS = ("optimizer_step", "optimizer_zero_grad", "lr_scheduler_step", "backward")
 
 
 def overridden(module: Any, name: str) -> bool:
@@ -102,10 +107,20 @@ class ModuleOptimization:
             def zero_grad(self, trainer, optimizer, model):
                 return self._zero_grad(trainer, optimizer, model)
             namespace["zero_grad"] = hookimpl(tryfirst=True)(zero_grad)
-        if "lr_scheduler_step" in hooks:
+        if "lr_scheduler_step" in hooks or "backward" in hooks:
             def on_fit_start(self, trainer):
-                self._route_schedulers(trainer)
+                if "lr_scheduler_step" in hooks:
+                    self._route_schedulers(trainer)
+                if "backward" in hooks:
+                    _check_backward_handover(trainer, self)
             namespace["on_fit_start"] = hookimpl(tryfirst=True)(on_fit_start)
+        if "backward" in hooks:
+            # before hookloop.defaults' loss.backward(), which it replaces (any other
+            # implementation is refused at on_fit_start); a wrapper (DDP's reducer) wraps it
+            def backward(self, trainer, loss):
+                trainer.module.backward(loss, **trainer.backward_kwargs)
+                return True
+            namespace["backward"] = hookimpl(backward)
         return type(cls.__name__, (cls,), namespace)()
 
     def _optimizer_step(self, trainer: Any, optimizer: Any, model: Any) -> bool | None:
@@ -132,6 +147,22 @@ class ModuleOptimization:
         step = trainer.module.lr_scheduler_step
         for config in trainer.lr_scheduler_configs:
             config.step_with = step
+
+
+def _check_backward_handover(trainer: Any, plugin: Any) -> None:
+    """The module's ``backward`` override is called where ``loss.backward()`` would be: a
+    plugin that runs the backward itself (before it, not as a wrapper) would bypass it."""
+    from hookloop.contract.errors import ConfigurationError
+    from hookloop.contract.pluginspec import plugin_name
+
+    others = sorted({plugin_name(impl.plugin) for impl in trainer.hook.backward.get_hookimpls()
+                     if impl.plugin is not plugin and not (impl.wrapper or impl.hookwrapper)
+                     and impl.plugin_name != "hookloop.defaults"})
+    if others:
+        raise ConfigurationError(
+            f"{type(trainer.module).__name__} overrides backward(), and {', '.join(others)} runs the backward itself "
+            f"(fp16 loss scaling, a strategy's engine), so the override would not be called: remove the override "
+            f"(put what it adds in on_before_backward/on_after_backward) or run without {', '.join(others)}")
 
 
 def _other_implementations(trainer: Any, name: str, plugin: Any) -> Any:

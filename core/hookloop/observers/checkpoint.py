@@ -26,7 +26,7 @@ import re
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_type_hints
 
 from hookloop.resume.checkpoint import NONFINITE, _write_checkpoint, atomic_copy, atomic_copy_tree, deferred_writes
 from hookloop.contract.errors import CheckpointError, ConfigurationError
@@ -56,7 +56,10 @@ class ModelCheckpoint:
         to the newest top-k checkpoint (a file while none was saved), as Lightning's;
         False: no ``last.ckpt`` anywhere (no resume file)
     save_on_exception: when ``fit`` raises, save a checkpoint named by ``filename`` (and
-        ``last.ckpt``) first, as Lightning's (False)
+        ``last.ckpt``) first, as Lightning's (False): not in a ``fast_dev_run`` or the
+        sanity check, nor at a step whose checkpoint was saved
+    enable_version_counter: a name already taken in ``dirpath`` (another run's file) gets
+        ``-v1``, ``-v2``... (``STARTING_VERSION`` first), as Lightning's; False: written over
     every_n_epochs: save in every n-th epoch (0: never by epochs; None: 1, or 0 when
         every_n_train_steps is given, as in Lightning)
     every_n_train_steps: also save every n optimizer steps (None: not within epochs)
@@ -75,11 +78,16 @@ class ModelCheckpoint:
 
     hookloop_name = "checkpoint"
     hookloop_role = "observer"
+    #: Lightning's: the first version suffix of a name already taken (``name-v1.ckpt``)
+    STARTING_VERSION = 1
+    #: Lightning's name of the last checkpoint; only "last" (refused otherwise at setup)
+    CHECKPOINT_NAME_LAST = "last"
 
     def __init__(self, dirpath: str | os.PathLike | None = None, filename: str | None = None, monitor: str | None = None,
-                 mode: str = "min", save_top_k: int = 1, save_last: bool | None = None, every_n_epochs: int | None = None,
+                 mode: str = "min", save_top_k: int = 1, save_last: bool | Literal["link"] | None = None, every_n_epochs: int | None = None,
                  every_n_train_steps: int | None = None, auto_insert_metric_name: bool = True,
-                 save_on_train_epoch_end: bool | None = None, async_save: bool = False, save_on_exception: bool = False):
+                 save_on_train_epoch_end: bool | None = None, async_save: bool = False, save_on_exception: bool = False,
+                 enable_version_counter: bool = True):
         if mode not in ("min", "max"):
             raise ConfigurationError(
                 f"checkpoint mode={mode!r} must be 'min' (lower {monitor or 'monitored value'} is better) or 'max'")
@@ -98,6 +106,9 @@ class ModelCheckpoint:
                 f"checkpoint every_n_epochs={every_n_epochs!r} must be an integer >= 0 (or None)")
         if save_last not in (None, True, False, "link"):
             raise ConfigurationError(f"checkpoint save_last={save_last!r} must be True, False, 'link' or None")
+        if enable_version_counter not in (True, False):
+            raise ConfigurationError(
+                f"checkpoint enable_version_counter={enable_version_counter!r} must be True or False")
         if save_on_exception not in (True, False):
             raise ConfigurationError(f"checkpoint save_on_exception={save_on_exception!r} must be True or False")
         if save_on_train_epoch_end not in (None, True, False):
@@ -106,11 +117,14 @@ class ModelCheckpoint:
         if every_n_train_steps is not None and (not isinstance(every_n_train_steps, int) or every_n_train_steps < 1):
             raise ConfigurationError(
                 f"checkpoint every_n_train_steps={every_n_train_steps!r} must be None or an integer >= 1")
+        #: a URL given as dirpath (``memory://...``): refused with save_last="link" at setup
+        self._remote = str(dirpath) if dirpath and "://" in str(dirpath) else None
         if dirpath:  # as Lightning: the absolute, resolved directory (setup resolves None)
             dirpath = os.path.realpath(os.path.expanduser(dirpath))
         self.dirpath, self.filename, self.monitor, self.mode = dirpath, filename, monitor, mode
         self._dirpath_given = dirpath is not None
         self.save_on_exception = save_on_exception
+        self.enable_version_counter = enable_version_counter
         self.save_top_k, self.save_last = save_top_k, save_last
         self.every_n_epochs, self.every_n_train_steps = every_n_epochs, every_n_train_steps
         self.auto_insert_metric_name = auto_insert_metric_name
@@ -123,7 +137,7 @@ class ModelCheckpoint:
         self.last_model_path = ""
         #: Lightning's: the monitored value of the newest top-k save, and the worst kept
         #: checkpoint (the one the next better value pushes out) once k are kept
-        self.current_score: float | None = None
+        self.current_score: Any = None  # a 0-d tensor, as Lightning's
         self.kth_best_model_path = ""
         self.kth_value: float = math.inf if mode == "min" else -math.inf
         self._last_checkpoint_saved = ""  # the newest top-k file written (save_last="link" points to it)
@@ -138,6 +152,10 @@ class ModelCheckpoint:
         # that optimizer step (accumulation) do not save again; in the checkpoint, so a
         # resume inside such a window does not either.
         self._last_global_step_saved: int | None = None
+        #: Lightning's ``_last_global_step_saved``: the step of the newest file written for
+        #: the user (top-k, or save_last's last.ckpt; not hookloop's resume file): no
+        #: save_on_exception there (0: none before the first step either)
+        self._step_saved_for_user = 0
         self._steps: Any = None
         self._validated = False  # a validation of this fit has run: the monitor must be there
         self._deferred = False  # a step's save waits for the next validation's metric
@@ -153,12 +171,24 @@ class ModelCheckpoint:
 
     # -- the run --------------------------------------------------------------------------
 
+    # pl_module: a Lightning subclass's override calls these hooks through super() with
+    # Lightning's arguments (pluggy passes only trainer; the stage is then the run's)
     @hookimpl
-    def setup(self, trainer, stage):
+    def setup(self, trainer, pl_module=None, stage=None):
+        stage = trainer.state.fn if stage is None else stage
         if stage != "fit":
             return
+        if self.CHECKPOINT_NAME_LAST != "last":
+            raise ConfigurationError(
+                f"ModelCheckpoint.CHECKPOINT_NAME_LAST={self.CHECKPOINT_NAME_LAST!r}: hookloop names the last "
+                f"checkpoint last.ckpt (ckpt_path='last' and restarts find it by that name); leave it 'last' and copy "
+                f"trainer.checkpoint_callback.last_model_path after fit to keep it under another name")
+        if self.save_last == "link" and self._remote:
+            raise ValueError(f"`ModelCheckpoint(save_last='link')` is only supported for local file paths, got "
+                             f"`dirpath={self._remote}`: give a local directory")
         self._validated = self._deferred = False
         self._last_global_step_saved = None  # a new fit; a resume restores it after this
+        self._step_saved_for_user = 0
         trainer.state.after_validation.append(self._after_validation)
         self.resume_dir = Path(trainer.log_dir) / "checkpoints"
         self.dir = Path(self.dirpath) if self._dirpath_given else self.resume_dir
@@ -220,14 +250,15 @@ class ModelCheckpoint:
     # trylast: as Lightning runs checkpoint callbacks after the others, so what they
     # changed at this event (an early-stopping count) is in the checkpoint.
     @hookimpl(trylast=True)
-    def on_train_epoch_end(self, trainer, epoch):
+    def on_train_epoch_end(self, trainer, pl_module=None):
+        epoch = trainer.current_epoch
         if self._saves_at_epoch_end(trainer) and self.every_n_epochs and (epoch + 1) % self.every_n_epochs == 0:
             self.save(trainer)
         elif self.save_last is not False:
             self.save(trainer, top_k=False)  # last.ckpt at every epoch's end (docs/decisions.md)
 
     @hookimpl
-    def on_validation_end(self, trainer):
+    def on_validation_end(self, trainer, pl_module=None):
         if trainer.state == "fit" and not trainer.sanity_checking:
             self._validated = True
 
@@ -256,7 +287,7 @@ class ModelCheckpoint:
         return config.check_val_every_n_epoch == 1 and config.val_check_interval == 1.0
 
     @hookimpl(trylast=True)
-    def on_train_end(self, trainer):
+    def on_train_end(self, trainer, pl_module=None):
         """Training stopped inside an epoch: save where it stopped, so a resume continues
         at the next batch."""
         if trainer.batch_idx and self._position(trainer) != self._last_saved:
@@ -354,9 +385,12 @@ class ModelCheckpoint:
                 drop = self._book(path, value)
                 writes = self._write(trainer, path)
                 written = self._last_checkpoint_saved = path
+                self._step_saved_for_user = trainer.global_step
                 self._remove(trainer, drop, background)
         self._last_saved = position
         lasts = self._last_paths()
+        if lasts and self.save_last:  # Lightning's last.ckpt (not only hookloop's resume file)
+            self._step_saved_for_user = trainer.global_step
         if lasts:
             if lasts[-1].parent == self.dir and self.dir != self.resume_dir:
                 # dirpath's last.ckpt (save_last=True/"link"): versioned as the top-k files;
@@ -443,9 +477,11 @@ class ModelCheckpoint:
         and is not ``replaceable`` (Lightning's version counter). Global rank 0 looks, and
         every rank gets its answer (the name is part of a collective save)."""
         chosen = path
+        if not self.enable_version_counter:
+            return path  # Lightning's enable_version_counter=False: written over
         if trainer.is_global_zero:
             stem, suffix = (path[:-len(".ckpt")], ".ckpt") if path.endswith(".ckpt") else (path, "")
-            version = 1
+            version = self.STARTING_VERSION
             while os.path.lexists(chosen) and chosen != replaceable:
                 chosen = f"{stem}-v{version}{suffix}"
                 version += 1
@@ -471,7 +507,7 @@ class ModelCheckpoint:
             self.best_model_path = path
             return drop
         self.best_k_models[path] = value
-        self.current_score = value
+        self.current_score = _tensor(value)
         if self.save_top_k != -1 and len(self.best_k_models) > self.save_top_k:
             worst = self._worst()
             del self.best_k_models[worst]
@@ -580,13 +616,28 @@ class ModelCheckpoint:
                 f"Only `best_model_path` will be reloaded.", stacklevel=2)
         self.best_model_path = state_dict["best_model_path"]
 
+    def to_yaml(self, filepath: str | os.PathLike | None = None) -> None:
+        """Lightning's: write ``best_k_models`` (path: score) as YAML to ``filepath``
+        (default: ``best_k_models.yaml`` in ``dirpath``)."""
+        import yaml
+
+        if filepath is None:
+            if not self.dirpath:
+                raise ConfigurationError(
+                    "ModelCheckpoint.to_yaml() without a filepath writes into dirpath, which is set when fit starts: "
+                    "pass to_yaml('<file>.yaml') or call it after fit")
+            filepath = os.path.join(self.dirpath, "best_k_models.yaml")
+        with open(filepath, "w") as out:
+            yaml.dump({path: float(score) for path, score in self.best_k_models.items()}, out)
+
     @hookimpl
     def on_exception(self, trainer, exception):
         """``save_on_exception``: a checkpoint of where ``fit`` failed, named by
         ``filename`` (not ranked), and ``last.ckpt``, as Lightning's."""
-        saved_here = self._last_saved is not None and self._last_saved[1] == trainer.global_step
-        if (not self.save_on_exception or trainer.state.fn != "fit" or trainer.sanity_checking
-                or self.dir is None or saved_here):
+        # As Lightning: not in a fast_dev_run or the sanity check, nor where a checkpoint
+        # of this step was saved (hookloop's own resume last.ckpt does not count)
+        if (not self.save_on_exception or trainer.fast_dev_run or trainer.state.fn != "fit"
+                or trainer.sanity_checking or self.dir is None or self._step_saved_for_user == trainer.global_step):
             return
         path = self._versioned(trainer, str(self.dir / self.format_name(trainer)), None)
         trainer.save_checkpoint(path)
@@ -606,7 +657,7 @@ class ModelCheckpoint:
             "best_k_models": dict(self.best_k_models), "best_model_path": self.best_model_path,
             "best_model_score": self.best_model_score, "last_model_path": self.last_model_path,
             "latest": list(self.latest), "last_global_step_saved": self._last_global_step_saved,
-            "current_score": self.current_score, "kth_best_model_path": self.kth_best_model_path,
+            "current_score": _float(self.current_score), "kth_best_model_path": self.kth_best_model_path,
             "kth_value": self.kth_value,
         }
 
@@ -626,7 +677,7 @@ class ModelCheckpoint:
         self.best_k_models = {p: s for p, s in state["best_k_models"].items() if Path(p).exists()}
         self.best_model_path, self.best_model_score = state["best_model_path"], state["best_model_score"]
         self.last_model_path, self.latest = state["last_model_path"], list(state["latest"])
-        self.current_score = state.get("current_score")
+        self.current_score = _tensor(state.get("current_score"))
         self.kth_best_model_path = state.get("kth_best_model_path", "")
         self.kth_value = state.get("kth_value", self.kth_value)
 
@@ -718,3 +769,9 @@ class _SaveEverySteps:
     def _validates_this_epoch(self, trainer) -> bool:
         every = trainer.config.check_val_every_n_epoch
         return self.owner._validation_enabled(trainer) and (every is None or (trainer.current_epoch + 1) % every == 0)
+
+
+# Types, not strings, in ModelCheckpoint's signature (as Lightning's): its CLI (jsonargparse)
+# and code reading ``inspect.signature(ModelCheckpoint)`` parse arguments by them
+# (``--save_last yes``, ``--save_last link``).
+ModelCheckpoint.__init__.__annotations__.update(get_type_hints(ModelCheckpoint.__init__))
