@@ -51,14 +51,15 @@ def test_status_entries_name_a_category_a_reason_and_a_test_passing_under_lightn
 def test_a_name_hookloop_lacks_fails_the_test_that_uses_it_not_the_file():
     source = ("import pytest\n"
               "from lightning.pytorch.callbacks import ThroughputMonitor\n"
-              "from lightning.pytorch.callbacks.early_stopping import EarlyStopping, EarlyStoppingReason\n"
-              "REASONS = [EarlyStoppingReason.PATIENCE_EXHAUSTED]\n")
+              "from lightning.pytorch.callbacks.early_stopping import EarlyStopping\n"
+              "from lightning.pytorch.trainer.states import TrainerFn\n"
+              "REASONS = [TrainerFn.FITTING]\n")
     ns: dict = {}
     exec(rewrite(source, "hookloop", missing="placeholder"), ns)  # the module imports: collection works
     import hookloop
 
     assert ns["EarlyStopping"] is hookloop.EarlyStopping
-    with pytest.raises(ImportError, match="EarlyStoppingReason"):
+    with pytest.raises(ImportError, match="TrainerFn"):
         ns["REASONS"][0]()
     with pytest.raises(TypeError, match="hookloop_lacks_ThroughputMonitor"):
         with pytest.raises(ns["ThroughputMonitor"]):
