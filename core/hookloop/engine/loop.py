@@ -144,9 +144,7 @@ def _fit_epochs(trainer, train_loader, step: TrainStep, validation, max_epochs: 
         epoch = trainer.current_epoch
         resumed_stage = trainer.state.loop_stage
         if resumed_stage != "epoch_end":
-            sampler = getattr(train_loader, "sampler", None)
-            if sampler is not None and hasattr(sampler, "set_epoch"):
-                sampler.set_epoch(epoch)
+            _set_sampler_epoch(train_loader, epoch)
             if not trainer.batch_idx and not started:
                 trainer.state.metrics.start("train")  # a mid-epoch resume keeps the restored sums
                 trainer.state.epoch_val_metrics = {}
@@ -222,9 +220,10 @@ class _ValidationSchedule:
         else:
             if self.enabled and self.every_n_epochs is not None and n is not None and interval > n:
                 raise ConfigurationError(
-                    f"val_check_interval={interval} is more than the {n} training batches of an "
-                    f"epoch: validate every N <= {n} batches, or count batches across epochs with "
-                    f"check_val_every_n_epoch=None (limit_val_batches=0 turns validation off)"
+                    f"`val_check_interval` ({interval}) must be less than or equal to the number "
+                    f"of the training batches ({n}) of an epoch: validate every N <= {n} batches, "
+                    f"or count batches across epochs with check_val_every_n_epoch=None "
+                    f"(limit_val_batches=0 turns validation off)"
                 )
             self.batches = interval
 

@@ -29,7 +29,7 @@ from torch.utils.data import (
     BatchSampler,
     DataLoader,
     DistributedSampler,
-    RandomSampler,
+    IterableDataset,
     SequentialSampler,
 )
 
@@ -38,7 +38,7 @@ from hookloop.contract.hookspecs import MODULE_HOOKS, hookimpl
 from hookloop.dispatch import resolve_events
 from hookloop.distributed import faults
 from hookloop.distributed.mesh import build_device_mesh
-from hookloop.distributed.ranks import rank_zero_only
+from hookloop.distributed.ranks import rank_zero_only, rank_zero_warn
 from hookloop.distributed.strategy import data_parallel_rank
 from hookloop.engine import loop
 from hookloop.engine.loop import _per_device_batch, batch_limit
@@ -72,10 +72,13 @@ def fit(trainer) -> None:
         # skippable by index, with per-batch worker seeds (hookloop.loader_state)
         train_loader = state.fit_train_loader = loader_state.resumable_loader(train_loader)
         # with workers: per-batch worker seeds, the same after a resume (hookloop.loader_state)
+        val_given = trainer.val_dataloaders or []
+        if config.overfit_batches:
+            val_given = [_overfit_loader(trainer, v, "val") for v in val_given]
         val_loaders = [loader_state.resumable_loader(prepare_loader(trainer, v, training=False))
                        if getattr(v, "num_workers", 0)
                        else prepare_loader(trainer, v, training=False)
-                       for v in trainer.val_dataloaders or []]
+                       for v in val_given]
         state.fit_val_loaders = val_loaders
         warn_repeated_samples(trainer, val_loaders, "validation")
         if val_loaders and not callable(getattr(trainer.module, "validation_step", None)):
@@ -465,14 +468,19 @@ def warn_repeated_samples(trainer, loaders: list, what: str) -> None:
             )
 
 
-def _overfit_loader(trainer, loader: DataLoader) -> DataLoader:
-    """``overfit_batches``: the same first batches every epoch, never shuffled."""
-    if isinstance(loader.sampler, RandomSampler):
-        trainer.print("hookloop: overfit_batches: the training loader's shuffling is turned off, "
-                      "so every epoch sees the same batches")
+def _overfit_loader(trainer, loader: DataLoader, prefix: str = "train") -> DataLoader:
+    """``overfit_batches``: the same first batches every epoch, never shuffled. A map-style
+    loader whose sampler is not sequential (a ``RandomSampler``, any custom sampler) gets a
+    sequential one, with Lightning's warning (``prefix``: Lightning's name of the loader)."""
+    sampler = loader.sampler
+    if not isinstance(sampler, SequentialSampler) and not isinstance(loader.dataset,
+                                                                     IterableDataset):
+        rank_zero_warn(f"You requested to overfit but enabled {prefix} dataloader shuffling. We "
+                       f"are turning off the {prefix} dataloader shuffling for you.")
+        return rebuild_dataloader(loader, OrderedSampler(loader.dataset))  # type: ignore[arg-type]
     sharded = trainer.world_size > 1 and trainer.config.use_distributed_sampler
-    if isinstance(loader.sampler, RandomSampler) or (
-            sharded and type(loader.sampler) is SequentialSampler
+    if prefix == "train" and (
+            sharded and type(sampler) is SequentialSampler
             and type(loader.batch_sampler) is BatchSampler):
         # Sequential, and kept so by the distributed sampler (which shuffles training loaders).
         # a map-style dataset (sized: RandomSampler and SequentialSampler take its len)
@@ -589,9 +597,39 @@ def _module_hook_impl(module: nn.Module, name: str, args: tuple[str, ...]):
             metrics.update(finished)
             log_epoch_row(trainer, finished)
 
+    elif "dataloader_idx" in args:
+        impl = _batch_hook_function(name, args, method)
     else:
         impl = _forwarding_function(name, args, method)
     return hookimpl(tryfirst=True)(impl)
+
+
+#: the trainer's loaders of each evaluation stage, by the word in its hooks' names
+_STAGE_LOADERS = {"validation": "val_dataloaders", "test": "test_dataloaders",
+                  "predict": "predict_dataloaders"}
+
+
+def _batch_hook_function(name: str, args: tuple[str, ...], target: Any) -> Callable[..., Any]:
+    """An evaluation batch hook of the module (``on_validation_batch_start(batch, batch_idx,
+    dataloader_idx)``...): ``dataloader_idx`` is passed only when the stage has several
+    loaders, as Lightning passes it (a hook without the argument works with one loader)."""
+    loaders = _STAGE_LOADERS[name.split("_")[1]]
+    if args[0] == "outputs":
+        def forward_end(self, trainer, outputs, batch, batch_idx, dataloader_idx):
+            if len(getattr(trainer, loaders) or ()) > 1:
+                return target(outputs, batch, batch_idx, dataloader_idx)
+            return target(outputs, batch, batch_idx)
+
+        forward = forward_end
+    else:
+        def forward_start(self, trainer, batch, batch_idx, dataloader_idx):
+            if len(getattr(trainer, loaders) or ()) > 1:
+                return target(batch, batch_idx, dataloader_idx)
+            return target(batch, batch_idx)
+
+        forward = forward_start
+    forward.__name__ = forward.__qualname__ = name
+    return forward
 
 
 #: ``self, <args> -> target(<args>)`` for each argument list of ``MODULE_HOOKS``: pluggy
@@ -604,14 +642,8 @@ _FORWARDERS: dict[tuple[str, ...], Callable[[Any], Callable[..., Any]]] = {
     ("optimizer",): lambda t: lambda self, optimizer: t(optimizer),
     ("checkpoint",): lambda t: lambda self, checkpoint: t(checkpoint),
     ("batch", "batch_idx"): lambda t: lambda self, batch, batch_idx: t(batch, batch_idx),
-    ("batch", "batch_idx", "dataloader_idx"):
-        lambda t: lambda self, batch, batch_idx, dataloader_idx:
-            t(batch, batch_idx, dataloader_idx),
     ("outputs", "batch", "batch_idx"):
         lambda t: lambda self, outputs, batch, batch_idx: t(outputs, batch, batch_idx),
-    ("outputs", "batch", "batch_idx", "dataloader_idx"):
-        lambda t: lambda self, outputs, batch, batch_idx, dataloader_idx:
-            t(outputs, batch, batch_idx, dataloader_idx),
 }
 
 
