@@ -614,6 +614,7 @@ def _batch_hook_function(name: str, args: tuple[str, ...], target: Any) -> Calla
     dataloader_idx)``...): ``dataloader_idx`` is passed only when the stage has several
     loaders, as Lightning passes it (a hook without the argument works with one loader)."""
     loaders = _STAGE_LOADERS[name.split("_")[1]]
+    forward: Callable[..., Any]
     if args[0] == "outputs":
         def forward_end(self, trainer, outputs, batch, batch_idx, dataloader_idx):
             if len(getattr(trainer, loaders) or ()) > 1:

@@ -175,10 +175,10 @@ class TrainerConfig:
             raise ConfigurationError(
                 "`val_check_interval` should be an integer or a time-based duration (str "
                 "'DD:HH:MM:SS', datetime.timedelta, or dict kwargs for timedelta) when "
-                f"`check_val_every_n_epoch=None`. hookloop refuses the durations (docs/lightning.md): "
-                f"check_val_every_n_epoch=None counts batches across epochs, so give "
-                f"val_check_interval a number of batches (an integer), or keep {interval!r} (a "
-                f"fraction of the epoch) with check_val_every_n_epoch=1"
+                "`check_val_every_n_epoch=None`. hookloop refuses the durations "
+                "(docs/lightning.md): check_val_every_n_epoch=None counts batches across epochs, "
+                "so give val_check_interval a number of batches (an integer), or keep "
+                f"{interval!r} (a fraction of the epoch) with check_val_every_n_epoch=1"
             )
         if not _is_int(self.num_sanity_val_steps) or self.num_sanity_val_steps < -1:
             raise ConfigurationError(
