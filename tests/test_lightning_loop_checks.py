@@ -189,3 +189,30 @@ def test_val_check_interval_refusals_use_lightnings_words(tmp_path):
         with pytest.raises(ValueError, match=r"`val_check_interval` \(5\) must be less than or equal to the "
                                              r"number of the training batches \(3\)"):
             run.fit(make_module(base), DataLoader(tiny_data(16), batch_size=2), DataLoader(tiny_data(4)))
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"max_steps": 2}, {"max_time": {"minutes": 5}}, {"fast_dev_run": 2},
+                                    {"max_epochs": 2}])
+def test_max_epochs_not_given_is_settled_and_warned_as_lightning(kwargs, tmp_path):
+    from lightning_fabric.utilities.warnings import PossibleUserWarning as LightningPossibleUserWarning
+
+    from hookloop.contract.errors import PossibleUserWarning
+
+    seen = {}
+    for framework, (_, base) in FRAMEWORKS.items():
+        category = LightningPossibleUserWarning if framework == "lightning" else PossibleUserWarning
+        module = make_module(base, training_step=_stop_at_first_batch)
+        run = trainer_of(framework, tmp_path, limit_train_batches=1, limit_val_batches=0,
+                         **{"max_epochs": None, **kwargs})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run.fit(module, DataLoader(tiny_data(8), batch_size=4))
+        said = [str(w.message) for w in caught if issubclass(w.category, category) and "max_epochs" in str(w.message)]
+        seen[framework] = (said, run.max_epochs)
+    assert seen["hookloop"] == seen["lightning"]
+    assert bool(seen["hookloop"][0]) == (kwargs == {})
+
+
+def _stop_at_first_batch(self, batch, batch_idx):
+    self.trainer.should_stop = True
+    return F.cross_entropy(self.net(batch[0]), batch[1])
