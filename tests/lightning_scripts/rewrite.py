@@ -68,6 +68,7 @@ NAMES = {
     "TRAIN_DATALOADERS": "hookloop.contract.types:TRAIN_DATALOADERS",
     "EVAL_DATALOADERS": "hookloop.contract.types:EVAL_DATALOADERS",
     "MisconfigurationException": "hookloop.contract.errors:MisconfigurationException",
+    "PossibleUserWarning": "hookloop.contract.errors:PossibleUserWarning",
     "DDPStrategy": "hookloop.lightning.strategies:DDPStrategy",
     "FSDPStrategy": "hookloop.lightning.strategies:FSDPStrategy",
     "DeepSpeedStrategy": "hookloop.lightning.strategies:DeepSpeedStrategy",

@@ -26,6 +26,12 @@ class ConfigurationError(HookloopError, ValueError):
 MisconfigurationException = ConfigurationError
 
 
+class PossibleUserWarning(UserWarning):
+    """A warning that may be a false positive (Lightning's
+    ``lightning.pytorch.utilities.warnings.PossibleUserWarning``): filter it out when the
+    setting it names is what you meant."""
+
+
 class HookSignatureError(ConfigurationError, RuntimeError):
     """A module method whose arguments cannot take what the loop passes it (Lightning
     raises a ``RuntimeError`` for these: code that catches one catches this)."""

@@ -23,9 +23,11 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from hookloop.contract.errors import ConfigurationError
+from hookloop.contract.errors import ConfigurationError, PossibleUserWarning
+from hookloop.contract.pluginspec import plugin_name
 from hookloop.dispatch import event
 from hookloop.distributed import faults
+from hookloop.distributed.ranks import rank_zero_warn
 from hookloop.engine.optim import step_schedulers
 from hookloop.engine.step import (
     EVENT_PREFIX,
@@ -90,6 +92,7 @@ def fit(trainer, train_loader: Any, val_loaders: list) -> None:
     ``on_train_start``, the epochs, ``on_train_end``/``on_fit_end`` (the session made
     the model, the loaders and the restore)."""
     config, hook, state = trainer.config, trainer.hook, trainer.state
+    _settle_max_epochs(trainer)
     validation = _ValidationSchedule(trainer, train_loader, val_loaders)
     hook.on_fit_start(trainer=trainer)
     if val_loaders and config.num_sanity_val_steps and validation.enabled:
@@ -111,9 +114,7 @@ def fit(trainer, train_loader: Any, val_loaders: list) -> None:
     finally:
         metrics.epoch_level = False
     max_epochs = config.max_epochs
-    if max_epochs is None:
-        max_epochs = 1000 if config.max_steps is None else sys.maxsize
-    elif max_epochs == -1:  # Lightning's: no epoch limit
+    if max_epochs is None or max_epochs == -1:  # Lightning's: no epoch limit
         max_epochs = sys.maxsize
     step = TrainStep.build(trainer)
     # SIGTERM: stop at an optimizer-step boundary the ranks agree on, with a checkpoint
@@ -135,6 +136,21 @@ def fit(trainer, train_loader: Any, val_loaders: list) -> None:
     preemption.uninstall()
 
 
+def _settle_max_epochs(trainer) -> None:
+    """``max_epochs`` not given: 1000 epochs, with Lightning's warning, unless ``max_steps``
+    or a ``Timer`` (``max_time``) ends the fit; then no epoch limit (-1). Set for the
+    trainer's fits, as Lightning's ``trainer.max_epochs`` reads it from the first fit on."""
+    config = trainer.config
+    if config.max_epochs is not None:
+        return
+    if config.max_steps is None and not any(plugin_name(p) == "timer" for p in trainer.plugins):
+        rank_zero_warn("`max_epochs` was not set. Setting it to 1000 epochs. To train without an "
+                       "epoch limit, set `max_epochs=-1`.", category=PossibleUserWarning)
+        config.max_epochs = 1000
+    else:
+        config.max_epochs = -1
+
+
 def _fit_epochs(trainer, train_loader, step: TrainStep, validation, max_epochs: int,
                 started: bool = False) -> None:
     """The epochs of ``fit``, from where a restored checkpoint left off (``started``: the
@@ -144,9 +160,7 @@ def _fit_epochs(trainer, train_loader, step: TrainStep, validation, max_epochs: 
         epoch = trainer.current_epoch
         resumed_stage = trainer.state.loop_stage
         if resumed_stage != "epoch_end":
-            sampler = getattr(train_loader, "sampler", None)
-            if sampler is not None and hasattr(sampler, "set_epoch"):
-                sampler.set_epoch(epoch)
+            _set_sampler_epoch(train_loader, epoch)
             if not trainer.batch_idx and not started:
                 trainer.state.metrics.start("train")  # a mid-epoch resume keeps the restored sums
                 trainer.state.epoch_val_metrics = {}
@@ -222,9 +236,10 @@ class _ValidationSchedule:
         else:
             if self.enabled and self.every_n_epochs is not None and n is not None and interval > n:
                 raise ConfigurationError(
-                    f"val_check_interval={interval} is more than the {n} training batches of an "
-                    f"epoch: validate every N <= {n} batches, or count batches across epochs with "
-                    f"check_val_every_n_epoch=None (limit_val_batches=0 turns validation off)"
+                    f"`val_check_interval` ({interval}) must be less than or equal to the number "
+                    f"of the training batches ({n}) of an epoch: validate every N <= {n} batches, "
+                    f"or count batches across epochs with check_val_every_n_epoch=None "
+                    f"(limit_val_batches=0 turns validation off)"
                 )
             self.batches = interval
 

@@ -29,7 +29,7 @@ from torch.utils.data import (
     BatchSampler,
     DataLoader,
     DistributedSampler,
-    RandomSampler,
+    IterableDataset,
     SequentialSampler,
 )
 
@@ -38,7 +38,7 @@ from hookloop.contract.hookspecs import MODULE_HOOKS, hookimpl
 from hookloop.dispatch import resolve_events
 from hookloop.distributed import faults
 from hookloop.distributed.mesh import build_device_mesh
-from hookloop.distributed.ranks import rank_zero_only
+from hookloop.distributed.ranks import rank_zero_only, rank_zero_warn
 from hookloop.distributed.strategy import data_parallel_rank
 from hookloop.engine import loop
 from hookloop.engine.loop import _per_device_batch, batch_limit
@@ -72,10 +72,13 @@ def fit(trainer) -> None:
         # skippable by index, with per-batch worker seeds (hookloop.loader_state)
         train_loader = state.fit_train_loader = loader_state.resumable_loader(train_loader)
         # with workers: per-batch worker seeds, the same after a resume (hookloop.loader_state)
+        val_given = trainer.val_dataloaders or []
+        if config.overfit_batches:
+            val_given = [_overfit_loader(trainer, v, "val") for v in val_given]
         val_loaders = [loader_state.resumable_loader(prepare_loader(trainer, v, training=False))
                        if getattr(v, "num_workers", 0)
                        else prepare_loader(trainer, v, training=False)
-                       for v in trainer.val_dataloaders or []]
+                       for v in val_given]
         state.fit_val_loaders = val_loaders
         warn_repeated_samples(trainer, val_loaders, "validation")
         if val_loaders and not callable(getattr(trainer.module, "validation_step", None)):
@@ -468,14 +471,19 @@ def warn_repeated_samples(trainer, loaders: list, what: str) -> None:
             )
 
 
-def _overfit_loader(trainer, loader: DataLoader) -> DataLoader:
-    """``overfit_batches``: the same first batches every epoch, never shuffled."""
-    if isinstance(loader.sampler, RandomSampler):
-        trainer.print("hookloop: overfit_batches: the training loader's shuffling is turned off, "
-                      "so every epoch sees the same batches")
+def _overfit_loader(trainer, loader: DataLoader, prefix: str = "train") -> DataLoader:
+    """``overfit_batches``: the same first batches every epoch, never shuffled. A map-style
+    loader whose sampler is not sequential (a ``RandomSampler``, any custom sampler) gets a
+    sequential one, with Lightning's warning (``prefix``: Lightning's name of the loader)."""
+    sampler = loader.sampler
+    if not isinstance(sampler, SequentialSampler) and not isinstance(loader.dataset,
+                                                                     IterableDataset):
+        rank_zero_warn(f"You requested to overfit but enabled {prefix} dataloader shuffling. We "
+                       f"are turning off the {prefix} dataloader shuffling for you.")
+        return rebuild_dataloader(loader, OrderedSampler(loader.dataset))  # type: ignore[arg-type]
     sharded = trainer.world_size > 1 and trainer.config.use_distributed_sampler
-    if isinstance(loader.sampler, RandomSampler) or (
-            sharded and type(loader.sampler) is SequentialSampler
+    if prefix == "train" and (
+            sharded and type(sampler) is SequentialSampler
             and type(loader.batch_sampler) is BatchSampler):
         # Sequential, and kept so by the distributed sampler (which shuffles training loaders).
         # a map-style dataset (sized: RandomSampler and SequentialSampler take its len)

@@ -173,8 +173,12 @@ class TrainerConfig:
             )
         if self.check_val_every_n_epoch is None and not _is_int(interval):
             raise ConfigurationError(
-                "check_val_every_n_epoch=None counts batches across epochs, which needs "
-                "val_check_interval to be a number of batches (an integer)"
+                "`val_check_interval` should be an integer or a time-based duration (str "
+                "'DD:HH:MM:SS', datetime.timedelta, or dict kwargs for timedelta) when "
+                "`check_val_every_n_epoch=None`. hookloop refuses the durations "
+                "(docs/lightning.md): check_val_every_n_epoch=None counts batches across epochs, "
+                "so give val_check_interval a number of batches (an integer), or keep "
+                f"{interval!r} (a fraction of the epoch) with check_val_every_n_epoch=1"
             )
         if not _is_int(self.num_sanity_val_steps) or self.num_sanity_val_steps < -1:
             raise ConfigurationError(

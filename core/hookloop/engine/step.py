@@ -184,14 +184,9 @@ def _forward(trainer, kind: str, n_loaders: int = 1):
     method: Any = getattr(module, name, None)
     # Lightning passes dataloader_idx only when there are several loaders: a single loader's
     # step(self, *args) gets (batch, batch_idx), as BoringModel's validation_step expects.
+    # (_check_dataloader_idx refused a step that cannot take it, before the run)
     with_idx = (kind != TRAIN and n_loaders > 1 and callable(method)
                 and _accepts_dataloader_idx(method))
-    if n_loaders > 1 and kind != PREDICT and not with_idx:
-        raise ConfigurationError(
-            f"{n_loaders} {kind} dataloaders were given, but {type(module).__name__}.{name}(batch, "
-            f"batch_idx) does not take dataloader_idx: define {name}(self, batch, batch_idx, "
-            f"dataloader_idx=0)"
-        )
     batch_only = callable(method) and not takes_batch_idx(method)
     if kind == TRAIN:
         # The per-step call: training_step itself when no strategy wrapped the module.
@@ -508,7 +503,8 @@ _LOADER_ARGUMENT = {VALIDATE: "val", TEST: "test", PREDICT: "predict"}
 def _check_dataloader_idx(module: Any, stage: str, n_loaders: int) -> None:
     """Lightning's check when an evaluation starts: with one loader, a step or batch hook
     whose ``dataloader_idx`` has no default (it is passed only with several loaders); with
-    several, a batch hook that cannot take one."""
+    several, a step or batch hook that cannot take one (a parameter of that name, or
+    ``*args``)."""
     prefix = EVENT_PREFIX[stage]
     names = (STEP_METHODS[stage], f"on_{prefix}_batch_start", f"on_{prefix}_batch_end")
     loader = f"{_LOADER_ARGUMENT[stage]}_dataloader"
@@ -529,7 +525,7 @@ def _check_dataloader_idx(module: Any, stage: str, n_loaders: int) -> None:
                 f"You provided only a single `{loader}`, but have included `dataloader_idx` in "
                 f"{where}: it is passed only with several loaders. Either remove the argument or "
                 f"give it a default value i.e. `dataloader_idx=0`.")
-        if n_loaders > 1 and name != STEP_METHODS[stage] and not _accepts_dataloader_idx(method):
+        if n_loaders > 1 and not _accepts_dataloader_idx(method):
             raise HookSignatureError(
                 f"You provided multiple `{loader}`, but no `dataloader_idx` argument in {where}. "
                 f"Try adding `dataloader_idx=0` to its signature.")

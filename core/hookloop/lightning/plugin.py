@@ -18,6 +18,7 @@ from typing import Any
 
 from hookloop.contract.pluginspec import plugin_name
 from hookloop.contract.translators import Translation, as_list
+from hookloop.distributed.ranks import rank_zero_info
 from hookloop.lightning import callbacks as callbacks_module
 from hookloop.lightning import loggers as loggers_module
 from hookloop.lightning import optimization, strategies, tuner
@@ -39,6 +40,7 @@ class LightningCompatibility:
 
     def translate(self, arguments: Mapping[str, Any]) -> Translation:
         given = dict(arguments)
+        say_batch_limits(given)
         # logger objects become plugins, first in the run (trainer.logger is the first)
         loggers = loggers_module.logger_objects(given.get("logger"))
         if loggers is not None:
@@ -79,6 +81,32 @@ LIGHTNING = LightningCompatibility()
 #: the callbacks Lightning runs several of (each acts); a second of any other kind given in
 #: ``callbacks=`` is the registry's conflict error, as Lightning refuses two progress bars
 SEVERAL_ALLOWED = frozenset({"early_stopping", "checkpoint"})
+
+
+#: Lightning's words for a limit of 1 / 1.0, which a reader may take for the other form
+_ONE = {"limit_train_batches": ("1 batch per epoch will be used.",
+                                "100% of the batches per epoch will be used."),
+        "val_check_interval": ("validation will run after every batch.",
+                               "validation will run at the end of the training epoch.")}
+
+
+def say_batch_limits(given: Mapping[str, Any]) -> None:
+    """Lightning's info line for a batch limit given as ``1`` or ``1.0`` (one batch, or the
+    whole loader: the type decides, which is easy to get wrong), for the arguments Lightning
+    reads in that run: with ``fast_dev_run`` only ``overfit_batches``, and with
+    ``overfit_batches`` not the train and validation limits it replaces."""
+    names = ["overfit_batches"]
+    if not given.get("fast_dev_run"):
+        if not given.get("overfit_batches"):
+            names += ["limit_train_batches", "limit_val_batches"]
+        names += ["limit_test_batches", "limit_predict_batches", "val_check_interval"]
+    for name in names:
+        value = given.get(name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != 1:
+            continue
+        batch, percent = _ONE.get(name, ("1 batch will be used.", "100% of the batches will be used."))
+        said = percent if isinstance(value, float) else batch
+        rank_zero_info(f"`Trainer({name}={value!r})` was configured so {said}")
 
 
 def _name_apart(objects: list) -> None:
