@@ -11,8 +11,11 @@ import warnings
 from pathlib import Path
 
 import pytest
+from torch.utils.data import DataLoader
 
-from test_lightning_checkpoint_compat import FRAMEWORKS, _fit
+import hookloop
+from test_lightning_checkpoint_compat import FRAMEWORKS, _fit, _scored
+from test_lightning_semantics import _data
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "oracle"))
 import frameworks  # noqa: E402
@@ -155,3 +158,17 @@ def test_without_a_logger_ckpt_path_last_resumes_from_dirpaths_last(tmp_path):
                        max_epochs=2, ckpt_path="last")
         steps[name] = (trainer.global_step, trainer.current_epoch)
     assert steps["hookloop"] == steps["lightning"] == (10, 2)
+
+
+def test_with_a_logger_last_ckpt_is_a_copy_and_the_resume_file_is_kept(tmp_path):
+    """Pins the documented difference in save counts (docs/decisions.md, "A run without a
+    logger"): with a logger, dirpath's last.ckpt is a copy of the top-k file saved with it
+    (one serialisation), and the run directory keeps its own resume last.ckpt."""
+    ckpt = hookloop.ModelCheckpoint(dirpath=str(tmp_path / "ck"), monitor="score", save_last=True)
+    trainer = hookloop.Trainer(default_root_dir=str(tmp_path), enable_progress_bar=False, max_epochs=1,
+                               num_sanity_val_steps=0, callbacks=[ckpt])  # the default logger
+    trainer.fit(_scored(frameworks.load("hookloop"), [0.5]), DataLoader(_data(20), batch_size=4),
+                DataLoader(_data(8, seed=2), batch_size=4))
+    assert (tmp_path / "ck" / "last.ckpt").read_bytes() == Path(ckpt.best_model_path).read_bytes()
+    assert (Path(trainer.log_dir) / "checkpoints" / "last.ckpt").is_file()
+    assert Path(trainer.log_dir).parent == tmp_path / "logs"

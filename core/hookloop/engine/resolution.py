@@ -339,8 +339,9 @@ def _check_checkpointing(in_code: list, settings: dict[str, Any]) -> None:
              if not isinstance(p, str) and plugin_registry.plugin_name(p) == "checkpoint"]
     if found and settings.get("enable_checkpointing", True) is False:
         raise ConfigurationError(
-            f"Trainer was configured with `enable_checkpointing=False` but found `ModelCheckpoint` in callbacks "
-            f"list ({type(found[0]).__name__}): remove it, or leave enable_checkpointing at True")
+            f"Trainer was configured with `enable_checkpointing=False` but found `ModelCheckpoint` "
+            f"in callbacks list ({type(found[0]).__name__}): remove it, or leave "
+            f"enable_checkpointing at True")
 
 
 def _check_progress_bars(in_code: list, config: TrainerConfig) -> None:
