@@ -39,7 +39,7 @@ JOB = REPO / "tests" / "scripts" / "async_save_job.py"
 def fit(root: Path, async_save: bool, ckpt_path=None, max_steps: int = 10, **checkpoint):
     torch.manual_seed(0)
     checkpoint = {"every_n_train_steps": 2, "every_n_epochs": 0, **checkpoint}
-    trainer = hookloop.Trainer(default_root_dir=str(root), logger=False, enable_progress_bar=False,
+    trainer = hookloop.Trainer(default_root_dir=str(root), logger=True, enable_progress_bar=False,
                                enable_model_summary=False, max_steps=max_steps,
                                callbacks=[hookloop.ModelCheckpoint(async_save=async_save, **checkpoint)])
     module = Scripted()
@@ -80,6 +80,7 @@ def checkpoints(trainer) -> dict[str, dict]:
         book["best_k_models"] = {p.replace(root, "ROOT"): v for p, v in book["best_k_models"].items()}
         book["kth_best_model_path"] = book["kth_best_model_path"].replace(root, "ROOT")
         state["callbacks"] = _rooted(state["callbacks"], root)  # Lightning's copy of the same bookkeeping
+        state["plugins"] = _rooted(state["plugins"], root)  # the csv logger's file too
         found[path.name] = state
     return found
 
@@ -153,7 +154,7 @@ def test_async_checkpoints_hold_exactly_what_synchronous_ones_do_while_training_
     box: list = []
     slow = SlowWrites(monkeypatch, box, pause=0.2)
     torch.manual_seed(0)
-    trainer = hookloop.Trainer(default_root_dir=str(tmp_path / "async"), logger=False, enable_progress_bar=False,
+    trainer = hookloop.Trainer(default_root_dir=str(tmp_path / "async"), logger=True, enable_progress_bar=False,
                                enable_model_summary=False, max_steps=12,
                                callbacks=[Box(box), hookloop.ModelCheckpoint(
                                    every_n_train_steps=2, every_n_epochs=0, save_top_k=-1, async_save=True)])
@@ -192,7 +193,7 @@ def test_at_most_one_save_is_in_flight_and_writes_overlap_training(tmp_path, mon
     box: list = []
     slow = SlowWrites(monkeypatch, box, pause=0.1)
     torch.manual_seed(0)
-    trainer = hookloop.Trainer(default_root_dir=str(tmp_path), logger=False, enable_progress_bar=False,
+    trainer = hookloop.Trainer(default_root_dir=str(tmp_path), logger=True, enable_progress_bar=False,
                                enable_model_summary=False, max_steps=12,
                                callbacks=[Box(box), hookloop.ModelCheckpoint(
                                    every_n_train_steps=1, every_n_epochs=0, save_top_k=3, async_save=True,
@@ -217,7 +218,7 @@ def test_async_save_is_an_option_of_the_builtin_observer(tmp_path):
     with pytest.raises(hookloop.ConfigurationError, match=r"checkpoint async_save='yes' must be True or False"):
         hookloop.ModelCheckpoint(async_save="yes")
     torch.manual_seed(0)
-    trainer = hookloop.Trainer(default_root_dir=str(tmp_path), logger=False, enable_progress_bar=False,
+    trainer = hookloop.Trainer(default_root_dir=str(tmp_path), logger=True, enable_progress_bar=False,
                                enable_model_summary=False, max_steps=3,
                                plugin_options={"checkpoint": {"async_save": True}})
     trainer.fit(Scripted(), train_loader())
@@ -342,7 +343,7 @@ def _ddp_checkpoints(root: str, strategy: str) -> dict:
     for async_save in (False, True):
         torch.manual_seed(0)
         trainer = hookloop.Trainer(
-            default_root_dir=str(Path(root) / ("async" if async_save else "sync")), logger=False,
+            default_root_dir=str(Path(root) / ("async" if async_save else "sync")), logger=True,
             enable_progress_bar=False, enable_model_summary=False, max_steps=6, plugins=[strategy],
             callbacks=[hookloop.ModelCheckpoint(every_n_train_steps=2, every_n_epochs=0, save_top_k=-1,
                                                 async_save=async_save)])
@@ -395,7 +396,7 @@ class OwnWriter:
 
 def test_a_plugin_that_writes_checkpoints_itself_and_does_not_declare_it_saves_synchronously(tmp_path):
     torch.manual_seed(0)
-    trainer = hookloop.Trainer(default_root_dir=str(tmp_path), logger=False, enable_progress_bar=False,
+    trainer = hookloop.Trainer(default_root_dir=str(tmp_path), logger=True, enable_progress_bar=False,
                                enable_model_summary=False, max_steps=2, plugins=[OwnWriter()],
                                callbacks=[hookloop.ModelCheckpoint(async_save=True, every_n_train_steps=2)])
     with pytest.warns(UserWarning, match=r"checkpoint async_save=True: own_writer writes its checkpoints itself and "
@@ -439,7 +440,7 @@ def _fsdp_sharded(root: str) -> dict:
             callbacks.append(hookloop.ModelCheckpoint(every_n_train_steps=2, every_n_epochs=0, save_top_k=-1,
                                                       async_save=async_save))
         trainer = hookloop.Trainer(
-            default_root_dir=str(Path(root) / directory), logger=False, enable_progress_bar=False,
+            default_root_dir=str(Path(root) / directory), logger=True, enable_progress_bar=False,
             enable_model_summary=False, max_steps=max_steps, callbacks=callbacks,
             enable_checkpointing=async_save is not None,
             plugins=[hookloop.plugin("fsdp", state_dict_type="sharded")])

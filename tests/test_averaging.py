@@ -218,7 +218,7 @@ def test_resume_from_a_checkpoint_is_bit_identical(tmp_path, name, options, stop
     def run(root, max_steps=None, ckpt_path=None, seed=0):
         module, plugin = BNModule(seed=seed, scheduler=True), hookloop.plugin(name, **options)
         kwargs = {} if max_steps is None else {"max_steps": max_steps}
-        t = trainer(root, plugin, max_epochs=4, **kwargs)
+        t = trainer(root, plugin, max_epochs=4, logger=True, **kwargs)  # the run directory's resume last.ckpt
         t.fit(module, loader(), loader(16), ckpt_path=ckpt_path)
         return module, plugin, t
 

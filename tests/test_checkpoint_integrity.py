@@ -68,7 +68,8 @@ def equal(a: dict, b: dict) -> bool:
 
 def fit(root: Path, module, ckpt_path=None, **kw):
     kw.setdefault("max_epochs", 2)
-    trainer = hookloop.Trainer(default_root_dir=str(root), logger=False, enable_progress_bar=False, **kw)
+    # a logger: the run directory, with its resume last.ckpt and last.prev.ckpt
+    trainer = hookloop.Trainer(default_root_dir=str(root), logger=True, enable_progress_bar=False, **kw)
     trainer.fit(module, train_loader(), ckpt_path=ckpt_path)
     return trainer
 

@@ -505,7 +505,8 @@ def _(tmp):
 
 @row("S13")
 def _(tmp):
-    trainer = quiet(callbacks=[hookloop.ModelCheckpoint(monitor="val_accuracy", dirpath=tmp / "ck")])
+    trainer = quiet(enable_checkpointing=True,
+                    callbacks=[hookloop.ModelCheckpoint(monitor="val_accuracy", dirpath=tmp / "ck")])
     trainer.fit(TinyModule(), loader(), loader(8))
 
 
@@ -1018,8 +1019,7 @@ def _marked(tmp: Path, fmt) -> Path:
 @row("K17")
 def _(tmp):
     fsdp = hookloop.plugin("fsdp", state_dict_type="sharded")
-    trainer = hookloop.Trainer(plugins=[fsdp], max_steps=1, default_root_dir=str(tmp), enable_progress_bar=False,
-                               logger=False)
+    trainer = hookloop.Trainer(plugins=[fsdp], max_steps=1, default_root_dir=str(tmp), enable_progress_bar=False)
     trainer.fit(TinyModule(), loader())
     path = Path(trainer.checkpoint_callback.last_model_path)
     (path / (path / "latest").read_text().strip() / "model" / "__0_0.distcp").unlink()

@@ -207,7 +207,7 @@ def test_nan_guard_stop_writes_a_checkpoint_before_the_bad_update_and_stops(tmp_
     assert trainer.global_step == 8 and module.w.item() == 1.0 - 0.5 * 7
     out = capsys.readouterr().out
     assert "hookloop: nan_guard: stopping at global step 7: a non-finite value on global rank 0 (loss nan)" in out
-    path = tmp_path / "logs" / "version_0" / "checkpoints" / "nan_guard.ckpt"
+    path = tmp_path / "checkpoints" / "nan_guard.ckpt"  # no logger: Lightning's layout
     saved = torch.load(path, weights_only=False)
     assert saved["loop"]["global_step"] == 7 and saved["state_dict"]["w"].item() == 1.0 - 0.5 * 7
 
@@ -342,7 +342,7 @@ def test_hookloop_run_refuses_a_bad_max_time_before_launching(tmp_path, capsys):
 
 def test_the_nan_guard_checkpoint_resumes_at_the_bad_batch(tmp_path, monkeypatch):
     trainer, _ = _sequence_fit(tmp_path, hookloop.NanGuard(action="stop"))
-    path = tmp_path / "logs" / "version_0" / "checkpoints" / "nan_guard.ckpt"
+    path = tmp_path / "checkpoints" / "nan_guard.ckpt"  # no logger: Lightning's layout
     monkeypatch.setattr(sys.modules[__name__], "LOSSES", LOSSES[:7] + [1.0] + LOSSES[8:])  # the cause fixed: step 7 trains again, and the rest
     resumed = hookloop.Trainer(default_root_dir=str(tmp_path / "resumed"), logger=False, enable_progress_bar=False,
                                enable_model_summary=False, enable_checkpointing=False, max_epochs=1)

@@ -117,11 +117,6 @@ DOCUMENTED: list[Documented] = [
                "Unlike Lightning, `current_epoch` and the position inside the"),
     Documented("should_stop_mid_epoch", "ddp", "`assert trainer.current_epoch == 1`",
                "Unlike Lightning, `current_epoch` and the position inside the"),
-    # dirpath == default_root_dir: hookloop's run directory (logs/, its resume file) is there too
-    Documented("model_checkpoint_topk_all", "1p", "assert len(os.listdir(tmp_path))",
-               "The run directory is made also with `logger=False`"),
-    Documented("model_checkpoint_topk_all", "ddp", "assert len(os.listdir(tmp_path))",
-               "The run directory is made also with `logger=False`"),
     # Lightning's tests assert callback_metrics values are Tensors: hookloop's are floats
     *[Documented(case, mode, "assert all(isinstance(v, Tensor) for v in trainer.callback_metrics.values())",
                  "`callback_metrics` values are Python floats, not Lightning's 0-dim")

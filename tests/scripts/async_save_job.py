@@ -67,7 +67,7 @@ callbacks = [hookloop.ModelCheckpoint(every_n_train_steps=2, every_n_epochs=0,
                                       async_save=os.environ.get("ASYNC", "1") == "1")]
 if os.environ.get("FSIZE_AT"):
     callbacks.append(LimitFileSize())
-trainer = hookloop.Trainer(default_root_dir=str(root), logger=False, enable_progress_bar=False, callbacks=callbacks,
+trainer = hookloop.Trainer(default_root_dir=str(root), logger=True, enable_progress_bar=False, callbacks=callbacks,
                            max_steps=int(os.environ.get("MAX_STEPS", "10")), enable_model_summary=False)
 module = Scripted()
 try:

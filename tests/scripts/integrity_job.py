@@ -60,7 +60,7 @@ callbacks = [hookloop.ModelCheckpoint(every_n_train_steps=4, every_n_epochs=0,
                                       save_top_k=int(os.environ.get("SAVE_TOP_K", "1")))]
 if os.environ.get("FSIZE_AT"):
     callbacks.append(LimitFileSize())
-trainer = hookloop.Trainer(default_root_dir=str(root), logger=False, enable_progress_bar=False, callbacks=callbacks,
+trainer = hookloop.Trainer(default_root_dir=str(root), logger=True, enable_progress_bar=False, callbacks=callbacks,
                            **limits)
 module = Scripted()
 trainer.fit(module, train_loader())

@@ -64,7 +64,8 @@ class Schedule:
 
 for every in (None, 4, 2):
     ledger, schedule = hookloop.Ledger(print_table=False), Schedule()
-    trainer = hookloop.Trainer(max_epochs=1, default_root_dir=str(OUT / "root"), enable_progress_bar=False,
+    # a root of its own: without a logger the run directory is default_root_dir itself
+    trainer = hookloop.Trainer(max_epochs=1, default_root_dir=str(OUT / f"root-{every}"), enable_progress_bar=False,
                                enable_checkpointing=False, logger=False, plugins=[ledger, schedule],
                                **({"stop_check_every_n_steps": every} if every else {}))
     trainer.fit(TinyModule(), DataLoader(tiny_data(64), batch_size=4))

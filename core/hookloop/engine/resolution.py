@@ -166,6 +166,7 @@ def resolve_settings(arguments: Mapping[str, Any], environ: Mapping[str, str], *
     config = TrainerConfig(**settings)
     config.validate()
     _check_progress_bars(in_code, config)
+    _check_checkpointing(in_code, settings)
 
     # Plugins from code, `hookloop run --plugins` and HOOKLOOP_PLUGINS are combined; code
     # wins only where both name a plugin of the same exclusive role.
@@ -328,6 +329,18 @@ def _builtin_observers(config: TrainerConfig) -> list[str]:
                 ("model_summary", config.enable_model_summary),
                 ("csv", config.logger), ("checkpoint", config.enable_checkpointing))
     return [name for name, on in switches if on]
+
+
+def _check_checkpointing(in_code: list, settings: dict[str, Any]) -> None:
+    """Lightning's rule: no checkpoint callback with ``enable_checkpointing=False`` (as
+    given: ``fast_dev_run`` turns checkpointing off without refusing one)."""
+    found = [p for p in in_code
+             if not isinstance(p, str) and plugin_registry.plugin_name(p) == "checkpoint"]
+    if found and settings.get("enable_checkpointing", True) is False:
+        raise ConfigurationError(
+            f"Trainer was configured with `enable_checkpointing=False` but found `ModelCheckpoint` "
+            f"in callbacks list ({type(found[0]).__name__}): remove it, or leave "
+            f"enable_checkpointing at True")
 
 
 def _check_progress_bars(in_code: list, config: TrainerConfig) -> None:

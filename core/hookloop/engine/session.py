@@ -236,9 +236,13 @@ def claim_run_dirs(trainer) -> list[str]:
     logger's entry ``None`` when it writes into the run directory). A logger that places
     its own version directories (``hookloop_run_root()``, Lightning's ``save_dir/name``)
     gets one claimed there; the first logger's is the run directory, else it is
-    ``<default_root_dir>/logs/version_N``."""
+    ``<default_root_dir>/logs/version_N``. A run without a logger claims nothing: its
+    directory is ``default_root_dir`` (Lightning's ``trainer.log_dir`` then), where it
+    writes only what it is asked to (docs/decisions.md, "A run without a logger")."""
     from hookloop.resume import rundir
 
+    if not trainer.loggers:
+        return [str(trainer.default_root_dir)]
     token = rundir.run_token()
     dirs: list = []
     for logger in trainer.loggers:

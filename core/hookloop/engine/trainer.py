@@ -416,7 +416,8 @@ class Trainer:
         """This run's directory, ``<default_root_dir>/logs/version_N``, or the first
         logger's version directory when it has one (``CSVLogger(save_dir, name)``:
         ``save_dir/name/version_N``, as Lightning): its logs and checkpoints. The same on
-        every rank and after every elastic restart."""
+        every rank and after every elastic restart. Without a logger (``logger=False``),
+        ``default_root_dir``, as Lightning's."""
         if self.state.log_dir is None:  # outside a run (one process): as rank 0 decides in one
             adopt_run_dirs(self, claim_run_dirs(self))
         return cast(Path, self.state.log_dir)

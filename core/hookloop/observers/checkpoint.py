@@ -24,11 +24,12 @@ import math
 import os
 import re
 import shutil
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Literal, get_type_hints
 
-from hookloop.resume.checkpoint import NONFINITE, _write_checkpoint, atomic_copy, atomic_copy_tree, deferred_writes
+from hookloop.resume.checkpoint import LAST, NONFINITE, PREVIOUS, _write_checkpoint, atomic_copy, atomic_copy_tree, deferred_writes
 from hookloop.contract.errors import CheckpointError, ConfigurationError
 from hookloop.contract.hookspecs import hookimpl
 from hookloop.contract.pluginspec import plugin_name
@@ -61,8 +62,11 @@ class ModelCheckpoint:
     enable_version_counter: a name already taken in ``dirpath`` (another run's file) gets
         ``-v1``, ``-v2``... (``STARTING_VERSION`` first), as Lightning's; False: written over
     every_n_epochs: save in every n-th epoch (0: never by epochs; None: 1, or 0 when
-        every_n_train_steps is given, as in Lightning)
-    every_n_train_steps: also save every n optimizer steps (None: not within epochs)
+        every_n_train_steps or train_time_interval is given, as in Lightning)
+    every_n_train_steps: save every n optimizer steps (None or 0: not by steps)
+    train_time_interval: a ``datetime.timedelta``: save after the training batch at which
+        that much time passed since the last such save (None: not by time). At most one of
+        every_n_epochs, every_n_train_steps and train_time_interval, as in Lightning
     auto_insert_metric_name: write ``name=`` before each value in filename
     save_on_train_epoch_end: rank at training epochs' ends rather than after each
         validation (None: at epoch ends when validation runs once at every epoch's end or
@@ -82,28 +86,45 @@ class ModelCheckpoint:
     STARTING_VERSION = 1
     #: Lightning's name of the last checkpoint; only "last" (refused otherwise at setup)
     CHECKPOINT_NAME_LAST = "last"
+    #: Lightning's: the extension of the files named by ``filename`` and of ``dirpath``'s
+    #: ``last`` (a subclass may change it; hookloop's resume file stays ``last.ckpt``)
+    FILE_EXTENSION = ".ckpt"
 
     def __init__(self, dirpath: str | os.PathLike | None = None, filename: str | None = None, monitor: str | None = None,
                  mode: str = "min", save_top_k: int = 1, save_last: bool | Literal["link"] | None = None, every_n_epochs: int | None = None,
                  every_n_train_steps: int | None = None, auto_insert_metric_name: bool = True,
                  save_on_train_epoch_end: bool | None = None, async_save: bool = False, save_on_exception: bool = False,
-                 enable_version_counter: bool = True):
+                 enable_version_counter: bool = True, train_time_interval: Any = None):
+        # Lightning's refusals, with Lightning's words first
         if mode not in ("min", "max"):
             raise ConfigurationError(
-                f"checkpoint mode={mode!r} must be 'min' (lower {monitor or 'monitored value'} is better) or 'max'")
+                f"checkpoint `mode` can be min, max but got {mode}: mode={mode!r} must be 'min' (lower "
+                f"{monitor or 'monitored value'} is better) or 'max'")
         if not isinstance(save_top_k, int) or save_top_k < -1:
-            raise ConfigurationError(f"checkpoint save_top_k={save_top_k!r} must be -1 (all), 0 or a count")
+            raise ConfigurationError(f"checkpoint: Invalid value for save_top_k={save_top_k!r}. Must be >= -1 "
+                                     f"(-1: keep all, 0: none, k: the k best)")
+        for name, n in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
+            if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+                raise ConfigurationError(f"checkpoint: Invalid value for {name}={n!r}. Must be >= 0 (an integer; "
+                                         f"0 or None: never by {name[8:].replace('_', ' ')})")
+        if sum(bool(t) for t in (every_n_train_steps, every_n_epochs, train_time_interval is not None)) > 1:
+            raise ConfigurationError(
+                f"checkpoint: Combination of parameters every_n_train_steps={every_n_train_steps}, every_n_epochs="
+                f"{every_n_epochs} and train_time_interval={train_time_interval} should be mutually exclusive: "
+                f"give one of them (Lightning's rule)")
+        if train_time_interval is not None and not hasattr(train_time_interval, "total_seconds"):
+            raise ConfigurationError(
+                f"checkpoint train_time_interval={train_time_interval!r} must be a datetime.timedelta "
+                f"(timedelta(minutes=30)), or None")
         if monitor is None and save_top_k not in (-1, 0, 1):
             # Lightning's refusal: without a metric there is nothing to rank k checkpoints by.
             raise ConfigurationError(
                 f"ModelCheckpoint(save_top_k={save_top_k}, monitor=None) is not a valid configuration: no quantity "
                 f"for top_k to track. Pass monitor='<a logged metric>' to keep the {save_top_k} best, save_top_k=-1 "
                 f"to keep every checkpoint, or save_top_k=1 to keep the newest")
-        if every_n_epochs is None:  # Lightning's default: by epochs unless by steps
-            every_n_epochs = 1 if every_n_train_steps is None else 0
-        if not isinstance(every_n_epochs, int) or every_n_epochs < 0:
-            raise ConfigurationError(
-                f"checkpoint every_n_epochs={every_n_epochs!r} must be an integer >= 0 (or None)")
+        every_n_train_steps = every_n_train_steps or None  # 0: not by steps, as Lightning
+        if every_n_epochs is None:  # Lightning's default: by epochs unless by steps or time
+            every_n_epochs = 1 if every_n_train_steps is None and train_time_interval is None else 0
         if save_last not in (None, True, False, "link"):
             raise ConfigurationError(f"checkpoint save_last={save_last!r} must be True, False, 'link' or None")
         if enable_version_counter not in (True, False):
@@ -114,9 +135,6 @@ class ModelCheckpoint:
         if save_on_train_epoch_end not in (None, True, False):
             raise ConfigurationError(
                 f"checkpoint save_on_train_epoch_end={save_on_train_epoch_end!r} must be True, False or None")
-        if every_n_train_steps is not None and (not isinstance(every_n_train_steps, int) or every_n_train_steps < 1):
-            raise ConfigurationError(
-                f"checkpoint every_n_train_steps={every_n_train_steps!r} must be None or an integer >= 1")
         #: a URL given as dirpath (``memory://...``): refused with save_last="link" at setup
         self._remote = str(dirpath) if dirpath and "://" in str(dirpath) else None
         if dirpath:  # as Lightning: the absolute, resolved directory (setup resolves None)
@@ -127,6 +145,8 @@ class ModelCheckpoint:
         self.enable_version_counter = enable_version_counter
         self.save_top_k, self.save_last = save_top_k, save_last
         self.every_n_epochs, self.every_n_train_steps = every_n_epochs, every_n_train_steps
+        self.train_time_interval = train_time_interval
+        self._last_time_checked: float | None = None  # train_time_interval: when it last saved (monotonic)
         self.auto_insert_metric_name = auto_insert_metric_name
         self.save_on_train_epoch_end = save_on_train_epoch_end
         self.async_save = async_save
@@ -160,6 +180,7 @@ class ModelCheckpoint:
         self._validated = False  # a validation of this fit has run: the monitor must be there
         self._deferred = False  # a step's save waits for the next validation's metric
         self._warned_missing = False
+        self._warned_names = False  # filename names a metric that was not logged
         self._async = False  # async_save, where this run's strategy allows it (setup)
         self._sharded = False  # this run's strategy writes checkpoint directories (setup)
         self._warned_nonfinite = False
@@ -190,8 +211,12 @@ class ModelCheckpoint:
         self._last_global_step_saved = None  # a new fit; a resume restores it after this
         self._step_saved_for_user = 0
         trainer.state.after_validation.append(self._after_validation)
-        self.resume_dir = Path(trainer.log_dir) / "checkpoints"
-        self.dir = Path(self.dirpath) if self._dirpath_given else self.resume_dir
+        checkpoints = Path(trainer.log_dir) / "checkpoints"
+        # hookloop's resume file lives in the run directory a logger gives the run; without
+        # a logger (Lightning's layout, default_root_dir/checkpoints) only save_last writes
+        # a last.ckpt, as Lightning's (docs/decisions.md, "A run without a logger")
+        self.resume_dir = checkpoints if trainer.loggers else None
+        self.dir = Path(self.dirpath) if self._dirpath_given else checkpoints
         # Lightning's ``dirpath`` after setup: the directory the checkpoints go to
         self.dirpath = str(self.dir)
         self._resumed_from = None
@@ -206,7 +231,7 @@ class ModelCheckpoint:
                 )
         self._check_async_save()  # also when set by --plugin-option checkpoint.async_save=...
         self._async = bool(self.async_save) and self._async_allowed(trainer, sharded)
-        if self.every_n_train_steps:
+        if self.every_n_train_steps or self.train_time_interval is not None:
             # Only runs that ask for it pay a call per step.
             self._steps = _SaveEverySteps(self)
             trainer.plugin_manager.register(self._steps, name="checkpoint.every_n_train_steps")
@@ -254,7 +279,7 @@ class ModelCheckpoint:
         epoch = trainer.current_epoch
         if self._saves_at_epoch_end(trainer) and self.every_n_epochs and (epoch + 1) % self.every_n_epochs == 0:
             self.save(trainer)
-        elif self.save_last is not False:
+        elif self._last_paths():
             self.save(trainer, top_k=False)  # last.ckpt at every epoch's end (docs/decisions.md)
 
     @hookimpl
@@ -289,8 +314,9 @@ class ModelCheckpoint:
     @hookimpl(trylast=True)
     def on_train_end(self, trainer, pl_module=None):
         """Training stopped inside an epoch: save where it stopped, so a resume continues
-        at the next batch."""
-        if trainer.batch_idx and self._position(trainer) != self._last_saved:
+        at the next batch (a run with hookloop's resume file: without a logger, Lightning's
+        layout, nothing more than Lightning saves)."""
+        if self.resume_dir is not None and trainer.batch_idx and self._position(trainer) != self._last_saved:
             self.save(trainer)
         if self._async:  # the end of fit waits for the last background save (and its error)
             trainer.state.checkpoint_writer.wait()
@@ -346,15 +372,17 @@ class ModelCheckpoint:
         template = self.filename or "{epoch}-{step}"
         if self.auto_insert_metric_name:
             template = _GROUP.sub(lambda m: f"{m.group(1)}={{{m.group(1)}{m.group(2)}", template)
-        values = {"epoch": trainer.current_epoch, "step": trainer.global_step, **trainer.callback_metrics}
-        try:
-            name = template.format(**{k.replace("/", "_"): v for k, v in values.items()})
-        except KeyError as exc:
-            raise ConfigurationError(
-                f"checkpoint filename={self.filename!r} names {exc.args[0]!r}, which was not logged (logged: "
-                f"{', '.join(sorted(trainer.callback_metrics)) or 'none'})"
-            ) from None
-        return name if name.endswith(".ckpt") else name + ".ckpt"
+        values = _Values({k.replace("/", "_"): v for k, v in
+                          {"epoch": trainer.current_epoch, "step": trainer.global_step, **trainer.callback_metrics}.items()})
+        name = template.format_map(values)
+        if values.missing and not self._warned_names and trainer.is_global_zero:
+            # Lightning's: a name not logged (yet) is written as 0
+            self._warned_names = True
+            warnings.warn(
+                f"checkpoint filename={self.filename!r} names {', '.join(map(repr, values.missing))}, which was not "
+                f"logged (logged: {', '.join(sorted(trainer.callback_metrics)) or 'none'}): written as 0, as "
+                f"Lightning does; log it with self.log(...) or take it out of the filename", stacklevel=3)
+        return name if name.endswith(self.FILE_EXTENSION) else name + self.FILE_EXTENSION
 
     def _better(self, value: float, than: float) -> bool:
         return value < than if self.mode == "min" else value > than
@@ -411,8 +439,21 @@ class ModelCheckpoint:
             else:
                 writes = self._write(trainer, str(last))
                 written = str(last)
+                if last.parent != self.resume_dir:  # dirpath holds what Lightning writes: no last.prev.ckpt
+                    self._drop_previous(trainer, last, background)
         if background is not None and written is not None and (writes or background):
             trainer.state.checkpoint_writer.submit(_Job(writes, background, trainer.state.checkpoint_writer.spare), written)
+
+    def _drop_previous(self, trainer, last: Path, background: list | None) -> None:
+        """Remove the ``last.prev.ckpt`` that writing ``last`` (a ``last.ckpt``) kept beside
+        it, outside hookloop's resume directory (rank 0; after the write in the background)."""
+        previous = last.with_name(PREVIOUS)
+        if last.name != LAST or not trainer.is_global_zero:
+            return
+        if background is not None:
+            background.append(lambda: _remove_files([str(previous)]))
+        else:
+            _remove_files([str(previous)])
 
     def _keep_finite_lasts(self, trainer, lasts: list[Path]) -> list[Path]:
         """Where this save's ``last.ckpt`` copies go: ``lasts``, or, when the weights are
@@ -453,9 +494,9 @@ class ModelCheckpoint:
         ``save_last=False``), and ``dirpath``'s with ``save_last=True`` (Lightning's)."""
         if self.save_last is False:
             return []
-        paths = [self.resume_dir / "last.ckpt"]
+        paths = [] if self.resume_dir is None else [self.resume_dir / "last.ckpt"]
         if self.save_last and self.dir != self.resume_dir:
-            paths.append(self.dir / "last.ckpt")
+            paths.append(self.dir / f"last{self.FILE_EXTENSION}")
         return paths
 
     def _replaced(self, value: float | None) -> str | None:
@@ -480,7 +521,8 @@ class ModelCheckpoint:
         if not self.enable_version_counter:
             return path  # Lightning's enable_version_counter=False: written over
         if trainer.is_global_zero:
-            stem, suffix = (path[:-len(".ckpt")], ".ckpt") if path.endswith(".ckpt") else (path, "")
+            ext = self.FILE_EXTENSION
+            stem, suffix = (path[:-len(ext)], ext) if path.endswith(ext) else (path, "")
             version = self.STARTING_VERSION
             while os.path.lexists(chosen) and chosen != replaceable:
                 chosen = f"{stem}-v{version}{suffix}"
@@ -587,7 +629,7 @@ class ModelCheckpoint:
         every_n_epochs = self.every_n_epochs if self.every_n_train_steps is None else 0
         return "ModelCheckpoint" + repr({
             "monitor": self.monitor, "mode": self.mode, "every_n_train_steps": self.every_n_train_steps or 0,
-            "every_n_epochs": every_n_epochs, "train_time_interval": None})
+            "every_n_epochs": every_n_epochs, "train_time_interval": self.train_time_interval})
 
     def state_dict(self) -> dict[str, Any]:
         """Lightning's state of a ModelCheckpoint (scores as tensors, as Lightning's)."""
@@ -719,6 +761,19 @@ def _remove_files(paths: list[str]) -> None:
             target.unlink()
 
 
+class _Values(dict):
+    """The values a filename template is formatted with: a name not among them is 0, as
+    Lightning's, and remembered (``missing``) so the observer can say so."""
+
+    def __init__(self, values: dict[str, Any]):
+        super().__init__(values)
+        self.missing: list[str] = []
+
+    def __missing__(self, key: str) -> int:
+        self.missing.append(key)
+        return 0
+
+
 class _Job:
     """One asynchronous save, run by the trainer's background writer: the snapshots'
     writes (atomic, fsync'd), then last.ckpt's copy and the removal of pushed-out files,
@@ -743,18 +798,27 @@ class _Job:
 
 
 class _SaveEverySteps:
-    """``every_n_train_steps``: registered only by runs that ask for it."""
+    """``every_n_train_steps`` or ``train_time_interval``: registered only by runs that ask
+    for it."""
 
     hookloop_role = "observer"
 
     def __init__(self, owner: ModelCheckpoint):
         self.owner = owner
 
+    @hookimpl
+    def on_train_start(self, trainer):
+        self.owner._last_time_checked = time.monotonic()
+
     @hookimpl(trylast=True)
     def on_train_batch_end(self, trainer, batch_idx):
         n = self.owner.every_n_train_steps
         # Once per optimizer step: at the micro-batch that took it (the position moves).
         owner = self.owner
+        if n is None:
+            if self._time_is_up(trainer):
+                owner.save(trainer, defer=True)
+            return
         if trainer.global_step and trainer.global_step % n == 0 and (
                 trainer.global_step != owner._last_global_step_saved):
             owner._last_global_step_saved = trainer.global_step
@@ -765,6 +829,18 @@ class _SaveEverySteps:
                 owner._deferred = True
                 return
             owner.save(trainer, defer=True)
+
+    def _time_is_up(self, trainer) -> bool:
+        """``train_time_interval``: whether that much time passed since the last save by time
+        (global rank 0's clock decides, for every rank, as Lightning)."""
+        now, owner = time.monotonic(), self.owner
+        last = owner._last_time_checked
+        due = last is not None and now - last >= owner.train_time_interval.total_seconds()
+        if trainer.world_size > 1:
+            due = trainer.broadcast(due, 0)
+        if due:
+            owner._last_time_checked = now
+        return due
 
     def _validates_this_epoch(self, trainer) -> bool:
         every = trainer.config.check_val_every_n_epoch

@@ -124,8 +124,10 @@ def resume_after_restart(trainer, train_loader: Any = None) -> None:
         found = str(max(existing, key=lambda p: p.stat().st_mtime).with_name(ckpt.LAST)) if existing else None
     found = trainer.broadcast(found, 0)
     if found is None:
+        hint = ("" if trainer.loggers else "; a run without a logger writes a last.ckpt only with "
+                "ModelCheckpoint(save_last=True), docs/decisions.md")
         trainer.print(f"hookloop: restart {restart} of this run (TORCHELASTIC_RESTART_COUNT={restart}): no "
-                      f"last.ckpt under {' or '.join(str(p) for p in places)} yet, starting from scratch")
+                      f"last.ckpt under {' or '.join(str(p) for p in places)} yet, starting from scratch{hint}")
         return
     used = restore(trainer, found, fall_back=True, train_loader=train_loader)
     trainer.print(f"hookloop: restart {restart} of this run (TORCHELASTIC_RESTART_COUNT={restart}): resumed "
@@ -156,13 +158,17 @@ def restore(trainer, ckpt_path: Any, fall_back: bool = False, train_loader: Any 
             )
         path = Path(best)
     elif str(ckpt_path) == "last":
-        found = rundir.newest_last_checkpoint(trainer.default_root_dir)
+        # Lightning looks in the checkpoint callback's directory: a dirpath's save_last file
+        found = rundir.newest_last_checkpoint(trainer.default_root_dir,
+                                              getattr(trainer.checkpoint_callback, "dir", None))
         if found is None:
             # As Lightning: nothing to resume is a fresh start, not an error.
             if trainer.is_global_zero:
+                hint = ("" if trainer.loggers else " (a run without a logger writes one only with "
+                        "ModelCheckpoint(save_last=True))")
                 warnings.warn(
                     f"ckpt_path='last' but no run under {trainer.default_root_dir / 'logs'} wrote a "
-                    f"last.ckpt yet: starting from scratch")
+                    f"last.ckpt yet: starting from scratch{hint}")
             return None
         path, fall_back = found, True
     checkpoint, path = _read_checkpoint(trainer, path, fall_back)

@@ -155,12 +155,14 @@ def claim_in(versions_root: Path, token: str, index: int, version: int | str | N
         return path
 
 
-def newest_last_checkpoint(root: Path) -> Path | None:
-    """``last.ckpt`` of the most recently written run under ``root`` (or the pre-version
-    location ``<root>/checkpoints/last.ckpt``), or ``None``. A directory holding only its
+def newest_last_checkpoint(root: Path, also: Path | None = None) -> Path | None:
+    """``last.ckpt`` of the most recently written run under ``root`` (or in
+    ``<root>/checkpoints``, a run's without a logger, or in ``also``: the checkpoint
+    directory a ``dirpath`` gave), or ``None``. A directory holding only its
     ``last.prev.ckpt`` (killed between two renames) counts too: the path returned is then
     a missing ``last.ckpt``, and loading it falls back to the previous one."""
     directories = [p / "checkpoints" for _, p in versions(root / "logs")] + [root / "checkpoints"]
+    directories += [Path(also)] if also is not None else []
     existing = [d / name for d in directories for name in ("last.ckpt", "last.prev.ckpt") if (d / name).exists()]
     if not existing:
         return None
