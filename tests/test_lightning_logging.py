@@ -1,0 +1,114 @@
+"""Issue 35: ``self.log`` takes and refuses what pytorch-lightning 2.6.6's takes and refuses
+(Lightning's tests ``test__training_step__log_max_reduce_fx``, ``test_log_invalid_raises``,
+``test_logging_raises``).
+
+Each case runs the same module under both trainers in this process: the reductions Lightning
+accepts (any case of the names, Python's ``min``/``max``/``sum``) give Lightning's epoch
+values; what Lightning refuses, hookloop refuses with the same exception type and Lightning's
+words in the message.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import pytest
+import torch
+from torch.nn import functional as F
+from torch.utils.data import DataLoader
+
+import hookloop
+from conftest import tiny_data
+
+# the reference (make test installs pytorch-lightning==2.6.6): a missing one fails, never skips
+import pytorch_lightning as pl  # noqa: E402
+
+
+def make_module(base, log_value):
+    """A module whose ``training_step`` logs ``log_value(batch_idx)`` under ``log_value.name``
+    with the keyword arguments ``log_value.kwargs``."""
+
+    class Module(base):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Linear(8, 3)
+
+        def training_step(self, batch, batch_idx):
+            self.log(log_value.name, log_value(batch_idx), **log_value.kwargs)
+            x, y = batch
+            return F.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    return Module()
+
+
+def fit(framework: str, log_value, tmp_path, batches: int = 3):
+    loader = DataLoader(tiny_data(8 * batches), batch_size=8)
+    if framework == "lightning":
+        module = make_module(pl.LightningModule, log_value)
+        trainer = pl.Trainer(default_root_dir=str(tmp_path / "pl"), logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, enable_checkpointing=False, accelerator="cpu",
+                             devices=1, max_epochs=1)
+    else:
+        module = make_module(hookloop.Module, log_value)
+        trainer = hookloop.Trainer(default_root_dir=str(tmp_path / "hl"), logger=False, enable_progress_bar=False,
+                                   enable_checkpointing=False, max_epochs=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, loader)
+    return trainer
+
+
+def logs(value, name: str = "foo", **kwargs):
+    """What a module's ``training_step`` logs: ``value(batch_idx)`` under ``name``."""
+    def log_value(batch_idx):
+        return value(batch_idx)
+
+    log_value.name, log_value.kwargs = name, kwargs
+    return log_value
+
+
+@pytest.mark.parametrize(("fx", "expected"), [(min, 0.0), (max, 4.0), (sum, 10.0), ("SUM", 10.0), ("Max", 4.0),
+                                              ("AVG", 2.0)])
+def test_reduce_fx_takes_lightnings_spellings(tmp_path, fx, expected):
+    log_value = logs(lambda batch_idx: torch.tensor(batch_idx), on_step=False, on_epoch=True, reduce_fx=fx)
+    values = {framework: float(fit(framework, log_value, tmp_path, batches=5).callback_metrics["foo"])
+              for framework in ("lightning", "hookloop")}
+    assert values == {"lightning": expected, "hookloop": expected}
+
+
+REFUSED = {
+    # what training_step logs: (its kwargs, Lightning's words)
+    "none": (None, {}, "`self.log(foo, None)` was called, but `NoneType` values cannot be logged"),
+    "str": ("bar", {}, "`self.log(foo, bar)` was called, but `str` values cannot be logged"),
+    "dict": ({"a": 1}, {}, "`self.log(foo, {'a': 1})` was called, but `dict` values cannot be logged"),
+    "nested_dict": ({"a": {"b": 1}}, {}, "was called, but nested dictionaries cannot be logged"),
+    "list": ([1, 2, 3], {}, "`self.log(foo, [1, 2, 3])` was called, but `list` values cannot be logged"),
+    "tuple": ((1, 2), {}, "`self.log(foo, (1, 2))` was called, but `tuple` values cannot be logged"),
+    "tensor_of_two": (torch.tensor([1.0, 2.0]), {}, "was called, but the tensor must have a single element"),
+    "dataloader_idx_in_name": (1.0, {"name": "foo/dataloader_idx_0"},
+                               "You called `self.log` with the key `foo/dataloader_idx_0` but it should not contain "
+                               "information about `dataloader_idx` when `add_dataloader_idx=True`"),
+    "custom_reduction": (1.0, {"reduce_fx": torch.argmax}, "Only `self.log(..., reduce_fx={min,max,mean,sum})` "
+                                                          "are supported"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_log_refuses_what_lightning_refuses(tmp_path, case):
+    value, kwargs, words = REFUSED[case]
+    log_value = logs(lambda batch_idx: value, **kwargs)
+    with pytest.raises(Exception) as lightning:
+        fit("lightning", log_value, tmp_path)
+    assert words in str(lightning.value)  # the reference still says so
+    # Lightning's MisconfigurationException is hookloop's ConfigurationError; its ValueError a ValueError
+    from pytorch_lightning.utilities.exceptions import MisconfigurationException
+
+    kind = hookloop.ConfigurationError if type(lightning.value) is MisconfigurationException else ValueError
+    assert type(lightning.value) in (MisconfigurationException, ValueError)
+    with pytest.raises(kind, match=re.escape(words)):
+        fit("hookloop", log_value, tmp_path)
