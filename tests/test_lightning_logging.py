@@ -112,3 +112,76 @@ def test_log_refuses_what_lightning_refuses(tmp_path, case):
     assert type(lightning.value) in (MisconfigurationException, ValueError)
     with pytest.raises(kind, match=re.escape(words)):
         fit("hookloop", log_value, tmp_path)
+
+
+def _fit_with(framework: str, tmp_path, callback, **trainer_options):
+    """Fit the plain module (it logs ``foo``=1.0 per step) with ``callback``."""
+    loader = DataLoader(tiny_data(24), batch_size=8)
+    log_value = logs(lambda batch_idx: 1.0)
+    options = dict(max_epochs=1, enable_checkpointing=False, num_sanity_val_steps=0, **trainer_options)
+    if framework == "lightning":
+        trainer = pl.Trainer(default_root_dir=str(tmp_path / "pl"), enable_model_summary=False, accelerator="cpu",
+                             devices=1, callbacks=[callback], **options)
+        module = make_module(pl.LightningModule, log_value)
+    else:
+        trainer = hookloop.Trainer(default_root_dir=str(tmp_path / "hl"), callbacks=[callback], **options)
+        module = make_module(hookloop.Module, log_value)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, loader)
+    return trainer, module
+
+
+def test_a_callbacks_self_log_is_the_modules(tmp_path):
+    """Lightning attaches the module's ``log``/``log_dict`` to every callback for the run
+    (``test_logging_in_callbacks_with_log_function``)."""
+    found = {}
+    for framework, base in (("lightning", pl.Callback), ("hookloop", hookloop.Callback)):
+        class Logs(base):
+            def on_train_start(self, trainer, pl_module):
+                self.log("started", 1.0)
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                self.log_dict({"batch": float(batch_idx), "twice": 2.0 * batch_idx})
+
+            def on_train_epoch_end(self, trainer, pl_module):
+                self.log("epoch_end", 5.0)
+
+        trainer, _ = _fit_with(framework, tmp_path, Logs(), logger=False, enable_progress_bar=False)
+        found[framework] = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    assert found["hookloop"] == found["lightning"] == {"foo": 1.0, "started": 1.0, "batch": 2.0, "twice": 4.0,
+                                                      "epoch_end": 5.0}
+
+
+def test_a_progress_bar_subclass_gets_lightnings_get_metrics_arguments(tmp_path):
+    """A ``TQDMProgressBar`` subclass overriding ``get_metrics(self, trainer, model)``
+    (Lightning's documented example) is called with the trainer and the module
+    (``test_progress_bar_metrics_contains_values_on_train_epoch_end``)."""
+    seen = {}
+    for framework, base in (("lightning", pl.callbacks.TQDMProgressBar), ("hookloop", hookloop.TQDMProgressBar)):
+        calls = []
+
+        class Bar(base):
+            def get_metrics(self, trainer, model):
+                calls.append(model)
+                items = super().get_metrics(trainer, model)
+                items.pop("v_num", None)
+                return items
+
+        _, module = _fit_with(framework, tmp_path, Bar(), logger=False)
+        seen[framework] = bool(calls) and all(m is module for m in calls)
+    assert seen == {"lightning": True, "hookloop": True}
+
+
+def test_the_default_progress_bar_has_lightnings_get_metrics(tmp_path):
+    """``trainer.progress_bar_callback.get_metrics(trainer, module)``: ``v_num`` and the
+    values logged with ``prog_bar=True`` (``test_log_works_in_train_callback``)."""
+    found = {}
+    for framework in ("lightning", "hookloop"):
+        class Shown(pl.Callback if framework == "lightning" else hookloop.Callback):
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                pl_module.log("shown", float(batch_idx), prog_bar=True)
+
+        trainer, module = _fit_with(framework, tmp_path / framework, Shown(), enable_progress_bar=True)
+        found[framework] = {k: float(v) for k, v in trainer.progress_bar_callback.get_metrics(trainer, module).items()}
+    assert found["hookloop"] == found["lightning"] == {"v_num": 0.0, "shown": 2.0}

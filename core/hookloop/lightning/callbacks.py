@@ -116,7 +116,8 @@ class Callback:
     event. ``state_dict()`` is saved in checkpoints under ``checkpoint["callbacks"]
     [state_key]`` (when not empty) and given back to ``load_state_dict`` when ``fit``
     resumes. A method named ``on_*`` that is no Lightning hook is an error at
-    ``Trainer(...)`` (it would never be called).
+    ``Trainer(...)`` (it would never be called). From ``setup`` on, ``self.log`` and
+    ``self.log_dict`` are the module's, as Lightning attaches them.
     """
 
     @property
@@ -361,6 +362,11 @@ class CallbackHooks:
 
     def setup(self, trainer, stage: str) -> None:  # not a hookimpl: the session calls it
         module = trainer.module
+        if callable(getattr(module, "log", None)):
+            # Lightning's: every callback's self.log / self.log_dict are the module's for
+            # the run (they log as the module does from the hook they are called in)
+            for cb in self._members:
+                cb.log, cb.log_dict = module.log, module.log_dict
         for cb in self._members:
             if _calls(cb, "setup"):
                 _lightning_method(cb, "setup")(trainer, module, stage)
