@@ -114,11 +114,12 @@ def test_log_refuses_what_lightning_refuses(tmp_path, case):
         fit("hookloop", log_value, tmp_path)
 
 
-def _fit_with(framework: str, tmp_path, callback, **trainer_options):
-    """Fit the plain module (it logs ``foo``=1.0 per step) with ``callback``."""
+def _fit_with(framework: str, tmp_path, callback, epoch_end=None, **trainer_options):
+    """Fit the plain module (it logs ``foo``=1.0 per step; ``epoch_end``: its
+    ``on_train_epoch_end``) with ``callback``."""
     loader = DataLoader(tiny_data(24), batch_size=8)
     log_value = logs(lambda batch_idx: 1.0)
-    options = dict(max_epochs=1, enable_checkpointing=False, num_sanity_val_steps=0, **trainer_options)
+    options = {"max_epochs": 1, "enable_checkpointing": False, "num_sanity_val_steps": 0, **trainer_options}
     if framework == "lightning":
         trainer = pl.Trainer(default_root_dir=str(tmp_path / "pl"), enable_model_summary=False, accelerator="cpu",
                              devices=1, callbacks=[callback], **options)
@@ -126,6 +127,8 @@ def _fit_with(framework: str, tmp_path, callback, **trainer_options):
     else:
         trainer = hookloop.Trainer(default_root_dir=str(tmp_path / "hl"), callbacks=[callback], **options)
         module = make_module(hookloop.Module, log_value)
+    if epoch_end is not None:
+        type(module).on_train_epoch_end = epoch_end
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(module, loader)
@@ -185,3 +188,24 @@ def test_the_default_progress_bar_has_lightnings_get_metrics(tmp_path):
         trainer, module = _fit_with(framework, tmp_path / framework, Shown(), enable_progress_bar=True)
         found[framework] = {k: float(v) for k, v in trainer.progress_bar_callback.get_metrics(trainer, module).items()}
     assert found["hookloop"] == found["lightning"] == {"v_num": 0.0, "shown": 2.0}
+
+
+@pytest.mark.parametrize("module_hook", [False, True], ids=["callback_only", "with_module_hook"])
+def test_what_a_callback_logs_in_on_train_epoch_end_is_an_epoch_metric(tmp_path, module_hook):
+    """Per epoch by default, in ``callback_metrics``, the progress bar's metrics and the
+    loggers' epoch row, with or without a module ``on_train_epoch_end`` (hookloop lost a
+    callback's ``on_epoch=True`` value when the module had none)."""
+    found = {}
+    for framework in ("lightning", "hookloop"):
+        class AtEpochEnd(pl.Callback if framework == "lightning" else hookloop.Callback):
+            def on_train_epoch_end(self, trainer, pl_module):
+                pl_module.log("explicit", 3.0 + trainer.current_epoch, on_step=False, on_epoch=True, prog_bar=True)
+                pl_module.log("default", 4.0, prog_bar=True)
+
+        epoch_end = (lambda self: self.log("from_module", 5.0)) if module_hook else None
+        trainer, module = _fit_with(framework, tmp_path / framework, AtEpochEnd(), epoch_end=epoch_end,
+                                    max_epochs=2, enable_progress_bar=False, log_every_n_steps=1)
+        found[framework] = [{k: float(v) for k, v in m.items()} for m in (
+            trainer.callback_metrics, trainer.progress_bar_metrics, trainer.logged_metrics)]
+    assert found["hookloop"] == found["lightning"]
+    assert found["hookloop"][1] == {"explicit": 4.0, "default": 4.0}

@@ -339,7 +339,10 @@ class CallbackHooks:
         for name, (event, args) in EVENT_HOOKS.items():
             methods = [_lightning_method(cb, name) for cb in members if _calls(cb, name)]
             if methods:
-                setattr(self, event, hookimpl(tryfirst=True)(_event_function(event, args, methods)))
+                function = _event_function(event, args, methods)
+                if event == "on_train_epoch_end":
+                    function = self._train_epoch_end(function)
+                setattr(self, event, hookimpl(tryfirst=True)(function))
         self._members = members
         if any(_calls(cb, "teardown") for cb in members):
             def teardown(trainer, stage):
@@ -354,6 +357,27 @@ class CallbackHooks:
                 self._save(trainer, checkpoint)
 
             self.on_save_checkpoint = hookimpl(tryfirst=True)(on_save_checkpoint)
+
+    def _train_epoch_end(self, call):
+        """The callbacks' ``on_train_epoch_end``, where ``self.log`` is per epoch (Lightning's
+        defaults in epoch-level hooks); without a module ``on_train_epoch_end`` (which runs
+        after the callbacks and does it otherwise) their values join the epoch's metrics,
+        the ``metrics`` the plugins get, and the epoch row of the loggers, as Lightning's."""
+        from hookloop.engine.step import log_epoch_row
+
+        def on_train_epoch_end(trainer, metrics):
+            store = trainer.state.metrics
+            store.epoch_level = True
+            try:
+                call(trainer)
+            finally:
+                store.epoch_level = False
+            if getattr(trainer.state.module_epoch_end, "plugin", None) is self:  # see resolve_events
+                finished = store.finish_epoch("train")
+                metrics.update(finished)
+                log_epoch_row(trainer, finished)
+
+        return on_train_epoch_end
 
     def __reduce__(self):
         # The implementations are closures: a spawn-based strategy pickles the callbacks
