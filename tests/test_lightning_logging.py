@@ -209,3 +209,38 @@ def test_what_a_callback_logs_in_on_train_epoch_end_is_an_epoch_metric(tmp_path,
             trainer.callback_metrics, trainer.progress_bar_metrics, trainer.logged_metrics)]
     assert found["hookloop"] == found["lightning"]
     assert found["hookloop"][1] == {"explicit": 4.0, "default": 4.0}
+
+
+def test_evaluation_step_values_logged_to_the_progress_bar_show_there(tmp_path):
+    """An evaluation value logged per step with ``prog_bar=True`` is in
+    ``progress_bar_metrics`` (not in ``callback_metrics``), as Lightning's; the sanity
+    check's are not (``test_log_works_in_val_callback``)."""
+    found = {}
+    for framework in ("lightning", "hookloop"):
+        lightning = framework == "lightning"
+
+        class InValidation(pl.Callback if lightning else hookloop.Callback):
+            def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                name = "sanity" if trainer.sanity_checking else "step_only"
+                pl_module.log(name, float(batch_idx), on_step=True, on_epoch=False, prog_bar=True)
+                pl_module.log("forked", 2.0 * batch_idx, on_step=True, on_epoch=True, prog_bar=True)
+
+        module = make_module(pl.LightningModule if lightning else hookloop.Module, logs(lambda batch_idx: 1.0))
+        type(module).validation_step = lambda self, batch, batch_idx: self.log("val", 1.0)
+        options = dict(default_root_dir=str(tmp_path / framework), max_epochs=1, logger=False,
+                       enable_checkpointing=False, enable_progress_bar=False, num_sanity_val_steps=1,
+                       callbacks=[InValidation()])
+        trainer = (pl.Trainer(enable_model_summary=False, accelerator="cpu", devices=1, **options) if lightning
+                   else hookloop.Trainer(**options))
+        found[framework] = []
+        loader = DataLoader(tiny_data(24), batch_size=8)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(module, loader, loader)
+            found[framework].append(({k: float(v) for k, v in trainer.progress_bar_metrics.items()},
+                                     sorted(trainer.callback_metrics)))
+            trainer.validate(module, loader, verbose=False)
+            found[framework].append(({k: float(v) for k, v in trainer.progress_bar_metrics.items()},
+                                     sorted(trainer.callback_metrics)))
+    assert found["hookloop"] == found["lightning"]
+    assert found["hookloop"][1][0]["step_only"] == 2.0
