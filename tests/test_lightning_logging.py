@@ -244,3 +244,52 @@ def test_evaluation_step_values_logged_to_the_progress_bar_show_there(tmp_path):
                                      sorted(trainer.callback_metrics)))
     assert found["hookloop"] == found["lightning"]
     assert found["hookloop"][1][0]["step_only"] == 2.0
+
+
+def test_documented_logging_differences(tmp_path):
+    """What Lightning's logging tests assert that hookloop does otherwise on purpose
+    (docs/decisions.md, "Lightning's logging tests and hookloop's logging choices"): the
+    metrics are floats, ``logged_metrics`` is empty without a logger, a torchmetrics
+    ``Metric`` need not be a module attribute, and the built-in observers (the learning
+    rate monitor) run after the Lightning-style callbacks of an event."""
+    import torchmetrics
+
+    found = {}
+    for framework in ("lightning", "hookloop"):
+        lightning = framework == "lightning"
+        seen_at_epoch_start = []
+        monitor = (pl.callbacks.LearningRateMonitor if lightning else hookloop.LearningRateMonitor)()
+
+        class AfterTheMonitor(pl.Callback if lightning else hookloop.Callback):
+            def on_train_epoch_start(self, trainer, pl_module):
+                seen_at_epoch_start.append(len(monitor.lrs.get("lr-SGD", [])))
+
+        trainer, _ = _fit_with(framework, tmp_path / framework, monitor, enable_progress_bar=False)
+        float_typed = all(isinstance(v, float) for v in trainer.callback_metrics.values())
+        # the monitor listed first: Lightning calls it first
+        trainer = (pl.Trainer(default_root_dir=str(tmp_path / "o"), enable_model_summary=False, accelerator="cpu",
+                              devices=1, max_epochs=1, enable_progress_bar=False, callbacks=[monitor, AfterTheMonitor()])
+                   if lightning else hookloop.Trainer(default_root_dir=str(tmp_path / "o"), max_epochs=1,
+                                                      enable_progress_bar=False,
+                                                      callbacks=[monitor, AfterTheMonitor()]))
+        module = make_module(pl.LightningModule if lightning else hookloop.Module, logs(lambda batch_idx: 1.0))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(module, DataLoader(tiny_data(16), batch_size=8))
+        monitor_first = seen_at_epoch_start == [1]  # the monitor had logged the epoch's first lr
+        no_logger, _ = _fit_with(framework, tmp_path / f"{framework}-nolog", pl.Callback() if lightning
+                                 else hookloop.Callback(), logger=False, enable_progress_bar=False)
+
+        def updated_metric(batch_idx):
+            metric = torchmetrics.MeanMetric()  # not an attribute of the module
+            metric.update(torch.tensor(1.0))
+            return metric
+
+        metric = logs(updated_metric, on_step=False, on_epoch=True)
+        try:
+            fit(framework, metric, tmp_path / f"{framework}-metric")
+            metric_taken = True
+        except Exception as error:  # Lightning: MisconfigurationException
+            metric_taken = "setting an attribute for the metric" not in str(error)
+        found[framework] = (float_typed, sorted(no_logger.logged_metrics), monitor_first, metric_taken)
+    assert found == {"lightning": (False, ["foo"], True, False), "hookloop": (True, [], False, True)}
