@@ -122,13 +122,8 @@ def resolve_events(trainer: Any) -> None:
     state.on_before_optimizer_step = event(trainer, "on_before_optimizer_step")
     state.on_before_zero_grad = event(trainer, "on_before_zero_grad")
     state.on_log_metrics = event(trainer, "on_log_metrics")
-    # The implementation of on_train_epoch_end that hands the training epoch's row to the
-    # loggers, with what was logged there: the module's hook, else the Lightning-style
-    # callbacks' (both run before the plugins); with neither the loop does it before the event.
-    impls = trainer.hook.on_train_epoch_end.get_hookimpls()
-    callbacks = getattr(trainer, "_callback_hooks", None)
-    state.module_epoch_end = next((impl for impl in impls if impl.plugin_name.startswith("module:")), None) or next(
-        (impl for impl in impls if callbacks is not None and impl.plugin is callbacks), None)
+    state.module_epoch_end = next((impl for impl in trainer.hook.on_train_epoch_end.get_hookimpls()
+                                   if impl.plugin_name.startswith("module:")), None)
 
 
 def only_default(trainer: Any, name: str) -> bool:

@@ -358,24 +358,20 @@ class CallbackHooks:
 
             self.on_save_checkpoint = hookimpl(tryfirst=True)(on_save_checkpoint)
 
-    def _train_epoch_end(self, call):
+    @staticmethod
+    def _train_epoch_end(call):
         """The callbacks' ``on_train_epoch_end``, where ``self.log`` is per epoch (Lightning's
-        defaults in epoch-level hooks); without a module ``on_train_epoch_end`` (which runs
-        after the callbacks and does it otherwise) their values join the epoch's metrics,
-        the ``metrics`` the plugins get, and the epoch row of the loggers, as Lightning's."""
-        from hookloop.engine.step import log_epoch_row
+        defaults in epoch-level hooks). The module's implementation, which the session
+        registers whenever this one exists and which runs after it, adds their values to
+        the epoch's metrics, the ``metrics`` the plugins get and the loggers' epoch row."""
 
-        def on_train_epoch_end(trainer, metrics):
+        def on_train_epoch_end(trainer):
             store = trainer.state.metrics
             store.epoch_level = True
             try:
                 call(trainer)
             finally:
                 store.epoch_level = False
-            if getattr(trainer.state.module_epoch_end, "plugin", None) is self:  # see resolve_events
-                finished = store.finish_epoch("train")
-                metrics.update(finished)
-                log_epoch_row(trainer, finished)
 
         return on_train_epoch_end
 

@@ -155,7 +155,7 @@ class LearningRateMonitor:
             if config is not None and interval not in (config.interval, "any"):
                 continue
             use_betas = "betas" in getattr(optimizer, "defaults", {})
-            for group, name in zip(optimizer.param_groups, names):
+            for group, name in zip(optimizer.param_groups, names, strict=True):
                 stats[name] = group["lr"]
                 self.lrs[name].append(group["lr"])
                 if self.log_momentum:
