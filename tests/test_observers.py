@@ -519,10 +519,11 @@ def test_lr_monitor_logs_the_schedulers_values_per_step():
     trainer = fit(module, epochs=1, val=False, log_every_n_steps=2,
                   plugins=[hookloop.plugin("lr_monitor", log_momentum=True)])
     rows = [r for r in read_csv(Path(trainer.log_dir) / "metrics.csv") if r.get("lr-SGD")]
-    # the lr in use after step s (the scheduler has stepped s times): 0.1 / (1 + s)
+    # as Lightning: before the batch whose row the loggers take ((s + 1) % 2 == 0), the lr
+    # that batch's step uses (the scheduler has stepped s times): 0.1 / (1 + s), at step s
     assert [(int(r["step"]), float(r["lr-SGD"])) for r in rows] == [
-        (s, pytest.approx(0.1 / (1 + s))) for s in (2, 4, 6)]
-    assert all(float(r["momentum-SGD"]) == 0.9 for r in rows)
+        (s, pytest.approx(0.1 / (1 + s))) for s in (1, 3, 5)]
+    assert all(float(r["lr-SGD-momentum"]) == 0.9 for r in rows)
 
 
 def test_lr_monitor_per_epoch_with_two_optimizers_and_groups():

@@ -125,7 +125,8 @@ class _Logs(hookloop.Module):
      r"forward\(\) result must be a scalar tensor, got a tensor of shape \(3,\)"),
     (lambda self, b: (self.collection(b[0].float()), self.collection)[1], TypeError,
      r"MetricCollection: log it with self.log_dict\(collection\)"),
-    (lambda self, b: object(), TypeError, r"needs a number, a scalar tensor or a torchmetrics Metric, got object"),
+    (lambda self, b: object(), ValueError, r"was called, but `object` values cannot be logged: log a number, a "
+                                           r"one-element tensor or a torchmetrics Metric"),
 ], ids=["non-scalar-forward", "collection-in-log", "not-a-metric"])
 def test_bad_values_are_named(tmp_path, make_value, error, message):
     trainer = hookloop.Trainer(max_epochs=1, limit_train_batches=1, default_root_dir=str(tmp_path),

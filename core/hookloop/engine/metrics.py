@@ -113,6 +113,9 @@ class Metrics:
         #: an evaluation batch's step values (self.log(on_step=True) in validation/test),
         #: handed to the loggers after the batch in a row of their own, as Lightning does
         self.eval_step_row: dict[str, torch.Tensor] = {}
+        #: the latest value of each evaluation metric logged per step with prog_bar=True:
+        #: shown in the progress bar (Lightning's), neither a result nor a callback metric
+        self.eval_step_pbar: dict[str, torch.Tensor] = {}
         #: stage -> evaluation batches logged so far this run (those rows' ``step``)
         self.eval_logged_steps: dict[str, int] = {}
         #: stage -> name -> torchmetrics Metric logged per epoch: its compute() is the value
@@ -183,6 +186,8 @@ class Metrics:
             # result and a callback metric
             key = step_key if on_epoch else name
             self.eval_step_row[key] = self.trainer.reduce(value, op) if sync_dist else value
+            if prog_bar and not self.trainer.sanity_checking:
+                self.eval_step_pbar[key] = self.eval_step_row[key]
             if not for_logger:
                 self.not_for_logger.add(key)
             if not on_epoch:
@@ -246,7 +251,7 @@ class Metrics:
         A new dict, so one a caller kept from the previous run keeps its values."""
         self.callback_metrics = {}
         self.step_values = {}
-        self.eval_step_row = {}
+        self.eval_step_row, self.eval_step_pbar = {}, {}
         self.prog_bar, self.not_for_logger, self.forked, self.fork_parts = set(), set(), {}, {}
 
     def start(self, stage: str) -> None:

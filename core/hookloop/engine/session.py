@@ -138,8 +138,10 @@ def session(trainer, stage: str):
     ``test``/``predict`` in this worker; torn down also after an exception."""
     hook, module = trainer.hook, trainer.module
     module.__dict__["_hookloop_trainer"] = trainer
-    module_hooks = module_hooks_plugin(module)
     callbacks = trainer._callback_hooks
+    # the Lightning-style callbacks' on_train_epoch_end: the module's implementation (after
+    # theirs) hands the epoch row to the loggers with what they logged, hook or not
+    module_hooks = module_hooks_plugin(module, epoch_end=hasattr(callbacks, "on_train_epoch_end"))
     if module_hooks is not None:
         trainer.plugin_manager.register(module_hooks, name=module_hooks.hookloop_name)
         if callbacks is not None:
@@ -570,15 +572,18 @@ def defines_hook(module: Any, name: str) -> bool:
     return callable(method) and not getattr(method, "hookloop_placeholder", False)
 
 
-def module_hooks_plugin(module: nn.Module) -> Any:
+def module_hooks_plugin(module: nn.Module, epoch_end: bool = False) -> Any:
     """A plugin calling the hooks ``module`` defines, or ``None`` when it defines none.
 
     Its implementations are ``tryfirst``: the module's hook runs before the plugins'
     (a metric it logs in ``on_train_epoch_end`` is in their ``metrics``). Only defined
-    hooks become implementations, so undefined ones cost nothing per step.
+    hooks become implementations, so undefined ones cost nothing per step;
+    ``epoch_end``: ``on_train_epoch_end`` is one anyway (what Lightning-style callbacks log
+    there joins the epoch's row, as what the module logs).
     """
     # setup is not among them: the session calls it before the module's *_dataloader()
-    defined = [name for name in MODULE_HOOKS if name != "setup" and defines_hook(module, name)]
+    defined = [name for name in MODULE_HOOKS if name != "setup"
+               and (defines_hook(module, name) or (epoch_end and name == "on_train_epoch_end"))]
     if not defined:
         return None
     namespace: dict[str, Any] = {"hookloop_name": f"module:{type(module).__name__}",
@@ -589,7 +594,7 @@ def module_hooks_plugin(module: nn.Module) -> Any:
 
 
 def _module_hook_impl(module: nn.Module, name: str, args: tuple[str, ...]):
-    method = getattr(module, name)
+    method = getattr(module, name, None) or (lambda: None)  # epoch_end= for a plain nn.Module
     if name == "on_train_epoch_end":
         # Values the module logs here are reduced at once and handed to the plugins
         # that see the same event after it.

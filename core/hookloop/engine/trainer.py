@@ -373,7 +373,9 @@ class Trainer:
         metrics = self.callback_metrics
         # a forked metric (on_step and on_epoch) shows as name_step / name_epoch only
         shown, forked = self.state.metrics.prog_bar, self.state.metrics.forked
-        return {k: v for k, v in metrics.items() if k in shown and k not in forked}
+        out = {k: v for k, v in metrics.items() if k in shown and k not in forked}
+        eval_steps = self.state.metrics.eval_step_pbar  # Lightning shows them, as step values
+        return {**{k: float(v) for k, v in eval_steps.items()}, **out} if eval_steps else out
 
     @property
     def logged_metrics(self) -> dict[str, float]:

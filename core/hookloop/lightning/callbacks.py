@@ -118,7 +118,8 @@ class Callback:
     event. ``state_dict()`` is saved in checkpoints under ``checkpoint["callbacks"]
     [state_key]`` (when not empty) and given back to ``load_state_dict`` when ``fit``
     resumes. A method named ``on_*`` that is no Lightning hook is an error at
-    ``Trainer(...)`` (it would never be called).
+    ``Trainer(...)`` (it would never be called). From ``setup`` on, ``self.log`` and
+    ``self.log_dict`` are the module's, as Lightning attaches them.
     """
 
     @property
@@ -340,7 +341,10 @@ class CallbackHooks:
         for name, (event, args) in EVENT_HOOKS.items():
             methods = [_lightning_method(cb, name) for cb in members if _calls(cb, name)]
             if methods:
-                setattr(self, event, hookimpl(tryfirst=True)(_event_function(event, args, methods)))
+                function = _event_function(event, args, methods)
+                if event == "on_train_epoch_end":
+                    function = self._train_epoch_end(function)
+                setattr(self, event, hookimpl(tryfirst=True)(function))
         self._members = members
         if any(_calls(cb, "teardown") for cb in members):
             def teardown(trainer, stage):
@@ -356,6 +360,23 @@ class CallbackHooks:
 
             self.on_save_checkpoint = hookimpl(tryfirst=True)(on_save_checkpoint)
 
+    @staticmethod
+    def _train_epoch_end(call):
+        """The callbacks' ``on_train_epoch_end``, where ``self.log`` is per epoch (Lightning's
+        defaults in epoch-level hooks). The module's implementation, which the session
+        registers whenever this one exists and which runs after it, adds their values to
+        the epoch's metrics, the ``metrics`` the plugins get and the loggers' epoch row."""
+
+        def on_train_epoch_end(trainer):
+            store = trainer.state.metrics
+            store.epoch_level = True
+            try:
+                call(trainer)
+            finally:
+                store.epoch_level = False
+
+        return on_train_epoch_end
+
     def __reduce__(self):
         # The implementations are closures: a spawn-based strategy pickles the callbacks
         # and builds them again.
@@ -363,6 +384,11 @@ class CallbackHooks:
 
     def setup(self, trainer, stage: str) -> None:  # not a hookimpl: the session calls it
         module = trainer.module
+        if callable(getattr(module, "log", None)):
+            # Lightning's: every callback's self.log / self.log_dict are the module's for
+            # the run (they log as the module does from the hook they are called in)
+            for cb in self._members:
+                cb.log, cb.log_dict = module.log, module.log_dict
         for cb in self._members:
             if _calls(cb, "setup"):
                 _lightning_method(cb, "setup")(trainer, module, stage)

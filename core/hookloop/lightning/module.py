@@ -261,15 +261,20 @@ class Module(HyperparametersMixin, nn.Module):
         size inferred from the batch). With both ``on_step`` and ``on_epoch`` the metric
         is reported as ``name_step`` and ``name_epoch`` (and ``name``). ``sync_dist=True``
         reduces across ranks with ``reduce_fx`` (``"mean"``, ``"sum"``, ``"max"``,
-        ``"min"`` or ``torch.mean``...), so every rank reports the same number; with
+        ``"min"`` in any case, ``torch.mean``... or Python's ``sum``/``max``/``min``), so
+        every rank reports the same number; with
         several evaluation loaders the name gets ``/dataloader_idx_N``. A torchmetrics
         ``Metric`` (updated in the step) is logged as in Lightning: its ``forward`` result
         per step, its ``compute()`` per epoch (it syncs itself; ``sync_dist`` and
         ``reduce_fx`` do not apply), then ``reset()``. Read metrics
         back from ``trainer.callback_metrics``. ``logger=False`` keeps the metric from
         loggers; ``enable_graph``, ``sync_dist_group``, ``metric_attribute`` and
-        ``rank_zero_only`` are accepted for compatibility and do nothing.
+        ``rank_zero_only`` are accepted for compatibility and do nothing. What Lightning
+        refuses is refused in its words: a value that is not a number, a one-element tensor
+        or a Metric (a ``ValueError``), a name holding ``/dataloader_idx_`` while
+        ``add_dataloader_idx=True``, a custom ``reduce_fx``.
         """
+        _check_loggable(name, value)
         op = _reduce_op(reduce_op if reduce_op is not None else reduce_fx)
         trainer = self.__dict__.get("_hookloop_trainer")
         if trainer is None:
@@ -279,6 +284,11 @@ class Module(HyperparametersMixin, nn.Module):
                 f"`self.log({name!r}, ..., on_step=False, on_epoch=False)` is not useful: the value would be "
                 f"kept neither per step nor per epoch. Give on_step=True or on_epoch=True (or leave both out "
                 f"for the hook's defaults)")
+        if add_dataloader_idx and "/dataloader_idx_" in name:  # Lightning's refusal: the suffix is added for you
+            raise ConfigurationError(
+                f"You called `self.log` with the key `{name}` but it should not contain information about "
+                f"`dataloader_idx` when `add_dataloader_idx=True`: log it as {name.split('/dataloader_idx_')[0]!r} "
+                f"(hookloop appends /dataloader_idx_N with several loaders), or pass add_dataloader_idx=False")
         trainer.state.metrics.log(name, value, prog_bar, logger is not False, on_step, on_epoch, op, sync_dist, add_dataloader_idx, batch_size)
 
     def log_dict(self, dictionary: Any, **kwargs: Any) -> None:
@@ -499,11 +509,44 @@ def _numbers_to_tensors(data: Any, device: torch.device) -> Any:
     return data
 
 
+def _check_loggable(name: str, value: Any) -> None:
+    """Lightning's refusals of what ``self.log`` cannot record (a ``ValueError`` in its
+    words; ``ConfigurationError`` is a ``ValueError``): anything but a number, a one-element
+    tensor or a torchmetrics ``Metric``."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            # the shape, not Lightning's print of the whole tensor
+            raise ConfigurationError(
+                f"`self.log({name}, ...)` was called, but the tensor must have a single element, got a tensor "
+                f"of shape {tuple(value.shape)}: reduce it first, e.g. `self.log({name}, value.mean())`, or log "
+                f"each element under its own name")
+        return
+    if isinstance(value, dict) and any(isinstance(v, dict) for v in value.values()):
+        raise ConfigurationError(f"`self.log({name}, {value})` was called, but nested dictionaries cannot be "
+                                 "logged: log each entry under its own name (self.log_dict takes a flat dict)")
+    if value is None or isinstance(value, (str, bytes, dict, list, tuple)) or not (
+            hasattr(value, "__float__") or _is_torchmetrics(value, "Metric") or _is_torchmetrics(value, "MetricCollection")):
+        raise ConfigurationError(f"`self.log({name}, {value})` was called, but `{type(value).__name__}` values "
+                                 "cannot be logged: log a number, a one-element tensor or a torchmetrics Metric "
+                                 "(self.log_dict logs a dict's entries)")
+
+
+#: Lightning's reductions given as Python's builtins
+_BUILTIN_REDUCTIONS = {max: "max", min: "min", sum: "sum"}
+
+
 def _reduce_op(fx: Any) -> str:
+    """Lightning's ``reduce_fx``: ``"mean"``/``"avg"``, ``"sum"``, ``"max"``, ``"min"`` in any
+    case, or ``torch.mean``/``torch.sum``/``torch.max``/``torch.min`` (``sum``/``max``/``min``)."""
     if isinstance(fx, str):
-        name = {"avg": "mean", "average": "mean"}.get(fx, fx)
+        name = fx.lower()
+        name = {"avg": "mean", "average": "mean"}.get(name, name)
     else:
         name = {torch.mean: "mean", torch.sum: "sum", torch.max: "max", torch.min: "min"}.get(fx)
+        name = name or _BUILTIN_REDUCTIONS.get(fx)
     if name not in REDUCE_OPS:
-        raise ConfigurationError(f"reduce_fx={fx!r} must be one of {', '.join(REDUCE_OPS)} (or torch.mean, torch.sum, torch.max, torch.min)")
+        raise ConfigurationError(
+            f"Only `self.log(..., reduce_fx={{min,max,mean,sum}})` are supported. If you need a custom reduction, "
+            f"please log a `torchmetrics.Metric` instance instead. Found: {fx!r} (give 'mean', 'sum', 'max' or "
+            f"'min', or torch.mean, torch.sum, torch.max, torch.min)")
     return name

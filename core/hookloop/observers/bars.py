@@ -365,12 +365,12 @@ class TQDMProgressBar(_Bar):
         bar, n = self._train_progress_bar, batch_idx + 1
         if bar is not None and self._should_update(n, bar.total):
             self._update_n(bar, n)
-            bar.set_postfix(self.get_metrics(trainer))
+            bar.set_postfix(self.get_metrics(trainer, trainer.module))
 
     @hookimpl
     def on_train_epoch_end(self, trainer, pl_module=None):
         if not self.train_progress_bar.disable:
-            self.train_progress_bar.set_postfix(self.get_metrics(trainer))
+            self.train_progress_bar.set_postfix(self.get_metrics(trainer, trainer.module))
         if self._leave:
             self.train_progress_bar.close()
 
@@ -410,7 +410,7 @@ class TQDMProgressBar(_Bar):
         self.val_progress_bar.close()
         self._current_eval_dataloader_idx = None
         if self._train_progress_bar is not None and trainer.state.fn == "fit":
-            self.train_progress_bar.set_postfix(self.get_metrics(trainer))
+            self.train_progress_bar.set_postfix(self.get_metrics(trainer, trainer.module))
 
     @hookimpl
     def on_test_start(self, trainer=None, pl_module=None):
@@ -551,7 +551,7 @@ class RichProgressBar(_Bar):
             self.progress.refresh()
 
     def _show_metrics(self, trainer) -> None:
-        self._metrics = self.get_metrics(trainer)
+        self._metrics = self.get_metrics(trainer, trainer.module)
         if self.progress is not None and self.train_progress_bar_id is not None:
             self.progress.update(self.train_progress_bar_id, metrics=self._metrics_text())
             self.progress.refresh()

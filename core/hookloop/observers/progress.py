@@ -48,6 +48,13 @@ class ProgressBar:
         out = self._out()
         return bool(getattr(out, "isatty", lambda: False)())
 
+    def get_metrics(self, trainer, pl_module: Any = None) -> dict[str, Any]:
+        """Lightning's ``ProgressBar.get_metrics``: ``v_num`` (with a logger), then the
+        values logged with ``prog_bar=True`` (reads the device)."""
+        from hookloop.observers.bars import TQDMProgressBar
+
+        return TQDMProgressBar.get_metrics(self, trainer, pl_module)  # the one definition
+
     def _postfix(self, trainer, extra: dict | None = None) -> dict[str, str]:
         metrics = dict(trainer.progress_bar_metrics)  # reads the device: only when redrawing
         if extra:
