@@ -30,8 +30,19 @@ import hookloop
 
 import pytorch_lightning as pl  # the reference (tests only)
 
-logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
-logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_lightning():
+    """Lightning's info lines off for this file's runs, and back as they were after each
+    test (a level set at import time would silence them for every later test file)."""
+    loggers = [logging.getLogger(n) for n in ("pytorch_lightning", "lightning.pytorch")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    yield
+    for lg, level in zip(loggers, levels):
+        lg.setLevel(level)
 
 
 def _quiet() -> None:

@@ -230,9 +230,22 @@ def test_every_module_hook_has_a_forwarder_that_passes_its_arguments_by_name():
     from hookloop.contract.hookspecs import MODULE_HOOKS
     from hookloop.engine.session import _forwarding_function
 
+    class Loaders:  # an evaluation batch hook reads how many loaders its stage has
+        val_dataloaders = test_dataloaders = predict_dataloaders = ["a", "b"]
+
+    class OneLoader:
+        val_dataloaders = test_dataloaders = predict_dataloaders = ["a"]
+
     for name, args in MODULE_HOOKS.items():
         seen = []
         forward = _forwarding_function(name, args, lambda *a: seen.append(a))
+        if "dataloader_idx" in args:
+            # dataloader_idx is passed only with several loaders, as Lightning passes it
+            assert tuple(inspect.signature(forward).parameters) == ("self", "trainer", *args), name
+            forward(None, Loaders(), *range(len(args)))
+            forward(None, OneLoader(), *range(len(args)))
+            assert seen == [tuple(range(len(args))), tuple(range(len(args) - 1))], name
+            continue
         assert tuple(inspect.signature(forward).parameters) == ("self", *args), name
         forward(None, *range(len(args)))
         assert seen == [tuple(range(len(args)))], name

@@ -306,12 +306,13 @@ def test_manual_optimizer_step_refuses_keyword_arguments_naming_what_to_do():
 # -- documented differences (docs/decisions.md, "Checkpoints") -----------------------------
 
 
-def test_the_resume_file_at_the_epoch_end_is_one_more_on_save_checkpoint_than_lightning():
-    """hookloop writes its resume file (``last.ckpt`` of the run directory) at every epoch's
-    end whatever the checkpoint schedule says, so a module's ``on_save_checkpoint`` sees one
-    more checkpoint than under Lightning, after the epoch's last step-interval scheduler
-    step (Lightning's test_plateau_scheduler_lr_step_interval_updated_after_saving[False]
-    sees that second save and fails)."""
+@pytest.mark.parametrize("logger", [False, True])
+def test_the_resume_file_at_the_epoch_end_is_one_more_on_save_checkpoint_than_lightning(logger):
+    """With a logger (hookloop's run directory) hookloop writes its resume file (``last.ckpt``
+    of the run directory) at every epoch's end whatever the checkpoint schedule says, so a
+    module's ``on_save_checkpoint`` sees one more checkpoint than under Lightning, after the
+    epoch's last step-interval scheduler step (decisions.md). Without a logger there is no
+    resume file ("A run without a logger"): the saves are Lightning's."""
     seen = {}
     for name in BOTH:
         fw = frameworks.load(name)
@@ -331,7 +332,7 @@ def test_the_resume_file_at_the_epoch_end_is_one_more_on_save_checkpoint_than_li
             checkpoint = (fw.pl.callbacks.ModelCheckpoint if name == "lightning" else hookloop.ModelCheckpoint)(
                 dirpath=root, save_on_train_epoch_end=False)
             module = _module(fw, configure, on_save_checkpoint=on_save_checkpoint, validation_step=validation_step)
-            options = dict(max_epochs=1, default_root_dir=root, logger=False, enable_progress_bar=False,
+            options = dict(max_epochs=1, default_root_dir=root, logger=logger, enable_progress_bar=False,
                            accelerator="cpu", callbacks=[checkpoint], num_sanity_val_steps=0)
             if name == "lightning":
                 options["enable_model_summary"] = False
@@ -340,13 +341,15 @@ def test_the_resume_file_at_the_epoch_end_is_one_more_on_save_checkpoint_than_li
             trainer.fit(module, loader, DataLoader(_data(4), batch_size=4))
         seen[name] = saves
     assert seen["lightning"] == [2]  # after validation at the epoch's last batch
-    assert seen["hookloop"] == [2, 2]  # the same, then the resume file at the epoch's end
+    # with a logger: the same, then the resume file at the epoch's end
+    assert seen["hookloop"] == ([2, 2] if logger else [2])
 
 
-def test_a_run_without_logger_and_checkpoints_still_makes_its_run_directory(tmp_path):
+def test_a_run_without_logger_and_checkpoints_leaves_default_root_dir_empty(tmp_path):
     """Lightning leaves ``default_root_dir`` empty with ``logger=False`` and
-    ``enable_checkpointing=False``; hookloop makes its run directory there (the resume
-    file's, the run's identity), also for a fit refused at configure_optimizers."""
+    ``enable_checkpointing=False``, and so does hookloop (no run directory without a
+    logger: decisions.md, "A run without a logger"), also for a fit refused at
+    configure_optimizers."""
     for name in BOTH:
         fw = frameworks.load(name)
         root = tmp_path / name
@@ -354,4 +357,4 @@ def test_a_run_without_logger_and_checkpoints_still_makes_its_run_directory(tmp_
         with pytest.raises(RuntimeError, match="multiple optimizers"):
             _fit(fw, _module(fw, _two_optimizers), str(root))
         made = sorted(str(p.relative_to(root)) for p in root.rglob("*"))
-        assert made == ([] if name == "lightning" else ["logs", "logs/version_0", "logs/version_0/.hookloop-run"])
+        assert made == []

@@ -407,7 +407,8 @@ def test_monitor_never_logged_fails_at_the_first_check_listing_the_logged_metric
     lambda: hookloop.EarlyStopping(monitor="val_loss", mode="minimum"),
 ])
 def test_mode_must_be_min_or_max(factory):
-    with pytest.raises(hookloop.ConfigurationError, match="must be 'min'.* or 'max'"):
+    # Lightning's words first, then what each means
+    with pytest.raises(hookloop.ConfigurationError, match="`mode` can be min, max.*'min'.*lower val_loss is better"):
         factory()
 
 
@@ -419,7 +420,7 @@ def test_mode_from_the_command_line_is_checked_before_training(tmp_path, capfd):
     code = hookloop.tools.cli.main(["run", "--plugins", "early_stopping", "--plugin-option", "early_stopping.mode=up",
                               str(script)])
     out, err = capfd.readouterr()
-    assert code != 0 and "mode='up' must be 'min'" in err
+    assert code != 0 and "`mode` can be min, max, got up ('min': lower val_loss is better" in err
     assert "Epoch 1/1" not in out
 
 

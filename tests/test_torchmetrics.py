@@ -23,8 +23,19 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import hookloop
 
-logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
-logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_lightning():
+    """Lightning's info lines off for this file's runs, and back as they were after each
+    test (a level set at import time would silence them for every later test file)."""
+    loggers = [logging.getLogger(n) for n in ("pytorch_lightning", "lightning.pytorch")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    yield
+    for lg, level in zip(loggers, levels):
+        lg.setLevel(level)
 
 # Per batch of 4: predictions and labels with 4, 2, 3 and 1 correct.
 PREDS = torch.tensor([0, 1, 2, 0, 0, 1, 2, 0, 0, 1, 2, 0, 0, 1, 2, 0])
