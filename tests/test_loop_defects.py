@@ -8,6 +8,7 @@ beside their plugins' tests.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -133,6 +134,8 @@ class ThreadReplicas(nn.Module):
         super().__init__()
         self.module, self.replicas = module, replicas
 
+    one_after_another = False  # each replica's thread ends before the next starts
+
     def forward(self, kind, batch, batch_idx, dataloader_idx=None):
         x, y = batch
         parts = list(zip(x.chunk(self.replicas), y.chunk(self.replicas)))
@@ -144,6 +147,9 @@ class ThreadReplicas(nn.Module):
         threads = [threading.Thread(target=run, args=(i,)) for i in range(len(parts))]
         for t in threads:
             t.start()
+            if self.one_after_another:
+                t.join()
+                time.sleep(0.005)  # the thread's exit completes: the next thread gets its ident
         for t in threads:
             t.join()
         return torch.stack(outputs).mean() if kind == "train" else None
@@ -153,9 +159,14 @@ class CpuDataParallel:
     hookloop_name = "cpu_dp"
     hookloop_role = "strategy"
 
+    def __init__(self, one_after_another: bool = False):
+        self.one_after_another = one_after_another
+
     @hookloop.hookimpl
     def wrap_model(self, trainer, model):
-        return ThreadReplicas(model.to(trainer.root_device), replicas=2)
+        replicas = ThreadReplicas(model.to(trainer.root_device), replicas=2)
+        replicas.one_after_another = self.one_after_another
+        return replicas
 
 
 class LogsPerReplica(TinyModule):
@@ -169,9 +180,15 @@ class LogsPerReplica(TinyModule):
         self.log("x0_val", x[:, 0].mean())
 
 
-def test_replica_logs_average_per_step_and_weigh_by_their_own_share():
+@pytest.mark.parametrize("one_after_another", [False, True])
+def test_replica_logs_average_per_step_and_weigh_by_their_own_share(tmp_path, one_after_another):
+    """``one_after_another``: a replica's thread ends before the next one starts, so the
+    second gets the first's ``threading.get_ident()`` (CPython reuses it): the replicas'
+    values were keyed by it, and the second replaced the first (a flaky failure when the
+    threads happened to run so, every time here)."""
     train, val = tiny_data(15), tiny_data(15, seed=4)  # batches of 5 split 3 + 2
-    trainer = hookloop.Trainer(max_epochs=1, plugins=[CpuDataParallel()], enable_checkpointing=False)
+    trainer = hookloop.Trainer(max_epochs=1, plugins=[CpuDataParallel(one_after_another)], enable_checkpointing=False,
+                               default_root_dir=tmp_path)
     trainer.fit(LogsPerReplica(), DataLoader(train, batch_size=5), DataLoader(val, batch_size=5))
     last = train.tensors[0][10:, 0]
     per_replica = [part.mean() for part in last.chunk(2)]

@@ -8,6 +8,7 @@ batch being run (``trainer.state.current_batch``).
 
 from __future__ import annotations
 
+import itertools
 import sys
 import threading
 from typing import Any
@@ -65,6 +66,20 @@ def _scalar(name: str, value: Any, what: str, device: torch.device) -> torch.Ten
 # per thread, so a replica's value is weighted by its own share of the batch.
 _STEP_BATCH = threading.local()
 
+# Which replica logged a step value: one number per thread, never reused (a finished
+# thread's ``threading.get_ident()`` is given to the next thread started, so DataParallel's
+# replica threads, one finishing before the next starts, would share an ident and the
+# second value would replace the first instead of joining the mean).
+_REPLICA = threading.local()
+_REPLICA_IDS = itertools.count()
+
+
+def _replica_id() -> int:
+    rid = getattr(_REPLICA, "id", None)
+    if rid is None:
+        rid = _REPLICA.id = next(_REPLICA_IDS)
+    return rid
+
 
 class Metrics:
     """What ``self.log`` recorded during a run; reduced across ranks on request.
@@ -93,7 +108,7 @@ class Metrics:
         #: the step token when the training epoch's values were last computed: a forked
         #: name reports its epoch value from then until a newer step value arrives
         self.epoch_token = -1
-        #: name -> [step token, {thread id: 0-d tensor}] (several threads under DataParallel)
+        #: name -> [step token, {replica id: 0-d tensor}] (several threads under DataParallel)
         self.step_values: dict[str, list] = {}
         #: stage -> name -> [batch-weighted sum, samples, sync, op, plain sum, max, min]
         self.epoch_sums: dict[str, dict[str, list]] = {}
@@ -208,11 +223,11 @@ class Metrics:
             step_value = self.trainer.reduce(value, op) if sync_dist else value
             key = step_key if forked else name
             slot = self.step_values.get(key)
-            thread = threading.get_ident()
+            replica = _replica_id()
             if slot is None or slot[0] != self.step_token:
-                self.step_values[key] = [self.step_token, {thread: step_value}]
+                self.step_values[key] = [self.step_token, {replica: step_value}]
             else:
-                slot[1][thread] = step_value  # another replica of the same step
+                slot[1][replica] = step_value  # another replica of the same step
         if on_epoch and metric is not None:
             key = epoch_key if forked else name
             self.epoch_metrics.setdefault(self.stage, {})[key] = metric
