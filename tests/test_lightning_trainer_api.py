@@ -480,3 +480,67 @@ def test_lightnings_trainer_views_live_in_the_lightning_layer_and_a_missing_name
     assert trainer.early_stopping_callbacks == [] and trainer.lightning_module is None
     with pytest.raises(AttributeError, match="'Trainer' object has no attribute 'early_stoping_callback'"):
         trainer.early_stoping_callback  # noqa: B018 - a misspelt name
+
+
+def test_trainer_fn_and_running_stage_are_lightnings_names_for_hookloops_state(tmp_path):
+    """Lightning's ``TrainerFn``/``RunningStage``: the same members and values as
+    pytorch-lightning 2.6.6's, equal to their value in any case, and what hookloop's
+    ``trainer.state.fn``/``stage`` hold during a run (compared with Lightning's run of the
+    same module)."""
+    from pytorch_lightning.trainer import states as pl_states
+
+    for ours, theirs in ((hookloop.TrainerFn, pl_states.TrainerFn), (hookloop.RunningStage, pl_states.RunningStage)):
+        assert [(m.name, m.value) for m in ours] == [(m.name, m.value) for m in theirs]
+        assert all(m == m.value.upper() and hash(m) == hash(theirs[m.name]) for m in ours)
+    assert [s.dataloader_prefix for s in hookloop.RunningStage] == [s.dataloader_prefix for s in pl_states.RunningStage]
+    assert [s.evaluating for s in hookloop.RunningStage] == [s.evaluating for s in pl_states.RunningStage]
+
+    def seen_states(trainer_class, base, **extra):
+        seen = []
+
+        class Module(base):
+            def __init__(self):
+                super().__init__()
+                self.layer = torch.nn.Linear(4, 1)
+
+            def training_step(self, batch, batch_idx):
+                seen.append((self.trainer.state.fn, self.trainer.state.stage))
+                return self.layer(batch[0]).sum()
+
+            def validation_step(self, batch, batch_idx):
+                seen.append((self.trainer.state.fn, self.trainer.state.stage))
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        trainer = trainer_class(default_root_dir=tmp_path, max_epochs=1, limit_train_batches=1, limit_val_batches=1,
+                                num_sanity_val_steps=1, logger=False, enable_checkpointing=False,
+                                enable_progress_bar=False, enable_model_summary=False, **extra)
+        data = DataLoader(TensorDataset(torch.randn(4, 4)), batch_size=2)
+        trainer.fit(Module(), data, data)
+        return seen
+
+    import pytorch_lightning as pl
+
+    lightning = seen_states(pl.Trainer, pl.LightningModule, accelerator="cpu")
+    ours = seen_states(hookloop.Trainer, hookloop.Module)
+    assert lightning == [(pl_states.TrainerFn.FITTING, pl_states.RunningStage.SANITY_CHECKING),
+                         (pl_states.TrainerFn.FITTING, pl_states.RunningStage.TRAINING),
+                         (pl_states.TrainerFn.FITTING, pl_states.RunningStage.VALIDATING)]
+    assert ours == [(hookloop.TrainerFn.FITTING, hookloop.RunningStage.SANITY_CHECKING),
+                    (hookloop.TrainerFn.FITTING, hookloop.RunningStage.TRAINING),
+                    (hookloop.TrainerFn.FITTING, hookloop.RunningStage.VALIDATING)]
+
+
+@pytest.mark.parametrize("kwargs", [{}, dict(check_val_every_n_epoch=3, val_check_interval=0.5, num_sanity_val_steps=-1),
+                                    dict(fast_dev_run=True), dict(check_val_every_n_epoch=None, val_check_interval=7)])
+def test_validation_settings_read_back_as_lightnings(tmp_path, kwargs):
+    """``trainer.check_val_every_n_epoch``, ``val_check_interval``, ``num_sanity_val_steps``:
+    the values pytorch-lightning 2.6.6's Trainer reads back for the same arguments."""
+    import pytorch_lightning as pl
+
+    names = ("check_val_every_n_epoch", "val_check_interval", "num_sanity_val_steps")
+    common = dict(default_root_dir=tmp_path, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    theirs = pl.Trainer(**common, **kwargs)
+    ours = hookloop.Trainer(**common, **kwargs)
+    assert [getattr(ours, n) for n in names] == [getattr(theirs, n) for n in names]

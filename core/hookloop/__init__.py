@@ -93,6 +93,7 @@ from hookloop.engine.optim import SchedulerConfig, before_optimizer_step, GradSc
 from hookloop.contract.registry import installed_plugins, resolve as plugin
 from hookloop.engine.trainer import Trainer, default
 from hookloop.lightning.tuner import LRFinder, Tuner
+from hookloop.lightning.states import RunningStage, TrainerFn
 from hookloop.resume.unpickling import refused_object, unsafe_checkpoint_error, weights_only_loads
 from hookloop.distributed.ranks import env_int, rank_zero_info, rank_zero_only, rank_zero_warn
 from hookloop.contract.versioning import CONTRACT_VERSION, HookloopContractWarning, HookloopDeprecationWarning
@@ -157,6 +158,8 @@ __all__ = [
     "OnExceptionCheckpoint",
     "Timer",
     "Trainer",
+    "TrainerFn",
+    "RunningStage",
     "Tuner",
     "LRFinder",
     "TrainerConfig",

@@ -52,14 +52,14 @@ def test_a_name_hookloop_lacks_fails_the_test_that_uses_it_not_the_file():
     source = ("import pytest\n"
               "from lightning.pytorch.callbacks import ThroughputMonitor\n"
               "from lightning.pytorch.callbacks.early_stopping import EarlyStopping\n"
-              "from lightning.pytorch.trainer.states import TrainerFn\n"
-              "REASONS = [TrainerFn.FITTING]\n")
+              "from lightning.pytorch.loggers.logger import DummyLogger\n"
+              "REASONS = [DummyLogger.experiment]\n")
     ns: dict = {}
     exec(rewrite(source, "hookloop", missing="placeholder"), ns)  # the module imports: collection works
     import hookloop
 
     assert ns["EarlyStopping"] is hookloop.EarlyStopping
-    with pytest.raises(ImportError, match="TrainerFn"):
+    with pytest.raises(ImportError, match="DummyLogger"):
         ns["REASONS"][0]()
     with pytest.raises(TypeError, match="hookloop_lacks_ThroughputMonitor"):
         with pytest.raises(ns["ThroughputMonitor"]):

@@ -46,5 +46,24 @@ def lightning_module(trainer: Any) -> Any:
     return trainer.module
 
 
+def check_val_every_n_epoch(trainer: Any) -> int | None:
+    """The setting (1 when not given; ``None``: validation by ``val_check_interval`` batches
+    across epochs), as Lightning's."""
+    return trainer.config.check_val_every_n_epoch
+
+
+def val_check_interval(trainer: Any) -> int | float:
+    """The setting (1.0 when not given: once per epoch), as Lightning's."""
+    return trainer.config.val_check_interval
+
+
+def num_sanity_val_steps(trainer: Any) -> int | float:
+    """The setting (2 when not given, 0 in a ``fast_dev_run``); ``-1`` (the whole validation
+    set) reads ``inf``, as Lightning's."""
+    steps = trainer.config.num_sanity_val_steps
+    return float("inf") if steps == -1 else steps
+
+
 VIEWS = {f.__name__: f for f in (checkpoint_callbacks, early_stopping_callbacks,
-                                  early_stopping_callback, progress_bar_callback, lightning_module)}
+                                  early_stopping_callback, progress_bar_callback, lightning_module,
+                                  check_val_every_n_epoch, val_check_interval, num_sanity_val_steps)}
