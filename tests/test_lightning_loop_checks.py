@@ -216,3 +216,93 @@ def test_max_epochs_not_given_is_settled_and_warned_as_lightning(kwargs, tmp_pat
 def _stop_at_first_batch(self, batch, batch_idx):
     self.trainer.should_stop = True
     return F.cross_entropy(self.net(batch[0]), batch[1])
+
+
+def _frozen_backbone_run(framework: str, root) -> tuple[list, float, list]:
+    """A module whose BatchNorm backbone the user keeps in eval mode (fine-tuning a head):
+    the backbone's mode in every training step and validation, its running mean after two
+    epochs, and the eval-mode warnings at the start of training."""
+    base = pl.LightningModule if framework == "lightning" else hookloop.Module
+    seen: list = []
+
+    class FrozenBackbone(base):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.backbone = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+            self.backbone.eval()
+            self.head = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            seen.append(("train", self.current_epoch, self.backbone.training, self.head.training))
+            return self.head(self.backbone(batch[0])).pow(2).mean()
+
+        def validation_step(self, batch, batch_idx):
+            seen.append(("val", self.current_epoch, self.backbone.training, self.head.training))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.head.parameters(), lr=0.1)
+
+    trainer_class = pl.Trainer if framework == "lightning" else hookloop.Trainer
+    extra = dict(accelerator="cpu") if framework == "lightning" else {}
+    trainer = trainer_class(max_epochs=2, default_root_dir=root, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=1, **extra)
+    data = DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4)
+    module = FrozenBackbone()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, data, data)
+    said = [str(w.message).split(".")[0] for w in caught if "eval mode" in str(w.message)]
+    return seen, float(module.backbone[1].running_mean.abs().sum()), said
+
+
+def test_a_submodule_kept_in_eval_mode_stays_so_as_lightning_keeps_it(tmp_path):
+    """Lightning 2.6 trains the modules in the modes they have and gives every submodule its
+    own mode back after validation; hookloop called ``model.train()`` at every epoch's start,
+    so a frozen BatchNorm backbone trained in train mode (its running statistics moved:
+    a silently different function). Lightning's warning for the eval-mode module too."""
+    lightning = _frozen_backbone_run("lightning", tmp_path / "lightning")
+    ours = _frozen_backbone_run("hookloop", tmp_path / "hookloop")
+    assert lightning[0] == ours[0]
+    assert [s[2] for s in lightning[0]] == [False] * len(lightning[0])  # the backbone never trains
+    assert lightning[1] == ours[1] == 0.0
+    # the Sequential, its Linear and its BatchNorm
+    assert lightning[2] == ours[2] == ["Found 3 module(s) in eval mode at the start of training"]
+
+
+def test_val_dataloaders_is_a_list_and_train_dataloader_the_loader_given(tmp_path):
+    """decisions.md "Lightning's unit tests: the differences left": one validation loader is
+    ``[loader]`` (Lightning: the loader), and with ``overfit_batches`` ``train_dataloader`` is
+    the loader given (Lightning: the one it runs, its sampler made sequential). Pinned
+    against pytorch-lightning 2.6.6 running the same fit."""
+    data = DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=2, shuffle=True)
+    val = DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=2)
+    found = {}
+    for framework in ("lightning", "hookloop"):
+        base = pl.LightningModule if framework == "lightning" else hookloop.Module
+
+        class Module(base):
+            def __init__(self):
+                super().__init__()
+                self.layer = torch.nn.Linear(4, 1)
+
+            def training_step(self, batch, batch_idx):
+                return self.layer(batch[0]).sum()
+
+            def validation_step(self, batch, batch_idx):
+                pass
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        trainer_class = pl.Trainer if framework == "lightning" else hookloop.Trainer
+        extra = dict(accelerator="cpu") if framework == "lightning" else {}
+        trainer = trainer_class(max_epochs=1, overfit_batches=2, default_root_dir=tmp_path / framework, logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                **extra)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(Module(), data, val)
+        found[framework] = (trainer.val_dataloaders, trainer.train_dataloader)
+    assert found["lightning"][0] is val and found["hookloop"][0] == [val]
+    assert found["lightning"][1] is not data and found["hookloop"][1] is data

@@ -109,6 +109,7 @@ def fit(trainer, train_loader: Any, val_loaders: list) -> None:
         metrics.start("train")
         state.epoch_val_metrics = {}
     metrics.stage, metrics.epoch_level = "train", True
+    _warn_if_modules_in_eval_mode(trainer.model)
     try:
         hook.on_train_start(trainer=trainer)
     finally:
@@ -167,7 +168,6 @@ def _fit_epochs(trainer, train_loader, step: TrainStep, validation, max_epochs: 
             started = False
             metrics = trainer.state.metrics
             metrics.stage = "train"
-            trainer.model.train()
             metrics.epoch_level = True  # self.log here is per epoch (Lightning's defaults)
             try:
                 hook.on_train_epoch_start(trainer=trainer, epoch=epoch)
@@ -462,7 +462,7 @@ def evaluate(trainer, stage: str, loaders: list, limit: Any, publish: bool = Tru
     hook, model, metrics = trainer.hook, trainer.model, trainer.state.metrics
     prefix = EVENT_PREFIX[stage]
     saved = (metrics.stage, metrics.suffix, metrics.epoch_level)
-    was_training: bool | None = model.training
+    was_training: list | None = _module_modes(model)
     rng = ckpt.rng_state()
     contexts = [c for c in hook.forward_context(trainer=trainer) if c is not None]
     run_batch = make_evaluation_step(trainer, stage, len(loaders))
@@ -509,7 +509,7 @@ def evaluate(trainer, stage: str, loaders: list, limit: Any, publish: bool = Tru
         metrics.stage, metrics.suffix, metrics.epoch_level = saved
         metrics.dataloader_idx = None
         if was_training is not None:
-            model.train(was_training)
+            _restore_modes(was_training)
         ckpt.set_rng_state(rng)
     return _per_loader(computed, len(loaders), dict(metrics.loader_of))
 
@@ -533,9 +533,33 @@ def _eval_mode(trainer, prefix: str) -> None:
         trainer.model.eval()
 
 
-def _train_mode(trainer, prefix: str, was_training: bool | None) -> bool | None:
+def _module_modes(model: torch.nn.Module) -> list:
+    """Every submodule's train/eval mode, to give back after an evaluation run: a submodule
+    the user keeps in eval mode (a frozen BatchNorm backbone) stays so (Lightning's
+    ``_ModuleMode``); ``model.train()`` would switch it to training, its running statistics
+    moving, a silently different function."""
+    return [(module, module.training) for module in model.modules()]
+
+
+def _restore_modes(modes: list) -> None:
+    for module, training in modes:
+        module.training = training
+
+
+def _warn_if_modules_in_eval_mode(model: torch.nn.Module) -> None:
+    """The loop trains the modules in the modes they have (it never calls ``model.train()``):
+    one in eval mode at the start of training is said, in Lightning's words."""
+    in_eval = [name for name, module in model.named_modules() if not module.training]
+    if in_eval:
+        rank_zero_warn(
+            f"Found {len(in_eval)} module(s) in eval mode at the start of training. This may lead "
+            "to unexpected behavior during training. If this is intentional, you can ignore this "
+            "warning.", category=PossibleUserWarning)
+
+
+def _train_mode(trainer, prefix: str, was_training: list | None) -> list | None:
     """After a finished evaluation run: the module's ``on_{prefix}_model_train`` override
-    (then None: it set the mode), else ``was_training``, the mode to restore."""
+    (then None: it set the mode), else ``was_training``, the modes to restore."""
     override = _module_override(trainer, f"on_{prefix}_model_train")
     if override is None:
         return was_training
@@ -591,7 +615,7 @@ def predict(trainer, loaders: list) -> Any:
     keep = state.return_predictions
     contexts = [c for c in hook.forward_context(trainer=trainer) if c is not None]
     run_batch = make_evaluation_step(trainer, PREDICT, len(loaders))
-    was_training: bool | None = model.training
+    was_training: list | None = _module_modes(model)
     saved_stage = metrics.stage
     _eval_mode(trainer, "predict")
     metrics.stage = PREDICT
@@ -631,7 +655,7 @@ def predict(trainer, loaders: list) -> Any:
     finally:
         metrics.stage = saved_stage
         if was_training is not None:
-            model.train(was_training)
+            _restore_modes(was_training)
     if results is None:
         return None
     return results[0] if len(results) == 1 else results
