@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
 from test_lightning_semantics import _data, _trainer
 
@@ -417,3 +417,59 @@ def test_another_checkpoint_name_last_is_refused(tmp_path, monkeypatch):
     mc = fw.ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True)
     with pytest.raises(hookloop.ConfigurationError, match="CHECKPOINT_NAME_LAST='last-\\{epoch\\}'.*last_model_path"):
         _fit(fw, tmp_path, _module(fw), max_epochs=1, callbacks=[mc])
+
+
+@pytest.mark.parametrize("logger", [False, True])
+def test_save_last_holds_the_last_epoch_where_lightnings_holds_the_newest_saved(tmp_path, logger):
+    """decisions.md "`save_last` and hookloop's resume `last.ckpt`": with ``save_last=True``
+    (and a ``dirpath``) Lightning 2.6.6 writes ``last.ckpt`` only when it saves a top-k file
+    (a copy of the newest one: epoch 3 of 5 here, where the monitored value last improved);
+    hookloop writes it at every epoch's end, so it holds the last epoch (4). The same module
+    under both; the epochs whose state each framework serialised."""
+    import pytorch_lightning as pl
+    from pytorch_lightning.loggers import CSVLogger
+
+    import hookloop
+
+    values = [5.0, 1.0, 3.0, 0.5, 4.0]
+    found = {}
+    for framework in ("lightning", "hookloop"):
+        base = pl.LightningModule if framework == "lightning" else hookloop.Module
+
+        class Module(base):
+            def __init__(self):
+                super().__init__()
+                self.layer = nn.Linear(4, 1)
+                self.saves: list = []
+
+            def training_step(self, batch, batch_idx):
+                return self.layer(batch[0]).pow(2).mean()
+
+            def validation_step(self, batch, batch_idx):
+                self.log("v", torch.tensor(values[self.current_epoch]))
+
+            def on_save_checkpoint(self, checkpoint):
+                self.saves.append(self.current_epoch)
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        root = tmp_path / framework
+        data = DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=4)
+        common = dict(max_epochs=5, default_root_dir=root, enable_progress_bar=False, enable_model_summary=False,
+                      num_sanity_val_steps=0)
+        if framework == "lightning":
+            callback = pl.callbacks.ModelCheckpoint(dirpath=root / "ck", monitor="v", save_top_k=1, save_last=True)
+            trainer = pl.Trainer(logger=CSVLogger(root) if logger else False, callbacks=[callback], accelerator="cpu",
+                                 **common)
+        else:
+            callback = hookloop.ModelCheckpoint(dirpath=root / "ck", monitor="v", save_top_k=1, save_last=True)
+            trainer = hookloop.Trainer(logger=logger, callbacks=[callback], **common)
+        module = Module()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(module, data, data)
+        last = torch.load(root / "ck" / "last.ckpt", map_location="cpu", weights_only=False)
+        found[framework] = (module.saves, last["epoch"], sorted(os.listdir(root / "ck")))
+    assert found["lightning"] == ([0, 0, 1, 1, 3, 3], 3, ["epoch=3-step=8.ckpt", "last.ckpt"])
+    assert found["hookloop"] == ([0, 1, 2, 3, 4], 4, ["epoch=3-step=8.ckpt", "last.ckpt"])
