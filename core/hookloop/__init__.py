@@ -104,11 +104,16 @@ from hookloop._version import __version__
 # (the engine never imports hookloop.lightning; `no:lightning` blocks it: docs/lightning.md)
 from hookloop.contract import translators as _translators
 from hookloop.lightning.plugin import LIGHTNING as _LIGHTNING
+from hookloop.lightning.views import PROPERTIES as _PROPERTIES
 from hookloop.lightning.views import VIEWS as _VIEWS
 
 _translators.register(_LIGHTNING)
 for _name, _view in _VIEWS.items():
     _translators.register_view(_name, _view)
+# Lightning's settable Trainer attributes (limit_*_batches, fit_loop.max_epochs...): properties
+# of the Trainer class, put there by the facade, not written in the engine
+for _name, _property in _PROPERTIES.items():
+    setattr(Trainer, _name, _property)
 
 
 def __getattr__(name: str):

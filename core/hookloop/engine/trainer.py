@@ -36,7 +36,7 @@ from hookloop.engine.session import (
     run_evaluation,
     run_predict,
 )
-from hookloop.engine.settings import check_devices_on_cpu, is_count_or_fraction
+from hookloop.engine.settings import check_devices_on_cpu
 from hookloop.engine.state import LoopState
 from hookloop.engine.step import (
     STEP_METHODS,
@@ -52,62 +52,13 @@ from hookloop.helpers import clip_gradients
 from hookloop.resume import rundir
 from hookloop.resume.run import checkpoint_dict
 
-__all__ = ["FitLoopView", "Trainer", "TrainerState", "default"]
+__all__ = ["Trainer", "TrainerState", "default"]
 
 _UNSET: Any = object()
 
 
 #: Lightning's name for ``trainer.state``'s class (now the loop's whole state)
 TrainerState = LoopState
-
-
-def _batch_limit_property(loop: str) -> property:
-    """``trainer.limit_<loop>_batches``, Lightning's attribute: the setting, ``1.0`` (the
-    whole loader) when not given; settable between runs, as Lightning's."""
-    name = f"limit_{loop}_batches"
-
-    def get(trainer: Any) -> int | float:  # noqa: PYI041 (a count or a fraction)
-        value = getattr(trainer.config, name)
-        return 1.0 if value is None else value
-
-    def set_(trainer: Any, value: int | float) -> None:  # noqa: PYI041
-        if not is_count_or_fraction(value):
-            raise ConfigurationError(
-                f"trainer.{name} = {value!r}: must be a number of batches (an integer >= 0) or "
-                f"a fraction of the loader (a float in [0.0, 1.0])")
-        setattr(trainer.config, name, value)
-
-    return property(get, set_, doc=get.__doc__)
-
-
-class FitLoopView:
-    """Read-only view of the training loop's position under Lightning's names (the
-    loop itself is :mod:`hookloop.loop`, not an object)."""
-
-    def __init__(self, trainer: Trainer):
-        self._trainer = trainer
-
-    @property
-    def batch_idx(self) -> int:
-        return self._trainer.state.fetched_batch_idx
-
-    @property
-    def max_epochs(self) -> int | None:
-        return self._trainer.max_epochs
-
-    @max_epochs.setter
-    def max_epochs(self, value: int | None) -> None:
-        """Lightning's way to train on with the same Trainer: ``fit_loop.max_epochs = n``
-        before the next ``fit``."""
-        self._trainer.config.max_epochs = value
-
-    @property
-    def max_steps(self) -> int:
-        return self._trainer.max_steps
-
-    @property
-    def epoch_loop(self) -> FitLoopView:
-        return self
 
 
 class Trainer:
@@ -303,11 +254,6 @@ class Trainer:
             out += p.callbacks if p is self._callback_hooks else [p]
         return out
 
-    limit_train_batches = _batch_limit_property("train")
-    limit_val_batches = _batch_limit_property("val")
-    limit_test_batches = _batch_limit_property("test")
-    limit_predict_batches = _batch_limit_property("predict")
-
     @property
     def gradient_clip_val(self) -> float | None:
         return self.config.gradient_clip_val
@@ -315,11 +261,6 @@ class Trainer:
     @property
     def max_epochs(self) -> int | None:
         return self.config.max_epochs
-
-    @property
-    def fast_dev_run(self) -> bool | int:
-        """The ``fast_dev_run`` setting as given (False, True or a number of batches)."""
-        return self.config.fast_dev_run
 
     @property
     def max_steps(self) -> int:
@@ -401,13 +342,6 @@ class Trainer:
         """The first logger plugin, or ``None`` without one."""
         loggers = self.loggers
         return loggers[0] if loggers else None
-
-    @property
-    def fit_loop(self) -> FitLoopView:
-        """Lightning's ``trainer.fit_loop``, for what Lightning code reads of it:
-        ``batch_idx`` (the last training batch fetched), ``max_epochs``, ``max_steps``,
-        and ``epoch_loop`` (the same view)."""
-        return FitLoopView(self)
 
     @property
     def is_global_zero(self) -> bool:

@@ -678,7 +678,7 @@ class ModelCheckpoint:
         ``filename`` (not ranked), and ``last.ckpt``, as Lightning's."""
         # As Lightning: not in a fast_dev_run or the sanity check, nor where a checkpoint
         # of this step was saved (hookloop's own resume last.ckpt does not count)
-        if (not self.save_on_exception or trainer.fast_dev_run or trainer.state.fn != "fit"
+        if (not self.save_on_exception or trainer.config.fast_dev_run or trainer.state.fn != "fit"
                 or trainer.sanity_checking or self.dir is None or self._step_saved_for_user == trainer.global_step):
             return
         path = self._versioned(trainer, str(self.dir / self.format_name(trainer)), None)
