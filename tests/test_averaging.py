@@ -434,8 +434,10 @@ def fsdp_resume_rank(root: str) -> dict:
 
         module, plugin = TinyModule(seed=seed), hookloop.plugin("ema", decay=0.7, update_every_n_steps=2)
         kwargs = {} if max_steps is None else {"max_steps": max_steps}
+        # a logger: its run directory holds the resume last.ckpt the cut run leaves (a run
+        # without one writes Lightning's files only: decisions.md "A run without a logger")
         t = hookloop.Trainer(plugins=["fsdp", plugin], max_epochs=3, default_root_dir=os.path.join(root, sub),
-                             logger=False, **QUIET, **kwargs)
+                             logger=True, **QUIET, **kwargs)
         t.fit(module, DataLoader(tiny_data(64), batch_size=4), ckpt_path=ckpt_path)
         return {k: v.clone() for k, v in plugin.average.items()}, plugin.n_averaged, params(module), plugin._sharded
 

@@ -134,8 +134,9 @@ def test_zero3_resume_from_a_checkpoint_is_bit_identical(tmp_path, name):
         from conftest import TinyModule
 
         module, plugin, grab = TinyModule(seed=seed), hookloop.plugin(name, **OPTIONS[name]), _WeightsAtFitEnd()
+        # a logger: its run directory holds the resume last.ckpt (decisions.md "A run without a logger")
         t = hookloop.Trainer(plugins=[_strategy("zero3"), plugin, grab], max_epochs=3, max_steps=max_steps,
-                             logger=False, default_root_dir=str(root), **QUIET)
+                             logger=True, default_root_dir=str(root), **QUIET)
         t.fit(module, DataLoader(tiny_data(64), batch_size=4), DataLoader(tiny_data(16, seed=3), batch_size=4),
               ckpt_path=ckpt_path)
         return plugin, grab.weights, t
