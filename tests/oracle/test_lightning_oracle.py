@@ -273,13 +273,17 @@ def _checks_without_validation(case, mode, light, hook) -> bool:
     return seen
 
 
-def _both_intervals(case, mode, light, hook) -> bool:
-    """``every_n_train_steps`` with ``every_n_epochs``: Lightning refuses the pair; hookloop
-    saves on both schedules (steps 3 and 6, and the epoch ends 4 and 8)."""
-    seen = light["both_intervals"] == {"refused": "MisconfigurationException"} and hook["both_intervals"] == {
-        "files": ["epoch=0-step=3.ckpt", "epoch=0-step=4.ckpt", "epoch=1-step=6.ckpt", "epoch=1-step=8.ckpt"]}
-    del light["both_intervals"], hook["both_intervals"]
-    return seen
+def _refusals_named_as_lightnings(observed):
+    """hookloop's ``ConfigurationError`` is the class its ``MisconfigurationException`` names
+    (one class, two names): a refusal recorded under hookloop's name is Lightning's (the
+    observer_choices case's ``every_n_train_steps`` with ``every_n_epochs``, refused by both
+    since issue 35)."""
+    if isinstance(observed, dict):
+        return {k: ("MisconfigurationException" if k == "refused" and v == "ConfigurationError"
+                    else _refusals_named_as_lightnings(v)) for k, v in observed.items()}
+    if isinstance(observed, list):
+        return [_refusals_named_as_lightnings(v) for v in observed]
+    return observed
 
 
 def _optimizers_per_run(case, mode, light, hook) -> bool:
@@ -299,8 +303,6 @@ DOCUMENTED = [
     Documented("early stopping checks without validation",
                "a run without validation checks at epoch ends even with `check_val_every_n_epoch > 1`",
                ("observer_choices",), _checks_without_validation),
-    Documented("both checkpoint intervals", "Lightning's `every_n_train_steps` and `every_n_epochs` exclude each other",
-               ("observer_choices",), _both_intervals),
     Documented("a stopped epoch stays current", "Unlike Lightning, `current_epoch` and the position inside the epoch stay",
                ("loop_control",), _stopped_epoch_stays),
     Documented("predictions gathered", "Predictions are gathered", ("evaluation",), _predictions_gathered),
@@ -330,6 +332,7 @@ def test_same_observations_as_lightning(observations, case, mode):
     hook = json.loads(json.dumps(observations[mode]["hookloop"][case]))
     assert "error" not in light, f"the case fails under Lightning itself: {light['error']}"
     assert "error" not in hook, f"runs under Lightning, fails under hookloop: {hook['error']}"
+    hook = _refusals_named_as_lightnings(hook)
     for doc in _documented_for(case):
         doc.normalize(case, mode, light, hook)
     diff = differences(light, hook)
