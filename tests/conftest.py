@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -54,6 +55,19 @@ class TinyModule(hookloop.Module):
         if self.use_scheduler:
             return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
         return opt
+
+
+@pytest.fixture
+def quiet_lightning():
+    """Lightning's info lines off for one test, and its loggers' levels back as they were
+    after it (a level set at import time would silence them for every later test file)."""
+    loggers = [logging.getLogger(n) for n in ("pytorch_lightning", "lightning.pytorch")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    yield
+    for lg, level in zip(loggers, levels):
+        lg.setLevel(level)
 
 
 def tiny_data(n: int = 96, seed: int = 1) -> TensorDataset:

@@ -16,11 +16,11 @@ reference for Lightning semantics) and/or checks a number worked out by hand:
 from __future__ import annotations
 
 import csv
-import logging
 import warnings
 from pathlib import Path
 
 import pytest
+import pytorch_lightning as pl  # the reference (tests only)
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -28,21 +28,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import hookloop
 
-import pytorch_lightning as pl  # the reference (tests only)
-
-
-
-@pytest.fixture(autouse=True)
-def _quiet_lightning():
-    """Lightning's info lines off for this file's runs, and back as they were after each
-    test (a level set at import time would silence them for every later test file)."""
-    loggers = [logging.getLogger(n) for n in ("pytorch_lightning", "lightning.pytorch")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    yield
-    for lg, level in zip(loggers, levels):
-        lg.setLevel(level)
+# Lightning's info lines off for this file's runs, restored after each test (conftest.py)
+pytestmark = pytest.mark.usefixtures("quiet_lightning")
 
 
 def _quiet() -> None:

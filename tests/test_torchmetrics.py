@@ -11,7 +11,6 @@ The Lightning oracle's ``torchmetrics`` case (tests/oracle) compares a full run
 
 from __future__ import annotations
 
-import logging
 import subprocess
 import sys
 
@@ -23,19 +22,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import hookloop
 
-
-
-@pytest.fixture(autouse=True)
-def _quiet_lightning():
-    """Lightning's info lines off for this file's runs, and back as they were after each
-    test (a level set at import time would silence them for every later test file)."""
-    loggers = [logging.getLogger(n) for n in ("pytorch_lightning", "lightning.pytorch")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    yield
-    for lg, level in zip(loggers, levels):
-        lg.setLevel(level)
+# Lightning's info lines off for this file's runs, restored after each test (conftest.py)
+pytestmark = pytest.mark.usefixtures("quiet_lightning")
 
 # Per batch of 4: predictions and labels with 4, 2, 3 and 1 correct.
 PREDS = torch.tensor([0, 1, 2, 0, 0, 1, 2, 0, 0, 1, 2, 0, 0, 1, 2, 0])
