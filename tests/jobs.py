@@ -163,8 +163,21 @@ class Registry:
             return JobFailed(f"job {job.name!r} hung past {job.timeout} s:\n{exc.stdout}\n{exc.stderr}")
         run = JobRun(job, out, proc.returncode, proc.stdout, proc.stderr, time.perf_counter() - start)
         if proc.returncode != 0:
-            return JobFailed(f"job {job.name!r} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")
+            return JobFailed(f"job {job.name!r} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
+                             f"{_script_logs(job, out)}")
         return run
+
+
+def _script_logs(job: Job, out: Path, tail: int = 3000) -> str:
+    """The end of every script's stderr per rank, for a failed job's message: the folders
+    live in pytest's temporary directory, which a later session rotates away."""
+    parts = []
+    for script, *_ in job.scripts:
+        for rank in range(job.devices):
+            log = out / Path(script).stem / f"stderr.rank{rank}.log"
+            if log.is_file() and log.stat().st_size:
+                parts.append(f"\n--- {Path(script).stem} rank {rank} stderr (end) ---\n{log.read_text()[-tail:]}")
+    return "".join(parts)
 
 
 def begin_battery() -> tuple[Path, int]:

@@ -35,13 +35,19 @@ def run_script(script: str, args: list[str], out: Path, rank: str) -> None:
     environ, argv, cwd, path = dict(os.environ), list(sys.argv), os.getcwd(), list(sys.path)
     sys.stdout.flush()
     sys.stderr.flush()
+    # The launch's own console names the script each worker is in, so a worker that dies
+    # below Python (a signal, an abort in a C++ teardown) is placed without the folders.
+    print(f"job_driver: rank {rank} starts {Path(script).name}", file=sys.stderr, flush=True)
     saved = [_redirected(folder / f"stdout.rank{rank}.log", 1), _redirected(folder / f"stderr.rank{rank}.log", 2)]
     sys.argv = [script, str(folder), *args]
+    finished = False
     try:
-        runpy.run_path(script, run_name="__main__")
-    except SystemExit as exc:  # a script's own sys.exit(0) ends that script, not the job
-        if exc.code not in (None, 0):
-            raise
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as exc:  # a script's own sys.exit(0) ends that script, not the job
+            if exc.code not in (None, 0):
+                raise
+        finished = True
     finally:
         faulthandler.cancel_dump_traceback_later()  # a script's own watchdog ends with it
         sys.stdout.flush()
@@ -56,7 +62,13 @@ def run_script(script: str, args: list[str], out: Path, rank: str) -> None:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
+            if finished:
+                # Every rank leaves the script before any tears the groups down: gloo aborts
+                # a process whose peer closes a connection it still reads (a SIGABRT with
+                # no Python trace, seen on a loaded machine).
+                dist.barrier()
             dist.destroy_process_group()
+        print(f"job_driver: rank {rank} done with {Path(script).name}", file=sys.stderr, flush=True)
 
 
 def main() -> None:
