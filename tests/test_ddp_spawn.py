@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 import threading
 
 import pytest
@@ -38,6 +39,17 @@ def test_hookloop_run_spawns_from_fit_and_returns_weights_and_metrics_to_the_cal
     for name, value in expected.items():
         assert record["callback_metrics"][name] == pytest.approx(value, abs=1e-5)  # from fit
         assert record["validate"][name] == pytest.approx(value, abs=1e-5)  # validate's return value
+    # The run's directory, its logged metrics and its checkpoints reach the caller's
+    # trainer: log_dir is the workers' version_0 (no empty version_1 claimed on reading it),
+    # the checkpoint paths name the files the workers wrote there.
+    assert record["versions"] == ["version_0"]
+    assert record["log_dir"] == str(tmp_path / "logs" / "version_0")
+    assert Path(record["best_model_path"]).is_file() and Path(record["last_model_path"]).is_file()
+    assert Path(record["best_model_path"]).is_relative_to(record["log_dir"])
+    assert Path(record["last_model_path"]).name == "last.ckpt"
+    # monitor val_loss, mode min: the best of the two epochs, at most the last one's
+    assert record["best_model_score"] <= expected["val_loss"] + 1e-5
+    assert record["logged_metrics"]["val_loss"] == pytest.approx(expected["val_loss"], abs=1e-5)
 
 
 class Observer:

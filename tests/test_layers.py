@@ -46,7 +46,7 @@ LAYERS: list[list[str]] = [
     ["engine.loop"],
     ["resume.run"],
     ["engine.session"],
-    ["lightning.module", "lightning.datamodule"],
+    ["lightning.module", "lightning.datamodule", "distributed.results"],
     ["contract.registry"],
     ["contract.checks", "lightning.strategies", "engine.resolution"],
     ["engine.trainer", "lightning.tuner", "lightning.plugin", "lightning.views"],

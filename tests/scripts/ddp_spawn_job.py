@@ -32,13 +32,22 @@ if __name__ == "__main__":
     print(f"hookloop-test: script body ran in process {os.getpid()}", flush=True)
     module = SyncedTiny(seed=0)
     val = DataLoader(tiny_data(40, seed=2), batch_size=5)
-    trainer = hookloop.Trainer(max_epochs=2, enable_checkpointing=False)
+    checkpoint = hookloop.ModelCheckpoint(monitor="val_loss", save_top_k=1, save_last=True)
+    trainer = hookloop.Trainer(max_epochs=2, callbacks=[checkpoint], default_root_dir=str(out))
     trainer.fit(module, DataLoader(tiny_data(96), batch_size=8, shuffle=True), val)
     record = {
         "state": {k: v.detach().clone() for k, v in module.state_dict().items()},
         "callback_metrics": dict(trainer.callback_metrics),
+        "logged_metrics": dict(trainer.logged_metrics),
         "global_step": trainer.global_step,
         "current_epoch": trainer.current_epoch,
+        # what the workers wrote, as the caller's trainer names it (issue 36: the caller
+        # claimed a second, empty version_N+1 when it read log_dir)
+        "log_dir": str(trainer.log_dir),
+        "versions": sorted(p.name for p in (out / "logs").iterdir()),
+        "best_model_path": checkpoint.best_model_path,
+        "best_model_score": checkpoint.best_model_score,
+        "last_model_path": checkpoint.last_model_path,
     }
     (record["validate"],) = hookloop.Trainer().validate(module, val)
     torch.save(record, out / "parent.pt")

@@ -403,9 +403,17 @@ def spawn(trainer: TrainerLike, function: Callable[[TrainerLike], T]) -> T | Non
     """Run ``function(trainer)`` in worker processes started from inside ``fit``.
 
     For strategies that start their workers from the user's process rather than through
-    a launcher (``ddp_spawn``). Called by ``fit``/``validate`` in the user's process;
-    return the value that ``function`` returned on global rank 0, after copying the
-    trained state back into ``trainer.module`` so the caller's module holds the result.
+    a launcher (``ddp_spawn``). Called by ``fit``/``validate`` in the user's process.
+
+    What comes back: the worker of global rank 0 builds
+    ``hookloop.worker_result(trainer, value)`` when ``function`` returns (plain data and
+    CPU tensors: pickle it or ``torch.save`` it to the caller), and the implementation
+    returns ``hookloop.adopt_worker_result(trainer, result)``. The caller's
+    ``trainer.module`` then holds the trained weights, and the caller's ``Trainer`` the
+    run's ``callback_metrics``/``logged_metrics``, ``current_epoch``/``global_step``, its
+    run directory (``trainer.log_dir`` is the workers' ``version_N``, no new one is
+    claimed) and each checkpoint observer's ``best_model_path``/``last_model_path``/
+    ``best_k_models``; the value returned is ``function``'s (``True`` for ``None``).
 
     :returns: the function's result, or ``None`` to run ``function`` in this process.
 

@@ -260,6 +260,7 @@ def claim_run_dirs(trainer) -> list[str]:
 def adopt_run_dirs(trainer, dirs: list[str]) -> None:
     """Every rank: the run directory, and each logger's (``hookloop_use_run_dir``)."""
     trainer.state.log_dir = Path(dirs[0])
+    trainer.state.run_dirs = list(dirs)
     for logger, path in zip(trainer.loggers, dirs[1:], strict=False):
         if path is not None:
             logger.hookloop_use_run_dir(path)

@@ -107,6 +107,8 @@ class LoopState:
         self.checkpoint_writer = AsyncCheckpointWriter()
         # This Trainer's run directory (rundir.py): decided in its first run, kept after.
         self.log_dir: Path | None = None
+        #: what rank 0 claimed: [run directory, each logger's or None] (adopt_run_dirs)
+        self.run_dirs: list | None = None
         self.run_index = run_index
 
     # -- Lightning's trainer.state -------------------------------------------------------

@@ -2,9 +2,10 @@
 
 For notebooks and scripts that cannot be re-run by a launcher. The job (trainer, module,
 dataloaders, plugins) is pickled once in the calling process and unpickled by each
-worker, so each worker trains its own copy; when ``fit`` returns, rank 0's trained
-weights are loaded into the caller's module, and the caller's trainer holds the run's
-``callback_metrics``, ``global_step`` and ``current_epoch``. Everything else is ``ddp``.
+worker, so each worker trains its own copy; when ``fit`` returns, the caller's module and
+trainer hold what rank 0's run produced (``hookloop.adopt_worker_result``: the weights,
+the metrics, ``global_step``/``current_epoch``, the run directory, the checkpoint paths).
+Everything else is ``ddp``.
 """
 
 from __future__ import annotations
@@ -98,13 +99,9 @@ class DDPSpawn(DDP):
                 ) from exc
             # Our own file, written by our own worker a moment ago.
             result = torch.load(Path(tmp) / _RESULT, map_location="cpu", weights_only=False)
-        trainer.module.load_state_dict(result["state_dict"])
-        trainer.callback_metrics.update(result["callback_metrics"])
-        trainer.current_epoch = result["current_epoch"]
-        trainer.global_step = result["global_step"]
-        trainer.batch_idx = result["batch_idx"]
-        value = result["value"]
-        return True if value is None else value
+        # the caller's trainer and module hold the run's results (weights, metrics,
+        # counters, run directory, checkpoint paths): hookloop.adopt_worker_result
+        return hookloop.adopt_worker_result(trainer, result)
 
 
 _MAIN_GUARD = (
@@ -143,14 +140,7 @@ def _worker(local_rank: int, payload: bytes, nprocs: int, port: int, tmp: str) -
         value = function(trainer)
         if trainer.global_rank == 0:
             hookloop.atomic_save(
-                {
-                    "state_dict": {k: v.detach().cpu() for k, v in trainer.module.state_dict().items()},
-                    "callback_metrics": dict(trainer.callback_metrics),
-                    "current_epoch": trainer.current_epoch,
-                    "global_step": trainer.global_step,
-                    "batch_idx": trainer.batch_idx,
-                    "value": value,
-                },
+                hookloop.worker_result(trainer, value),
                 Path(tmp) / _RESULT,
             )
     except BaseException as exc:
