@@ -27,7 +27,7 @@ from torch.utils.data import DistributedSampler, IterableDataset, Sampler, Seque
 
 from hookloop.contract.errors import ConfigurationError
 from hookloop.distributed.collectives import init_process_group, release_process_group, torch_reduce_op
-from hookloop.helpers import distributed_sampler, reset_seed
+from hookloop.helpers import GLOBAL_SEED_ENV, distributed_sampler, global_seed, reset_seed
 from hookloop.contract.hookspecs import hookimpl
 
 __all__ = ["DistributedSampling", "RankZeroOrder", "TorchCollectives", "TorchDistributed", "check_sampler_seed",
@@ -98,7 +98,37 @@ class DistributedSampling:
                 return None  # in order, the user's own split, or nothing to index
             # the user's own sampler and order, drawn by global rank 0 and sent to the others
             return RankZeroOrder(dataloader.sampler)
+        if training:
+            _check_seed_agrees(trainer, self.sampler_seed)
         return distributed_sampler(dataloader, replicas, rank, training, seed=self.sampler_seed)
+
+
+def _check_seed_agrees(trainer: Any, chosen: int | None) -> None:
+    """The training samplers' seed is the same on every rank, or the run stops naming it.
+
+    Each rank shuffles with its own ``DistributedSampler``; ranks seeded differently draw
+    different permutations, so some samples are trained on twice an epoch and others
+    never: a silently different function. The seed comes from the strategy's
+    ``sampler_seed`` or from ``seed_everything`` (``PL_GLOBAL_SEED``), which a launcher
+    must hand every worker (docs/environment.md); a worker started without it uses 0.
+    One all-reduce of two numbers per training loader and run (none per step); the
+    seeds are gathered only to name them when they differ."""
+    seed = chosen if chosen is not None else global_seed()
+    key = seed % 2**61  # an int64 on every backend
+    spread = trainer.reduce(torch.tensor([key, -key], dtype=torch.int64), "max")
+    if int(spread[0]) != -int(spread[1]):
+        seeds = trainer.all_gather_object(seed)
+        by_seed: dict[Any, list[int]] = {}
+        for rank, value in enumerate(seeds):
+            by_seed.setdefault(value, []).append(rank)
+        found = "; ".join(f"seed {value} on rank(s) {ranks}" for value, ranks in by_seed.items())
+        raise ConfigurationError(
+            f"the ranks would shuffle the training data with different seeds ({found}), so each "
+            f"epoch would train some samples twice and others never. The seed is "
+            f"seed_everything's ({GLOBAL_SEED_ENV} in each worker's environment): call "
+            f"hookloop.seed_everything(N) in the script every worker runs (before the Trainer), "
+            f"or have the launcher pass {GLOBAL_SEED_ENV} to every worker, or give the strategy "
+            f"sampler_seed=N")
 
 
 class RankZeroOrder(Sampler):
