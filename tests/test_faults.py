@@ -78,11 +78,18 @@ def test_process_group_keys_are_shared_by_an_attempt_and_new_in_every_restart(mo
 # ---------------------------------------------------------------------------------------
 
 
-def fit(root, restart: int, max_steps: int | None = None, ckpt_path=None, module=None):
-    """One attempt of the run ``job`` in a fresh process: the agent's environment, and
+#: the variables a launcher names the job and the attempt with: torchrun's agent, or any
+#: other launcher (hookloop's documented names: docs/environment.md)
+LAUNCHERS = {"torchrun": ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"),
+             "other": ("HOOKLOOP_RUN_ID", "HOOKLOOP_ATTEMPT")}
+
+
+def fit(root, restart: int, max_steps: int | None = None, ckpt_path=None, module=None, launcher="torchrun"):
+    """One attempt of the run ``job`` in a fresh process: the launcher's environment, and
     this process's run counter at 0 (as in a newly started script)."""
-    os.environ["TORCHELASTIC_RUN_ID"] = "job"
-    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(restart)
+    run_id, attempt = LAUNCHERS[launcher]
+    os.environ[run_id] = "job"
+    os.environ[attempt] = str(restart)
     rundir._runs_in_process = 0
     module = module or TinyModule(seed=0)
     trainer = hookloop.Trainer(max_epochs=2, max_steps=max_steps, default_root_dir=str(root),
@@ -93,22 +100,26 @@ def fit(root, restart: int, max_steps: int | None = None, ckpt_path=None, module
 
 @pytest.fixture
 def agent_env(monkeypatch):
-    for key in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"):
+    for key in (*LAUNCHERS["torchrun"], *LAUNCHERS["other"]):
         monkeypatch.setenv(key, "")  # restored afterwards
     monkeypatch.setattr(rundir, "_runs_in_process", 0)
 
 
-def test_a_restarted_fit_resumes_from_this_runs_last_checkpoint(tmp_path, capsys, agent_env):
+@pytest.mark.parametrize("launcher", ["torchrun", "other"])
+def test_a_restarted_fit_resumes_from_this_runs_last_checkpoint(tmp_path, capsys, agent_env, launcher):
+    """torchrun's restart count, or HOOKLOOP_ATTEMPT that any other launcher sets (issue 36:
+    the core read only torchrun's names)."""
     torch.manual_seed(3)
-    straight, _ = fit(tmp_path / "straight", restart=0)
+    straight, _ = fit(tmp_path / "straight", restart=0, launcher=launcher)
     torch.manual_seed(3)
-    fit(tmp_path / "root", restart=0, max_steps=3)  # "fails" after step 3; last.ckpt at step 2
+    fit(tmp_path / "root", restart=0, max_steps=3, launcher=launcher)  # "fails" after step 3; last.ckpt at step 2
     capsys.readouterr()
     torch.manual_seed(99)  # the restarted process's own seeding must not matter
-    resumed, trainer = fit(tmp_path / "root", restart=1, module=TinyModule(seed=7))
+    resumed, trainer = fit(tmp_path / "root", restart=1, module=TinyModule(seed=7), launcher=launcher)
     out = capsys.readouterr().out
     last = tmp_path / "root" / "logs" / "version_0" / "checkpoints" / "last.ckpt"
-    assert "hookloop: restart 1 of this run (TORCHELASTIC_RESTART_COUNT=1): resumed from " in out
+    variable = LAUNCHERS[launcher][1]
+    assert f"hookloop: restart 1 of this run ({variable}=1): resumed from " in out
     assert f"from {last} at epoch 0, global step 3" in out  # max_steps wrote where it stopped
     assert trainer.log_dir == last.parents[1] and trainer.global_step == 8
     a, b = state_of(straight), state_of(resumed)
@@ -553,3 +564,13 @@ def test_hookloop_run_passes_stop_check_every_n_steps_and_refuses_a_bad_one_befo
         capsys.readouterr().err)
     assert cli.main(["run", "--stop-check-every-n-steps", "auto", str(script)]) == 0
     assert given["stop_check_every_n_steps"] == "auto"
+
+
+def test_the_attempt_is_hookloops_variable_first_then_torchruns():
+    from hookloop.distributed.ranks import attempt
+
+    assert attempt({}) == (0, "")
+    assert attempt({"TORCHELASTIC_RESTART_COUNT": "2"}) == (2, "TORCHELASTIC_RESTART_COUNT")
+    assert attempt({"HOOKLOOP_ATTEMPT": "1", "TORCHELASTIC_RESTART_COUNT": "2"}) == (1, "HOOKLOOP_ATTEMPT")
+    with pytest.raises(hookloop.ConfigurationError, match=r"HOOKLOOP_ATTEMPT='x' must be a whole number"):
+        attempt({"HOOKLOOP_ATTEMPT": "x"})

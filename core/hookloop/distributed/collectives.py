@@ -27,7 +27,7 @@ import torch
 
 from hookloop.distributed import failures
 from hookloop.contract.errors import CollectiveTimeoutError, ConfigurationError
-from hookloop.distributed.ranks import env_int
+from hookloop.distributed.ranks import attempt, env_int
 
 #: Seconds a collective may wait, per backend, when neither the Trainer nor the strategy
 #: says: NCCL as torch (10 minutes); gloo (CPU) 5 minutes, where torch waits 30.
@@ -100,7 +100,7 @@ def init_process_group(backend: str, rank: int, world_size: int, timeout: float 
                                  **({"timeout": kwargs["timeout"]} if "timeout" in kwargs else {}))
     store, _, _ = next(rendezvous)
     run = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("HOOKLOOP_RUN_ID") or "run"
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    restart = attempt()[0]
     store = dist.PrefixStore(f"hookloop/{run}/{restart}/{next(_GROUP_GENERATION)}", store)
     _GROUP_STORE = store  # for the report of a failed collective (census)
     dist.init_process_group(store=store, rank=rank, world_size=world_size, **kwargs)

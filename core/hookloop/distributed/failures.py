@@ -30,6 +30,8 @@ import time
 import traceback
 from pathlib import Path
 
+from hookloop.distributed.ranks import attempt as worker_attempt
+
 #: The folder where workers write their tracebacks (``rank<R>.log``); set by the launcher.
 FAILURE_DIR_ENV = "HOOKLOOP_FAILURE_DIR"
 
@@ -55,7 +57,7 @@ def record_failure(etype, value, tb) -> Path | None:
         return None
     text = "".join(traceback.format_exception(etype, value, tb))
     rank, now = _rank(), time.time()
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    attempt = worker_attempt()[0]
     path = Path(folder) / f"rank{rank}.log"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as log:
@@ -197,7 +199,7 @@ def report_under_torchrun(etype, value, tb, printer=sys.__excepthook__) -> None:
     rank = _rank()
     note = None
     waited = False
-    key = f"hookloop/same_error/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    key = f"hookloop/same_error/{worker_attempt()[0]}"
     try:
         if same_on_every_rank(value) and _world_size() > 1 and rank != "0":
             store = _agent_store(SAME_ERROR_WAIT_S)

@@ -16,7 +16,9 @@ import logging
 import os
 import warnings
 from functools import wraps
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
+
+from hookloop.contract.errors import ConfigurationError
 
 log = logging.getLogger("hookloop")
 
@@ -73,6 +75,27 @@ def env_int(*names: str, default: int | None = None) -> int | None:
         if value not in (None, ""):
             return int(value)
     return default
+
+
+#: Which attempt of its job this worker is (0: the first), set by a launcher that restarts
+#: failed workers itself (a plugin's; torchrun's agent sets ``TORCHELASTIC_RESTART_COUNT``)
+ATTEMPT_ENV = "HOOKLOOP_ATTEMPT"
+
+
+def attempt(environ: Mapping[str, str] | None = None) -> tuple[int, str]:
+    """This worker's attempt of its job and the variable that said so: ``HOOKLOOP_ATTEMPT``
+    (any launcher's), else torchrun's ``TORCHELASTIC_RESTART_COUNT``, else ``(0, "")``. A
+    later attempt (> 0) resumes ``fit`` from its run's ``last.ckpt`` and takes the run
+    directory the first attempt marked; process-group keys and failure logs are per attempt."""
+    env = os.environ if environ is None else environ
+    for name in (ATTEMPT_ENV, "TORCHELASTIC_RESTART_COUNT"):
+        value = (env.get(name) or "").strip()
+        if value:
+            if not value.isdigit():
+                raise ConfigurationError(f"{name}={value!r} must be a whole number >= 0 (which attempt of "
+                                 f"the job this worker is: 0 for the first)")
+            return int(value), name
+    return 0, ""
 
 
 # ---------------------------------------------------------------------------------------

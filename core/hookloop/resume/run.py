@@ -99,7 +99,8 @@ def checkpoint_dict(trainer) -> dict:
 
 def resume_after_restart(trainer, train_loader: Any = None) -> None:
     """Resume ``fit`` where the failed attempt left off, in a worker that an elastic agent
-    restarted (``TORCHELASTIC_RESTART_COUNT`` > 0, ``hookloop run --max-restarts``).
+    restarted (``TORCHELASTIC_RESTART_COUNT`` > 0, ``hookloop run --max-restarts``), or
+    that another launcher started again (``HOOKLOOP_ATTEMPT`` > 0).
 
     The restarted worker runs the script again from the top; a ``fit`` given no
     ``ckpt_path`` then loads this run's newest ``last.ckpt`` (its run directory is the
@@ -107,9 +108,9 @@ def resume_after_restart(trainer, train_loader: Any = None) -> None:
     run has written none yet. Global rank 0 chooses the file (every rank loads the same)
     and says what happened. Called once the run directory and the process group exist.
     """
-    from hookloop.distributed.ranks import env_int
+    from hookloop.distributed.ranks import attempt
 
-    restart = env_int("TORCHELASTIC_RESTART_COUNT", default=0)
+    restart, variable = attempt()
     if not restart:
         return
     places = [Path(trainer.log_dir) / "checkpoints"]
@@ -126,11 +127,11 @@ def resume_after_restart(trainer, train_loader: Any = None) -> None:
     if found is None:
         hint = ("" if trainer.loggers else "; a run without a logger writes a last.ckpt only with "
                 "ModelCheckpoint(save_last=True), docs/decisions.md")
-        trainer.print(f"hookloop: restart {restart} of this run (TORCHELASTIC_RESTART_COUNT={restart}): no "
+        trainer.print(f"hookloop: restart {restart} of this run ({variable}={restart}): no "
                       f"last.ckpt under {' or '.join(str(p) for p in places)} yet, starting from scratch{hint}")
         return
     used = restore(trainer, found, fall_back=True, train_loader=train_loader)
-    trainer.print(f"hookloop: restart {restart} of this run (TORCHELASTIC_RESTART_COUNT={restart}): resumed "
+    trainer.print(f"hookloop: restart {restart} of this run ({variable}={restart}): resumed "
                   f"from {used} at epoch {trainer.current_epoch}, global step {trainer.global_step}")
 
 

@@ -36,11 +36,6 @@ _runs_in_process = 0
 _process_token: str | None = None
 
 
-def _restart_count(name: str) -> int:
-    value = (os.environ.get(name) or "").strip()
-    return int(value) if value.isdigit() else 0
-
-
 def scheduler_job_id() -> str | None:
     """The scheduler's id of this job (SLURM's, an array task's own; PBS, LSF, Flux), or
     ``None`` outside a scheduler."""
@@ -90,7 +85,9 @@ def reuses_marked_directories() -> bool:
     unnamed job never is; nor is a requeued SLURM job (a new run, which
     ``ckpt_path="last"`` resumes from the newest ``last.ckpt`` in any directory, while the
     old one's stays as it was)."""
-    return bool(_restart_count("TORCHELASTIC_RESTART_COUNT") or os.environ.get(RUN_ID_ENV))
+    from hookloop.distributed.ranks import attempt
+
+    return bool(attempt()[0] or os.environ.get(RUN_ID_ENV))
 
 
 def next_index() -> int:
