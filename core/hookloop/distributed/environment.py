@@ -59,6 +59,9 @@ SOURCES = ("torchrun", "lsf", "mpi", "kubeflow", "slurm", "single")
 #: The sources whose processes a launcher outside hookloop started (mpirun, jsrun, the
 #: Kubeflow operator): a Trainer there trains in the process, it never starts workers.
 EXTERNAL_SOURCES = ("lsf", "mpi", "kubeflow")
+#: Who sets each source's variables, for errors.
+LAUNCHERS = {"torchrun": "torchrun", "lsf": "jsrun", "mpi": "mpirun", "kubeflow": "the Kubeflow operator",
+             "slurm": "srun", "single": "the launcher"}
 
 
 @dataclass(frozen=True)
@@ -171,6 +174,9 @@ class _Found:
     master_port: int | None
     source: str
     names: dict[str, str] = field(default_factory=dict)  # field -> variable
+    #: why the processes cannot meet (no rendezvous address or port), raised by
+    #: :meth:`check` after the ranks themselves were found consistent
+    problem: str | None = None
 
     def name(self, what: str) -> str:
         return self.names.get(what, what)
@@ -180,14 +186,14 @@ class _Found:
         world, rank = self.world_size, self.global_rank
         if world < 1:
             raise ConfigurationError(
-                f"{self.name('world_size')}={world}: a job has at least one process; the {self.source} "
-                f"launcher's variables are wrong or were overwritten by your job script")
+                f"{self.name('world_size')}={world}: a job has at least one process; {LAUNCHERS[self.source]}'s "
+                f"variables are wrong or were overwritten by your job script")
         if not 0 <= rank < world:
             raise ConfigurationError(
                 f"{self.name('global_rank')}={rank} is not a rank of a world of "
                 f"{self.name('world_size')}={world} (0 to {world - 1}): the variables of two jobs are "
                 f"mixed, or your job script sets one of them; unset what you set and let "
-                f"{self.source} set both")
+                f"{LAUNCHERS[self.source]} set both")
         if not 1 <= self.local_world_size <= world:
             raise ConfigurationError(
                 f"{self.name('local_world_size')}={self.local_world_size} processes on this node is not "
@@ -204,6 +210,8 @@ class _Found:
             raise ConfigurationError(
                 f"{self.name('master_port')}={self.master_port} is not a TCP port (1 to 65535): set "
                 f"MASTER_PORT to a free port that every process of the job can reach")
+        if self.problem is not None:
+            raise ConfigurationError(self.problem)
 
 
 def _job_port(job_id: str | int, span: int = 20000) -> int:
@@ -310,10 +318,11 @@ def _mpi(env: _Reader) -> _Found | None:
     # across jobs). With mpirun's default placement (by slot) a node's ranks are contiguous.
     node = env.int("NODE_RANK", default=(rank - local) // max(local_world, 1)) or 0
     addr, port = env.get("MASTER_ADDR"), env.int("MASTER_PORT")
+    problem = None
     if local_world == world:
         addr = addr or "127.0.0.1"  # one node
     elif addr is None and world > 1:
-        raise ConfigurationError(
+        problem = (
             f"mpirun started {world} processes on several nodes ({names['local_world_size']}={local_world} "
             f"on this one) but MASTER_ADDR is not set, and mpirun gives no rendezvous address: pass "
             f"the first node's address to every rank, e.g. `mpirun -x MASTER_ADDR=$(hostname) "
@@ -321,11 +330,11 @@ def _mpi(env: _Reader) -> _Found | None:
     if port is None:
         job = env.get("OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE", "PMI_JOBID")
         if job is None and world > 1:
-            raise ConfigurationError(
+            problem = problem or (
                 f"mpirun started {world} processes but sets no job id to derive a port from, and "
                 f"MASTER_PORT is not set: pass one to every rank (`mpirun -x MASTER_PORT=29500 ...`)")
         port = _job_port(job) if job is not None else None
-    found = _Found(world, rank, local, local_world, node, addr, port, "mpi", names)
+    found = _Found(world, rank, local, local_world, node, addr, port, "mpi", names, problem)
     _agree(env, found, "RANK", "WORLD_SIZE")
     return found
 
