@@ -17,15 +17,16 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hookloop  # noqa: E402
-from hookloop.distributed.environment import ClusterEnvironment  # noqa: E402
 from conftest import TinyModule, tiny_data  # noqa: E402
+from hookloop.distributed.environment import ClusterEnvironment  # noqa: E402
 
 if __name__ == "__main__":
     out = Path(sys.argv[1])
     kwargs = {"devices": int(sys.argv[2])} if len(sys.argv) > 2 else {}
     rank = ClusterEnvironment.detect().global_rank
     module = TinyModule(seed=10 + rank)
-    trainer = hookloop.Trainer(plugins=["ddp"], max_epochs=2, enable_checkpointing=False, logger=False, **kwargs)
+    trainer = hookloop.Trainer(plugins=["ddp"], max_epochs=2, enable_checkpointing=False,
+                               logger=False, **kwargs)
     trainer.fit(module, DataLoader(tiny_data(96), batch_size=8, shuffle=True))
     torch.save(
         {

@@ -60,7 +60,8 @@ SOURCES = ("torchrun", "lsf", "mpi", "kubeflow", "slurm", "single")
 #: Kubeflow operator): a Trainer there trains in the process, it never starts workers.
 EXTERNAL_SOURCES = ("lsf", "mpi", "kubeflow")
 #: Who sets each source's variables, for errors.
-LAUNCHERS = {"torchrun": "torchrun", "lsf": "jsrun", "mpi": "mpirun", "kubeflow": "the Kubeflow operator",
+LAUNCHERS = {"torchrun": "torchrun", "lsf": "jsrun", "mpi": "mpirun",
+             "kubeflow": "the Kubeflow operator",
              "slurm": "srun", "single": "the launcher"}
 
 
@@ -89,7 +90,7 @@ class ClusterEnvironment:
         return self.source in EXTERNAL_SOURCES
 
     @classmethod
-    def detect(cls, environ: Mapping[str, str] | None = None) -> "ClusterEnvironment":
+    def detect(cls, environ: Mapping[str, str] | None = None) -> ClusterEnvironment:
         """Read ``environ`` (default: this process's environment): torchrun's variables
         first, then LSF's, MPI's, Kubeflow's, SLURM's, else a world of one.
 
@@ -158,7 +159,7 @@ class _Reader:
         except ValueError:
             raise ConfigurationError(
                 f"{name}={text!r} is not a whole number: the launcher (or your job script) set it; "
-                f"unset it or give it a number") from None
+                "unset it or give it a number") from None
 
 
 @dataclass
@@ -186,30 +187,32 @@ class _Found:
         world, rank = self.world_size, self.global_rank
         if world < 1:
             raise ConfigurationError(
-                f"{self.name('world_size')}={world}: a job has at least one process; {LAUNCHERS[self.source]}'s "
-                f"variables are wrong or were overwritten by your job script")
+                f"{self.name('world_size')}={world}: a job has at least one process; "
+                f"{LAUNCHERS[self.source]}'s variables are wrong or were overwritten by your job "
+                "script")
         if not 0 <= rank < world:
             raise ConfigurationError(
                 f"{self.name('global_rank')}={rank} is not a rank of a world of "
-                f"{self.name('world_size')}={world} (0 to {world - 1}): the variables of two jobs are "
-                f"mixed, or your job script sets one of them; unset what you set and let "
+                f"{self.name('world_size')}={world} (0 to {world - 1}): the variables of two jobs "
+                "are mixed, or your job script sets one of them; unset what you set and let "
                 f"{LAUNCHERS[self.source]} set both")
         if not 1 <= self.local_world_size <= world:
             raise ConfigurationError(
-                f"{self.name('local_world_size')}={self.local_world_size} processes on this node is not "
-                f"between 1 and {self.name('world_size')}={world}: unset it, or set it to the number of "
-                f"processes started on each node")
+                f"{self.name('local_world_size')}={self.local_world_size} processes on this node "
+                f"is not between 1 and {self.name('world_size')}={world}: unset it, or set it to "
+                "the number of processes started on each node")
         if not 0 <= self.local_rank < self.local_world_size:
             raise ConfigurationError(
                 f"{self.name('local_rank')}={self.local_rank} is not a local rank of the "
                 f"{self.name('local_world_size')}={self.local_world_size} processes on this node "
                 f"(0 to {self.local_world_size - 1})")
         if self.node_rank < 0:
-            raise ConfigurationError(f"{self.name('node_rank')}={self.node_rank}: a node rank is >= 0")
+            raise ConfigurationError(
+                f"{self.name('node_rank')}={self.node_rank}: a node rank is >= 0")
         if self.master_port is not None and not 0 < self.master_port < 65536:
             raise ConfigurationError(
-                f"{self.name('master_port')}={self.master_port} is not a TCP port (1 to 65535): set "
-                f"MASTER_PORT to a free port that every process of the job can reach")
+                f"{self.name('master_port')}={self.master_port} is not a TCP port (1 to 65535): "
+                "set MASTER_PORT to a free port that every process of the job can reach")
         if self.problem is not None:
             raise ConfigurationError(self.problem)
 
@@ -235,7 +238,8 @@ def _torchrun(env: _Reader) -> _Found | None:
                   env.int("GROUP_RANK", "NODE_RANK", default=0) or 0,
                   env.get("MASTER_ADDR"), env.int("MASTER_PORT"), "torchrun",
                   {"world_size": "WORLD_SIZE", "global_rank": "RANK", "local_rank": "LOCAL_RANK",
-                   "local_world_size": "LOCAL_WORLD_SIZE", "node_rank": env.named("GROUP_RANK", "NODE_RANK") or "",
+                   "local_world_size": "LOCAL_WORLD_SIZE",
+                   "node_rank": env.named("GROUP_RANK", "NODE_RANK") or "",
                    "master_port": "MASTER_PORT"})
 
 
@@ -248,24 +252,25 @@ def _lsf(env: _Reader) -> _Found | None:
     here = socket.gethostname()
     if here not in distinct:
         raise ConfigurationError(
-            f"this host ({here}) is not among the compute hosts of LSB_DJOB_RANKFILE="
-            f"{env.get('LSB_DJOB_RANKFILE')} ({', '.join(distinct)}): the rank file belongs to another "
-            f"job, or the hosts are named differently there; start the job with jsrun inside its "
-            f"bsub allocation, or set MASTER_ADDR and NODE_RANK")
+            f"this host ({here}) is not among the compute hosts of "
+            f"LSB_DJOB_RANKFILE={env.get('LSB_DJOB_RANKFILE')} ({', '.join(distinct)}): the rank "
+            "file belongs to another job, or the hosts are named differently there; start the job "
+            "with jsrun inside its bsub allocation, or set MASTER_ADDR and NODE_RANK")
     port = env.int("MASTER_PORT")
     if port is None:
         job = env.get("LSB_JOBID")
         if job is None:
             raise ConfigurationError(
-                "jsrun's JSM_NAMESPACE_* variables are set but LSB_JOBID is not, so the ranks cannot "
-                "agree on a port: run inside an LSF job (bsub), or set MASTER_PORT")
+                "jsrun's JSM_NAMESPACE_* variables are set but LSB_JOBID is not, so the ranks "
+                "cannot agree on a port: run inside an LSF job (bsub), or set MASTER_PORT")
         port = _job_port(job, span=1000)  # Lightning's LSFEnvironment: 10000 + id % 1000
     found = _Found(world, rank, env.int("JSM_NAMESPACE_LOCAL_RANK", default=0) or 0,
                    env.int("JSM_NAMESPACE_LOCAL_SIZE", default=max(1, world // len(distinct))) or 0,
                    env.int("NODE_RANK", default=distinct.index(here)) or 0,
                    env.get("MASTER_ADDR") or distinct[0], port, "lsf",
                    {"world_size": "JSM_NAMESPACE_SIZE", "global_rank": "JSM_NAMESPACE_RANK",
-                    "local_rank": "JSM_NAMESPACE_LOCAL_RANK", "local_world_size": "JSM_NAMESPACE_LOCAL_SIZE",
+                    "local_rank": "JSM_NAMESPACE_LOCAL_RANK",
+                    "local_world_size": "JSM_NAMESPACE_LOCAL_SIZE",
                     "node_rank": "NODE_RANK", "master_port": "MASTER_PORT"})
     # jsrun (IBM Spectrum MPI) sets OpenMPI's variables too: they must name the same rank.
     _agree(env, found, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")
@@ -277,20 +282,21 @@ def _rankfile_hosts(env: _Reader) -> list[str]:
     path = env.get("LSB_DJOB_RANKFILE")
     if path is None:
         raise ConfigurationError(
-            "jsrun's JSM_NAMESPACE_* variables are set but LSB_DJOB_RANKFILE is not, so the rendezvous "
-            "host is unknown: run inside an LSF job (bsub), or set MASTER_ADDR, MASTER_PORT and NODE_RANK")
+            "jsrun's JSM_NAMESPACE_* variables are set but LSB_DJOB_RANKFILE is not, so the "
+            "rendezvous host is unknown: run inside an LSF job (bsub), or set MASTER_ADDR, "
+            "MASTER_PORT and NODE_RANK")
     try:
         with open(path) as file:
             lines = [line.strip() for line in file if line.strip()]
     except OSError as exc:
         raise ConfigurationError(
             f"LSB_DJOB_RANKFILE={path} cannot be read ({exc.strerror}): the rendezvous host is its "
-            f"first compute host; run inside the LSF job that wrote it") from None
+            "first compute host; run inside the LSF job that wrote it") from None
     hosts = lines[1:]  # the first line is the launch node, which runs no task
     if not hosts:
         raise ConfigurationError(
             f"LSB_DJOB_RANKFILE={path} names no compute host (a rank file lists the launch node, "
-            f"then one line per slot): run inside an LSF job, or set MASTER_ADDR")
+            "then one line per slot): run inside an LSF job, or set MASTER_ADDR")
     return hosts
 
 
@@ -310,8 +316,8 @@ def _mpi(env: _Reader) -> _Found | None:
     rank = env.int(names["global_rank"])
     if rank is None:
         raise ConfigurationError(
-            f"{size_name} is set but {names['global_rank']} is not: start the job with mpirun "
-            f"(or unset {size_name} if your job script set it)")
+            f"{size_name} is set but {names['global_rank']} is not: start the job with mpirun (or "
+            f"unset {size_name} if your job script set it)")
     local_world = env.int(names["local_world_size"], default=world) or 0
     local = env.int(names["local_rank"], default=rank if local_world == world else 0) or 0
     # OMPI_COMM_WORLD_NODE_RANK is *not* the node's index (it counts processes on the node
@@ -323,16 +329,17 @@ def _mpi(env: _Reader) -> _Found | None:
         addr = addr or "127.0.0.1"  # one node
     elif addr is None and world > 1:
         problem = (
-            f"mpirun started {world} processes on several nodes ({names['local_world_size']}={local_world} "
-            f"on this one) but MASTER_ADDR is not set, and mpirun gives no rendezvous address: pass "
-            f"the first node's address to every rank, e.g. `mpirun -x MASTER_ADDR=$(hostname) "
-            f"-x MASTER_PORT=29500 ...`")
+            f"mpirun started {world} processes on several nodes "
+            f"({names['local_world_size']}={local_world} on this one) but MASTER_ADDR is not set, "
+            "and mpirun gives no rendezvous address: pass the first node's address to every rank, "
+            "e.g. `mpirun -x MASTER_ADDR=$(hostname) -x MASTER_PORT=29500 ...`")
     if port is None:
         job = env.get("OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE", "PMI_JOBID")
         if job is None and world > 1:
             problem = problem or (
                 f"mpirun started {world} processes but sets no job id to derive a port from, and "
-                f"MASTER_PORT is not set: pass one to every rank (`mpirun -x MASTER_PORT=29500 ...`)")
+                "MASTER_PORT is not set: pass one to every rank (`mpirun -x MASTER_PORT=29500 "
+                "...`)")
         port = _job_port(job) if job is not None else None
     found = _Found(world, rank, local, local_world, node, addr, port, "mpi", names, problem)
     _agree(env, found, "RANK", "WORLD_SIZE")
@@ -349,22 +356,23 @@ def _kubeflow(env: _Reader) -> _Found | None:
         names = {"world_size": "WORLD_SIZE", "global_rank": "RANK", "node_rank": "RANK"}
     elif env.has("PET_NNODES"):
         world, rank = env.int("PET_NNODES") or 0, env.int("PET_NODE_RANK", default=0) or 0
-        names = {"world_size": "PET_NNODES", "global_rank": "PET_NODE_RANK", "node_rank": "PET_NODE_RANK"}
+        names = {"world_size": "PET_NNODES", "global_rank": "PET_NODE_RANK",
+                 "node_rank": "PET_NODE_RANK"}
     else:
         return None
     if nproc is not None and nproc > 1:
         raise ConfigurationError(
-            f"PET_NPROC_PER_NODE={nproc} asks for {nproc} processes per pod, which torchrun starts, but "
-            f"this process was not started by torchrun (no LOCAL_RANK): make the container's command "
-            f"`torchrun <script>` (or `hookloop run --plugins ddp --devices {nproc} <script>`), or set "
-            f"numProcPerNode to 1")
+            f"PET_NPROC_PER_NODE={nproc} asks for {nproc} processes per pod, which torchrun "
+            "starts, but this process was not started by torchrun (no LOCAL_RANK): make the "
+            "container's command `torchrun <script>` (or `hookloop run --plugins ddp --devices "
+            f"{nproc} <script>`), or set numProcPerNode to 1")
     if env.has("RANK", "PET_NNODES") and (nproc or 1) == 1:
         nnodes = env.int("PET_NNODES") or 0
         if nnodes != world:
             raise ConfigurationError(
                 f"WORLD_SIZE={world} and PET_NNODES={nnodes} disagree on the number of pods of one "
-                f"process each: the operator sets both alike; unset the one your container's command "
-                f"or job script sets")
+                "process each: the operator sets both alike; unset the one your container's "
+                "command or job script sets")
     names["master_port"] = env.named("MASTER_PORT", "PET_MASTER_PORT") or "MASTER_PORT"
     return _Found(world, rank, 0, 1, rank, env.get("MASTER_ADDR", "PET_MASTER_ADDR"),
                   env.int("MASTER_PORT", "PET_MASTER_PORT"), "kubeflow", names)
@@ -380,12 +388,14 @@ def _slurm(env: _Reader) -> _Found | None:
     addr = env.get("MASTER_ADDR")
     return _Found(
         ntasks, env.int("SLURM_PROCID") or 0, env.int("SLURM_LOCALID", default=0) or 0,
-        _leading_int(env.get("SLURM_NTASKS_PER_NODE"), ntasks), env.int("SLURM_NODEID", default=0) or 0,
+        _leading_int(env.get("SLURM_NTASKS_PER_NODE"), ntasks),
+        env.int("SLURM_NODEID", default=0) or 0,
         addr or first_host(nodelist, variable),
         # Every task of a job derives the same port from the job id.
         env.int("MASTER_PORT", default=10000 + job_id % 20000), "slurm",
         {"world_size": "SLURM_NTASKS", "global_rank": "SLURM_PROCID", "local_rank": "SLURM_LOCALID",
-         "local_world_size": "SLURM_NTASKS_PER_NODE", "node_rank": "SLURM_NODEID", "master_port": "MASTER_PORT"})
+         "local_world_size": "SLURM_NTASKS_PER_NODE", "node_rank": "SLURM_NODEID",
+         "master_port": "MASTER_PORT"})
 
 
 def _agree(env: _Reader, found: _Found, rank_name: str, size_name: str) -> None:
@@ -397,10 +407,10 @@ def _agree(env: _Reader, found: _Found, rank_name: str, size_name: str) -> None:
         raise ConfigurationError(
             f"{found.source} says this is rank {found.global_rank} of {found.world_size} "
             f"({found.name('global_rank')}, {found.name('world_size')}) but {rank_name}={rank} and "
-            f"{size_name}={size} say rank {rank} of {size}: two launchers' variables are mixed (a job "
-            f"script that exports {rank_name}/{size_name} to every rank, or a launch nested in another "
-            f"job's); unset {rank_name} and {size_name} (or launch with torchrun, which sets LOCAL_RANK "
-            f"and wins)")
+            f"{size_name}={size} say rank {rank} of {size}: two launchers' variables are mixed (a "
+            f"job script that exports {rank_name}/{size_name} to every rank, or a launch nested in "
+            f"another job's); unset {rank_name} and {size_name} (or launch with torchrun, which "
+            "sets LOCAL_RANK and wins)")
 
 
 def _leading_int(text: str | None, default: int) -> int:
@@ -465,8 +475,8 @@ def _parse_hostlist(nodelist: str, variable: str) -> list[_Name]:
     def bad(why: str) -> ConfigurationError:
         return ConfigurationError(
             f"{variable}={nodelist!r} is not a SLURM node list: {why}. Expected names separated by "
-            f"commas such as 'node[01-04,7]-ib,gpu1'; `scontrol show hostnames` shows how SLURM reads "
-            f"the list, or set MASTER_ADDR to the rendezvous host to skip reading it.")
+            "commas such as 'node[01-04,7]-ib,gpu1'; `scontrol show hostnames` shows how SLURM "
+            "reads the list, or set MASTER_ADDR to the rendezvous host to skip reading it.")
 
     names: list[_Name] = []
     name: _Name = []
