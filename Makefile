@@ -89,6 +89,10 @@ $(STAMP): $(BACKENDS_STAMP) $(DOCS_STAMP) pyproject.toml $(wildcard plugins/*/py
 	@if command -v apt-get >/dev/null && ! { [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; }; then \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null) \
 		|| echo "hookloop: could not install chromium and chromium-driver; tests/test_docs_site.py will fail"; fi
+	@# mpirun for the real mpirun run of tests/test_cluster_environments.py: Debian's OpenMPI.
+	@if command -v apt-get >/dev/null && ! command -v mpirun >/dev/null; then \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin >/dev/null) \
+		|| echo "hookloop: could not install openmpi-bin (mpirun); tests/test_cluster_environments.py's mpirun test will fail"; fi
 	$(PIP) $(SELENIUM)
 	$(COMPILE)
 	touch $@

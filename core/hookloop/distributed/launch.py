@@ -19,6 +19,7 @@ import warnings
 from typing import Callable, Iterator
 
 from hookloop.engine.settings import DEFAULTS_ENV, TrainerConfig
+from hookloop.distributed.environment import launched_externally
 from hookloop.distributed.failures import FAILURE_DIR_ENV, failure_dir
 from hookloop.resume.rundir import TOKEN_ENV, run_token
 # LAUNCHER_ENV: the pid of the hookloop process that started this job's processes
@@ -111,8 +112,9 @@ def as_launcher() -> Iterator[None]:
 
 
 def in_worker() -> bool:
-    """True inside a process that a launcher started (hookloop's, torchrun, or a plugin's)."""
-    return os.environ.get(WORKER_ENV) == "1" or "LOCAL_RANK" in os.environ
+    """True inside a process that a launcher started (hookloop's, torchrun, a plugin's, or
+    one outside hookloop: mpirun, LSF's jsrun, the Kubeflow operator)."""
+    return os.environ.get(WORKER_ENV) == "1" or "LOCAL_RANK" in os.environ or launched_externally()
 
 
 def rendezvous_id() -> str:

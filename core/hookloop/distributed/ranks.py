@@ -3,7 +3,8 @@
 ``from lightning.pytorch.utilities import rank_zero_only`` becomes
 ``from hookloop.distributed.ranks import rank_zero_only`` (also ``from hookloop import ...``).
 ``rank_zero_only.rank`` is the process's global rank: read from the launcher's
-environment (``RANK``, else ``SLURM_PROCID``, else ``LOCAL_RANK``, else 0) at import, and
+environment (``RANK``, else LSF's ``JSM_NAMESPACE_RANK``, MPI's ``OMPI_COMM_WORLD_RANK`` or
+``PMI_RANK``, SLURM's ``SLURM_PROCID``, else ``LOCAL_RANK``, else 0) at import, and
 set by every run once its ranks are known, as Lightning does.
 
 Also :func:`env_int` (an integer from the first of several environment variables that is
@@ -24,7 +25,8 @@ log = logging.getLogger("hookloop")
 
 
 def _rank_from_environment() -> int:
-    for key in ("RANK", "SLURM_PROCID", "LOCAL_RANK"):
+    # The innermost launcher first, as hookloop.distributed.environment reads them.
+    for key in ("RANK", "JSM_NAMESPACE_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID", "LOCAL_RANK"):
         value = os.environ.get(key)
         if value is not None and value.strip().isdigit():
             return int(value)

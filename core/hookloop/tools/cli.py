@@ -1,4 +1,4 @@
-"""The ``hookloop`` command: ``plugins``, ``run``, ``tune``, ``plan``, and sub-commands that plugins add.
+"""The ``hookloop`` command: ``plugins``, ``run``, ``tune``, ``plan``, ``env``, and sub-commands that plugins add.
 
 ``hookloop.tools.cli.LightningCLI`` (Lightning's ``LightningCLI``, for scripts) lives in
 :mod:`hookloop.lightning_cli` and is imported from here on first use.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import os
 import sys
 from typing import Any
@@ -24,6 +25,7 @@ from hookloop.contract import registry
 from hookloop.contract import translators
 from hookloop.engine.settings import TrainerConfig, check_devices_on_cpu, env_defaults
 from hookloop.contract.errors import CheckpointError, ConfigurationError, HookloopError
+from hookloop.distributed.environment import ClusterEnvironment
 from hookloop.distributed.launch import is_plain_interpreter, run_command
 from hookloop.distributed.mesh import check_sizes, claims, parse_mesh
 from hookloop.resume.rundir import RUN_ID_ENV
@@ -137,6 +139,14 @@ def _build_parser(commands: dict) -> argparse.ArgumentParser:
     for action in r._actions:  # hookloop run's options, then SCRIPT and its arguments
         if not isinstance(action, argparse._HelpAction):
             pl._add_action(action)
+
+    e = sub.add_parser(
+        "env", help="print this process's place in a job, as the launcher's variables say (torchrun, LSF, mpirun, Kubeflow, SLURM)",
+        description=("Read the launcher's variables as a strategy does (hookloop.distributed.environment) and print the "
+                     "source, world size, ranks, rendezvous address and port, and every variable read. Run it where "
+                     "the training would run: `mpirun -np 2 hookloop env`, `srun hookloop env`. Exits 2, with the "
+                     "reason, when the variables contradict each other."))
+    e.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
 
     for name in sorted(commands):
         sub.add_parser(name, help=f"sub-command from {commands[name].value.split(':')[0]}", add_help=False)
@@ -406,6 +416,29 @@ def collate_command(strategy: str, collate, argv: list[str] | None, *, help: str
     return 0
 
 
+def cmd_env(args) -> int:
+    """``hookloop env``: what :meth:`ClusterEnvironment.detect` reads here."""
+    cluster = ClusterEnvironment.detect()
+    if args.json:
+        fields = {name: getattr(cluster, name) for name in (
+            "source", "world_size", "global_rank", "local_rank", "local_world_size", "node_rank",
+            "master_addr", "master_port")}
+        print(json.dumps({**fields, "variables": dict(cluster.variables)}, indent=2))
+        return 0
+    rendezvous = (f"{cluster.master_addr or '(unset)'}:{cluster.master_port or '(unset)'}"
+                  if cluster.world_size > 1 or cluster.master_addr else "none (a world of one)")
+    print(f"source:       {cluster.source}")
+    print(f"world size:   {cluster.world_size}")
+    print(f"global rank:  {cluster.global_rank}")
+    print(f"local rank:   {cluster.local_rank} of {cluster.local_world_size} on this node")
+    print(f"node rank:    {cluster.node_rank}")
+    print(f"rendezvous:   {rendezvous}")
+    print("variables read:" + ("" if cluster.variables else " none"))
+    for name, value in cluster.variables:
+        print(f"  {name}={value}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = registry.installed_commands()
@@ -433,6 +466,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_plan(args)
         if args.command == "plot":
             return plot.command(args)
+        if args.command == "env":
+            return cmd_env(args)
     except HookloopError as exc:
         print(f"hookloop: error: {exc}", file=sys.stderr)
         return 2
