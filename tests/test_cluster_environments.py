@@ -410,3 +410,17 @@ def test_lsf_jsrun_tasks_train_as_ddp_bit_for_bit_with_torchrun(tmp_path, torchr
     ranks = ranks_of(tmp_path)
     assert [(r["local_rank"], r["node_rank"]) for r in ranks] == [(0, 0), (1, 0)]
     assert_trains_as_the_reference(ranks, torchrun_reference, "lsf")
+
+
+def test_nodes_without_an_endpoint_are_fine_in_a_process_a_launcher_placed(monkeypatch):
+    """``Trainer(nodes=2)`` in a worker of mpirun (or srun, torchrun, a plugin's launcher)
+    needs no rendezvous endpoint: the launcher placed the ranks. Only a launch that starts
+    torchrun for several nodes needs one (issue 36: the settings refused it before any
+    plugin code ran)."""
+    for name, value in {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2",
+                        "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    trainer = hookloop.Trainer(plugins=["ddp"], nodes=2, devices=1, logger=False)
+    assert trainer.config.nodes == 2 and trainer.config.rdzv_endpoint is None
+    with pytest.raises(hookloop.ConfigurationError, match="nodes=2 needs a rendezvous endpoint"):
+        hookloop.elastic_command(hookloop.TrainerConfig(nodes=2), "train.py", [])

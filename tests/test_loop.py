@@ -104,7 +104,7 @@ def test_buffers_and_params_follow_the_model_and_batches_need_no_device_code():
         ({"accelerator": "cuda"}, "no CUDA GPU"),
         ({"accumulate_grad_batches": 0}, ">= 1"),
         ({"precision": "8"}, "precision"),
-        ({"nodes": 2}, "rdzv"),
+        ({"nodes": 2, "plugins": ["ddp"]}, "rdzv"),  # at the launch, before torchrun starts
     ],
 )
 def test_bad_configuration_is_refused_early(kwargs, match):

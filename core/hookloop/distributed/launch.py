@@ -18,6 +18,7 @@ import threading
 import warnings
 from typing import Callable, Iterator
 
+from hookloop.contract.errors import ConfigurationError
 from hookloop.engine.settings import DEFAULTS_ENV, TrainerConfig
 from hookloop.distributed.environment import launched_externally
 from hookloop.distributed.failures import FAILURE_DIR_ENV, failure_dir
@@ -129,7 +130,17 @@ def rendezvous_id() -> str:
 
 
 def elastic_command(config: TrainerConfig, script: str, script_args: list[str]) -> list[str]:
-    """The torchrun command line for ``config``; the plain interpreter for one process."""
+    """The torchrun command line for ``config``; the plain interpreter for one process.
+
+    Several nodes need the rendezvous endpoint here, where torchrun is about to start, and
+    only here: a process that a launcher already placed (torchrun, srun, mpirun, a
+    plugin's launcher that places its workers itself) gives ``nodes`` without one."""
+    if config.nodes > 1 and not config.rdzv_endpoint:
+        raise ConfigurationError(
+            f"nodes={config.nodes} needs a rendezvous endpoint that every node can reach: "
+            "--rdzv-endpoint HOST:PORT or Trainer(rdzv_endpoint='HOST:PORT'), the address of "
+            "node 0"
+        )
     nproc = config.num_processes()
     if nproc == 1 and config.nodes == 1 and config.max_restarts == 0:
         return [sys.executable, script, *script_args]

@@ -132,12 +132,6 @@ class TrainerConfig:
             raise ConfigurationError(
                 f"node_rank={self.node_rank!r} must be in 0..nodes-1 (nodes={self.nodes})"
             )
-        if self.nodes > 1 and not self.rdzv_endpoint:
-            raise ConfigurationError(
-                f"nodes={self.nodes} needs a rendezvous endpoint that every node can reach: "
-                "--rdzv-endpoint HOST:PORT or Trainer(rdzv_endpoint='HOST:PORT'), the address of "
-                "node 0"
-            )
         for name in ("max_epochs", "max_steps", "min_epochs", "min_steps"):
             value = getattr(self, name)
             is_max = name.startswith("max")  # -1: Lightning's "no limit"
