@@ -1,0 +1,15 @@
+"""hookloop-ft: in-place recovery with torchft.
+
+``ft``
+    each replica group is an ordinary hookloop run (one process); the groups find each
+    other through torchft's Lighthouse, average their gradients every step through
+    torchft's ``Manager``, and step only when the Manager says the step is healthy. A
+    group that dies leaves the others training; its replacement joins the next quorum
+    and copies the weights and optimizer state from a live peer.
+
+docs/how-to/torchft.md says how to start a Lighthouse and the groups, and what is exact.
+"""
+
+from .strategy import FT, LIGHTHOUSE_ENV
+
+__all__ = ["FT", "LIGHTHOUSE_ENV"]

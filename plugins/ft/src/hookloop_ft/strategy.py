@@ -1,0 +1,292 @@
+"""The ``ft`` strategy: replica groups coordinated by torchft's Manager and Lighthouse.
+
+Each replica group is one hookloop process started on its own (``hookloop run --plugins ft
+train.py``, a job scheduler's task...). The groups never share a launcher: they meet
+through the Lighthouse (``lighthouse`` option or ``TORCHFT_LIGHTHOUSE``), which forms a
+quorum of the live groups before every step. Per step, as torchft's own DDP example:
+
+* ``zero_grad`` (the start of the step): ``Manager.start_quorum()``. A group that joins
+  late, or restarted after it was killed, is told to heal: it copies the model, the
+  optimizers, the schedulers and the step from a live peer (the Manager's
+  ``state_dict``/``load_state_dict`` callbacks below), before its forward by default
+  (``async_quorum=False``).
+* ``backward``: torchft's ``DistributedDataParallel`` averages the gradients over the
+  groups of the quorum (its communication hook calls ``Manager.allreduce``).
+* ``optimizer_step``: the optimizer steps only when ``Manager.should_commit()`` says every
+  group of the quorum finished the step; otherwise the step is skipped (``False``).
+
+A group that dies only makes the others' next quorum smaller: they go on without a
+restart. Several processes per replica group (DDP/HSDP inside a group) are not supported
+yet: a launch of more than one process is refused at start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+
+import hookloop
+
+#: torchft's own environment variable for the Lighthouse's address (its Manager reads it).
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+#: How to start a Lighthouse, said by every error about a missing one.
+START_LIGHTHOUSE = ("start one with `torchft_lighthouse --min_replicas 1 --quorum_tick_ms 100 "
+                    "--join_timeout_ms 10000` (installed with torchft; it prints its address) and "
+                    f"pass its address: --plugin-option ft.lighthouse=http://HOST:29510, or "
+                    f"{LIGHTHOUSE_ENV}=http://HOST:29510")
+INSTALL = "pip install hookloop-ft torchft==0.2.0 torch==<your torch> (make install does)"
+
+
+def _torchft() -> Any:
+    """Import torchft, or say how to install it."""
+    try:
+        import torchft
+    except ImportError as exc:
+        raise hookloop.MissingDependencyError(
+            f"the ft plugin needs torchft, which is not installed ({exc}): {INSTALL}") from exc
+    return torchft
+
+
+def _ddp_class() -> type:
+    """torchft's ``DistributedDataParallel`` with a communication hook that survives a peer
+    dying in the all-reduce.
+
+    torchft 0.2.0's own hook asserts on the future of a failed all-reduce (``assert
+    fut._fut`` in ``torchft/ddp.py``), so the surviving group crashed when its peer was
+    killed mid-backward. Here a failed all-reduce is left to the Manager, which recorded
+    it (``report_error``): ``should_commit`` then says no and the step is skipped, as torchft
+    means it to be; the bucket's contents do not matter then.
+    """
+    from torchft.ddp import DistributedDataParallel
+
+    class FaultTolerantDDP(DistributedDataParallel):
+        @staticmethod
+        def _comm_hook(manager, bucket):  # unannotated: DDP checks the annotations it finds
+            buffer = bucket.buffer()
+            manager.allreduce(buffer).wait()  # averaged in place; False (reported) on a failure
+            done: torch.futures.Future = torch.futures.Future()
+            done.set_result(buffer)
+            return done
+
+    return FaultTolerantDDP
+
+
+def _check(name: str, ok: bool, rule: str, value: Any) -> None:
+    if not ok:
+        raise hookloop.ConfigurationError(f"ft option {name}={value!r}: {rule}")
+
+
+def _seconds(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and value > 0)
+
+
+class FT:
+    """Fault-tolerant data parallelism across replica groups with torchft (one process per group).
+
+    Options (constructor arguments, or ``--plugin-option ft.NAME=VALUE``):
+
+    ``lighthouse``
+        the Lighthouse's address (``http://host:port``); ``None``: ``TORCHFT_LIGHTHOUSE``.
+        A run with neither is refused at start, saying how to start a Lighthouse.
+    ``replica_id``
+        this group's name in the quorum (torchft appends a fresh uuid, so a restarted
+        group is a new member); ``None``: ``REPLICA_GROUP_ID`` if set, else the uuid alone.
+    ``min_replica_size``
+        the fewest groups a step may commit with (default 1: a lone survivor trains on).
+    ``async_quorum``
+        ``False`` (default): the quorum (and a joining group's recovery) completes before
+        the forward, so every group of the quorum contributes its batch to every step.
+        ``True``: torchft's default, the quorum overlaps the forward; a group that heals
+        (a restart, or every group but one at step 0) contributes zeros to that step.
+    ``init_sync``
+        at step 0 every group copies the first group's weights (default ``True``);
+        ``False`` when every group builds identical weights itself (same seed).
+    ``timeout``
+        seconds a gradient all-reduce, ``should_commit`` or a recovery transfer may take
+        before the step is abandoned (default 60).
+    ``quorum_timeout``
+        seconds to wait for a quorum (default 60): longer than a step, and than the time a
+        restarted group takes to start.
+    """
+
+    hookloop_name = "ft"
+    hookloop_role = "strategy"
+    hookloop_requires = ">=2,<3"  # the plugin contract versions it is written for
+    hookloop_autoload = False  # means nothing without a Lighthouse
+    hookloop_environment = {
+        LIGHTHOUSE_ENV: "the torchft Lighthouse the replica groups meet at",
+        "REPLICA_GROUP_ID": "this replica group's name in torchft's quorum",
+    }
+
+    def __init__(
+        self,
+        lighthouse: str | None = None,
+        replica_id: str | None = None,
+        min_replica_size: int = 1,
+        async_quorum: bool = False,
+        init_sync: bool = True,
+        timeout: float = 60.0,
+        quorum_timeout: float = 60.0,
+    ):
+        _check("lighthouse", lighthouse is None or isinstance(lighthouse, str) and lighthouse.strip() != "",
+               "must be the Lighthouse's address, http://HOST:PORT, or None for $" + LIGHTHOUSE_ENV, lighthouse)
+        _check("replica_id", replica_id is None or isinstance(replica_id, (str, int)) and not isinstance(replica_id, bool),
+               "must be a name (str or int) or None", replica_id)
+        _check("min_replica_size", isinstance(min_replica_size, int) and not isinstance(min_replica_size, bool)
+               and min_replica_size >= 1, "must be an integer >= 1", min_replica_size)
+        for name, value in (("async_quorum", async_quorum), ("init_sync", init_sync)):
+            _check(name, isinstance(value, bool), "must be True or False", value)
+        for name, value in (("timeout", timeout), ("quorum_timeout", quorum_timeout)):
+            _check(name, _seconds(value), "must be a number of seconds > 0", value)
+        self.lighthouse, self.replica_id = lighthouse, replica_id
+        self.min_replica_size, self.async_quorum, self.init_sync = min_replica_size, async_quorum, init_sync
+        self.timeout, self.quorum_timeout = float(timeout), float(quorum_timeout)
+        self.manager: Any = None
+        #: steps this group committed, skipped (should_commit False), and its recoveries
+        #: from a peer: ``(step recovered at, seconds from start_quorum to loaded)``
+        self.committed = self.skipped = 0
+        self.recoveries: list[tuple[int, float]] = []
+        self._trainer: Any = None
+        self._store: Any = None
+        self._wrapped: tuple[nn.Module, nn.Module] | None = None
+        self._quorum_started = 0.0
+
+    # -- environment --------------------------------------------------------------------
+
+    def lighthouse_address(self) -> str:
+        """The option, else ``TORCHFT_LIGHTHOUSE``; refused when neither is set."""
+        address = self.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "").strip()
+        if not address:
+            raise hookloop.ConfigurationError(
+                f"the ft plugin needs a torchft Lighthouse, and neither the option ft.lighthouse "
+                f"nor {LIGHTHOUSE_ENV} names one: {START_LIGHTHOUSE}")
+        return address
+
+    @hookloop.hookimpl
+    def setup_environment(self, trainer):
+        """Check torchft and the Lighthouse, make this process a one-process group, and
+        start torchft's Manager (it joins the Lighthouse; the quorum comes at the first step)."""
+        torchft = _torchft()
+        lighthouse = self.lighthouse_address()
+        processes = int(os.environ.get("WORLD_SIZE", "1"))
+        if processes != 1:
+            raise hookloop.ConfigurationError(
+                f"the ft plugin runs one process per replica group, but this group was launched "
+                f"with {processes} (WORLD_SIZE={processes}): start each replica group as its own "
+                f"one-process run (hookloop run --plugins ft train.py, once per group)")
+        device = hookloop.local_rank_device(trainer, 0)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        trainer.world_size, trainer.global_rank, trainer.local_rank, trainer.node_rank = 1, 0, 0, 0
+        trainer.root_device = device
+        self._trainer = trainer
+        self.committed = self.skipped = 0
+        self.recoveries = []
+        # The Manager's group store: its own, since no launcher made one for a single process.
+        self._store = torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+        replica_id = self.replica_id if self.replica_id is not None else os.environ.get("REPLICA_GROUP_ID")
+        timeout = timedelta(seconds=self.timeout)
+        pg = torchft.ProcessGroupNCCL(timeout) if device.type == "cuda" else torchft.ProcessGroupGloo(timeout)
+        self.manager = torchft.Manager(
+            pg=pg, load_state_dict=self._load_state_dict, state_dict=self._state_dict,
+            min_replica_size=self.min_replica_size, use_async_quorum=self.async_quorum,
+            init_sync=self.init_sync, timeout=timeout,
+            quorum_timeout=timedelta(seconds=self.quorum_timeout),
+            rank=0, world_size=1, store_addr="localhost", store_port=self._store.port,
+            lighthouse_addr=lighthouse, replica_id=None if replica_id is None else str(replica_id))
+        return True
+
+    @hookloop.hookimpl
+    def setup(self, trainer):
+        """Refuse manual optimization: the quorum and the commit ride the loop's own
+        ``zero_grad`` and ``optimizer_step``."""
+        if not trainer.automatic_optimization:
+            raise hookloop.ConfigurationError(
+                "the ft plugin needs automatic optimization (it starts torchft's quorum in "
+                "zero_grad and asks should_commit in optimizer_step); set "
+                "self.automatic_optimization = True, or call torchft's Manager yourself")
+
+    @hookloop.hookimpl
+    def teardown(self, trainer):
+        """Leave the quorum (the Manager's server and checkpoint transport) and unwrap the model."""
+        wrapped, self._wrapped = self._wrapped, None
+        if wrapped is not None and trainer.model is wrapped[1]:
+            trainer.model = wrapped[0]
+        manager, self.manager = self.manager, None
+        if manager is not None:
+            manager.shutdown(wait=False)
+        self._store = None
+        self._trainer = None
+        if self.recoveries or self.committed or self.skipped:
+            print(f"hookloop-ft: {self.committed} steps committed, {self.skipped} skipped, "
+                  f"recoveries from a peer (step, seconds): {self.recoveries}", file=sys.stderr, flush=True)
+
+    # -- model and optimizer ------------------------------------------------------------
+
+    @hookloop.hookimpl
+    def wrap_model(self, trainer, model):
+        """torchft's ``DistributedDataParallel``: gradients averaged over the quorum's groups."""
+        wrapped = _ddp_class()(self.manager, model.to(trainer.root_device))
+        self._wrapped = (model, wrapped)
+        return wrapped
+
+    @hookloop.hookimpl
+    def accumulation_context(self, model):
+        """No all-reduce on micro-batches that do not step: ``model.no_sync()``."""
+        no_sync = getattr(model, "no_sync", None)
+        return no_sync() if callable(no_sync) else contextlib.nullcontext()
+
+    # -- the step -----------------------------------------------------------------------
+
+    @hookloop.hookimpl(tryfirst=True)
+    def zero_grad(self, trainer):
+        """Start the step's quorum (and, with ``async_quorum=False``, finish a recovery
+        before the forward); the gradients are zeroed by whoever comes next (the default).
+
+        ``trainer.global_step`` follows the job's committed steps, so ``max_steps`` counts
+        the steps of the job, not of this process: a restarted group stops with the others.
+        """
+        self._quorum_started = time.perf_counter()
+        self.manager.start_quorum()
+        trainer.global_step = self.manager.current_step()
+
+    @hookloop.hookimpl(tryfirst=True)
+    def optimizer_step(self, trainer):
+        """Step only when the Manager says every group of the quorum finished the step.
+
+        Stops at ``False`` (skipped) here; a healthy step returns ``None``, so the precision
+        plugin or the default clips and steps as in any run.
+        """
+        if self.manager.should_commit():
+            self.committed += 1
+            return None
+        self.skipped += 1
+        return False
+
+    # -- what a recovering group copies from a live peer ---------------------------------
+
+    def _state_dict(self) -> dict[str, Any]:
+        trainer = self._trainer
+        return {
+            "module": trainer.module.state_dict(),
+            "optimizers": [optimizer.state_dict() for optimizer in trainer.optimizers],
+            "schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
+        }
+
+    def _load_state_dict(self, state: dict[str, Any]) -> None:
+        trainer = self._trainer
+        trainer.module.load_state_dict(state["module"])
+        for optimizer, saved in zip(trainer.optimizers, state["optimizers"], strict=True):
+            optimizer.load_state_dict(saved)
+        for config, saved in zip(trainer.lr_scheduler_configs, state["schedulers"], strict=True):
+            config.scheduler.load_state_dict(saved)
+        self.recoveries.append((self.manager.current_step(), round(time.perf_counter() - self._quorum_started, 3)))
