@@ -25,7 +25,7 @@ TABLE = REPO / "docs" / "environment.md"
 #: the names of the variables hookloop and other programs (launchers, schedulers, libraries)
 #: own, as a whole string literal
 OUTSIDE = re.compile(r"^(?:(?:HOOKLOOP|TORCHELASTIC|SLURM|PBS|LSB|FLUX|MASTER|LOCAL|GROUP|NODE|WORLD|HOROVOD|"
-                     r"OMPI|PMI|PMIX|MPI|JSM|PET|PL|TORCH|CUDA|CUBLAS|DS|OMP|TQDM|MLFLOW|WANDB|NCCL|GLOO)_[A-Z0-9_]+|RANK)$")
+                     r"OMPI|PMI|PMIX|MPI|JSM|PET|PL|TORCH|TORCHFT|CUDA|CUBLAS|DS|OMP|TQDM|MLFLOW|WANDB|NCCL|GLOO)_[A-Z0-9_]+|RANK)$")
 VARIABLE = re.compile(r"^[A-Z][A-Z0-9_]*[A-Z0-9]$")
 #: calls whose first argument is a variable's name: os.environ.get/pop/setdefault, os.getenv,
 #: hookloop.env_int, an environment mapping's get

@@ -1,17 +1,19 @@
 """hookloop-ft (plugins/ft): replica groups coordinated by torchft's Manager and Lighthouse.
 
 Real processes on the CPU: a ``torchft_lighthouse`` and two replica groups, each a
-one-process ``hookloop run --plugins ft`` of tests/scripts/ft_group.py, all-reducing
-through torchft's gloo process group. Each group trains on a fixed batch of its own every
+``hookloop run --plugins ft`` of tests/scripts/ft_group.py (two processes per group in the
+uninterrupted run, one in the killed one), all-reducing through torchft's gloo process group. Each group trains on a fixed batch of its own every
 step (tests/scripts/ft_models.py), so the references are plain PyTorch loops here:
 
-* uninterrupted: both groups end equal, and equal to one process stepping on the mean
-  loss of the two batches;
-* group 1 SIGKILLed in the backward of step 2: group 0 (never restarted) skips that step,
-  trains alone until step 5, where the restarted group 1 (other initial weights) copies
-  the weights and optimizer state from it and both go on. Both end equal, and equal to the
-  reference that steps on both batches for steps 0-1, on group 0's alone for 2-4, on both
-  for 5-7; the difference from the uninterrupted run is printed, with the recovery time.
+* uninterrupted, two groups of two processes: both groups end equal, and equal to one
+  process stepping on the mean loss of the two batches;
+* group 1 SIGKILLed in the backward of step 2: group 0 (never restarted) skips that step
+  and trains alone; restarted once group 0 has reached step 4, group 1 (other initial
+  weights) joins at step R (4, or a step later: the Lighthouse issues a quorum at once when
+  everyone of the last one has asked, without waiting for a newcomer) and copies the weights
+  and optimizer state from group 0; both go on. Both end equal, and equal to the reference
+  that steps on both batches for steps 0-1, on group 0's alone for 2..R-1, on both from R;
+  the difference from the uninterrupted run is printed, with the recovery time.
 
 Every process a test starts runs in its own session and is killed with it at the end,
 also when the test fails, and no process of those sessions is left.
@@ -40,7 +42,7 @@ sys.path.insert(0, str(REPO / "tests" / "scripts"))
 from ft_models import group_batch, make_net, make_optimizer  # noqa: E402
 
 SCRIPT = REPO / "tests" / "scripts" / "ft_group.py"
-STEPS, KILL_AT, REJOIN_AT = 8, 2, 5
+STEPS, KILL_AT, REJOIN_AT = 8, 2, 4
 
 
 def reference(phases: list[tuple[int, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
@@ -105,11 +107,13 @@ def processes(out: Path):
 
 def start_lighthouse(start) -> str:
     """A Lighthouse that forms a quorum of whoever is alive (``min_replicas 1``), waits up to
-    10 s for a heartbeating group to join, and counts a group dead after 1 s without a heartbeat."""
+    10 s for a heartbeating group to join, and counts a group dead after torchft's default 5 s
+    without a heartbeat. (With 1 s, a group starved of CPU on a loaded machine was counted
+    dead while alive: each group formed a quorum alone at the same step, and both committed
+    it, so their weights parted for good. docs/how-to/torchft.md says so.)"""
     port = free_port()
     start("lighthouse", [Path(sys.executable).parent / "torchft_lighthouse", "--min_replicas", "1",
-                         "--quorum_tick_ms", "50", "--join_timeout_ms", "10000",
-                         "--heartbeat_timeout_ms", "1000", "--bind", f"[::]:{port}"])
+                         "--quorum_tick_ms", "50", "--join_timeout_ms", "10000", "--bind", f"[::]:{port}"])
     deadline = time.monotonic() + 60
     while True:
         try:
@@ -121,9 +125,9 @@ def start_lighthouse(start) -> str:
             time.sleep(0.2)
 
 
-def start_group(start, out: Path, lighthouse: str, group: int, *args) -> subprocess.Popen:
+def start_group(start, out: Path, lighthouse: str, group: int, *args, devices: int = 1) -> subprocess.Popen:
     name = f"group{group}" + ("" if "--attempt" not in args else ".restart")
-    return start(name, [sys.executable, "-m", "hookloop", "run", "--plugins", "ft",
+    return start(name, [sys.executable, "-m", "hookloop", "run", "--plugins", "ft", "--devices", devices,
                         "--plugin-option", "ft.timeout=20", SCRIPT, out, group, STEPS, *args],
                  TORCHFT_LIGHTHOUSE=lighthouse, REPLICA_GROUP_ID=str(group))
 
@@ -135,17 +139,26 @@ def finish(proc: subprocess.Popen, out: Path, name: str, timeout: float = 400) -
         raise AssertionError(f"{name} hung:\n{(out / f'{name}.log').read_text()[-4000:]}") from None
 
 
+def wait_for_step(steps: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
+    """Wait until the group writing ``steps`` has finished the batch that makes ``global_step == step``."""
+    deadline = time.monotonic() + timeout
+    while not (steps.exists() and str(step) in steps.read_text().split()):
+        assert proc.poll() is None, f"the live group stopped (status {proc.returncode}) before step {step}"
+        assert time.monotonic() < deadline, f"the live group did not reach step {step} in {timeout} s"
+        time.sleep(0.1)
+
+
 def results(out: Path, group: int) -> tuple[dict, dict]:
     return torch.load(out / f"weights.{group}.pt"), json.loads((out / f"report.{group}.json").read_text())
 
 
 @pytest.mark.slow
-def test_two_groups_average_their_gradients_like_one_process(tmp_path):
-    """Slow: a Lighthouse and two hookloop runs (three interpreters). Both groups end with
-    the weights of one process stepping on the mean loss of both batches."""
+def test_two_groups_of_two_processes_average_their_gradients_like_one_process(tmp_path):
+    """Slow: a Lighthouse and two 2-process hookloop runs (seven interpreters). Both groups
+    end with the weights of one process stepping on the mean loss of both batches."""
     with processes(tmp_path) as start:
         lighthouse = start_lighthouse(start)
-        groups = [start_group(start, tmp_path, lighthouse, g) for g in (0, 1)]
+        groups = [start_group(start, tmp_path, lighthouse, g, devices=2) for g in (0, 1)]
         for g, proc in enumerate(groups):
             assert finish(proc, tmp_path, f"group{g}") == 0, (tmp_path / f"group{g}.log").read_text()[-4000:]
     (w0, r0), (w1, r1) = results(tmp_path, 0), results(tmp_path, 1)
@@ -164,7 +177,8 @@ def test_a_killed_group_rejoins_from_a_live_peer_while_the_other_trains_on(tmp_p
         survivor = start_group(start, tmp_path, lighthouse, 0, "--wait-at", REJOIN_AT)
         victim = start_group(start, tmp_path, lighthouse, 1, "--kill-at", KILL_AT)
         assert finish(victim, tmp_path, "group1") != 0  # SIGKILLed in its backward
-        assert survivor.poll() is None, "the live group stopped when its peer died"
+        # restart it once group 0 has trained on alone up to REJOIN_AT (where it waits for it)
+        wait_for_step(tmp_path / "steps.0", REJOIN_AT, survivor)
         restarted = start_group(start, tmp_path, lighthouse, 1, "--attempt", 1)
         assert finish(restarted, tmp_path, "group1.restart") == 0, (tmp_path / "group1.restart.log").read_text()[-4000:]
         assert finish(survivor, tmp_path, "group0") == 0, (tmp_path / "group0.log").read_text()[-4000:]
@@ -172,16 +186,17 @@ def test_a_killed_group_rejoins_from_a_live_peer_while_the_other_trains_on(tmp_p
     # group 0 ran once, from the start: its step KILL_AT failed with the peer and was skipped
     assert (tmp_path / "ready.0.0").exists() and not (tmp_path / "ready.0.1").exists()
     assert r0["committed"] == STEPS and r0["skipped"] >= 1, r0
-    # the restarted group recovered at step REJOIN_AT and trained the rest with group 0
-    assert [step for step, _ in r1["recoveries"]] == [REJOIN_AT], r1
-    assert r1["committed"] == STEPS - REJOIN_AT and r1["global_step"] == STEPS, r1
+    # the restarted group recovered once (at step R >= REJOIN_AT) and trained the rest with group 0
+    [(rejoined, seconds)] = r1["recoveries"]
+    assert REJOIN_AT <= rejoined < STEPS, r1
+    assert r1["committed"] == STEPS - rejoined and r1["global_step"] == STEPS, r1
     assert max_difference(w0, w1) == 0.0
-    expected = reference([(KILL_AT, (0, 1)), (REJOIN_AT - KILL_AT, (0,)), (STEPS - REJOIN_AT, (0, 1))])
+    expected = reference([(KILL_AT, (0, 1)), (rejoined - KILL_AT, (0,)), (STEPS - rejoined, (0, 1))])
     assert max_difference(w0, expected) < 1e-6
     uninterrupted = max_difference(w0, reference([(STEPS, (0, 1))]))
     print(f"\nft: group 0 committed {r0['committed']} steps ({r0['skipped']} skipped), "
-          f"{REJOIN_AT - KILL_AT} of them alone; the restarted group 1 committed {r1['committed']}, "
-          f"recovered at step {r1['recoveries'][0][0]} in {r1['recoveries'][0][1]} s; "
+          f"{rejoined - KILL_AT} of them alone; group 1 committed {KILL_AT}, was killed, and restarted "
+          f"committed {r1['committed']}, recovered at step {rejoined} in {seconds} s; "
           f"max |weights - uninterrupted run| = {uninterrupted:.3g}")
     assert uninterrupted > 1e-4  # steps alone saw half the batch: not the uninterrupted run
 
@@ -214,9 +229,11 @@ def test_a_run_without_torchft_is_refused_with_the_install_line(monkeypatch):
         _fit_ft(lighthouse="http://localhost:1")
 
 
-def test_several_processes_per_group_are_refused(monkeypatch):
+def test_a_group_of_several_processes_without_a_launcher_is_refused(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(hookloop.ConfigurationError, match="one process per replica group"):
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with pytest.raises(hookloop.ConfigurationError, match="MASTER_ADDR / MASTER_PORT are not set"):
         _fit_ft(lighthouse="http://localhost:1")
 
 

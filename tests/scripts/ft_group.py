@@ -1,8 +1,10 @@
 """One replica group of tests/test_ft.py: a one-process hookloop run with the ft plugin.
 
-Run as ``hookloop run --plugins ft ft_group.py OUT GROUP STEPS [--kill-at K] [--wait-at W]``
-with ``TORCHFT_LIGHTHOUSE`` set. The group trains ``STEPS`` steps of the job on its fixed
-batch (ft_models.py); ``REPLICA_GROUP_ID`` is ``GROUP``.
+Run as ``hookloop run --plugins ft [--devices N] ft_group.py OUT GROUP STEPS [--kill-at K]
+[--wait-at W]`` with ``TORCHFT_LIGHTHOUSE`` set. The group trains ``STEPS`` steps of the job
+on its fixed batch (ft_models.py); ``REPLICA_GROUP_ID`` is ``GROUP``. With N processes, rank r
+takes the samples ``r::N`` of the batch (no distributed sampler: it would shuffle), so the
+group's gradient is the one-process group's.
 
 * ``--kill-at K``: the group sends itself SIGKILL in the backward of step K (its gradient
   never reaches the all-reduce: the peer's step K fails and is skipped);
@@ -10,9 +12,10 @@ batch (ft_models.py); ``REPLICA_GROUP_ID`` is ``GROUP``.
   other initial weights, so that only the recovery can make them right);
 * ``--wait-at W``: at the start of step W, the group waits for ``OUT/ready.<other>.1``
   to appear (the restarted peer writes it once its Manager heartbeats to the
-  Lighthouse), so the peer rejoins at step W, not sooner or later.
+  Lighthouse), so the peer rejoins at step W, not sooner (or a step later: the Lighthouse
+  issues the quorum at once when every member of the last one asked for it).
 
-Every group writes ``OUT/ready.GROUP.A`` when its Manager exists, waits for the other
+Rank 0 of every group writes ``OUT/ready.GROUP.A`` when its Manager exists, waits for the other
 group's ``ready.OTHER.0`` at its first batch (so the first quorum has both), appends ``step committed``
 per optimizer step to ``OUT/steps.GROUP``, and saves its weights to
 ``OUT/weights.GROUP.pt``, with the plugin's counts in ``OUT/report.GROUP.json``.
@@ -77,7 +80,8 @@ class Group(hookloop.Module):
         # The Manager heartbeats every 0.1 s from setup_environment on: after a few, the
         # Lighthouse waits for this group in the next quorum.
         time.sleep(0.3)
-        (OUT / f"ready.{GROUP}.{ARGS.attempt}").write_text(str(os.getpid()))
+        if self.trainer.global_rank == 0:
+            (OUT / f"ready.{GROUP}.{ARGS.attempt}").write_text(str(os.getpid()))
 
     def on_train_batch_start(self, batch, batch_idx):
         step = self.trainer.global_step
@@ -87,6 +91,8 @@ class Group(hookloop.Module):
             wait_for(OUT / f"ready.{OTHER}.1")
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self.trainer.global_rank != 0:
+            return
         with open(OUT / f"steps.{GROUP}", "a") as f:
             f.write(f"{self.trainer.global_step}\n")
 
@@ -94,12 +100,16 @@ class Group(hookloop.Module):
         return make_optimizer(self.net)
 
 
+WORLD, RANK = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
 x, y = group_batch(GROUP)
+x, y = x[RANK::WORLD], y[RANK::WORLD]
 data = TensorDataset(x.repeat(ARGS.steps + 4, 1), y.repeat(ARGS.steps + 4))
 module = Group()
 trainer = hookloop.Trainer(max_steps=ARGS.steps, logger=False, enable_checkpointing=False,
-                           enable_progress_bar=False, num_sanity_val_steps=0)
+                           enable_progress_bar=False, num_sanity_val_steps=0, use_distributed_sampler=False)
 trainer.fit(module, DataLoader(data, batch_size=len(x)))
+if trainer.global_rank != 0:
+    sys.exit(0)
 ft = next(p for p in trainer.plugins if getattr(p, "hookloop_name", None) == "ft")
 torch.save({k: v.detach().clone() for k, v in module.net.state_dict().items()}, OUT / f"weights.{GROUP}.pt")
 (OUT / f"report.{GROUP}.json").write_text(json.dumps(

@@ -1,7 +1,8 @@
 """hookloop-ft: in-place recovery with torchft.
 
 ``ft``
-    each replica group is an ordinary hookloop run (one process); the groups find each
+    each replica group is an ordinary hookloop run (one process, or several with
+    ``--devices N`` that all-reduce within the group first); the groups find each
     other through torchft's Lighthouse, average their gradients every step through
     torchft's ``Manager``, and step only when the Manager says the step is healthy. A
     group that dies leaves the others training; its replacement joins the next quorum

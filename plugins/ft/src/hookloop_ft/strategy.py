@@ -1,7 +1,9 @@
 """The ``ft`` strategy: replica groups coordinated by torchft's Manager and Lighthouse.
 
-Each replica group is one hookloop process started on its own (``hookloop run --plugins ft
-train.py``, a job scheduler's task...). The groups never share a launcher: they meet
+Each replica group is a hookloop run started on its own: one process (``hookloop run
+--plugins ft train.py``) or several on one launcher (``hookloop run --plugins ft --devices N
+train.py``), which all-reduce within the group as ddp does. The groups never share a
+launcher: they meet
 through the Lighthouse (``lighthouse`` option or ``TORCHFT_LIGHTHOUSE``), which forms a
 quorum of the live groups before every step. Per step, as torchft's own DDP example:
 
@@ -10,14 +12,15 @@ quorum of the live groups before every step. Per step, as torchft's own DDP exam
   optimizers, the schedulers and the step from a live peer (the Manager's
   ``state_dict``/``load_state_dict`` callbacks below), before its forward by default
   (``async_quorum=False``).
-* ``backward``: torchft's ``DistributedDataParallel`` averages the gradients over the
-  groups of the quorum (its communication hook calls ``Manager.allreduce``).
+* ``backward``: torchft's ``DistributedDataParallel`` averages the gradients within the
+  group (the default process group, when it has several processes), then over the groups
+  of the quorum (``Manager.allreduce``, between the processes of equal group rank).
 * ``optimizer_step``: the optimizer steps only when ``Manager.should_commit()`` says every
   group of the quorum finished the step; otherwise the step is skipped (``False``).
 
 A group that dies only makes the others' next quorum smaller: they go on without a
-restart. Several processes per replica group (DDP/HSDP inside a group) are not supported
-yet: a launch of more than one process is refused at start.
+restart. Every group must have the same number of processes; sharded groups (HSDP) are not
+supported.
 """
 
 from __future__ import annotations
@@ -25,12 +28,14 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import socket
 import sys
 import time
 from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import hookloop
@@ -71,6 +76,9 @@ def _ddp_class() -> type:
         @staticmethod
         def _comm_hook(manager, bucket):  # unannotated: DDP checks the annotations it finds
             buffer = bucket.buffer()
+            if dist.is_initialized() and dist.get_world_size() > 1:  # the group's own processes
+                dist.all_reduce(buffer)
+                buffer.div_(dist.get_world_size())
             manager.allreduce(buffer).wait()  # averaged in place; False (reported) on a failure
             done: torch.futures.Future = torch.futures.Future()
             done.set_result(buffer)
@@ -89,8 +97,12 @@ def _seconds(value: Any) -> bool:
             and math.isfinite(value) and value > 0)
 
 
-class FT:
-    """Fault-tolerant data parallelism across replica groups with torchft (one process per group).
+class FT(hookloop.TorchDistributed):
+    """Fault-tolerant data parallelism across replica groups with torchft.
+
+    A group is one process, or several started by one launcher (``--devices N``): they
+    share the group's data (distributed samplers over the group) and all-reduce within it
+    before the groups do. Every group must have as many processes.
 
     Options (constructor arguments, or ``--plugin-option ft.NAME=VALUE``):
 
@@ -173,26 +185,39 @@ class FT:
 
     @hookloop.hookimpl
     def setup_environment(self, trainer):
-        """Check torchft and the Lighthouse, make this process a one-process group, and
-        start torchft's Manager (it joins the Lighthouse; the quorum comes at the first step)."""
+        """Check torchft and the Lighthouse, set this process's place in its group (and the
+        group's process group, when it has several), and start torchft's Manager (it joins
+        the Lighthouse; the quorum comes at the first step)."""
         torchft = _torchft()
         lighthouse = self.lighthouse_address()
-        processes = int(os.environ.get("WORLD_SIZE", "1"))
-        if processes != 1:
-            raise hookloop.ConfigurationError(
-                f"the ft plugin runs one process per replica group, but this group was launched "
-                f"with {processes} (WORLD_SIZE={processes}): start each replica group as its own "
-                f"one-process run (hookloop run --plugins ft train.py, once per group)")
-        device = hookloop.local_rank_device(trainer, 0)
+        world = hookloop.env_int("WORLD_SIZE", default=1)
+        rank = hookloop.env_int("RANK", default=0) if world > 1 else 0
+        local_rank = hookloop.env_int("LOCAL_RANK", default=rank) if world > 1 else 0
+        device = hookloop.local_rank_device(trainer, local_rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        trainer.world_size, trainer.global_rank, trainer.local_rank, trainer.node_rank = 1, 0, 0, 0
+        trainer.world_size, trainer.global_rank, trainer.local_rank = world, rank, local_rank
+        trainer.node_rank = hookloop.env_int("GROUP_RANK", "NODE_RANK", default=0) if world > 1 else 0
         trainer.root_device = device
         self._trainer = trainer
         self.committed = self.skipped = 0
         self.recoveries = []
-        # The Manager's group store: its own, since no launcher made one for a single process.
-        self._store = torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+        if world > 1:
+            # The group's launcher made its store (torchrun's agent at MASTER_ADDR:MASTER_PORT);
+            # the Manager keeps its keys there, the group's own process group is made beside it.
+            store_addr, store_port = os.environ.get("MASTER_ADDR"), hookloop.env_int("MASTER_PORT")
+            if not (store_addr and store_port):
+                raise hookloop.ConfigurationError(
+                    f"this replica group has {world} processes but MASTER_ADDR / MASTER_PORT are not "
+                    f"set: launch each group with `hookloop run --plugins ft --devices {world}` or torchrun")
+            self.start_process_group("nccl" if device.type == "cuda" else "gloo", rank, world,
+                                     timeout=trainer.config.process_group_timeout)
+        else:
+            # A single process has no launcher's store: its own, at an address the other
+            # groups can reach (the first group's store is where the groups' all-reduce meets).
+            store_addr = socket.gethostname()
+            self._store = dist.TCPStore(store_addr, 0, is_master=True, wait_for_workers=False)
+            store_port = self._store.port
         replica_id = self.replica_id if self.replica_id is not None else os.environ.get("REPLICA_GROUP_ID")
         timeout = timedelta(seconds=self.timeout)
         pg = torchft.ProcessGroupNCCL(timeout) if device.type == "cuda" else torchft.ProcessGroupGloo(timeout)
@@ -201,7 +226,7 @@ class FT:
             min_replica_size=self.min_replica_size, use_async_quorum=self.async_quorum,
             init_sync=self.init_sync, timeout=timeout,
             quorum_timeout=timedelta(seconds=self.quorum_timeout),
-            rank=0, world_size=1, store_addr="localhost", store_port=self._store.port,
+            rank=rank, world_size=world, store_addr=store_addr, store_port=store_port,
             lighthouse_addr=lighthouse, replica_id=None if replica_id is None else str(replica_id))
         return True
 
@@ -226,7 +251,8 @@ class FT:
             manager.shutdown(wait=False)
         self._store = None
         self._trainer = None
-        if self.recoveries or self.committed or self.skipped:
+        self.release_owned_process_group()
+        if trainer.global_rank == 0 and (self.recoveries or self.committed or self.skipped):
             print(f"hookloop-ft: {self.committed} steps committed, {self.skipped} skipped, "
                   f"recoveries from a peer (step, seconds): {self.recoveries}", file=sys.stderr, flush=True)
 
@@ -234,8 +260,14 @@ class FT:
 
     @hookloop.hookimpl
     def wrap_model(self, trainer, model):
-        """torchft's ``DistributedDataParallel``: gradients averaged over the quorum's groups."""
-        wrapped = _ddp_class()(self.manager, model.to(trainer.root_device))
+        """torchft's ``DistributedDataParallel``: gradients averaged within the group, then
+        over the quorum's groups. A group of several processes starts from its rank 0's
+        weights (torchft's wrapper does not broadcast them as torch's does)."""
+        model = model.to(trainer.root_device)
+        if trainer.world_size > 1:
+            for tensor in model.state_dict().values():
+                dist.broadcast(tensor, 0)
+        wrapped = _ddp_class()(self.manager, model)
         self._wrapped = (model, wrapped)
         return wrapped
 
@@ -271,6 +303,22 @@ class FT:
             return None
         self.skipped += 1
         return False
+
+    # -- checkpoints --------------------------------------------------------------------
+
+    @hookloop.hookimpl
+    def on_save_checkpoint(self, checkpoint):
+        """Save the Manager's step (torchft: a checkpoint must hold it, or a group resumed
+        from it would count the job's steps from 0)."""
+        if self.manager is not None:
+            checkpoint["plugins"]["ft"] = self.manager.state_dict()
+
+    @hookloop.hookimpl
+    def on_load_checkpoint(self, checkpoint):
+        """Restore the Manager's step saved by :meth:`on_save_checkpoint`."""
+        saved = checkpoint.get("plugins", {}).get("ft")
+        if saved is not None and self.manager is not None:
+            self.manager.load_state_dict(saved)
 
     # -- what a recovering group copies from a live peer ---------------------------------
 
