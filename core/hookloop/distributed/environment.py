@@ -162,22 +162,14 @@ class _Reader:
                 "unset it or give it a number") from None
 
 
-@dataclass
-class _Found:
+@dataclass(frozen=True)
+class _Found(ClusterEnvironment):
     """One launcher's answer, with the variable each number came from (for errors)."""
 
-    world_size: int
-    global_rank: int
-    local_rank: int
-    local_world_size: int
-    node_rank: int
-    master_addr: str | None
-    master_port: int | None
-    source: str
-    names: dict[str, str] = field(default_factory=dict)  # field -> variable
+    names: dict[str, str] = field(default_factory=dict, compare=False)  # field -> variable
     #: why the processes cannot meet (no rendezvous address or port), raised by
     #: :meth:`check` after the ranks themselves were found consistent
-    problem: str | None = None
+    problem: str | None = field(default=None, compare=False)
 
     def name(self, what: str) -> str:
         return self.names.get(what, what)
@@ -237,10 +229,10 @@ def _torchrun(env: _Reader) -> _Found | None:
                   env.int("LOCAL_WORLD_SIZE", default=world) or 0,
                   env.int("GROUP_RANK", "NODE_RANK", default=0) or 0,
                   env.get("MASTER_ADDR"), env.int("MASTER_PORT"), "torchrun",
-                  {"world_size": "WORLD_SIZE", "global_rank": "RANK", "local_rank": "LOCAL_RANK",
-                   "local_world_size": "LOCAL_WORLD_SIZE",
-                   "node_rank": env.named("GROUP_RANK", "NODE_RANK") or "",
-                   "master_port": "MASTER_PORT"})
+                  names={"world_size": "WORLD_SIZE", "global_rank": "RANK",
+                         "local_rank": "LOCAL_RANK", "local_world_size": "LOCAL_WORLD_SIZE",
+                         "node_rank": env.named("GROUP_RANK", "NODE_RANK") or "",
+                         "master_port": "MASTER_PORT"})
 
 
 def _lsf(env: _Reader) -> _Found | None:
@@ -268,7 +260,7 @@ def _lsf(env: _Reader) -> _Found | None:
                    env.int("JSM_NAMESPACE_LOCAL_SIZE", default=max(1, world // len(distinct))) or 0,
                    env.int("NODE_RANK", default=distinct.index(here)) or 0,
                    env.get("MASTER_ADDR") or distinct[0], port, "lsf",
-                   {"world_size": "JSM_NAMESPACE_SIZE", "global_rank": "JSM_NAMESPACE_RANK",
+                   names={"world_size": "JSM_NAMESPACE_SIZE", "global_rank": "JSM_NAMESPACE_RANK",
                     "local_rank": "JSM_NAMESPACE_LOCAL_RANK",
                     "local_world_size": "JSM_NAMESPACE_LOCAL_SIZE",
                     "node_rank": "NODE_RANK", "master_port": "MASTER_PORT"})
@@ -341,7 +333,8 @@ def _mpi(env: _Reader) -> _Found | None:
                 "MASTER_PORT is not set: pass one to every rank (`mpirun -x MASTER_PORT=29500 "
                 "...`)")
         port = _job_port(job) if job is not None else None
-    found = _Found(world, rank, local, local_world, node, addr, port, "mpi", names, problem)
+    found = _Found(world, rank, local, local_world, node, addr, port, "mpi", names=names,
+                   problem=problem)
     _agree(env, found, "RANK", "WORLD_SIZE")
     return found
 
@@ -375,7 +368,7 @@ def _kubeflow(env: _Reader) -> _Found | None:
                 "command or job script sets")
     names["master_port"] = env.named("MASTER_PORT", "PET_MASTER_PORT") or "MASTER_PORT"
     return _Found(world, rank, 0, 1, rank, env.get("MASTER_ADDR", "PET_MASTER_ADDR"),
-                  env.int("MASTER_PORT", "PET_MASTER_PORT"), "kubeflow", names)
+                  env.int("MASTER_PORT", "PET_MASTER_PORT"), "kubeflow", names=names)
 
 
 def _slurm(env: _Reader) -> _Found | None:
@@ -393,9 +386,9 @@ def _slurm(env: _Reader) -> _Found | None:
         addr or first_host(nodelist, variable),
         # Every task of a job derives the same port from the job id.
         env.int("MASTER_PORT", default=10000 + job_id % 20000), "slurm",
-        {"world_size": "SLURM_NTASKS", "global_rank": "SLURM_PROCID", "local_rank": "SLURM_LOCALID",
-         "local_world_size": "SLURM_NTASKS_PER_NODE", "node_rank": "SLURM_NODEID",
-         "master_port": "MASTER_PORT"})
+        names={"world_size": "SLURM_NTASKS", "global_rank": "SLURM_PROCID",
+               "local_rank": "SLURM_LOCALID", "local_world_size": "SLURM_NTASKS_PER_NODE",
+               "node_rank": "SLURM_NODEID", "master_port": "MASTER_PORT"})
 
 
 def _agree(env: _Reader, found: _Found, rank_name: str, size_name: str) -> None:
