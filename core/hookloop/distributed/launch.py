@@ -91,20 +91,33 @@ def die_with_launcher() -> bool:
 
 
 @contextlib.contextmanager
-def as_launcher() -> Iterator[None]:
+def as_launcher(reap: bool = False) -> Iterator[None]:
     """Within it, processes started from this one (a plugin's own launcher:
     ``torch.multiprocessing``, a subprocess) carry :data:`LAUNCHER_ENV` naming this
     process, so when they import hookloop they die with their parent
     (:func:`die_with_launcher`) instead of training on, orphaned, after it was killed;
     and this job's id (:data:`hookloop.resume.rundir.TOKEN_ENV`, honoured only in them), so they
     take part in the same run. This process's own environment is as before afterwards:
-    a process it starts later is a job of its own."""
+    a process it starts later is a job of its own.
+
+    ``reap=True`` also covers processes that import no hookloop and outlive their parent
+    (the daemons of a local Ray cluster): a watchdog process (:mod:`hookloop.distributed.reaper`)
+    kills every process started with these two variables when the block ends or this
+    process dies, even by SIGKILL."""
     previous = {name: os.environ.get(name) for name in (LAUNCHER_ENV, TOKEN_ENV)}
-    os.environ[TOKEN_ENV] = run_token()
+    token = run_token()
+    watchdog = None
+    if reap:
+        from hookloop.distributed import reaper
+
+        watchdog = reaper.start(token)  # before the variables are set: it must not carry them
+    os.environ[TOKEN_ENV] = token
     os.environ[LAUNCHER_ENV] = str(os.getpid())
     try:
         yield
     finally:
+        if watchdog is not None:
+            watchdog.finish()
         for name, value in previous.items():
             if value is None:
                 os.environ.pop(name, None)
