@@ -431,6 +431,20 @@ def _(tmp):
     hookloop.Trainer(plugins=[MyPlugin()], default_root_dir=tmp)
 
 
+@row("P17")
+def _(tmp):
+    hookloop.Trainer(plugins=["ddp", "torchrun", "spawn"], default_root_dir=tmp)
+
+
+@row("P18")
+def _(tmp):
+    class Mine(hookloop.DistributedSampling):
+        hookloop_name, hookloop_role = "mine", "strategy"
+        hookloop_launcher = "checkpoint"
+
+    hookloop.Trainer(plugins=[Mine()], default_root_dir=tmp)
+
+
 # -- strategies' and observers' options ----------------------------------------------------
 
 

@@ -182,7 +182,7 @@ def test_sync_dist_and_collectives(horovod_run):
 @pytest.mark.check
 def test_composes_with_amp_bf16_and_fp16_scaler(horovod_run):
     out, ranks, _ = horovod_run
-    assert ranks[0]["amp_plugins"] == ["amp", "horovod"]
+    assert ranks[0]["amp_plugins"] == ["amp", "horovod", "horovodrun"]  # horovodrun: its launcher
     bf16 = concatenated_reference(autocast=torch.bfloat16)
     assert max_abs_diff(weights(out, "horovod_bf16"), bf16) <= 5e-3  # bf16 rounding of 2 vs 1 batch
     # fp16 through the GradScaler, clipping the unscaled averaged gradients.
@@ -241,14 +241,14 @@ def config(**kw) -> hookloop.TrainerConfig:
 def test_launch_command_on_one_and_several_hosts(monkeypatch):
     strategy = hookloop.plugin("horovod")
     launcher = [sys.executable, "-m", "horovod.runner.launch"]
-    assert strategy.launch_command(config=config(devices=2), script="train.py", script_args=["--x", "1"]) == [
+    assert strategy.hookloop_launcher.launch_command(config=config(devices=2), script="train.py", script_args=["--x", "1"]) == [
         *launcher, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, "train.py", "--x", "1"]
     strategy.hosts, strategy.launcher_args = "node1:4, node2", "--start-timeout 120"
-    assert strategy.launch_command(config=config(devices=4), script="t.py", script_args=[]) == [
+    assert strategy.hookloop_launcher.launch_command(config=config(devices=4), script="t.py", script_args=[]) == [
         *launcher, "-np", "8", "-H", "node1:4,node2:4", "--gloo", "--start-timeout", "120", sys.executable, "t.py"]
     strategy.hosts, strategy.launcher_args = None, None
     monkeypatch.setenv("HOOKLOOP_HOROVOD_HOSTS", "a:1,b:3")
-    assert strategy.launch_command(config=config(), script="t.py", script_args=[])[3:7] == ["-np", "4", "-H", "a:1,b:3"]
+    assert strategy.hookloop_launcher.launch_command(config=config(), script="t.py", script_args=[])[3:7] == ["-np", "4", "-H", "a:1,b:3"]
 
 
 @pytest.mark.parametrize("options,kw,message", [
@@ -264,7 +264,7 @@ def test_bad_launch_options_are_clear_errors(options, kw, message):
     for key, value in options.items():
         setattr(strategy, key, value)
     with pytest.raises(hookloop.ConfigurationError, match=message):
-        strategy.launch_command(config=config(**kw), script="t.py", script_args=[])
+        strategy.hookloop_launcher.launch_command(config=config(**kw), script="t.py", script_args=[])
 
 
 def test_another_strategy_is_refused_at_start():

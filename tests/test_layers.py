@@ -47,6 +47,7 @@ LAYERS: list[list[str]] = [
     ["resume.run"],
     ["engine.session"],
     ["lightning.module", "lightning.datamodule", "distributed.results"],
+    ["distributed.launchers"],
     ["contract.registry"],
     ["contract.checks", "lightning.strategies", "engine.resolution"],
     ["engine.trainer", "lightning.tuner", "lightning.plugin", "lightning.views"],

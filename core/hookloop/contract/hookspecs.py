@@ -354,6 +354,15 @@ class GradScalerLike(Protocol):
 
 # ---------------------------------------------------------------------------------------
 # 1. Launching: before any worker process exists
+#
+# ``launch_command`` and ``spawn`` are the hooks of the ``launcher`` role (contract 2.6):
+# a plugin with ``hookloop_role = "launcher"`` starts the workers (torchrun, spawn,
+# horovodrun, ray) and composes with any strategy, which only runs inside them. A run has
+# at most one launcher: the one it names (``plugins=["fsdp", "spawn"]``, ``hookloop run
+# --launcher ray``), else its strategy's (``hookloop_launcher``), else ``torchrun``. The
+# launcher is registered last, so its answer comes before any other plugin's (a strategy
+# written for contract 2.5 that still implements these hooks answers only when the
+# launcher defers). docs/plugin-authors.md, "Writing a launcher".
 # ---------------------------------------------------------------------------------------
 
 

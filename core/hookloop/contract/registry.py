@@ -7,9 +7,14 @@ pytest does). Each plugin may declare:
 ``hookloop_name``
     the name it is known by (default: the entry-point name, or the class name).
 ``hookloop_role``
-    one of :data:`ROLES`. ``strategy``, ``precision`` and ``devices`` are exclusive: at
-    most one plugin of each may run. ``observer`` and ``extension`` plugins compose
-    freely.
+    one of :data:`ROLES`. ``strategy``, ``precision``, ``devices`` and ``launcher`` are
+    exclusive: at most one plugin of each may run (mesh strategies excepted, below).
+    ``observer`` and ``extension`` plugins compose freely.
+``hookloop_launcher``
+    a strategy's launcher when the run names none (contract 2.6): a launcher's name
+    (``"spawn"``, ``"horovodrun"``) or a launcher object the strategy configured
+    (``ddp_spawn``'s ``spawn`` with its ``start_method``). Without it, and without a
+    launcher in the run, the workers start through ``torchrun`` (the built-in default).
 ``hookloop_owns``
     a set of concerns a strategy takes over from other plugins, e.g. ``{"precision"}``
     for DeepSpeed: a precision plugin then hands its setting to the strategy instead of
@@ -55,8 +60,10 @@ from hookloop.distributed import mesh as mesh_module
 
 ENTRY_POINT_GROUP = "hookloop.plugins"
 COMMAND_GROUP = "hookloop.commands"
-ROLES = ("strategy", "precision", "devices", "observer", "extension")
-EXCLUSIVE_ROLES = ("strategy", "precision", "devices")
+ROLES = ("strategy", "precision", "devices", "launcher", "observer", "extension")
+EXCLUSIVE_ROLES = ("strategy", "precision", "devices", "launcher")
+#: the attribute a strategy names its launcher with (:func:`default_launcher`)
+LAUNCHER_ATTRIBUTE = "hookloop_launcher"
 #: The plugin enabled when ``precision`` is not "32" and no enabled plugin handles it
 #: (neither a precision plugin nor a strategy that owns precision), as Lightning users
 #: expect ``Trainer(precision="bf16-mixed")`` alone to work. hookloop-amp registers it.
@@ -556,12 +563,13 @@ def collect(requested: Iterable[Any], defaults: Iterable[Any] = (), autoload: bo
             obj = _load_entry_point(infos[name])
             if getattr(obj, "hookloop_autoload", True) is False:
                 continue  # only useful configured (early_stopping: which metric): by name only
-            if (getattr(obj, "hookloop_role", None) == "strategy"
-                    or getattr(obj, "hookloop_mesh_dims", ())):
+            if (getattr(obj, "hookloop_role", None) in ("strategy", "launcher")
+                    or bool(getattr(obj, "hookloop_mesh_dims", ()))):
                 continue  # known from the class: not even constructed
             p = make(obj, name)
-            if plugin_role(p) == "strategy" or bool(getattr(p, "hookloop_mesh_dims", ())):
-                continue  # a strategy or a mesh dimension is a layout the user chooses
+            if (plugin_role(p) in ("strategy", "launcher")
+                    or bool(getattr(p, "hookloop_mesh_dims", ()))):
+                continue  # a strategy, a launcher or a mesh dimension: the user chooses them
             names_seen.add(name)
             chosen.append(p)
             if autoloaded is not None:
@@ -620,10 +628,53 @@ BUILTINS: dict[str, Builtin] = {
     "nan_guard": Builtin("hookloop.observers.nan_guard:NanGuard", False, None, autoload=True),
     "ledger": Builtin("hookloop.observers.ledger:Ledger", False, None, autoload=True),
     "timer": Builtin("hookloop.observers.timer:Timer", False, None, autoload=False),
+    "torchrun": Builtin("hookloop.distributed.launchers:Torchrun", False, None, autoload=False),
+    "spawn": Builtin("hookloop.distributed.launchers:Spawn", False, None, autoload=False),
+    "in_process": Builtin("hookloop.distributed.launchers:InProcess", False, None, autoload=False),
 }
 
 #: The built-ins a run gets by default (read by ``collect``'s ``builtin`` names).
 BUILTIN_OBSERVERS = {name: b.load for name, b in BUILTINS.items() if b.on_by_default}
+
+
+def default_launcher(chosen: list[Any],
+                     options: Mapping[str, Mapping[str, Any]] | None = None) -> list[Any]:
+    """The launcher to add to ``chosen``: ``[]`` when ``chosen`` has one (the user's wins
+    over the strategy's) or no strategy names one (``torchrun``, the built-in default,
+    then answers); else the one the strategies name (``hookloop_launcher``: a name,
+    loaded with its ``options``, or an object). Strategies that compose (mesh plugins)
+    and name different launchers are refused, naming both."""
+    if any(plugin_role(p) == "launcher" for p in chosen):
+        return []
+    named: dict[str, tuple[Any, str]] = {}
+    for p in chosen:
+        if plugin_role(p) != "strategy":
+            continue
+        spec = getattr(p, LAUNCHER_ATTRIBUTE, None)
+        if spec is None:
+            continue
+        key = spec if isinstance(spec, str) else plugin_name(spec)
+        named.setdefault(key, (spec, plugin_name(p)))
+    if not named:
+        return []
+    if len(named) > 1:
+        which = ", ".join(f"{owner!r} names {key!r}" for key, (_, owner) in named.items())
+        raise PluginConflictError(
+            f"the strategies of this run name different launchers ({which}), and a run has one "
+            f"launcher: name the one to use in plugins=[...] / --plugins (e.g. --plugins "
+            f"{', '.join(named)})")
+    spec, owner = next(iter(named.values()))
+    if not isinstance(spec, str):
+        launcher = spec
+    else:
+        launcher = collect([spec], options={k: dict(v) for k, v in (options or {}).items()})[0]
+    if plugin_role(launcher) != "launcher":
+        raise PluginValidationError(
+            f"strategy {owner!r} names {plugin_name(launcher)!r} as its launcher "
+            f"({LAUNCHER_ATTRIBUTE}), but that plugin's role is {plugin_role(launcher)!r}, not "
+            f"'launcher': name a launcher (torchrun, spawn, in_process, or an installed launcher "
+            f"plugin; `hookloop plugins` lists them with their roles)")
+    return [launcher]
 
 
 def default_precision_plugin(chosen: list[Any], precision: str) -> list[Any]:
@@ -736,8 +787,13 @@ def make_plugin_manager(plugins: list[Any], defaults_plugin: Any) -> pluggy.Plug
     pm.add_hookspecs(hookspecs)
     pm.register(defaults_plugin, name="hookloop.defaults")
     # Mesh plugins in transform order (hookloop.mesh.registration_order): pluggy calls
-    # their wrap_model pipeline split, tp-like, compile, data-parallel wrapping.
-    for p in mesh_module.registration_order(plugins):
+    # their wrap_model pipeline split, tp-like, compile, data-parallel wrapping. The
+    # launcher last: pluggy calls it first, so its launch_command/spawn answer before a
+    # strategy's (one written for contract 2.5 that still implements them).
+    ordered = mesh_module.registration_order(plugins)
+    ordered = ([p for p in ordered if plugin_role(p) != "launcher"]
+               + [p for p in ordered if plugin_role(p) == "launcher"])
+    for p in ordered:
         name = plugin_name(p)
         versioning.check_range(p, name)  # a plugin given in code: its declared contract range
         problems = pluginspec.hook_problems(p, name)

@@ -37,8 +37,10 @@ from hookloop.contract.errors import PluginValidationError
 #: rank; nothing removed) with 0.8, 2.3.0 (checkpoint tags, shard checks, timeouts, a plugin's
 #: environment variables; nothing removed) with 0.9, 2.4.0 (``describe_model``: ``hookloop plan``;
 #: nothing removed) with 0.10, 2.5.0 (the core in folders: every module at a new path, the
-#: old paths deprecated; nothing removed yet) with 0.11 (CHANGELOG.md).
-CONTRACT_VERSION = "2.5.0"
+#: old paths deprecated; nothing removed yet) with 0.11, 2.6.0 (the ``launcher`` role: a
+#: launcher composes with any strategy, ``hookloop_launcher``, the core's ``torchrun``,
+#: ``spawn`` and ``in_process`` launchers; nothing removed) with 0.11 too (CHANGELOG.md).
+CONTRACT_VERSION = "2.6.0"
 
 #: The attribute a plugin (class, instance or module) declares its range with.
 REQUIRES = "hookloop_requires"

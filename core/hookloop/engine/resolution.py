@@ -180,6 +180,7 @@ def resolve_settings(arguments: Mapping[str, Any], environ: Mapping[str, str], *
     if config.max_time is not None:
         chosen += [t for t in [_max_time_timer(config.max_time, chosen)] if t is not None]
     chosen += plugin_registry.default_precision_plugin(chosen, config.precision)
+    chosen += plugin_registry.default_launcher(chosen, options)
     chosen = [plugin_registry.apply_options(p, options) for p in chosen]
     plugin_registry.check_option_targets(chosen, options)
     plugin_registry.check_composition(chosen)

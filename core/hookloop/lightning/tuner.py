@@ -313,7 +313,9 @@ class _SearchRun:
 def _check_not_spawning(trainer: Any, finder: str) -> None:
     """A strategy that spawns its workers from this process (``ddp_spawn``) would run the
     search in them and lose what it found there: refused, with the alternative."""
-    spawners = [impl.plugin_name for impl in trainer.plugin_manager.hook.spawn.get_hookimpls()
+    # a launcher's label: the name the user chose it by (``ddp_spawn`` for its ``spawn``)
+    spawners = [getattr(impl.plugin, "label", impl.plugin_name)
+                for impl in trainer.plugin_manager.hook.spawn.get_hookimpls()
                 if impl.plugin_name != "hookloop.defaults"]
     if spawners:
         raise ConfigurationError(

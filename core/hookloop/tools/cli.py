@@ -93,6 +93,9 @@ def _build_parser(commands: dict) -> argparse.ArgumentParser:
     )
     r.add_argument("-p", "--plugins", default=None,
                    help="comma-separated plugin names, e.g. ddp,amp; no:NAME blocks one (no:lightning)")
+    r.add_argument("--launcher", default=None, metavar="NAME",
+                   help="what starts the workers: torchrun (the default), spawn, or an installed "
+                        "launcher plugin (ray, horovodrun); the same as adding NAME to --plugins")
     r.add_argument("--devices", default=None, help="processes (devices) per node: N, -1, or a list '0,2'")
     r.add_argument("--accelerator", default=None, choices=["auto", "cpu", "cuda", "gpu"])
     r.add_argument("--precision", default=None, help="32, 16-mixed, bf16-mixed")
@@ -347,6 +350,8 @@ def cmd_run(args, one_process: bool = False) -> int:
     settings.update({k: v for k, v in explicit.items() if v is not None})
     if args.plugins is not None:
         settings["plugins"] = registry.split_names(args.plugins)
+    if args.launcher is not None:
+        settings["plugins"] = [*settings.get("plugins", []), args.launcher]
     if args.mesh is not None:
         settings["mesh"] = parse_mesh(args.mesh, "--mesh")
     if args.plugin_option:
@@ -367,6 +372,7 @@ def cmd_run(args, one_process: bool = False) -> int:
     names = [n for n in list(config.plugins) + registry.environment_plugins(builtin=compat) if n not in compat]
     options = registry.merge_plugin_options(registry.environment_plugin_options(), config.plugin_options)
     chosen = [registry.apply_options(p, options) for p in registry.collect(names, options=options)]
+    chosen += registry.default_launcher(chosen, options)  # the strategy's, when none is named
     registry.check_composition(chosen)
     if config.mesh and any(registry.plugin_role(p) == "strategy" for p in chosen):
         check_sizes(config.mesh, claims(chosen))  # a dimension no plugin claims: before launching

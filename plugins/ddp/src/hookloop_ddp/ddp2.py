@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import hookloop
+from hookloop.distributed.launchers import Torchrun
 
 from .environment import ClusterEnvironment
 from .strategy import DDP
@@ -49,18 +50,9 @@ class DDP2(DDP):
         super().__init__(**ddp_options)
         self.gpu_ids: list[int] = []
 
-    @hookloop.hookimpl
-    def launch_command(self, config, script, script_args):
-        """torchrun with one process per node, whatever ``devices`` says."""
-        return hookloop.elastic_command(dataclasses.replace(config, devices=1), script, script_args)
-
-    @hookloop.hookimpl
-    def spawn(self, trainer, function):
-        """One node: its one process is this one; train here rather than start it again."""
-        if trainer.config.nodes > 1 or hookloop.in_worker():
-            return None
-        result = function(trainer)
-        return True if result is None else result
+    #: torchrun with one process per node, whatever ``devices`` says; on one node that
+    #: process is the calling one (the core's ``torchrun`` launcher, ``processes_per_node=1``)
+    hookloop_launcher = Torchrun(processes_per_node=1)
 
     def check_process_count(self, trainer, cluster: ClusterEnvironment) -> None:
         if cluster.local_world_size != 1:

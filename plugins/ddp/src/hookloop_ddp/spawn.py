@@ -1,34 +1,21 @@
-"""The ``ddp_spawn`` strategy: ``fit`` starts the worker processes itself.
+"""The ``ddp_spawn`` strategy: ``ddp`` under the core's ``spawn`` launcher.
 
-For notebooks and scripts that cannot be re-run by a launcher. The job (trainer, module,
-dataloaders, plugins) is pickled once in the calling process and unpickled by each
-worker, so each worker trains its own copy; when ``fit`` returns, the caller's module and
-trainer hold what rank 0's run produced (``hookloop.adopt_worker_result``: the weights,
-the metrics, ``global_step``/``current_epoch``, the run directory, the checkpoint paths).
-Everything else is ``ddp``.
+For notebooks and scripts that cannot be re-run by a launcher: ``fit`` starts the worker
+processes itself (:class:`hookloop.distributed.launchers.Spawn`), and when it returns the caller's
+module and trainer hold what rank 0's run produced (``hookloop.adopt_worker_result``: the
+weights, the metrics, ``global_step``/``current_epoch``, the run directory, the checkpoint
+paths). The same as ``plugins=["ddp", "spawn"]``; kept as one name because Lightning users
+write ``strategy="ddp_spawn"``.
 """
 
 from __future__ import annotations
 
-import io
-import os
-import pickle
-import socket
-import sys
-import tempfile
-import traceback
-import types
-from pathlib import Path
-from typing import Any, Iterator
-
-import torch
-import torch.distributed as dist
+from typing import Any
 
 import hookloop
+from hookloop.distributed.launchers import START_METHODS, Spawn
 
 from .strategy import DDP
-
-_RESULT = "result.pt"
 
 
 class DDPSpawn(DDP):
@@ -37,7 +24,9 @@ class DDPSpawn(DDP):
     Takes every :class:`DDP` option, and ``start_method``: ``"spawn"`` (default: fresh
     interpreters, safe with threads and CUDA), ``"forkserver"``, or ``"fork"`` (Linux and
     macOS; lets a notebook's own classes reach the workers, but must not be used after
-    CUDA was initialised in the calling process).
+    CUDA was initialised in the calling process). The launcher is the core's ``spawn``
+    (``hookloop_launcher``); a launcher named beside it (``plugins=["ddp_spawn", "ray"]``)
+    replaces it.
     """
 
     hookloop_name = "ddp_spawn"
@@ -47,282 +36,18 @@ class DDPSpawn(DDP):
         self.start_method = start_method
         super().__init__(**ddp_options)
 
+    @property
+    def hookloop_launcher(self) -> Spawn:
+        """The core's ``spawn`` launcher with this strategy's ``start_method``, named as the
+        user named the strategy in its messages."""
+        return Spawn(start_method=self.start_method, label=self.hookloop_name)
+
     def _check_option(self, name: str, value: Any) -> None:
         if name == "start_method":
-            if value not in ("spawn", "fork", "forkserver"):
+            if value not in START_METHODS:
                 raise hookloop.ConfigurationError(
-                    f"ddp_spawn option start_method={value!r} must be 'spawn', 'fork' or 'forkserver'"
+                    f"{self.hookloop_name} option start_method={value!r} must be 'spawn', "
+                    f"'fork' or 'forkserver'"
                 )
             return
         super()._check_option(name, value)
-
-    @hookloop.hookimpl
-    def launch_command(self, config, script, script_args):
-        """Run the script once, in one plain interpreter: ``fit`` spawns the workers."""
-        _check_single_node(config)
-        return [sys.executable, script, *script_args]
-
-    @hookloop.hookimpl
-    def spawn(self, trainer, function):
-        """Run ``function(trainer)`` in ``devices`` new processes and bring rank 0's results back."""
-        import torch.multiprocessing as mp
-
-        if getattr(mp.current_process(), "_inheriting", False):
-            # A spawned process re-imports the script; an unguarded fit() lands here.
-            raise hookloop.ConfigurationError(_MAIN_GUARD)
-        if "LOCAL_RANK" in os.environ or dist.is_initialized():
-            return None  # already a worker of some launcher: train here, as ddp does
-        config = trainer.config
-        _check_single_node(config)
-        nprocs = config.num_processes()
-        if nprocs == 1:
-            return None  # a world of one needs no second process
-        payload = pickle_job({"trainer": trainer, "function": function}, trainer, self.start_method)
-        with tempfile.TemporaryDirectory(prefix="hookloop-ddp-spawn-") as tmp:
-            try:
-                # The workers die with this process, even a SIGKILLed one (hookloop.as_launcher).
-                with hookloop.as_launcher():
-                    mp.start_processes(
-                        _worker,
-                        args=(payload, nprocs, _free_port(), tmp),
-                        nprocs=nprocs,
-                        join=True,
-                        start_method=self.start_method,
-                    )
-            except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
-                own = _worker_exception(Path(tmp), nprocs)
-                if own is not None:
-                    raise own from None
-                raise RuntimeError(
-                    f"a ddp_spawn worker process died before it could report an error ({exc}); "
-                    f"its output is above. {_MAIN_GUARD}"
-                ) from exc
-            # Our own file, written by our own worker a moment ago.
-            result = torch.load(Path(tmp) / _RESULT, map_location="cpu", weights_only=False)
-        # the caller's trainer and module hold the run's results (weights, metrics,
-        # counters, run directory, checkpoint paths): hookloop.adopt_worker_result
-        return hookloop.adopt_worker_result(trainer, result)
-
-
-_MAIN_GUARD = (
-    "Processes started with start_method='spawn' import the main script again: a script "
-    "that calls fit() at top level must do it under `if __name__ == \"__main__\":`."
-)
-
-
-def _check_single_node(config) -> None:
-    if config.nodes > 1:
-        raise hookloop.ConfigurationError(
-            f"ddp_spawn starts its processes on one machine, but nodes={config.nodes}: use "
-            f"the 'ddp' strategy for several machines (hookloop run --plugins ddp --nodes "
-            f"{config.nodes} --node-rank R --rdzv-endpoint HOST:PORT script.py)"
-        )
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(local_rank: int, payload: bytes, nprocs: int, port: int, tmp: str) -> None:
-    """One spawned process: become rank ``local_rank`` of a torchrun-like environment."""
-    # torch.multiprocessing gave this process SIGINT as its parent-death signal, which a
-    # training loop survives: SIGKILL instead (a forked worker did not import hookloop).
-    hookloop.die_with_launcher()
-    os.environ.update(
-        RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nprocs),
-        LOCAL_WORLD_SIZE=str(nprocs), GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )
-    try:
-        job = pickle.loads(payload)
-        trainer, function = job["trainer"], job["function"]
-        value = function(trainer)
-        if trainer.global_rank == 0:
-            hookloop.atomic_save(
-                hookloop.worker_result(trainer, value),
-                Path(tmp) / _RESULT,
-            )
-    except BaseException as exc:
-        # Hand the exception itself to the caller, so it can catch the same type.
-        text = traceback.format_exc()
-        try:
-            blob = pickle.dumps(exc)
-        except Exception:
-            blob = None
-        with open(Path(tmp) / f"error-{local_rank}.pkl", "wb") as f:
-            pickle.dump({"exception": blob, "traceback": text}, f)
-        raise
-
-
-def _worker_exception(tmp: Path, nprocs: int) -> BaseException | None:
-    """The first worker's own exception, with its traceback attached as a note."""
-    for rank in range(nprocs):
-        path = tmp / f"error-{rank}.pkl"
-        if not path.exists():
-            continue
-        with open(path, "rb") as f:
-            report = pickle.load(f)
-        exc = None
-        if report["exception"] is not None:
-            try:
-                exc = pickle.loads(report["exception"])
-            except Exception:
-                exc = None
-        if not isinstance(exc, BaseException):
-            exc = RuntimeError(f"ddp_spawn worker {rank} failed")
-        if hasattr(exc, "add_note"):
-            exc.add_note(f"(raised in ddp_spawn worker process {rank}:)\n{report['traceback']}")
-        return exc
-    return None
-
-
-# ---------------------------------------------------------------------------------------
-# Pickling the job, and naming what cannot be pickled
-# ---------------------------------------------------------------------------------------
-
-
-class _JobPickler(pickle.Pickler):
-    """Plain pickling (tensors by value, so each worker owns its copy) plus two rules:
-    modules travel by name, and ``__main__`` objects are noted when the workers could
-    not import them (a notebook or ``python -c`` has no file to re-import)."""
-
-    def __init__(self, file, main_unimportable: bool):
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.main_unimportable = main_unimportable
-        self.main_objects: list = []
-
-    def reducer_override(self, obj):
-        if isinstance(obj, types.ModuleType) and obj.__name__ != "__main__" and obj.__name__ in sys.modules:
-            return _import_module, (obj.__name__,)
-        if self.main_unimportable and isinstance(obj, (type, types.FunctionType)) and getattr(obj, "__module__", None) == "__main__":
-            self.main_objects.append(obj)
-        return NotImplemented
-
-
-def _import_module(name: str) -> types.ModuleType:
-    import importlib
-
-    return importlib.import_module(name)
-
-
-def _dumps(obj: Any, main_unimportable: bool = False) -> tuple[bytes, list]:
-    buffer = io.BytesIO()
-    pickler = _JobPickler(buffer, main_unimportable)
-    pickler.dump(obj)
-    return buffer.getvalue(), pickler.main_objects
-
-
-ADVICE = (
-    "ddp_spawn sends the model, the dataloaders (dataset, sampler, collate_fn) and the "
-    "plugins/callbacks to its worker processes by pickling them, so all of them must be "
-    "picklable (a limitation of Python's multiprocessing). Define functions at module "
-    "level instead of lambdas or nested functions, and open files, locks or connections "
-    "when they are first used rather than in __init__. Check an object yourself with "
-    "`import pickle; pickle.dumps(obj)`. Or use the 'ddp' strategy (hookloop run --plugins "
-    "ddp --devices N script.py), which starts every process from your script and pickles "
-    "nothing."
-)
-
-
-def pickle_job(job: dict, trainer, start_method: str) -> bytes:
-    """Pickle ``job`` for the workers, or raise ``ConfigurationError`` naming what fails."""
-    main = sys.modules.get("__main__")
-    main_unimportable = start_method != "fork" and not getattr(main, "__file__", None)
-    try:
-        payload, main_objects = _dumps(job, main_unimportable)
-    except Exception:
-        raise hookloop.ConfigurationError(_unpicklable_message(trainer)) from None
-    if main_objects:
-        names = ", ".join(sorted({getattr(o, "__qualname__", repr(o)) for o in main_objects}))
-        raise hookloop.ConfigurationError(
-            f"ddp_spawn cannot send {names} to its worker processes: defined in __main__ of "
-            f"an interactive session (a notebook, python -c), which processes started with "
-            f"start_method={start_method!r} cannot import. Move the definitions into a .py "
-            f"module and import them, or use ddp_spawn with start_method='fork' "
-            f"(plugins=[hookloop.plugin('ddp_spawn', start_method='fork')])."
-        )
-    return payload
-
-
-def _unpicklable_message(trainer) -> str:
-    roots = [("trainer.module", trainer.module)]
-    roots += [(f"trainer.{name}", getattr(trainer, name, None)) for name in ("train_dataloader", "val_dataloader")]
-    roots += [(f"plugin {_plugin_name(p)!r}", p) for p in trainer.plugins]
-    roots += [("trainer", trainer)]
-    for path, root in roots:
-        found = find_unpicklable(root, path)
-        if found is not None:
-            where, obj, error = found
-            return f"{where} ({describe(obj)}) cannot be pickled: {error}. {ADVICE}"
-    return f"the training job cannot be pickled. {ADVICE}"
-
-
-def _plugin_name(plugin: Any) -> str:
-    return getattr(plugin, "hookloop_name", None) or type(plugin).__name__
-
-
-def find_unpicklable(obj: Any, path: str, _seen: set | None = None, _depth: int = 0):
-    """``(attribute path, object, error)`` of the innermost part of ``obj`` that cannot be
-    pickled, or ``None`` when ``obj`` pickles."""
-    seen = set() if _seen is None else _seen
-    if id(obj) in seen:
-        return None
-    seen.add(id(obj))
-    try:
-        _dumps(obj)
-        return None
-    except Exception as exc:
-        error = f"{type(exc).__name__}: {exc}"
-    if _depth < 12:
-        for child_path, child in _children(obj, path):
-            found = find_unpicklable(child, child_path, seen, _depth + 1)
-            if found is not None:
-                return found
-    return path, obj, error
-
-
-def _children(obj: Any, path: str) -> Iterator[tuple[str, Any]]:
-    if isinstance(obj, dict):
-        for key, value in obj.items():
-            yield f"{path}[{key!r}]", value
-        return
-    if isinstance(obj, (list, tuple, set, frozenset)):
-        for i, value in enumerate(obj):
-            yield f"{path}[{i}]", value
-        return
-    try:
-        reduced = obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
-    except Exception:
-        return
-    if not isinstance(reduced, tuple):
-        return  # pickled by reference (a function, a class)
-    state = reduced[2] if len(reduced) > 2 else None
-    if isinstance(state, tuple) and len(state) == 2:
-        state = {**(state[0] or {}), **(state[1] or {})}
-    if isinstance(state, dict):
-        for key, value in state.items():
-            # nn.Module keeps submodules, parameters and buffers in dicts: name them as
-            # attributes, the way the user wrote them.
-            if key in ("_modules", "_parameters", "_buffers") and isinstance(value, dict):
-                for name, item in value.items():
-                    yield f"{path}.{name}", item
-            else:
-                yield f"{path}.{key}", value
-    for i, arg in enumerate(reduced[1] if len(reduced) > 1 and isinstance(reduced[1], tuple) else ()):
-        yield f"{path}<argument {i}>", arg
-
-
-def describe(obj: Any) -> str:
-    """A few words a user recognises the object by."""
-    if isinstance(obj, types.FunctionType):
-        name = obj.__qualname__
-        if name == "<lambda>" or name.endswith(".<lambda>"):
-            return f"a lambda defined in {obj.__module__}"
-        if "<locals>" in name:
-            return f"the nested function {name.split('.')[-1]!r} defined inside {name.split('.<locals>')[0]!r}"
-        return f"the function {name!r} of {obj.__module__}"
-    if isinstance(obj, type):
-        return f"the class {obj.__module__}.{obj.__qualname__}"
-    kind = type(obj)
-    return f"a {kind.__module__}.{kind.__qualname__} object"

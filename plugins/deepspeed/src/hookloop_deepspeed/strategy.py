@@ -164,7 +164,7 @@ class DeepSpeedStrategy(hookloop.TorchDistributed):
 
     # -- launching -----------------------------------------------------------------------
 
-    @hookloop.hookimpl
+    @hookloop.hookimpl(tryfirst=True)  # a check, not a launch: before the launcher answers
     def launch_command(self, config):
         """Check the options in the launching process, before any worker starts.
 

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 import hookloop
+from hookloop.distributed.launchers import InProcess
 
 
 class ReplicaContexts(nn.Module):
@@ -95,19 +96,11 @@ class DP:
 
     # -- launching: one process whatever ``devices`` says -----------------------------------
 
-    @hookloop.hookimpl
-    def launch_command(self, config, script, script_args):
-        """One plain interpreter: DataParallel's devices are threads, not processes."""
-        _check_one_node(config)
-        return [sys.executable, script, *script_args]
-
-    @hookloop.hookimpl
-    def spawn(self, trainer, function):
-        """Run ``fit``/``validate`` in this process: DataParallel starts its replica
-        threads itself, so ``devices=N`` must not re-launch N processes."""
-        _check_one_node(trainer.config)
-        result = function(trainer)
-        return True if result is None else result
+    @property
+    def hookloop_launcher(self) -> InProcess:
+        """The core's ``in_process`` launcher: DataParallel's devices are threads, not
+        processes, so ``devices=N`` must not re-launch N processes."""
+        return InProcess(check=_check_one_node, label="dp")
 
     # -- environment ----------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 import hookloop
+from hookloop.distributed.launchers import InProcess
 
 from ._backend import require_fairscale
 from .balance import check_balance, check_balance_option, choose_balance, sequential_of
@@ -89,18 +90,11 @@ class PipeStrategy:
 
     # -- launching: one process drives every device --------------------------------------
 
-    @hookloop.hookimpl
-    def launch_command(self, config, script, script_args):
-        """One plain interpreter: ``devices`` are the pipeline's, not processes."""
-        self._check_one_node(config)
-        return [sys.executable, script, *script_args]
-
-    @hookloop.hookimpl
-    def spawn(self, trainer, function):
-        """Train in this process whatever ``devices`` says (they are partitions)."""
-        self._check_one_node(trainer.config)
-        result = function(trainer)
-        return True if result is None else result
+    @property
+    def hookloop_launcher(self) -> InProcess:
+        """The core's ``in_process`` launcher: ``devices`` are the pipeline's partitions,
+        not processes; one machine."""
+        return InProcess(check=self._check_one_node, label="pipe")
 
     def _check_one_node(self, config) -> None:
         if config.nodes > 1:

@@ -221,7 +221,7 @@ class FSDP(DDP):
 
     # -- launching ------------------------------------------------------------------------
 
-    @hookloop.hookimpl
+    @hookloop.hookimpl(tryfirst=True)  # a check, not a launch: before the launcher answers
     def launch_command(self, config):
         """Check the mesh against the processes about to start, in the launching process
         (``plugin_options`` are final only now). Returns ``None``: torchrun, as ddp."""

@@ -1,10 +1,15 @@
-"""The ``horovodrun`` command line that starts a hookloop script's workers."""
+"""The ``horovodrun`` launcher: the command line that starts a hookloop script's workers.
+
+A plugin of the ``launcher`` role (contract 2.6): the ``horovod`` strategy names it as its
+launcher (``hookloop_launcher``), with its ``hosts`` and ``launcher_args``.
+"""
 
 from __future__ import annotations
 
 import os
 import shlex
 import sys
+from typing import Any, Callable
 
 import hookloop
 
@@ -89,3 +94,56 @@ def horovodrun_command(
         "-np", str(processes), "-H", host_arg, "--gloo", *extra,
         sys.executable, script, *script_args,
     ]
+
+
+class Horovodrun:
+    """Start the workers with ``horovodrun`` (``python -m horovod.runner.launch``).
+
+    Options: ``hosts`` (horovodrun's ``-H``, ``"host1:4,host2:4"``; default ``devices``
+    workers on ``localhost``, or ``$HOOKLOOP_HOROVOD_HOSTS``) and ``launcher_args`` (extra
+    horovodrun arguments, a list or a string). ``check`` (given by the ``horovod``
+    strategy) checks the strategy's options in the launching process, before any worker
+    starts. horovodrun (not elastic) never restarts a worker: ``max_restarts`` is refused.
+    """
+
+    hookloop_name = "horovodrun"
+    hookloop_role = "launcher"
+    hookloop_requires = ">=2.6,<3"
+
+    def __init__(self, hosts: str | None = None, launcher_args: list[str] | str | None = None,
+                 check: Callable[[], Any] | None = None):
+        self.hosts = hosts
+        self.launcher_args = launcher_args
+        self.check = check
+
+    @hookloop.hookimpl
+    def launch_command(self, config, script, script_args):
+        """``python -m horovod.runner.launch -np N -H localhost:N --gloo python script ...``.
+
+        Horovod is checked here, so a missing build fails before any worker starts.
+        ``--max-restarts`` is refused: horovodrun (not elastic) never restarts a worker.
+        """
+        if self.check is not None:
+            self.check()
+        if getattr(config, "max_restarts", 0):
+            raise hookloop.ConfigurationError(
+                f"horovod cannot restart failed workers (max_restarts={config.max_restarts}): horovodrun "
+                f"ends the job when a worker dies, and Horovod Elastic (horovodrun --min-np/"
+                f"--host-discovery-script) is not supported by hookloop-horovod. Drop --max-restarts and "
+                f"re-run the job with ckpt_path='last', or use --plugins ddp, whose launcher restarts workers")
+        from .backend import check_launcher
+
+        check_launcher()
+        return horovodrun_command(config, script, list(script_args), self.hosts, self.launcher_args)
+
+    @hookloop.hookimpl
+    def spawn(self, trainer, function):
+        """Run in place when horovodrun was started by hand (``horovodrun -np 4 python
+        train.py``): the workers already exist, and re-launching would nest horovodruns.
+        Otherwise defer (``None``): hookloop's launcher starts horovodrun."""
+        from .backend import under_horovod_launcher
+
+        if not under_horovod_launcher() or hookloop.in_worker():
+            return None
+        result = function(trainer)
+        return True if result is None else result

@@ -19,8 +19,8 @@ import torch
 
 import hookloop
 
-from .backend import build_status, import_horovod, under_horovod_launcher
-from .launcher import HOSTS_ENV, horovodrun_command
+from .backend import build_status, import_horovod
+from .launcher import HOSTS_ENV, Horovodrun
 
 COMPRESSIONS = ("none", "fp16")
 
@@ -110,36 +110,13 @@ class Horovod(hookloop.DistributedSampling):
             )
         hookloop.check_sampler_seed("horovod", self.sampler_seed)
 
-    # -- launching ----------------------------------------------------------------------
+    # -- launching: the horovodrun launcher (launcher.py) --------------------------------
 
-    @hookloop.hookimpl
-    def launch_command(self, config, script, script_args):
-        """``python -m horovod.runner.launch -np N -H localhost:N --gloo python script ...``.
-
-        Horovod is checked here, so a missing build fails before any worker starts.
-        ``--max-restarts`` is refused: horovodrun (not elastic) never restarts a worker.
-        """
-        self.check_options()
-        if getattr(config, "max_restarts", 0):
-            raise hookloop.ConfigurationError(
-                f"horovod cannot restart failed workers (max_restarts={config.max_restarts}): horovodrun "
-                f"ends the job when a worker dies, and Horovod Elastic (horovodrun --min-np/"
-                f"--host-discovery-script) is not supported by hookloop-horovod. Drop --max-restarts and "
-                f"re-run the job with ckpt_path='last', or use --plugins ddp, whose launcher restarts workers")
-        from .backend import check_launcher
-
-        check_launcher()
-        return horovodrun_command(config, script, list(script_args), self.hosts, self.launcher_args)
-
-    @hookloop.hookimpl
-    def spawn(self, trainer, function):
-        """Run in place when horovodrun was started by hand (``horovodrun -np 4 python
-        train.py``): the workers already exist, and re-launching would nest horovodruns.
-        Otherwise defer (``None``): hookloop's launcher starts horovodrun."""
-        if not under_horovod_launcher() or hookloop.in_worker():
-            return None
-        result = function(trainer)
-        return True if result is None else result
+    @property
+    def hookloop_launcher(self) -> Horovodrun:
+        """``horovodrun`` with this strategy's ``hosts`` and ``launcher_args``, unless the
+        run names another launcher."""
+        return Horovodrun(hosts=self.hosts, launcher_args=self.launcher_args, check=self.check_options)
 
     # -- environment --------------------------------------------------------------------
 
