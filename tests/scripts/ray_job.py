@@ -14,7 +14,8 @@ Ray actor (its parent process; the worker dies with it):
 * ``--fault save``: global rank 0, inside the save of ``last.ckpt`` at step ``S`` (the
   temporary file written, about to be renamed over ``last.ckpt``).
 
-Every rank appends ``STEP TIME`` for each optimizer step it takes to
+Every rank writes its place (``RANK``, ``GROUP_RANK``... as ``KEY=VALUE`` lines) to
+``OUT/place.rank<R>`` and appends ``STEP TIME`` for each optimizer step it takes to
 ``OUT/steps.rank<R>.attempt<A>``; the process that holds rank 0's weights at the end (the
 worker, or the caller in function mode) saves them to ``OUT/weights.pt``.
 """
@@ -66,8 +67,15 @@ def kill_in_save(trainer) -> None:
     os.replace = replace
 
 
+PLACE = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "HOOKLOOP_ATTEMPT", "HOOKLOOP_RUN_TOKEN")
+
+
 class Job(TinyClassifier):
     def on_fit_start(self):
+        # the worker's place as its launcher gave it, for the test to check
+        place = {name: os.environ.get(name, "-") for name in PLACE}
+        place["HOOKLOOP_TRAINER_DEFAULTS_SET"] = "1" if os.environ.get("HOOKLOOP_TRAINER_DEFAULTS") else "0"
+        (OUT / f"place.rank{self.trainer.global_rank}").write_text("\n".join(f"{k}={v}" for k, v in place.items()))
         if ARGS.fault == "save":  # here, in the worker: in function mode the script does not run there
             kill_in_save(self.trainer)
 
@@ -84,14 +92,21 @@ class Job(TinyClassifier):
         time.sleep(ARGS.slow)
 
 
+def value(text: str):
+    """An option's value: JSON where it is JSON (1, {"CPU": 1}, null), else the text."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
 def main():
     OUT.mkdir(parents=True, exist_ok=True)
     module = Job(seed=0)
     settings = {}
     if ARGS.plugins:
         options = dict(item.split("=", 1) for item in ARGS.ray_option)
-        options = {k: json.loads(v) if v[:1] in "{[0123456789" or v in ("null", "true", "false") else v
-                   for k, v in options.items()}
+        options = {k: value(v) for k, v in options.items()}
         settings["plugins"] = [hookloop.plugin(n, **options) if n == "ray" else n for n in ARGS.plugins.split(",")]
     settings.update({k: v for k, v in (("devices", ARGS.devices), ("nodes", ARGS.nodes)) if v})
     trainer = hookloop.Trainer(
