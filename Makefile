@@ -37,6 +37,9 @@ TRANSFORMERS ?= transformers==5.23.0
 # torchft: hookloop-ft's fault-tolerant replica groups (tests/test_ft.py runs a real Lighthouse
 # and Manager on gloo), installed with torch pinned beside it
 TORCHFT ?= torchft==0.2.0
+# Ray: hookloop-ray's launcher (tests/test_ray.py runs a real 2-node ray.cluster_utils.Cluster),
+# installed with torch pinned beside it
+RAY ?= ray==2.60.0
 # The documentation site (mkdocs.yml) and its browser test (tests/test_docs_site.py, which
 # drives Debian's chromium through chromium-driver). selenium 4.51.0: 4.52.0 requires a
 # certifi newer than the package index has.
@@ -87,7 +90,7 @@ $(BACKENDS_STAMP): $(DEMO_STAMP) $(wildcard plugins/*/build_*.sh plugins/deepspe
 # Every other in-tree plugin (the demo's and the backends' are already in).
 install: $(STAMP)
 $(STAMP): $(BACKENDS_STAMP) $(DOCS_STAMP) pyproject.toml $(wildcard plugins/*/pyproject.toml) Makefile
-	$(PIP) -e '.[plot,cli,rich]' $(foreach p,$(filter-out $(DEMO_PLUGINS),$(PLUGINS)),-e $(p)) pytest scikit-learn $(ORACLE) $(TORCHAO) $(TRANSFORMERS) $(TORCHFT) $(LINTERS) $(TORCH)
+	$(PIP) -e '.[plot,cli,rich]' $(foreach p,$(filter-out $(DEMO_PLUGINS),$(PLUGINS)),-e $(p)) pytest scikit-learn $(ORACLE) $(TORCHAO) $(TRANSFORMERS) $(TORCHFT) $(RAY) $(LINTERS) $(TORCH)
 	@# The browser test's Chromium and its driver: Debian's packages, where apt-get can.
 	@if command -v apt-get >/dev/null && ! { [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; }; then \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null) \

@@ -72,7 +72,7 @@ def steps(out: Path) -> dict[tuple[int, int], list[tuple[int, float]]]:
     """``(rank, attempt) -> [(step, time)]`` from the job's step files."""
     found = {}
     for path in out.glob("steps.rank*.attempt*"):
-        rank, attempt = (int(part[len(word):]) for part, word in zip(path.name.split(".")[1:], ("rank", "attempt")))
+        rank, attempt = (int(part[len(word):]) for part, word in zip(path.name.split(".")[1:], ("rank", "attempt"), strict=True))
         found[rank, attempt] = [(int(s), float(t)) for s, t in (line.split() for line in path.read_text().split("\n") if line)]
     return found
 

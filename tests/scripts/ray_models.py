@@ -1,7 +1,8 @@
 """A module for tests/test_ray.py's in-process fits: the workers import it by name."""
 
-from hookloop.testing import TinyClassifier, tiny_dataset
 from torch.utils.data import DataLoader
+
+from hookloop.testing import TinyClassifier, tiny_dataset
 
 
 class WorkerError(RuntimeError):

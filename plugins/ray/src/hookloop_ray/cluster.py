@@ -13,15 +13,16 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import hookloop
 
 #: the variables of the caller's environment that reach every worker (hookloop's own
 #: settings, the samplers' seed, where Python finds the user's code); the worker's place
 #: and the launcher's private variables are set per worker (:func:`worker_environment`)
-FORWARDED_PREFIXES = ("HOOKLOOP_", "PL_", "TORCH_", "NCCL_", "GLOO_", "CUDA_LAUNCH_BLOCKING")
+FORWARDED_PREFIXES = ("HOOKLOOP_", "PL_", "TORCH_", "NCCL_", "GLOO_")
 FORWARDED = ("PYTHONPATH", "OMP_NUM_THREADS")
 #: set per worker, never forwarded from the caller
 PER_WORKER = ("HOOKLOOP_WORKER", "HOOKLOOP_ATTEMPT", "HOOKLOOP_RUN_TOKEN", "HOOKLOOP_LAUNCHER_PID",
@@ -244,14 +245,13 @@ def worker_environment(place: Place, ranked: list[Place], master: tuple[str, int
                        token: str) -> dict[str, str]:
     """One worker's place and the launcher's variables (docs/environment.md, "What a worker
     needs from its launcher"); ``HOOKLOOP_LAUNCHER_PID`` is the actor's, set by the actor."""
-    nodes = len({p.node_id for p in ranked})
     env = {
         "RANK": str(place.rank), "WORLD_SIZE": str(len(ranked)),
         "LOCAL_RANK": str(place.local_rank), "LOCAL_WORLD_SIZE": str(place.local_world_size),
         "GROUP_RANK": str(place.node_rank), "NODE_RANK": str(place.node_rank),
         "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]),
         "HOOKLOOP_WORKER": "1", "HOOKLOOP_ATTEMPT": str(attempt), "HOOKLOOP_RUN_TOKEN": token,
-        WORKER_ENV: "1", "HOOKLOOP_RAY_NODES": str(nodes),
+        WORKER_ENV: "1",
     }
     gpus = sorted({g for p in ranked if p.node_id == place.node_id for g in p.gpu_ids})
     if gpus:  # every worker of a node sees the node's GPUs, as Ray Train shares them
@@ -289,7 +289,7 @@ def _start_actors(ray: Any, group: Any, options: Options) -> list[Place]:
     ]
     where = ray.get([a.where.remote() for a in actors])
     return [Place(actor=a, bundle=i, node_id=w["node_id"], address=w["address"], gpu_ids=w["gpu_ids"])
-            for i, (a, w) in enumerate(zip(actors, where))]
+            for i, (a, w) in enumerate(zip(actors, where, strict=True))]
 
 
 def _attempt(ray: Any, places: list[Place], job: Job, attempt: int, token: str) -> dict:

@@ -11,7 +11,15 @@ from typing import Any
 
 import hookloop
 
-from .cluster import WORKER_ENV, Job, Options, WorkerFailed, connected, forwarded_environment, run_job
+from .cluster import (
+    WORKER_ENV,
+    Job,
+    Options,
+    WorkerFailed,
+    connected,
+    forwarded_environment,
+    run_job,
+)
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
@@ -63,7 +71,6 @@ class Ray:
     hookloop_autoload = False  # a launcher runs only when named
     hookloop_environment = {
         WORKER_ENV: "set in a worker a hookloop-ray actor started (the shared-storage check runs there)",
-        "HOOKLOOP_RAY_NODES": "how many nodes the job's workers landed on",
     }
 
     def __init__(self, address: str | None = None, num_workers: int | None = None,

@@ -51,7 +51,6 @@ class Worker:
                 Path(files["payload"]).write_bytes(payload)
                 command += ["--payload", files["payload"], "--result", files["result"]]
             environ = {**os.environ, **env, "HOOKLOOP_LAUNCHER_PID": str(os.getpid())}
-            environ.pop("RAY_JOB_ID", None)  # the worker is no Ray worker: no Ray context leaks into it
             process = subprocess.Popen([*command, *args], env=environ, cwd=cwd if os.path.isdir(cwd) else None)
             returncode = process.wait()
             report: dict[str, Any] = {"returncode": returncode, "pid": process.pid, "error": None, "result": None}
