@@ -17,8 +17,9 @@ the same job under torchrun (``hookloop run --plugins ddp --devices 2``), run on
 * errors in the user's words: resources the cluster lacks, an address nothing answers
   at, Ray not installed, a failed worker's exception and traceback.
 
-Every test starts interpreters and a Ray cluster (seconds each): marked slow, the long
-ones (faults, the SIGKILL, fsdp) full (tests/tiers.py).
+Every test starts interpreters and a Ray cluster (seconds each): marked slow. The default
+tier keeps the two parity runs (about 30 s with the cluster and the reference); the
+faults, the SIGKILL, fsdp and the errors are full (tests/tiers.py).
 """
 
 from __future__ import annotations
@@ -217,6 +218,7 @@ def test_fsdp_under_ray_equals_fsdp_under_torchrun(cluster, tmp_path):
 # -- errors in the user's words ------------------------------------------------------------
 
 
+@pytest.mark.full
 def test_errors_name_what_the_cluster_lacks_and_an_unreachable_address(cluster, tmp_path):
     from ray_models import Failing
 
@@ -235,6 +237,7 @@ def test_errors_name_what_the_cluster_lacks_and_an_unreachable_address(cluster, 
     assert time.monotonic() - started < 30
 
 
+@pytest.mark.full
 def test_a_failed_worker_s_exception_comes_back_with_its_traceback(cluster, tmp_path):
     from ray_models import Failing, WorkerError
 
