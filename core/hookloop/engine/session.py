@@ -37,8 +37,8 @@ from hookloop.contract.errors import ConfigurationError
 from hookloop.contract.hookspecs import MODULE_HOOKS, hookimpl
 from hookloop.dispatch import resolve_events
 from hookloop.distributed import faults
-from hookloop.distributed.mesh import build_device_mesh
 from hookloop.distributed.elastic import is_elastic, plan_batch
+from hookloop.distributed.mesh import build_device_mesh
 from hookloop.distributed.ranks import env_int, rank_zero_only, rank_zero_warn
 from hookloop.distributed.strategy import data_parallel_rank
 from hookloop.engine import loop
@@ -543,12 +543,13 @@ def _plan_elastic_batch(trainer) -> None:
     base = getattr(settings, "accumulate_grad_batches", None) or 1
     if config.global_batch_size is not None:
         base = trainer.accumulate_grad_batches  # _accumulate_for_global_batch's, for this world
-    plan = plan_batch(config.elastic_batch, _per_device_batch(trainer.train_dataloader), replicas, nodes_now,
-                      (config.min_nodes, config.nodes), base, config.global_batch_size)
+    plan = plan_batch(config.elastic_batch, _per_device_batch(trainer.train_dataloader), replicas,
+                      nodes_now, (config.min_nodes, config.nodes), base, config.global_batch_size)
     trainer.accumulate_grad_batches = plan.accumulate
     if trainer.global_rank == 0:
         kept = ("the global batch is kept, the accumulation follows the world size"
-                if plan.policy == "global" else "each process's batch is kept, the global batch follows the world size")
+                if plan.policy == "global"
+                else "each process's batch is kept, the global batch follows the world size")
         print(f"hookloop: elastic job on {nodes_now} of {config.min_nodes}:{config.nodes} nodes, "
               f"elastic_batch={plan.policy!r} ({kept}): global batch {plan.describe()}", flush=True)
 

@@ -43,7 +43,7 @@ class TrainerConfig:
     accelerator: str = "auto"
     #: machines: a number, or "MIN:MAX" for an elastic job (torchrun's ``--nnodes``), which
     #: validate() turns into ``nodes`` = MAX and ``min_nodes`` = MIN (hookloop.distributed.elastic)
-    nodes: int | str = 1
+    nodes: Any = 1  # an int after validate()
     #: the fewest machines an elastic job trains on; None: a fixed number (``nodes``)
     min_nodes: int | None = None
     node_rank: int = 0
@@ -133,7 +133,8 @@ class TrainerConfig:
             )
         from hookloop.distributed.elastic import check_elastic_settings
 
-        check_elastic_settings(self)  # nodes="MIN:MAX" -> nodes, min_nodes; max_restarts; elastic_batch
+        # nodes="MIN:MAX" -> nodes, min_nodes; max_restarts; elastic_batch
+        check_elastic_settings(self)
         for name in ("accumulate_grad_batches", "nodes", "log_every_n_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -247,7 +248,8 @@ class TrainerConfig:
             raise ConfigurationError(
                 f"deterministic={self.deterministic!r} must be True, False, 'warn' (warn on "
                 "nondeterministic operations instead of failing) or None (leave torch's setting)")
-        if not _is_int(self.max_restarts) or self.max_restarts < 0:
+        restarts = self.max_restarts  # an int here: check_elastic_settings resolved None
+        if not _is_int(restarts) or restarts is None or restarts < 0:
             raise ConfigurationError(f"max_restarts={self.max_restarts!r} must be an integer >= 0")
         if not isinstance(self.default_root_dir, (str, os.PathLike)):
             raise ConfigurationError(f"default_root_dir={self.default_root_dir!r} must be a path "
