@@ -122,6 +122,42 @@ def test_global_policy_refuses_a_batch_some_node_count_cannot_split():
         plan_batch("global", None, 1, 1, (1, 2), 1, None)
 
 
+def _fit_alone_in_an_elastic_job(monkeypatch, tmp_path, **settings):
+    """``fit`` in this process as the one worker of an elastic job on 1 of its nodes
+    (torchrun's variables for a world of one, as after losing the others)."""
+    import hookloop
+    from torch.utils.data import DataLoader
+
+    from conftest import TinyModule, tiny_data
+
+    for name, value in dict(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                            GROUP_WORLD_SIZE="1").items():
+        monkeypatch.setenv(name, value)
+    trainer = hookloop.Trainer(plugins=["ddp"], max_steps=2, enable_checkpointing=False, logger=False,
+                               enable_progress_bar=False, enable_model_summary=False,
+                               default_root_dir=str(tmp_path), **settings)
+    trainer.fit(TinyModule(), DataLoader(tiny_data(32), batch_size=4))
+    return trainer
+
+
+@pytest.mark.parametrize("policy, accumulate, line", [
+    ("global", 2, "elastic_batch='global' (the global batch is kept, the accumulation follows the world size): "
+                  "global batch 8 = 4 per device x 1 data-parallel process x 2 accumulated batches"),
+    ("per-device", 1, "elastic_batch='per-device' (each process's batch is kept, the global batch follows the "
+                      "world size): global batch 4 = 4 per device x 1 data-parallel process x 1 accumulated batch"),
+])
+def test_fit_states_the_policy_and_sets_the_accumulation(monkeypatch, tmp_path, capsys, policy, accumulate, line):
+    trainer = _fit_alone_in_an_elastic_job(monkeypatch, tmp_path, nodes="1:2", elastic_batch=policy)
+    assert (trainer.accumulate_grad_batches, trainer.global_step) == (accumulate, 2)
+    assert f"hookloop: elastic job on 1 of 1:2 nodes, {line}" in capsys.readouterr().out
+
+
+def test_fit_refuses_a_global_batch_that_a_smaller_world_cannot_split(monkeypatch, tmp_path):
+    # 4 per device on 3 nodes: 12 samples a step, which 2 nodes (8 a batch) cannot split
+    with pytest.raises(ConfigurationError, match=r"global batch of 12 samples on 1 to 3 nodes.*on 2 nodes \(8 samples"):
+        _fit_alone_in_an_elastic_job(monkeypatch, tmp_path, nodes="1:3")
+
+
 # -- the launched job ---------------------------------------------------------------------
 
 
