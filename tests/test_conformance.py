@@ -227,3 +227,109 @@ def test_the_suites_fail_plugins_that_break_the_contract(site, tmp_path):
         "test_gradient_accumulation_agrees_with_the_reference",
         "test_weights_are_unchanged_by_the_observer",
     }, proc.stdout
+
+
+# -- a strategy with its own reference (no one-process tolerance) ------------------------------
+
+EVERY_TWO = textwrap.dedent('''
+    """DiLoCo-like: each rank steps on its own shard; every 2 optimizer steps the ranks
+    average their weights and their optimizer's momentum. Not the one-process run: its
+    reference is its own (every_two_reference), computed by hand in one process."""
+
+    import math
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn import functional as F
+    from torch.utils.data import DistributedSampler
+
+    import hookloop
+    from hookloop.testing.reference import TinyClassifier, tiny_dataset, weights
+    from hookloop_ddp import DDP
+
+    PERIOD = 2
+
+
+    class EveryTwo(DDP):
+        hookloop_name = "every_two"
+
+        def configure_ddp(self, trainer, model):
+            for tensor in model.state_dict().values():  # rank 0's start, as DDP's wrapper does
+                dist.broadcast(tensor, 0)
+            return model  # no gradient averaging: the ranks step apart
+
+        @hookloop.hookimpl(wrapper=True)
+        def optimizer_step(self, trainer, optimizer, model):
+            stepped = yield
+            if (trainer.global_step + 1) % PERIOD == 0:  # the step this call took
+                with torch.no_grad():
+                    for p in trainer.module.parameters():
+                        for t in (p, optimizer.state[p]["momentum_buffer"]):
+                            dist.all_reduce(t)
+                            t.div_(trainer.world_size)
+            return stepped
+
+
+    def every_two_reference(epochs, batch_size, world_size, accumulate=1, n=64, seed=0):
+        data = tiny_dataset(n)
+        replicas = [TinyClassifier(seed=seed) for _ in range(world_size)]
+        optimizers = [r.configure_optimizers() for r in replicas]
+        samplers = [DistributedSampler(data, num_replicas=world_size, rank=r, shuffle=True, seed=0)
+                    for r in range(world_size)]
+        steps, taken = math.ceil(len(samplers[0]) / batch_size), 0
+        for epoch in range(epochs):
+            for sampler in samplers:
+                sampler.set_epoch(epoch)
+            orders = [list(sampler) for sampler in samplers]
+            for i in range(steps):
+                for replica, order in zip(replicas, orders):
+                    x, y, _ = data[torch.tensor(order[i * batch_size:(i + 1) * batch_size])]
+                    (F.cross_entropy(replica(x), y) / accumulate).backward()
+                if (i + 1) % accumulate and i + 1 != steps:
+                    continue
+                for optimizer in optimizers:
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                taken += 1
+                if taken % PERIOD == 0:
+                    with torch.no_grad():
+                        groups = zip(*(list(r.parameters()) for r in replicas))
+                        for params in groups:
+                            buffers = [o.state[p]["momentum_buffer"] for o, p in zip(optimizers, params)]
+                            for tensors in (params, buffers):
+                                mean = sum(tensors[1:], tensors[0].clone()) / world_size
+                                for t in tensors:
+                                    t.copy_(mean)
+        return weights(replicas[0])
+''')
+
+OWN_REFERENCE = textwrap.dedent('''
+    from hookloop.testing import StrategyConformance, reference_fit, max_difference
+    from hl_every_two import every_two_reference
+
+
+    class TestEveryTwo(StrategyConformance):
+        plugin = "every_two"
+        reference = staticmethod(every_two_reference)
+        resume_at = 12  # an averaging step: the ranks agree, and rank 0's checkpoint is the run's state
+
+
+    def test_the_one_process_reference_is_not_this_strategys():
+        assert max_difference(every_two_reference(2, 4, 2), reference_fit(2, 4, 2)) > 1e-3
+''')
+
+
+@pytest.mark.slow
+def test_a_strategy_without_a_one_process_reference_supplies_its_own(site, tmp_path):
+    """A DiLoCo-like strategy (local steps, averages every 2) checked against the reference
+    it supplies (one launch of the kit's worker, ~40 s): every check of the suite passes,
+    the reference checks included, to 1e-5; the one-process reference is 1e-3 or more away."""
+    install_fake_distribution(site, "hookloop-every-two", {"every_two": "hl_every_two:EveryTwo"},
+                              {"hl_every_two": EVERY_TWO}, requires=["hookloop-ddp"])
+    (tmp_path / "test_every_two.py").write_text(OWN_REFERENCE)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOOKLOOP_")}
+    env["PYTHONPATH"] = str(site)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfs", "test_every_two.py"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "SKIPPED" not in proc.stdout and " passed" in proc.stdout, proc.stdout

@@ -182,6 +182,26 @@ def _(tmp):
     hookloop.Trainer(global_batch_size=64, accumulate_grad_batches=2)
 
 
+@row("C32")
+def _(tmp):
+    hookloop.Trainer(nodes="2:1")
+
+
+@row("C33")
+def _(tmp):
+    hookloop.Trainer(nodes="0:2")
+
+
+@row("C34")
+def _(tmp):
+    hookloop.Trainer(nodes="a:b")
+
+
+@row("C35")
+def _(tmp):
+    hookloop.Trainer(nodes="1:2", elastic_batch="fixed")
+
+
 @row("C03")
 def _(tmp):
     hookloop.Trainer(accelerator="tpu")

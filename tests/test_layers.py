@@ -32,7 +32,7 @@ PACKAGE = "hookloop"
 #: modules of its own layer and of the layers below.
 LAYERS: list[list[str]] = [
     ["contract.errors", "_version", "contract.types", "distributed.ranks", "contract.versioning", "contract.hookspecs", "resume.rundir", "contract.sourcescan", "distributed.failures"],
-    ["resume.unpickling", "engine.settings", "contract.pluginspec", "_moved", "contract.translators", "distributed.environment"],
+    ["resume.unpickling", "engine.settings", "distributed.elastic", "contract.pluginspec", "_moved", "contract.translators", "distributed.environment"],
     ["dispatch"],
     ["contract", "distributed", "resume", "engine", "lightning", "tools"],
     ["distributed.launch", "distributed.collectives"],

@@ -30,7 +30,7 @@ import time
 import traceback
 from pathlib import Path
 
-from hookloop.distributed.ranks import attempt as worker_attempt
+from hookloop.distributed.ranks import ATTEMPT_ENV, attempt as worker_attempt
 
 #: The folder where workers write their tracebacks (``rank<R>.log``); set by the launcher.
 FAILURE_DIR_ENV = "HOOKLOOP_FAILURE_DIR"
@@ -406,6 +406,43 @@ def _report_restarted_failures() -> None:
     LocalElasticAgent._monitor_workers = reporting
 
 
+def _elastic_range(nnodes: str) -> bool:
+    low, _, high = str(nnodes).partition(":")
+    return bool(high) and low.strip() != high.strip()
+
+
+def _export_rendezvous_round() -> None:
+    """In an elastic job (``--nnodes=MIN:MAX``), give the workers the rendezvous round as
+    their attempt (``HOOKLOOP_ATTEMPT``). torch's ``TORCHELASTIC_RESTART_COUNT`` counts
+    this agent's restarts after failures only: a membership change (a node joins) restarts
+    the workers with the count as it was, and the node that joined counts from 0, so the
+    workers of one round would disagree on their attempt (and on their process group's
+    keys in the store). The round is the same on every node of a rendezvous and grows with
+    every new one: 0 for the job's first, more for every restart, whatever caused it."""
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+
+    rendezvous = SimpleElasticAgent._rendezvous
+    if getattr(rendezvous, "_hookloop_round", False):
+        return
+
+    def joining(self, worker_group):
+        result = rendezvous(self, worker_group)
+        # the handler's state after the round completed (no public accessor in torch 2.13)
+        state = getattr(getattr(worker_group.spec.rdzv_handler, "_state_holder", None), "state", None)
+        if isinstance(getattr(state, "round", None), int):
+            os.environ[ATTEMPT_ENV] = str(state.round)  # the workers' environment copies this one's
+        return result
+
+    global _ROUNDS
+    joining._hookloop_round = True  # type: ignore[attr-defined]
+    SimpleElasticAgent._rendezvous = joining
+    _ROUNDS = True
+
+
+#: whether this agent gives its workers the rendezvous round as their attempt
+_ROUNDS = False
+
+
 def agent_main(argv: list[str]) -> int:
     """torch's elastic agent (``torch.distributed.run``) with ``argv``; a failure of its
     workers is printed as :func:`summary`'s lines instead of torch's report. With
@@ -423,6 +460,14 @@ def agent_main(argv: list[str]) -> int:
     _report_restarted_failures()
     _mark_failures_before_stopping()
     args = torchrun.parse_args(argv)
+    if _elastic_range(args.nnodes):
+        _export_rendezvous_round()
+        # torch 2.13's shared TCP store: the group's rank 0 publishes the store's address
+        # in the first round only, so a node that joins a later round (the job growing
+        # back) waits for it until the rendezvous times out ("wait timeout ...
+        # torch.rendezvous.<id>.<round>/MASTER_ADDR"). Unshared, rank 0 publishes a
+        # store of its own in every round (docs/decisions.md, "Elastic membership").
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     folder = os.environ.get(FAILURE_DIR_ENV)
     if folder:
         _CONSOLE = capture_worker_output(Path(folder), torchrun)
@@ -551,7 +596,8 @@ def capture_worker_output(folder: Path, torchrun) -> _Console:
         def reify(self, envs):
             stdouts, stderrs, errors = {}, {}, {}
             for local_rank, env in envs.items():
-                restart = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+                # an elastic job's attempt is its rendezvous round (_export_rendezvous_round)
+                restart = (os.environ.get(ATTEMPT_ENV) if _ROUNDS else None) or env.get("TORCHELASTIC_RESTART_COUNT", "0")
                 where = folder / f"attempt_{restart}" / f"rank{env.get('RANK', local_rank)}"
                 shutil.rmtree(where, ignore_errors=True)
                 where.mkdir(parents=True)

@@ -20,6 +20,7 @@ from typing import Callable, Iterator
 
 from hookloop.contract.errors import ConfigurationError
 from hookloop.engine.settings import DEFAULTS_ENV, TrainerConfig
+from hookloop.distributed.elastic import is_elastic, rendezvous_options
 from hookloop.distributed.environment import launched_externally
 from hookloop.distributed.failures import FAILURE_DIR_ENV, failure_dir
 from hookloop.resume.rundir import TOKEN_ENV, run_token
@@ -147,31 +148,38 @@ def elastic_command(config: TrainerConfig, script: str, script_args: list[str]) 
 
     Several nodes need the rendezvous endpoint here, where torchrun is about to start, and
     only here: a process that a launcher already placed (torchrun, srun, mpirun, a
-    plugin's launcher that places its workers itself) gives ``nodes`` without one."""
+    plugin's launcher that places its workers itself) gives ``nodes`` without one. An
+    elastic job (``nodes="MIN:MAX"``, :mod:`hookloop.distributed.elastic`) is torchrun's
+    ``--nnodes=MIN:MAX`` with the same c10d rendezvous."""
+    elastic = is_elastic(config)
+    nnodes = f"{config.min_nodes}:{config.nodes}" if elastic else str(config.nodes)
     if config.nodes > 1 and not config.rdzv_endpoint:
         raise ConfigurationError(
-            f"nodes={config.nodes} needs a rendezvous endpoint that every node can reach: "
+            f"nodes={nnodes} needs a rendezvous endpoint that every node can reach: "
             "--rdzv-endpoint HOST:PORT or Trainer(rdzv_endpoint='HOST:PORT'), the address of "
             "node 0"
         )
     nproc = config.num_processes()
-    if nproc == 1 and config.nodes == 1 and config.max_restarts == 0:
+    restarts = config.max_restarts or 0
+    if nproc == 1 and config.nodes == 1 and restarts == 0:
         return [sys.executable, script, *script_args]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     if config.nodes > 1:
+        # node 0 hosts the rendezvous store, so two agents on one host agree; an elastic
+        # job lives as long as node 0 does (the store is there)
+        conf = {"is_host": "1" if config.node_rank == 0 else "0", **rendezvous_options(config)}
         cmd += [
-            f"--nnodes={config.nodes}",
+            f"--nnodes={nnodes}",
             f"--node-rank={config.node_rank}",
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={config.rdzv_endpoint}",
             f"--rdzv-id={rendezvous_id()}",
-            # node 0 hosts the rendezvous store, so two agents on one host agree.
-            f"--rdzv-conf=is_host={'1' if config.node_rank == 0 else '0'}",
+            "--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in conf.items()),
         ]
     else:
         cmd += ["--standalone", "--nnodes=1"]
-    if config.max_restarts:
-        cmd.append(f"--max-restarts={config.max_restarts}")
+    if restarts:
+        cmd.append(f"--max-restarts={restarts}")
     return [*cmd, script, *script_args]
 
 

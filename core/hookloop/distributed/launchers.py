@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from hookloop.contract.errors import ConfigurationError
 from hookloop.contract.hookspecs import hookimpl
-from hookloop.distributed.launch import as_launcher, die_with_launcher, elastic_command, in_worker
+from hookloop.distributed.launch import WORKER_ENV, as_launcher, die_with_launcher, elastic_command, in_worker
 from hookloop.distributed.ranks import ATTEMPT_ENV
 from hookloop.distributed.results import adopt_worker_result, worker_result
 from hookloop.resume.checkpoint import atomic_save
@@ -242,7 +242,7 @@ def _worker(local_rank: int, payload: bytes, nprocs: int, port: int, tmp: str, a
     os.environ.update(
         RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nprocs),
         LOCAL_WORLD_SIZE=str(nprocs), GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-        **{ATTEMPT_ENV: str(attempt)},
+        **{ATTEMPT_ENV: str(attempt), WORKER_ENV: "1"},
     )
     try:
         job = pickle.loads(payload)

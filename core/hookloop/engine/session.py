@@ -37,8 +37,9 @@ from hookloop.contract.errors import ConfigurationError
 from hookloop.contract.hookspecs import MODULE_HOOKS, hookimpl
 from hookloop.dispatch import resolve_events
 from hookloop.distributed import faults
+from hookloop.distributed.elastic import is_elastic, plan_batch
 from hookloop.distributed.mesh import build_device_mesh
-from hookloop.distributed.ranks import rank_zero_only, rank_zero_warn
+from hookloop.distributed.ranks import env_int, rank_zero_only, rank_zero_warn
 from hookloop.distributed.strategy import data_parallel_rank
 from hookloop.engine import loop
 from hookloop.engine.loop import _per_device_batch, batch_limit
@@ -64,6 +65,7 @@ def fit(trainer) -> None:
         config, state = trainer.config, trainer.state
         # before the strategy wraps (DeepSpeed's config reads it)
         _accumulate_for_global_batch(trainer)
+        _plan_elastic_batch(trainer)
         build_model(trainer, "fit")
         train_loader = trainer.train_dataloader
         if config.overfit_batches:
@@ -524,6 +526,32 @@ def _accumulate_for_global_batch(trainer) -> None:
             f"batch: give a global_batch_size that is a multiple of {per_step} (e.g. {near}), or "
             "change the loader's batch_size or the number of processes")
     trainer.accumulate_grad_batches = wanted // per_step
+
+
+def _plan_elastic_batch(trainer) -> None:
+    """An elastic job's accumulation at this world size, by its ``elastic_batch`` policy
+    (:func:`hookloop.distributed.elastic.plan_batch`; refused at start when the global
+    batch does not divide on some node count of the range); global rank 0 states the
+    policy and the batch."""
+    config = trainer.config
+    if not is_elastic(config):
+        return
+    replicas = data_parallel_rank(trainer)[0]
+    per_node = max(1, config.num_processes())
+    nodes_now = env_int("GROUP_WORLD_SIZE") or max(1, trainer.world_size // per_node)
+    settings = getattr(trainer, "settings", None)
+    base = getattr(settings, "accumulate_grad_batches", None) or 1
+    if config.global_batch_size is not None:
+        base = trainer.accumulate_grad_batches  # _accumulate_for_global_batch's, for this world
+    plan = plan_batch(config.elastic_batch, _per_device_batch(trainer.train_dataloader), replicas,
+                      nodes_now, (config.min_nodes, config.nodes), base, config.global_batch_size)
+    trainer.accumulate_grad_batches = plan.accumulate
+    if trainer.global_rank == 0:
+        kept = ("the global batch is kept, the accumulation follows the world size"
+                if plan.policy == "global"
+                else "each process's batch is kept, the global batch follows the world size")
+        print(f"hookloop: elastic job on {nodes_now} of {config.min_nodes}:{config.nodes} nodes, "
+              f"elastic_batch={plan.policy!r} ({kept}): global batch {plan.describe()}", flush=True)
 
 
 def _print_effective_batch(trainer, loader: DataLoader) -> None:

@@ -41,10 +41,22 @@ class TrainerConfig:
     plugins: list = field(default_factory=list)
     devices: Any = 1
     accelerator: str = "auto"
-    nodes: int = 1
+    #: machines: a number, or "MIN:MAX" for an elastic job (torchrun's ``--nnodes``), which
+    #: validate() turns into ``nodes`` = MAX and ``min_nodes`` = MIN (hookloop.distributed.elastic)
+    nodes: Any = 1  # an int after validate()
+    #: the fewest machines an elastic job trains on; None: a fixed number (``nodes``)
+    min_nodes: int | None = None
     node_rank: int = 0
     rdzv_endpoint: str | None = None
-    max_restarts: int = 0
+    #: torchrun's ``--rdzv-conf`` for several nodes, "KEY=VALUE,...": the elastic rendezvous's
+    #: ``join_timeout``, ``last_call_timeout`` (seconds) and the like; hookloop adds ``is_host``
+    rdzv_conf: str | None = None
+    #: restarts of failed workers; None: 0, or 3 for an elastic job (torchrun's example: a
+    #: lost node uses one on every other node, a node that joins uses none)
+    max_restarts: int | None = None
+    #: an elastic job's batch when its world size changes: "global" keeps the global batch
+    #: (accumulation recomputed), "per-device" keeps the loader's batch per process
+    elastic_batch: str = "global"
     max_epochs: int | None = None
     max_steps: int | None = None
     #: Lightning's minimums: should_stop (early stopping) ends training only once this many
@@ -119,6 +131,10 @@ class TrainerConfig:
             raise ConfigurationError(
                 f"accelerator={self.accelerator!r} is not one of 'auto', 'cpu', 'cuda'/'gpu'"
             )
+        from hookloop.distributed.elastic import check_elastic_settings
+
+        # nodes="MIN:MAX" -> nodes, min_nodes; max_restarts; elastic_batch
+        check_elastic_settings(self)
         for name in ("accumulate_grad_batches", "nodes", "log_every_n_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -232,7 +248,8 @@ class TrainerConfig:
             raise ConfigurationError(
                 f"deterministic={self.deterministic!r} must be True, False, 'warn' (warn on "
                 "nondeterministic operations instead of failing) or None (leave torch's setting)")
-        if not _is_int(self.max_restarts) or self.max_restarts < 0:
+        restarts = self.max_restarts  # an int here: check_elastic_settings resolved None
+        if not _is_int(restarts) or restarts is None or restarts < 0:
             raise ConfigurationError(f"max_restarts={self.max_restarts!r} must be an integer >= 0")
         if not isinstance(self.default_root_dir, (str, os.PathLike)):
             raise ConfigurationError(f"default_root_dir={self.default_root_dir!r} must be a path "

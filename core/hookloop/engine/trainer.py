@@ -91,6 +91,14 @@ class Trainer:
     own per-process loaders gets ``(replicas, rank)`` from
     :func:`hookloop.data_parallel_rank` (from ``setup`` on).
 
+    ``nodes``: machines, or ``"MIN:MAX"`` for an elastic job (torchrun's ``--nnodes``;
+    :mod:`hookloop.distributed.elastic`): it trains on fewer machines from the run's last
+    checkpoint when one is lost and grows back when it returns; ``elastic_batch`` says what
+    happens to the batch then (``"global"``, the default: the global batch is kept and the
+    accumulation recomputed; ``"per-device"``), ``rdzv_conf`` gives torchrun's
+    ``--rdzv-conf`` (``"join_timeout=60,last_call_timeout=5"``), and ``max_restarts``
+    defaults to 3 there (docs/how-to/elastic.md).
+
     ``max_epochs``/``max_steps``: ``-1`` is Lightning's "no limit". ``min_epochs``/``min_steps``:
     ``trainer.should_stop`` (an ``EarlyStopping``, a ``Timer``) ends training only once that
     many epochs and optimizer steps are done, as Lightning's (``min_steps`` alone makes
@@ -129,10 +137,12 @@ class Trainer:
         callbacks: Any = _UNSET,
         devices: Any = _UNSET,
         accelerator: str = _UNSET,
-        nodes: int = _UNSET,
+        nodes: int | str = _UNSET,
         node_rank: int = _UNSET,
         rdzv_endpoint: str | None = _UNSET,
-        max_restarts: int = _UNSET,
+        rdzv_conf: str | None = _UNSET,
+        max_restarts: int | None = _UNSET,
+        elastic_batch: str = _UNSET,
         max_epochs: int | None = _UNSET,
         max_steps: int | None = _UNSET,
         min_epochs: int | None = _UNSET,

@@ -16,6 +16,7 @@ from typing import Any
 
 from hookloop.resume import checkpoint as ckpt
 from hookloop.resume import loader_state
+from hookloop.distributed.elastic import is_elastic
 from hookloop.distributed.strategy import data_parallel_rank
 from hookloop.contract.errors import CheckpointError, ConfigurationError
 from hookloop.helpers import apply_to_tensors, gather_per_rank, own_entry
@@ -312,9 +313,10 @@ def _adapt_position(trainer, loop: dict, train_loader: Any) -> None:
         procs = f"{world} process{'es' if world != 1 else ''} x {acc} accumulated batch{'es' if acc != 1 else ''}"
         return f"{int(batch) * world * acc} ({batch} per device x {procs})" if batch else f"(batches) x {procs}"
 
+    policy = f" (elastic_batch={trainer.config.elastic_batch!r})" if is_elastic(trainer.config) else ""
     trainer.print(f"hookloop: resuming a checkpoint of {old_world} processes on {new_world}: effective batch size "
-                  f"{effective(old_world, old_batch, old_acc)} -> {effective(new_world, new_batch, new_acc)}; "
-                  f"{position}", flush=True)
+                  f"{effective(old_world, old_batch, old_acc)} -> {effective(new_world, new_batch, new_acc)}"
+                  f"{policy}; {position}", flush=True)
 
 
 def _others_beside(path: Path) -> str:

@@ -16,7 +16,10 @@
   :class:`PrecisionConformance`, :class:`DevicesConformance`, :class:`ExtensionConformance`
   (one process and ddp, its checkpoint state, a resume), and :class:`ResumeConformance`
   (SIGKILL a job inside a step, a save, a validation and an accumulation window; the
-  restarted job must end bit-identical to an uninterrupted one). See docs/plugin-authors.md.
+  restarted job must end bit-identical to an uninterrupted one); and for a launcher
+  :class:`LauncherConformance` (workers where it said, their identity and environment,
+  results back to the caller, restarts decided in the worker, no orphans, even after a
+  SIGKILL). See docs/plugin-authors.md.
 
 The pytest plugin (entry point ``pytest11``: ``hookloop``) only adds the fixture; it is
 inactive unless a test uses it.
@@ -33,11 +36,15 @@ def __getattr__(name):
         from hookloop.testing import conformance
 
         return getattr(conformance, name)
+    if name == "LauncherConformance":
+        from hookloop.testing import launcher
+
+        return launcher.LauncherConformance
     raise AttributeError(name)
 
 
 __all__ = [
-    "DevicesConformance", "ExtensionConformance", "IndexedDataset", "ObserverConformance", "PrecisionConformance", "ProcessError",
+    "DevicesConformance", "ExtensionConformance", "IndexedDataset", "LauncherConformance", "ObserverConformance", "PrecisionConformance", "ProcessError",
     "ResumeConformance", "StrategyConformance",
     "TinyClassifier", "free_port", "max_difference", "reference_fit", "run_processes", "tiny_dataset", "weights",
 ]

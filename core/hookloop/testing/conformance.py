@@ -51,6 +51,14 @@ class StrategyConformance:
     steps), ``resume_tolerance`` (0.0: a resumed run ends bit-identical on CPU),
     ``checkpoint`` (``"file"``: hookloop's single file, read back on every rank;
     ``"directory"``: a sharded checkpoint only the strategy reads), ``timeout`` (s).
+
+    A strategy whose result is not the one-process run's (local SGD, DiLoCo: the ranks
+    step apart between averages) supplies its own ``reference``: a ``staticmethod`` with
+    :func:`hookloop.testing.reference_fit`'s signature, ``reference(epochs, batch_size,
+    world_size, accumulate=1, n=64, seed=0)`` returning the weights every rank must end
+    with, computed in one process by hand; the reference checks then hold it to
+    ``tolerance``. ``resume_at`` (the step the interrupted run stops at; default a few
+    steps into the second epoch) lets such a strategy interrupt where its ranks agree.
     """
 
     plugin: str = ""
@@ -66,6 +74,9 @@ class StrategyConformance:
     # Also train, interrupt (mid-epoch) and resume a ~34 MiB model, reduced by DDP in
     # several gradient buckets (the tiny model fits in one).
     wide: bool = True
+    #: the weights the run must reach (default: reference_fit, the one-process run)
+    reference: Any = None
+    resume_at: int | None = None
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -76,7 +87,8 @@ class StrategyConformance:
         out = tmp_path_factory.mktemp(f"conformance-{cls.plugin}")
         spec = {"batch_size": cls.batch_size, "samples": cls.samples, "epochs": cls.epochs,
                 "devices": cls.world_size, "options": {cls.plugin: dict(cls.options)} if cls.options else {},
-                "resume_at": cls.samples // (cls.batch_size * cls.world_size) + 3, "wide": cls.wide}
+                "resume_at": cls.resume_at or cls.samples // (cls.batch_size * cls.world_size) + 3,
+                "wide": cls.wide}
         (out / "spec.json").write_text(json.dumps(spec))
         _hookloop("run", "--plugins", cls.plugin, "--devices", str(cls.world_size), str(WORKER), str(out),
                   str(out / "spec.json"), cwd=out, timeout=cls.timeout)
@@ -150,14 +162,16 @@ class StrategyConformance:
     def test_agrees_with_the_one_process_reference(self, runs):
         if self.tolerance is None:
             pytest.skip(f"{self.plugin}: no reference tolerance declared (tolerance = None)")
-        reference = reference_fit(self.epochs, self.batch_size, self.world_size, n=self.samples, seed=10)
+        fit = self.reference or reference_fit
+        reference = fit(self.epochs, self.batch_size, self.world_size, n=self.samples, seed=10)
         for record in self.ranks(runs, "fit"):
             assert max_difference(record["final"], reference) <= self.tolerance
 
     def test_gradient_accumulation_agrees_with_the_reference(self, runs):
         if self.tolerance is None:
             pytest.skip(f"{self.plugin}: no reference tolerance declared (tolerance = None)")
-        reference = reference_fit(1, self.batch_size, self.world_size, accumulate=2, n=self.samples, seed=10)
+        fit = self.reference or reference_fit
+        reference = fit(1, self.batch_size, self.world_size, accumulate=2, n=self.samples, seed=10)
         for record in self.ranks(runs, "accumulate"):
             assert max_difference(record["final"], reference) <= self.tolerance
 

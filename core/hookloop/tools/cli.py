@@ -108,10 +108,20 @@ def _build_parser(commands: dict) -> argparse.ArgumentParser:
                    help="samples per optimizer step over all data-parallel processes: the accumulation is "
                         "N / (the loader's batch_size x data-parallel processes)")
     r.add_argument("--default-root-dir", default=None)
-    r.add_argument("--nodes", type=int, default=None, help="number of machines")
+    r.add_argument("--nodes", default=None, metavar="N|MIN:MAX",
+                   help="number of machines; MIN:MAX for an elastic job (torchrun's --nnodes): it trains on "
+                        "as few as MIN, and grows back to MAX when machines join")
     r.add_argument("--node-rank", type=int, default=None, help="this machine's rank, 0..nodes-1")
     r.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of node 0's rendezvous")
-    r.add_argument("--max-restarts", type=int, default=None, help="restarts of failed workers")
+    r.add_argument("--rdzv-conf", default=None, metavar="KEY=VALUE,...",
+                   help="torchrun's --rdzv-conf for several nodes, e.g. join_timeout=60,last_call_timeout=5 "
+                        "(seconds: how long the rendezvous waits for every node, and for more after MIN)")
+    r.add_argument("--max-restarts", type=int, default=None,
+                   help="restarts of failed workers (default 0; 3 for an elastic job: a lost node uses one, "
+                        "a node that joins none)")
+    r.add_argument("--elastic-batch", default=None, choices=["global", "per-device"],
+                   help="an elastic job's batch when its world size changes: global (default) keeps the "
+                        "global batch (the accumulation is recomputed), per-device keeps each process's")
     r.add_argument("--run-id", default=None, metavar="ID",
                    help="this job's id (HOOKLOOP_RUN_ID): a job started again with the same id takes the run "
                         "directory its earlier attempt marked; with several nodes, torchrun's --rdzv-id "
@@ -342,7 +352,9 @@ def cmd_run(args, one_process: bool = False) -> int:
         "nodes": args.nodes,
         "node_rank": args.node_rank,
         "rdzv_endpoint": args.rdzv_endpoint,
+        "rdzv_conf": args.rdzv_conf,
         "max_restarts": args.max_restarts,
+        "elastic_batch": args.elastic_batch,
         "process_group_timeout": args.process_group_timeout,
         "requeue_on_preemption": args.requeue_on_preemption,
         "stop_check_every_n_steps": args.stop_check_every_n_steps,
