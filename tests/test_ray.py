@@ -255,3 +255,23 @@ def test_without_ray_the_error_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # what `import ray` meets where Ray is not installed
     with pytest.raises(hookloop.ConfigurationError, match=r"needs Ray, which is not installed here .*pip install 'ray==2\.60\.0'"):
         import_ray()
+
+
+# -- the launcher conformance kit ------------------------------------------------------------
+
+from hookloop.testing import LauncherConformance  # noqa: E402
+
+
+@pytest.mark.full
+class TestRayLauncherConformance(LauncherConformance):
+    """The kit's checks on ray, both modes, each job on a local Ray cluster of its own
+    (address None): placement, identity, results, restarts, no orphans."""
+
+    launcher = "ray"
+
+    @pytest.mark.xfail(strict=True, reason=(
+        "the kit wants HOOKLOOP_LAUNCHER_PID to name the launching process; a ray worker's names its "
+        "actor, its parent on its own node (the caller's pid means nothing on another node, and the "
+        "core honours the run token only where that variable names an ancestor): reported to the lead"))
+    def test_every_worker_gets_the_jobs_identity_and_environment(self, jobs, mode):
+        super().test_every_worker_gets_the_jobs_identity_and_environment(jobs, mode)
