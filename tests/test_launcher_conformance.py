@@ -105,3 +105,39 @@ def test_the_kit_fails_launchers_that_break_the_contract(site, tmp_path):
         "test_broken_launchers.py::TestNoSeed::test_the_weights_agree_with_the_one_process_reference[function]",
         "test_broken_launchers.py::TestLeaky::test_no_process_outlives_the_launch[function]",
     }, proc.stdout
+
+
+# -- docs/plugin-authors.md's Ray launcher in 100 lines ---------------------------------------------
+
+def tiny_ray_source() -> str:
+    """The ``tiny_ray`` code block of docs/plugin-authors.md, as written there."""
+    from conftest import REPO
+
+    text = (REPO / "docs" / "plugin-authors.md").read_text()
+    start = text.index('```python\n"""tiny_ray: a Ray launcher') + len("```python\n")
+    return text[start:text.index("```", start)]
+
+
+TINY_RAY_SUITE = textwrap.dedent('''
+    from hookloop.testing import LauncherConformance
+
+
+    class TestTinyRay(LauncherConformance):
+        launcher = "tiny_ray"
+        modes = ("function",)
+''')
+
+
+def test_the_documented_ray_launcher_passes_the_kit(site, tmp_path):
+    """The docs' third-party Ray launcher, installed as a plugin, under the whole kit (~30 s:
+    a local Ray cluster per job)."""
+    source = tiny_ray_source()
+    assert 80 <= len(source.splitlines()) <= 120, "the example is about 100 lines"
+    install_fake_distribution(site, "tiny-ray", {"tiny_ray": "tiny_ray:TinyRay"}, {"tiny_ray": source})
+    (tmp_path / "test_tiny_ray.py").write_text(TINY_RAY_SUITE)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOOKLOOP_") and k != "PL_GLOBAL_SEED"}
+    env["PYTHONPATH"] = str(site)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfs", "test_tiny_ray.py"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "7 passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout

@@ -269,9 +269,3 @@ class TestRayLauncherConformance(LauncherConformance):
 
     launcher = "ray"
 
-    @pytest.mark.xfail(strict=True, reason=(
-        "the kit wants HOOKLOOP_LAUNCHER_PID to name the launching process; a ray worker's names its "
-        "actor, its parent on its own node (the caller's pid means nothing on another node, and the "
-        "core honours the run token only where that variable names an ancestor): reported to the lead"))
-    def test_every_worker_gets_the_jobs_identity_and_environment(self, jobs, mode):
-        super().test_every_worker_gets_the_jobs_identity_and_environment(jobs, mode)

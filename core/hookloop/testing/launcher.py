@@ -14,7 +14,9 @@ strategy (``ddp`` by default), and checks what a user relies on:
   ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``) in agreement with what the core made of it, local
   ranks ``0..n-1`` on each node, one host per node;
 * the environment: ``HOOKLOOP_WORKER=1``, attempt 0, one run token and one run directory
-  for the whole job, the caller's seed forwarded (``PL_GLOBAL_SEED``);
+  for the whole job, the caller's seed forwarded (``PL_GLOBAL_SEED``), and
+  ``HOOKLOOP_LAUNCHER_PID`` naming an ancestor of the worker (the process that launched,
+  or the launcher's own process on the worker's node: a Ray actor);
 * the result: the weights agree with the one-process reference of the same global batch
   (:func:`hookloop.testing.reference_fit` with the forwarded seed), and in function mode
   the caller's module, counters and run directory are the workers' (no second
@@ -229,9 +231,12 @@ class LauncherConformance:
             assert w["attempt"] == 0 and w["start_step"] == 0
             assert told["PL_GLOBAL_SEED"] == str(SEED), (
                 f"the caller's seed ({SEED}) must reach every worker as PL_GLOBAL_SEED: the samplers' seed")
-            assert told[LAUNCHER_ENV] in {str(jobs[mode]["pid"]), str(jobs[mode]["caller_pid"])}, (
-                f"{LAUNCHER_ENV} names the process that launched, or the script's process that "
-                f"spawned (the workers die with it)")
+            mark = told[LAUNCHER_ENV]
+            assert mark is not None and mark.isdigit() and int(mark) in w["ancestors"], (
+                f"{LAUNCHER_ENV}={mark} must name an ancestor of the worker (pid {w['pid']}, ancestors "
+                f"{w['ancestors']}): the process that launched, or the launcher's own process on the "
+                f"worker's node (a Ray actor); the worker dies with it and the core honours the run's "
+                f"variables only then")
         tokens = {w["environ"].get("HOOKLOOP_RUN_TOKEN") or w["environ"].get("TORCHELASTIC_RUN_ID") for w in workers}
         assert len(tokens) == 1 and None not in tokens, f"one run id for the whole job: {tokens}"
         assert len({w["log_dir"] for w in workers}) == 1, "one run directory for the whole job"

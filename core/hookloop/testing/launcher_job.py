@@ -40,6 +40,18 @@ IDENTITY = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"
             "TORCHELASTIC_RUN_ID", LAUNCHER_ENV, "PL_GLOBAL_SEED")
 
 
+def ancestors() -> list[int]:
+    """The pids from this process's parent up to init (``/proc``; Linux)."""
+    chain, pid = [], os.getppid()
+    while pid > 1:
+        chain.append(pid)
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return chain
+
+
 class Identity:
     """Records, in every worker, who it is and what it trained."""
 
@@ -54,7 +66,7 @@ class Identity:
     @hookloop.hookimpl
     def on_train_start(self, trainer):
         record = {
-            "pid": os.getpid(), "ppid": os.getppid(), "host": socket.gethostname(),
+            "pid": os.getpid(), "ppid": os.getppid(), "ancestors": ancestors(), "host": socket.gethostname(),
             "environ": {name: os.environ.get(name) for name in IDENTITY},
             "attempt": attempt()[0],
             "global_rank": trainer.global_rank, "world_size": trainer.world_size,
