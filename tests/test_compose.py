@@ -45,6 +45,7 @@ TESTED = {
     ("cp", "ddp"): "tests/test_cp.py::test_the_data_path_on_two_cpu_processes_equals_one_process_without_attention",
     ("ddp", "pipeline"):
         "tests/test_pipeline.py::test_pipeline_x_ddp_on_a_2x2_mesh_equals_the_global_batch_loop_and_resumes",
+    ("fsdp", "ft"): "tests/test_ft.py::test_hsdp_two_sharded_groups_average_their_gradients_like_one_process",
     ("fsdp", "pipeline"): "tests/test_pipeline_fsdp.py::test_pp2_x_dp_shard2_equals_the_one_process_global_batch_loop",
     ("fsdp", "tp"): "tests/test_fsdp_tp.py::test_fsdp_x_tp_on_2x2_equals_one_process",
     ("fsdp[HYBRID_SHARD]", "tp"): "tests/test_fsdp_tp.py::test_hsdp_x_tp_from_the_trainer_equals_one_process",
@@ -96,7 +97,7 @@ def _test_exists(node: str) -> bool:
 
 
 def test_the_mesh_plugins_are_the_ones_the_table_knows():
-    assert {"compile", "cp", "ddp", "ddp_spawn", "float8", "fsdp", "fsdp_cpu_offload", "pipeline", "tp"} <= set(
+    assert {"compile", "cp", "ddp", "ddp_spawn", "float8", "fsdp", "fsdp_cpu_offload", "ft", "pipeline", "tp"} <= set(
         mesh_plugin_names())
 
 

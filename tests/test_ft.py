@@ -125,9 +125,10 @@ def start_lighthouse(start) -> str:
             time.sleep(0.2)
 
 
-def start_group(start, out: Path, lighthouse: str, group: int, *args, devices: int = 1) -> subprocess.Popen:
+def start_group(start, out: Path, lighthouse: str, group: int, *args, devices: int = 1,
+                plugins: str = "ft") -> subprocess.Popen:
     name = f"group{group}" + ("" if "--attempt" not in args else ".restart")
-    return start(name, [sys.executable, "-m", "hookloop", "run", "--plugins", "ft", "--devices", devices,
+    return start(name, [sys.executable, "-m", "hookloop", "run", "--plugins", plugins, "--devices", devices,
                         "--plugin-option", "ft.timeout=20", SCRIPT, out, group, STEPS, *args],
                  TORCHFT_LIGHTHOUSE=lighthouse, REPLICA_GROUP_ID=str(group))
 
@@ -199,6 +200,66 @@ def test_a_killed_group_rejoins_from_a_live_peer_while_the_other_trains_on(tmp_p
           f"committed {r1['committed']}, recovered at step {rejoined} in {seconds} s; "
           f"max |weights - uninterrupted run| = {uninterrupted:.3g}")
     assert uninterrupted > 1e-4  # steps alone saw half the batch: not the uninterrupted run
+
+
+# ---------------------------------------------------------------------------------------
+# Sharded replica groups (HSDP): --plugins ft,fsdp, two groups of two FSDP2 shards
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_hsdp_two_sharded_groups_average_their_gradients_like_one_process(tmp_path):
+    """Slow: a Lighthouse and two 2-process ``--plugins ft,fsdp`` runs (seven interpreters,
+    about 15 s on two shared cores: under the full tier's 40 s). fsdp shards each group's model over its
+    two processes; the shards' gradients are averaged over the groups by torchft. Both
+    groups end with the weights of one process stepping on the mean loss of both batches."""
+    started = time.monotonic()
+    with processes(tmp_path) as start:
+        lighthouse = start_lighthouse(start)
+        groups = [start_group(start, tmp_path, lighthouse, g, devices=2, plugins="ft,fsdp") for g in (0, 1)]
+        for g, proc in enumerate(groups):
+            assert finish(proc, tmp_path, f"group{g}") == 0, (tmp_path / f"group{g}.log").read_text()[-4000:]
+    (w0, r0), (w1, r1) = results(tmp_path, 0), results(tmp_path, 1)
+    assert max_difference(w0, w1) == 0.0
+    assert r0["committed"] == r1["committed"] == STEPS and r0["skipped"] == r1["skipped"] == 0
+    difference = max_difference(w0, reference([(STEPS, (0, 1))]))
+    assert difference < 1e-6
+    assert [len(r0["recoveries"]), len(r1["recoveries"])] in ([1, 0], [0, 1])
+    print(f"\nft,fsdp uninterrupted: 2 groups x 2 shards, {STEPS} steps each, max |weights - one process| = "
+          f"{difference:.3g}, {time.monotonic() - started:.0f} s")
+
+
+@pytest.mark.slow
+def test_hsdp_a_killed_sharded_group_rejoins_from_the_live_group_while_it_trains_on(tmp_path):
+    """Slow: a Lighthouse, two 2-process ``--plugins ft,fsdp`` runs and a restart of one
+    (ten interpreters, about 30 s on two shared cores: under the full tier's 40 s). Group 1 (its launcher and both
+    shards) is SIGKILLed in the backward of step 2; group 0 is never restarted; group 1,
+    restarted from other weights, copies each shard's weights and momentum from the
+    process of equal rank in group 0 (same shard layout)."""
+    with processes(tmp_path) as start:
+        lighthouse = start_lighthouse(start)
+        survivor = start_group(start, tmp_path, lighthouse, 0, "--wait-at", REJOIN_AT, devices=2, plugins="ft,fsdp")
+        victim = start_group(start, tmp_path, lighthouse, 1, "--kill-at", KILL_AT, devices=2, plugins="ft,fsdp")
+        assert finish(victim, tmp_path, "group1") != 0  # the group SIGKILLed in its backward
+        wait_for_step(tmp_path / "steps.0", REJOIN_AT, survivor)
+        restarted = start_group(start, tmp_path, lighthouse, 1, "--attempt", 1, devices=2, plugins="ft,fsdp")
+        assert finish(restarted, tmp_path, "group1.restart") == 0, (tmp_path / "group1.restart.log").read_text()[-4000:]
+        assert finish(survivor, tmp_path, "group0") == 0, (tmp_path / "group0.log").read_text()[-4000:]
+    (w0, r0), (w1, r1) = results(tmp_path, 0), results(tmp_path, 1)
+    assert (tmp_path / "ready.0.0").exists() and not (tmp_path / "ready.0.1").exists()
+    assert r0["committed"] == STEPS and r0["skipped"] >= 1, r0
+    [(rejoined, seconds)] = r1["recoveries"]
+    assert REJOIN_AT <= rejoined < STEPS, r1
+    assert r1["committed"] == STEPS - rejoined and r1["global_step"] == STEPS, r1
+    assert max_difference(w0, w1) == 0.0
+    expected = reference([(KILL_AT, (0, 1)), (rejoined - KILL_AT, (0,)), (STEPS - rejoined, (0, 1))])
+    assert max_difference(w0, expected) < 1e-6
+    uninterrupted = max_difference(w0, reference([(STEPS, (0, 1))]))
+    print(f"\nft,fsdp: group 0 committed {r0['committed']} steps ({r0['skipped']} skipped), "
+          f"{rejoined - KILL_AT} of them alone; group 1 committed {KILL_AT}, was killed, and restarted "
+          f"committed {r1['committed']}, recovered at step {rejoined} in {seconds} s; "
+          f"max |weights - uninterrupted run| = {uninterrupted:.3g}")
+    assert uninterrupted > 1e-4
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,13 +1,14 @@
-"""One replica group of tests/test_ft.py: a one-process hookloop run with the ft plugin.
+"""One replica group of tests/test_ft.py: a hookloop run with the ft plugin (or ft and fsdp).
 
-Run as ``hookloop run --plugins ft [--devices N] ft_group.py OUT GROUP STEPS [--kill-at K]
+Run as ``hookloop run --plugins ft[,fsdp] [--devices N] ft_group.py OUT GROUP STEPS [--kill-at K]
 [--wait-at W]`` with ``TORCHFT_LIGHTHOUSE`` set. The group trains ``STEPS`` steps of the job
 on its fixed batch (ft_models.py); ``REPLICA_GROUP_ID`` is ``GROUP``. With N processes, rank r
 takes the samples ``r::N`` of the batch (no distributed sampler: it would shuffle), so the
 group's gradient is the one-process group's.
 
 * ``--kill-at K``: the group sends itself SIGKILL in the backward of step K (its gradient
-  never reaches the all-reduce: the peer's step K fails and is skipped);
+  never reaches the all-reduce: the peer's step K fails and is skipped); a group of N
+  processes kills its launcher's process group (the launcher and every worker);
 * ``--attempt A``: 0 for a group's first launch, 1 for its restart (which starts from
   other initial weights, so that only the recovery can make them right);
 * ``--wait-at W``: at the start of step W, the group waits for ``OUT/ready.<other>.1``
@@ -63,6 +64,14 @@ def wait_for(path: Path, seconds: float = 120.0) -> None:
         time.sleep(0.05)
 
 
+def kill_group() -> None:
+    """SIGKILL this process, or the whole group (its launcher and every worker: they share
+    the launcher's process group) when it has several."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 class Group(hookloop.Module):
     def __init__(self):
         super().__init__()
@@ -73,7 +82,7 @@ class Group(hookloop.Module):
         x, y = batch
         loss = F.cross_entropy(self.net(x), y)
         if ARGS.kill_at is not None and self.trainer.global_step == ARGS.kill_at:
-            loss.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL))
+            loss.register_hook(lambda grad: kill_group())
         return loss
 
     def on_fit_start(self):

@@ -19,13 +19,22 @@ quorum of the live groups before every step. Per step, as torchft's own DDP exam
   group of the quorum finished the step; otherwise the step is skipped (``False``).
 
 A group that dies only makes the others' next quorum smaller: they go on without a
-restart. Every group must have the same number of processes; sharded groups (HSDP) are not
-supported.
+restart. Every group must have the same number of processes.
+
+**Sharded groups (HSDP)**: ``--plugins ft,fsdp``. ft is then a mesh plugin claiming no
+dimension of the group's own mesh (its replicas are the groups, which are no processes of
+the group's world: torchft's managed process group is the ``dp_replicate`` dimension), and
+fsdp, the lifecycle's lead, shards the model over the group's processes (``dp_shard``) and
+sets up the group's process group. ft then only adds, as torchft 0.2's own FSDP test does,
+an all-reduce hook on every FSDP2 unit (``set_all_reduce_hook``): the gradient shard that
+the group's reduce-scatter averaged is averaged over the quorum's groups by
+``Manager.allreduce``, between the processes of equal group rank, which hold the same
+shard. A recovering group's process copies its own shard (parameters, buffers, optimizer
+state) from the process of equal rank in a live group.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import socket
@@ -37,6 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import hookloop
 
@@ -134,6 +144,18 @@ class FT(hookloop.TorchDistributed):
     hookloop_role = "strategy"
     hookloop_requires = ">=2,<3"  # the plugin contract versions it is written for
     hookloop_autoload = False  # means nothing without a Lighthouse
+    #: A mesh plugin claiming no dimension of the group's mesh: it composes with fsdp, which
+    #: then leads (shards inside the group); the replicas across groups are torchft's.
+    hookloop_mesh_dims: tuple[str, ...] = ()
+    hookloop_refuses_beside = {
+        what: (f"ft is checked alone (whole replicas, DDP inside a group) and beside fsdp's default sharding "
+               f"(--plugins ft,fsdp: HSDP, fsdp shards inside each replica group); beside {why} no test checks it "
+               f"yet: run --plugins ft or --plugins ft,fsdp")
+        for what, why in (("dp_replicate", "a plugin claiming dp_replicate (ddp, fsdp's HYBRID_SHARD or NO_SHARD: "
+                                            "ft's groups are the replicas)"),
+                          ("tp", "tp"), ("pp", "the pipeline"), ("cp", "cp"), ("compile", "compile"),
+                          ("float8", "float8"), ("fsdp_cpu_offload", "fsdp with cpu_offload"))
+    }
     hookloop_environment = {
         LIGHTHOUSE_ENV: "the torchft Lighthouse the replica groups meet at",
         "REPLICA_GROUP_ID": "this replica group's name in torchft's quorum",
@@ -183,13 +205,19 @@ class FT(hookloop.TorchDistributed):
                 f"nor {LIGHTHOUSE_ENV} names one: {START_LIGHTHOUSE}")
         return address
 
+    def _leads(self, trainer) -> bool:
+        """Whether ft owns the group's lifecycle (alone), or fsdp leads beside it (HSDP)."""
+        return getattr(trainer, "strategy", self) is self
+
     @hookloop.hookimpl
     def setup_environment(self, trainer):
-        """Check torchft and the Lighthouse, set this process's place in its group (and the
-        group's process group, when it has several), and start torchft's Manager (it joins
-        the Lighthouse; the quorum comes at the first step)."""
-        torchft = _torchft()
-        lighthouse = self.lighthouse_address()
+        """Alone: check torchft and the Lighthouse, set this process's place in its group and
+        the group's process group, when it has several. Beside fsdp: ``None``, fsdp (the
+        lead) does that. torchft's Manager starts in :meth:`setup`."""
+        if not self._leads(trainer):
+            return None
+        _torchft()
+        self.lighthouse_address()
         world = hookloop.env_int("WORLD_SIZE", default=1)
         rank = hookloop.env_int("RANK", default=0) if world > 1 else 0
         local_rank = hookloop.env_int("LOCAL_RANK", default=rank) if world > 1 else 0
@@ -199,19 +227,33 @@ class FT(hookloop.TorchDistributed):
         trainer.world_size, trainer.global_rank, trainer.local_rank = world, rank, local_rank
         trainer.node_rank = hookloop.env_int("GROUP_RANK", "NODE_RANK", default=0) if world > 1 else 0
         trainer.root_device = device
+        if world > 1:
+            self._launcher_store(world)
+            self.start_process_group("nccl" if device.type == "cuda" else "gloo", rank, world,
+                                     timeout=trainer.config.process_group_timeout)
+        return True
+
+    def _launcher_store(self, world: int) -> tuple[str, int]:
+        """The store of a group of several processes: its launcher's (torchrun's agent at
+        MASTER_ADDR:MASTER_PORT); the Manager keeps its keys there."""
+        store_addr, store_port = os.environ.get("MASTER_ADDR"), hookloop.env_int("MASTER_PORT")
+        if not (store_addr and store_port):
+            raise hookloop.ConfigurationError(
+                f"this replica group has {world} processes but MASTER_ADDR / MASTER_PORT are not "
+                f"set: launch each group with `hookloop run --plugins ft --devices {world}` or torchrun")
+        return store_addr, store_port
+
+    def _start_manager(self, trainer) -> None:
+        """Start torchft's Manager (it joins the Lighthouse; the quorum comes at the first
+        step), once the group's process group exists (ft's own, or fsdp's beside it)."""
+        torchft = _torchft()
+        lighthouse = self.lighthouse_address()
+        world, rank, device = trainer.world_size, trainer.global_rank, trainer.root_device
         self._trainer = trainer
         self.committed = self.skipped = 0
         self.recoveries = []
         if world > 1:
-            # The group's launcher made its store (torchrun's agent at MASTER_ADDR:MASTER_PORT);
-            # the Manager keeps its keys there, the group's own process group is made beside it.
-            store_addr, store_port = os.environ.get("MASTER_ADDR"), hookloop.env_int("MASTER_PORT")
-            if not (store_addr and store_port):
-                raise hookloop.ConfigurationError(
-                    f"this replica group has {world} processes but MASTER_ADDR / MASTER_PORT are not "
-                    f"set: launch each group with `hookloop run --plugins ft --devices {world}` or torchrun")
-            self.start_process_group("nccl" if device.type == "cuda" else "gloo", rank, world,
-                                     timeout=trainer.config.process_group_timeout)
+            store_addr, store_port = self._launcher_store(world)
         else:
             # A single process has no launcher's store: its own, at an address the other
             # groups can reach (the first group's store is where the groups' all-reduce meets).
@@ -228,17 +270,17 @@ class FT(hookloop.TorchDistributed):
             quorum_timeout=timedelta(seconds=self.quorum_timeout),
             rank=rank, world_size=world, store_addr=store_addr, store_port=store_port,
             lighthouse_addr=lighthouse, replica_id=None if replica_id is None else str(replica_id))
-        return True
 
     @hookloop.hookimpl
     def setup(self, trainer):
-        """Refuse manual optimization: the quorum and the commit ride the loop's own
-        ``zero_grad`` and ``optimizer_step``."""
+        """Refuse manual optimization (the quorum and the commit ride the loop's own
+        ``zero_grad`` and ``optimizer_step``), then start torchft's Manager."""
         if not trainer.automatic_optimization:
             raise hookloop.ConfigurationError(
                 "the ft plugin needs automatic optimization (it starts torchft's quorum in "
                 "zero_grad and asks should_commit in optimizer_step); set "
                 "self.automatic_optimization = True, or call torchft's Manager yourself")
+        self._start_manager(trainer)
 
     @hookloop.hookimpl
     def teardown(self, trainer):
@@ -258,24 +300,46 @@ class FT(hookloop.TorchDistributed):
 
     # -- model and optimizer ------------------------------------------------------------
 
-    @hookloop.hookimpl
+    @hookloop.hookimpl(wrapper=True)
     def wrap_model(self, trainer, model):
-        """torchft's ``DistributedDataParallel``: gradients averaged within the group, then
-        over the quorum's groups. A group of several processes starts from its rank 0's
-        weights (torchft's wrapper does not broadcast them as torch's does)."""
-        model = model.to(trainer.root_device)
+        """Around the lead's wrapping. Alone: torchft's ``DistributedDataParallel`` on the
+        model the default placed (gradients averaged within the group, then over the
+        quorum's groups); a group of several processes starts from its rank 0's weights
+        (torchft's wrapper does not broadcast them as torch's does). Beside fsdp: the
+        model fsdp sharded, with :meth:`_average_over_groups` as the all-reduce hook of
+        every FSDP2 unit."""
+        placed = yield
+        if not self._leads(trainer):
+            from torch.distributed.fsdp import FSDPModule
+
+            units = [m for m in placed.modules() if isinstance(m, FSDPModule)]
+            if not units:
+                raise hookloop.ConfigurationError(
+                    f"the ft plugin beside {getattr(trainer.strategy, 'hookloop_name', trainer.strategy)!r} found no FSDP2 unit "
+                    f"(fully_shard) in the wrapped model: sharded replica groups are --plugins ft,fsdp")
+            for unit in units:
+                unit.set_all_reduce_hook(self._average_over_groups)
+            return placed
         if trainer.world_size > 1:
-            for tensor in model.state_dict().values():
+            for tensor in placed.state_dict().values():
                 dist.broadcast(tensor, 0)
-        wrapped = _ddp_class()(self.manager, model)
-        self._wrapped = (model, wrapped)
+        wrapped = _ddp_class()(self.manager, placed)
+        self._wrapped = (placed, wrapped)
         return wrapped
+
+    def _average_over_groups(self, gradient: torch.Tensor) -> None:
+        """FSDP2's all-reduce hook: ``gradient`` is this process's shard, averaged over the
+        group by its reduce-scatter; averaged in place over the quorum's groups (the
+        processes of equal group rank). A failure is the Manager's: recorded, and
+        ``should_commit`` then skips the step."""
+        self.manager.allreduce(gradient).wait()
 
     @hookloop.hookimpl
     def accumulation_context(self, model):
-        """No all-reduce on micro-batches that do not step: ``model.no_sync()``."""
+        """No all-reduce on micro-batches that do not step: ``model.no_sync()`` (torchft's
+        DDP); ``None`` beside fsdp, whose own context applies."""
         no_sync = getattr(model, "no_sync", None)
-        return no_sync() if callable(no_sync) else contextlib.nullcontext()
+        return no_sync() if callable(no_sync) else None
 
     # -- the step -----------------------------------------------------------------------
 
@@ -323,18 +387,52 @@ class FT(hookloop.TorchDistributed):
     # -- what a recovering group copies from a live peer ---------------------------------
 
     def _state_dict(self) -> dict[str, Any]:
+        """What a recovering peer copies: this process's own tensors (its shards beside
+        fsdp: a DTensor's local tensor, never a gathered one, since this runs in torchft's
+        threads, outside the group's collectives), its optimizers' state with the entries
+        that were DTensors named, and the schedulers."""
         trainer = self._trainer
+        module = trainer.module
+        optimizers, sharded = [], []
+        for optimizer in trainer.optimizers:
+            saved = optimizer.state_dict()  # its per-parameter dicts are the optimizer's own
+            saved["state"] = {index: {key: _local(value) if isinstance(value, DTensor) else value
+                                      for key, value in entries.items()}
+                              for index, entries in saved["state"].items()}
+            optimizers.append(saved)
+            sharded.append(sorted((index, key) for index, entries in optimizer.state_dict()["state"].items()
+                                  for key, value in entries.items() if isinstance(value, DTensor)))
         return {
-            "module": trainer.module.state_dict(),
-            "optimizers": [optimizer.state_dict() for optimizer in trainer.optimizers],
+            "module": {name: _local(t) for name, t in (*module.named_parameters(), *module.named_buffers())},
+            "optimizers": optimizers,
+            "sharded_optimizer_state": sharded,
             "schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
         }
 
     def _load_state_dict(self, state: dict[str, Any]) -> None:
+        """Copy a peer's :meth:`_state_dict` into this process's tensors in place, and
+        its optimizer state, as DTensors again where they were (on this process's
+        parameters' mesh and placements)."""
         trainer = self._trainer
-        trainer.module.load_state_dict(state["module"])
-        for optimizer, saved in zip(trainer.optimizers, state["optimizers"], strict=True):
+        module = trainer.module
+        with torch.no_grad():
+            for name, tensor in (*module.named_parameters(), *module.named_buffers()):
+                _local(tensor).copy_(state["module"][name])
+        for optimizer, saved, sharded in zip(trainer.optimizers, state["optimizers"],
+                                             state["sharded_optimizer_state"], strict=True):
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            for index, key in sharded:
+                param, local = params[index], saved["state"][index][key]
+                saved["state"][index][key] = DTensor.from_local(
+                    local.to(_local(param).device), param.device_mesh, param.placements, run_check=False,
+                    shape=param.shape, stride=param.stride())
             optimizer.load_state_dict(saved)
         for config, saved in zip(trainer.lr_scheduler_configs, state["schedulers"], strict=True):
             config.scheduler.load_state_dict(saved)
         self.recoveries.append((self.manager.current_step(), round(time.perf_counter() - self._quorum_started, 3)))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, or ``tensor`` itself, detached: the same storage (it may
+    be called outside ``no_grad``, in torchft's threads)."""
+    return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach()
