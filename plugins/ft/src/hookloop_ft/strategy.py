@@ -112,7 +112,9 @@ class FT(hookloop.TorchDistributed):
 
     A group is one process, or several started by one launcher (``--devices N``): they
     share the group's data (distributed samplers over the group) and all-reduce within it
-    before the groups do. Every group must have as many processes.
+    before the groups do. Every group must have as many processes. Beside fsdp
+    (``--plugins ft,fsdp``) the group's processes hold shards instead (HSDP; the module's
+    docstring says how).
 
     Options (constructor arguments, or ``--plugin-option ft.NAME=VALUE``):
 
