@@ -333,3 +333,30 @@ def test_a_strategy_without_a_one_process_reference_supplies_its_own(site, tmp_p
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "SKIPPED" not in proc.stdout and " passed" in proc.stdout, proc.stdout
+
+
+UNDER_RAY = textwrap.dedent('''
+    from hookloop.testing import StrategyConformance
+    from hl_every_two import every_two_reference
+
+
+    class TestEveryTwoUnderRay(StrategyConformance):
+        plugin = "every_two,ray"  # the third party's strategy under the ray launcher: no combined class
+        reference = staticmethod(every_two_reference)
+        resume_at = 12
+''')
+
+
+@pytest.mark.full
+def test_a_third_party_strategy_composes_with_the_ray_launcher(site, tmp_path):
+    """The DiLoCo-like strategy above under hookloop-ray (a local Ray cluster, ~70 s): the
+    strategy suite passes as under torchrun, against the strategy's own reference."""
+    install_fake_distribution(site, "hookloop-every-two", {"every_two": "hl_every_two:EveryTwo"},
+                              {"hl_every_two": EVERY_TWO}, requires=["hookloop-ddp"])
+    (tmp_path / "test_every_two_ray.py").write_text(UNDER_RAY)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOOKLOOP_")}
+    env["PYTHONPATH"] = str(site)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfs",
+                           "test_every_two_ray.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "10 passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout
