@@ -19,6 +19,11 @@ What changes with the world size is the batch, by the policy ``elastic_batch``
 
 Global rank 0 states the policy at fit start and every world-size change at a resume.
 
+A launcher that places worker processes itself (hookloop-ray's ``num_workers=(MIN, MAX)``)
+says "this job is elastic over MIN..MAX workers" in each worker's environment,
+:data:`WORKERS_ENV` (``"MIN:MAX"``); the unit of the range is then one worker process, not
+a node, and the same policy applies (:func:`elastic_range`).
+
 Layer: beside :mod:`hookloop.engine.settings` (it checks settings), importing nothing of
 the core above :mod:`hookloop.contract.errors`; the engine gives it the numbers.
 """
@@ -35,6 +40,11 @@ POLICIES = ("global", "per-device")
 #: torchrun's own example of an elastic job restarts at most 3 times
 #: (docs.pytorch.org/docs/stable/elastic/run.html, "Elastic")
 ELASTIC_MAX_RESTARTS = 3
+#: set by a launcher that places worker processes itself (hookloop-ray) in every worker of
+#: an elastic job: "MIN:MAX", the range of the job's worker count (docs/environment.md)
+WORKERS_ENV = "HOOKLOOP_ELASTIC_WORKERS"
+
+
 def parse_nodes(value: Any) -> tuple[int, int]:
     """``(MIN, MAX)`` of ``nodes``: an integer N is ``(N, N)``, ``"MIN:MAX"`` a range, as
     torchrun's ``--nnodes``. Raises ``ConfigurationError`` naming what is wrong."""
@@ -99,6 +109,25 @@ def check_elastic_settings(config: Any) -> None:
 def is_elastic(config: Any) -> bool:
     """Whether ``config`` (validated) asks for a range of nodes."""
     return config.min_nodes is not None and config.min_nodes < config.nodes
+
+
+def elastic_range(config: Any, launched_with: str | None) -> tuple[int, int, str] | None:
+    """``(MIN, MAX, unit)`` of an elastic job, ``None`` for a fixed one. ``launched_with``
+    is :data:`WORKERS_ENV` of a worker its launcher started (``None`` elsewhere): a range
+    of worker processes (``unit`` ``"workers"``), which wins over ``config``'s range of
+    nodes (``"nodes"``): the launcher placed the workers. A malformed value names the
+    variable."""
+    if launched_with:
+        parts = launched_with.split(":")
+        if len(parts) != 2 or not all(p.isdigit() for p in parts) or not 1 <= int(parts[0]) <= int(parts[1]):
+            raise ConfigurationError(
+                f"{WORKERS_ENV}={launched_with!r} must be 'MIN:MAX' with 1 <= MIN <= MAX; it is set by the "
+                "launcher that placed this worker (hookloop-ray's num_workers=(MIN, MAX)), not by hand")
+        low, high = int(parts[0]), int(parts[1])
+        return (low, high, "workers") if low < high else None
+    if is_elastic(config):
+        return config.min_nodes, config.nodes, "nodes"
+    return None
 
 
 def rendezvous_options(config: Any) -> dict[str, str]:
