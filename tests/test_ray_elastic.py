@@ -77,7 +77,7 @@ def test_a_malformed_worker_range_in_a_worker_names_the_variable():
 
     config = hookloop.TrainerConfig()
     config.validate()
-    assert elastic_range(config, "1:2") == (1, 2, "workers")
+    assert elastic_range(config, "1:2") == (1, 2, "worker")
     assert elastic_range(config, "2:2") is None and elastic_range(config, None) is None
     with pytest.raises(hookloop.ConfigurationError, match="HOOKLOOP_ELASTIC_WORKERS='2:1' must be 'MIN:MAX'"):
         elastic_range(config, "2:1")
@@ -101,6 +101,17 @@ def test_a_worker_of_an_elastic_ray_job_plans_its_batch_by_the_policy(monkeypatc
     trainer = _fit_alone_in_an_elastic_job(monkeypatch, tmp_path, elastic_batch=policy)
     assert (trainer.config.min_nodes, trainer.accumulate_grad_batches, trainer.global_step) == (None, accumulate, 2)
     assert f"hookloop: elastic job on 1 of 1:2 workers, {line}" in capsys.readouterr().out
+
+
+def test_a_worker_range_whose_sizes_cannot_split_the_global_batch_is_refused_in_workers(monkeypatch, tmp_path):
+    from test_elastic import _fit_alone_in_an_elastic_job
+
+    # 4 per device on 3 workers: 12 samples a step, which 2 workers (8 a batch) cannot split
+    monkeypatch.setenv("HOOKLOOP_ELASTIC_WORKERS", "1:3")
+    monkeypatch.setenv("HOOKLOOP_LAUNCHER_PID", str(os.getppid()))
+    with pytest.raises(hookloop.ConfigurationError,
+                       match=r"global batch of 12 samples on 1 to 3 workers.*on 2 workers \(8 samples.*a worker range"):
+        _fit_alone_in_an_elastic_job(monkeypatch, tmp_path)
 
 
 def test_the_variable_is_ignored_outside_a_launched_worker(monkeypatch, tmp_path, capsys):

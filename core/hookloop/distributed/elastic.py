@@ -114,8 +114,8 @@ def is_elastic(config: Any) -> bool:
 def elastic_range(config: Any, launched_with: str | None) -> tuple[int, int, str] | None:
     """``(MIN, MAX, unit)`` of an elastic job, ``None`` for a fixed one. ``launched_with``
     is :data:`WORKERS_ENV` of a worker its launcher started (``None`` elsewhere): a range
-    of worker processes (``unit`` ``"workers"``), which wins over ``config``'s range of
-    nodes (``"nodes"``): the launcher placed the workers. A malformed value names the
+    of worker processes (``unit`` ``"worker"``), which wins over ``config``'s range of
+    nodes (``"node"``): the launcher placed the workers. A malformed value names the
     variable."""
     if launched_with:
         parts = launched_with.split(":")
@@ -124,9 +124,9 @@ def elastic_range(config: Any, launched_with: str | None) -> tuple[int, int, str
                 f"{WORKERS_ENV}={launched_with!r} must be 'MIN:MAX' with 1 <= MIN <= MAX; it is set by the "
                 "launcher that placed this worker (hookloop-ray's num_workers=(MIN, MAX)), not by hand")
         low, high = int(parts[0]), int(parts[1])
-        return (low, high, "workers") if low < high else None
+        return (low, high, "worker") if low < high else None
     if is_elastic(config):
-        return config.min_nodes, config.nodes, "nodes"
+        return config.min_nodes, config.nodes, "node"
     return None
 
 
@@ -173,9 +173,10 @@ class BatchPlan:
 
 
 def plan_batch(policy: str, per_device: int | None, replicas: int, nodes_now: int, node_range: tuple[int, int],
-               accumulate: int, global_batch_size: int | None) -> BatchPlan:
+               accumulate: int, global_batch_size: int | None, unit: str = "node") -> BatchPlan:
     """The accumulation of an elastic job's process with ``replicas`` data-parallel
-    processes on ``nodes_now`` nodes (of ``node_range``), by ``policy``.
+    processes on ``nodes_now`` nodes (of ``node_range``), by ``policy``. ``unit`` names
+    what the range counts in the errors (``"worker"``: a launcher's range of processes).
 
     ``"global"``: the global batch is ``global_batch_size``, else ``per_device x
     accumulate x`` the data-parallel processes on ``MAX`` nodes; refused unless
@@ -193,19 +194,19 @@ def plan_batch(policy: str, per_device: int | None, replicas: int, nodes_now: in
             "batch_size): give DataLoader(batch_size=...), or elastic_batch='per-device'")
     if replicas % nodes_now:
         raise ConfigurationError(
-            f"an elastic job needs the same number of data-parallel processes on every node, and "
-            f"{replicas} process(es) on {nodes_now} node(s) are not")
+            f"an elastic job needs the same number of data-parallel processes on every {unit}, and "
+            f"{replicas} process(es) on {nodes_now} {unit}(s) are not")
     per_node = replicas // nodes_now
     wanted = global_batch_size if global_batch_size is not None else per_device * accumulate * per_node * high
     bad = [n for n in range(low, high + 1) if wanted % (per_device * per_node * n)]
     if bad:
-        sizes = ", ".join(f"{n} node{'s' if n > 1 else ''} ({per_device * per_node * n} samples per batch)"
+        sizes = ", ".join(f"{n} {unit}{'s' if n > 1 else ''} ({per_device * per_node * n} samples per batch)"
                           for n in bad)
         fits = per_device * per_node * _lcm_range(low, high)
         raise ConfigurationError(
-            f"elastic_batch='global' keeps a global batch of {wanted} samples on {low} to {high} nodes, and "
+            f"elastic_batch='global' keeps a global batch of {wanted} samples on {low} to {high} {unit}s, and "
             f"it does not divide into whole accumulated batches on {sizes}: give a global_batch_size "
-            f"that is a multiple of {fits}, a node range whose sizes divide {wanted}, or "
+            f"that is a multiple of {fits}, a {unit} range whose sizes divide {wanted}, or "
             "elastic_batch='per-device' (the global batch then follows the world size)")
     return BatchPlan(policy, per_device, replicas, wanted // (per_device * replicas), wanted)
 

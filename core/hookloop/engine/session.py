@@ -541,7 +541,7 @@ def _plan_elastic_batch(trainer) -> None:
         return
     low, high, unit = found
     replicas = data_parallel_rank(trainer)[0]
-    if unit == "workers":  # one process per worker: the launcher's count is the world size
+    if unit == "worker":  # one process per worker: the launcher's count is the world size
         now = trainer.world_size
     else:
         per_node = max(1, config.num_processes())
@@ -551,13 +551,13 @@ def _plan_elastic_batch(trainer) -> None:
     if config.global_batch_size is not None:
         base = trainer.accumulate_grad_batches  # _accumulate_for_global_batch's, for this world
     plan = plan_batch(config.elastic_batch, _per_device_batch(trainer.train_dataloader), replicas,
-                      now, (low, high), base, config.global_batch_size)
+                      now, (low, high), base, config.global_batch_size, unit=unit)
     trainer.accumulate_grad_batches = plan.accumulate
     if trainer.global_rank == 0:
         kept = ("the global batch is kept, the accumulation follows the world size"
                 if plan.policy == "global"
                 else "each process's batch is kept, the global batch follows the world size")
-        print(f"hookloop: elastic job on {now} of {low}:{high} {unit}, "
+        print(f"hookloop: elastic job on {now} of {low}:{high} {unit}s, "
               f"elastic_batch={plan.policy!r} ({kept}): global batch {plan.describe()}", flush=True)
 
 
