@@ -9,7 +9,9 @@ global batch of 8, ``last.ckpt`` every step) under ``hookloop run --plugins ddp,
 holds at step 6 until the test adds a node back, and the launcher, seeing that 2 workers
 can be placed again, stops it at the step boundary (SIGTERM) and grows back to 2 workers,
 which finish. With ``elastic_batch='global'`` the final weights equal a one-process loop
-over the same global batches. The rest checks the option's ranges in process.
+over the same global batches. A function-mode fit with a range on a local cluster that
+holds MAX runs on MAX. The rest checks the option's ranges and a worker's batch plan in
+process.
 """
 
 from __future__ import annotations
@@ -221,3 +223,22 @@ def test_a_job_loses_a_node_goes_on_with_one_worker_and_grows_back(tmp_path):
     difference = max(float((final[k] - reference[k]).abs().max()) for k in reference)
     print(f"final weights vs one process over the same global batches: {difference:.3g}")
     assert difference < 1e-5
+
+
+@pytest.mark.full
+def test_function_mode_with_a_range_runs_on_max_where_the_cluster_holds_it(tmp_path):
+    """Trainer(plugins=["ddp", ray(num_workers="1:2")]).fit() in a plain process, on a local
+    cluster that holds 2 workers: 2 workers, the plan stated. Full: a local Ray cluster
+    and two interpreters (about 30 s)."""
+    script = REPO / "tests" / "scripts" / "ray_job.py"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "HOOKLOOP_", "RAY_"))}
+    env["PYTHONPATH"] = str(REPO / "tests" / "scripts")
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), "--plugins", "ddp,ray", "--ray-option",
+                           "num_workers=1:2"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-6000:]
+    assert "hookloop-ray: attempt 0 on 2 of 1:2 workers" in text
+    assert "hookloop: elastic job on 2 of 1:2 workers, elastic_batch='global'" in text
+    assert "global batch 16 = 8 per device x 2 data-parallel processes x 1 accumulated batch" in text
+    assert sorted(p.name for p in tmp_path.glob("place.rank*")) == ["place.rank0", "place.rank1"]
+    assert (tmp_path / "weights.pt").exists()
