@@ -21,6 +21,11 @@ world size trains the same global batches: optimizer step s covers samples
 Every worker appends ``global_step world_size attempt accumulate node`` for each optimizer
 step it takes to ``OUT/steps.<node>``; global rank 0 saves the final weights to
 ``OUT/weights.pt``.
+
+Under hookloop-ray (tests/test_ray_elastic.py), whose workers get none of these variables
+from the caller, they come as ``KEY=VALUE`` arguments after ``OUT``, and
+``ELASTIC_LEAVE_RANK=R`` makes only global rank R leave; a worker's node is then named
+``rank<R>``.
 """
 
 from __future__ import annotations
@@ -43,9 +48,11 @@ faulthandler.enable()
 faulthandler.dump_traceback_later(150, exit=True)  # a hang fails the test with the stacks
 
 OUT = Path(sys.argv[1])
-NODE = os.environ.get("ELASTIC_NODE", "?")
-LEAVE_AT = int(os.environ.get("ELASTIC_LEAVE_AT", "0"))
-HOLD_AT = int(os.environ.get("ELASTIC_HOLD_AT", "0"))
+SETTINGS = {**os.environ, **dict(arg.split("=", 1) for arg in sys.argv[2:])}
+NODE = SETTINGS.get("ELASTIC_NODE") or f"rank{os.environ.get('RANK', '0')}"
+LEAVE_AT = int(SETTINGS.get("ELASTIC_LEAVE_AT", "0"))
+LEAVE_RANK = SETTINGS.get("ELASTIC_LEAVE_RANK")
+HOLD_AT = int(SETTINGS.get("ELASTIC_HOLD_AT", "0"))
 ATTEMPT = int(os.environ.get("HOOKLOOP_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
 GLOBAL, MICRO, STEPS = 8, 2, 12
 STOPPING = {"term": False}
@@ -92,7 +99,9 @@ class Net(hookloop.Module):
 
     def on_train_batch_start(self, batch, batch_idx):
         trainer = self.trainer
-        if LEAVE_AT and ATTEMPT == 0 and trainer.global_step == LEAVE_AT and batch_idx % trainer.accumulate_grad_batches == 0:
+        leaving = LEAVE_RANK is None or int(LEAVE_RANK) == trainer.global_rank
+        if (LEAVE_AT and leaving and ATTEMPT == 0 and trainer.global_step == LEAVE_AT
+                and batch_idx % trainer.accumulate_grad_batches == 0):
             (OUT / "leaving").write_text(f"{os.getpid()}\n")
             time.sleep(120)  # the test kills this node meanwhile
 

@@ -19,6 +19,11 @@ What changes with the world size is the batch, by the policy ``elastic_batch``
 
 Global rank 0 states the policy at fit start and every world-size change at a resume.
 
+A launcher that places worker processes itself (hookloop-ray's ``num_workers=(MIN, MAX)``)
+says "this job is elastic over MIN..MAX workers" in each worker's environment,
+:data:`WORKERS_ENV` (``"MIN:MAX"``); the unit of the range is then one worker process, not
+a node, and the same policy applies (:func:`elastic_range`).
+
 Layer: beside :mod:`hookloop.engine.settings` (it checks settings), importing nothing of
 the core above :mod:`hookloop.contract.errors`; the engine gives it the numbers.
 """
@@ -35,6 +40,11 @@ POLICIES = ("global", "per-device")
 #: torchrun's own example of an elastic job restarts at most 3 times
 #: (docs.pytorch.org/docs/stable/elastic/run.html, "Elastic")
 ELASTIC_MAX_RESTARTS = 3
+#: set by a launcher that places worker processes itself (hookloop-ray) in every worker of
+#: an elastic job: "MIN:MAX", the range of the job's worker count (docs/environment.md)
+WORKERS_ENV = "HOOKLOOP_ELASTIC_WORKERS"
+
+
 def parse_nodes(value: Any) -> tuple[int, int]:
     """``(MIN, MAX)`` of ``nodes``: an integer N is ``(N, N)``, ``"MIN:MAX"`` a range, as
     torchrun's ``--nnodes``. Raises ``ConfigurationError`` naming what is wrong."""
@@ -101,6 +111,25 @@ def is_elastic(config: Any) -> bool:
     return config.min_nodes is not None and config.min_nodes < config.nodes
 
 
+def elastic_range(config: Any, launched_with: str | None) -> tuple[int, int, str] | None:
+    """``(MIN, MAX, unit)`` of an elastic job, ``None`` for a fixed one. ``launched_with``
+    is :data:`WORKERS_ENV` of a worker its launcher started (``None`` elsewhere): a range
+    of worker processes (``unit`` ``"worker"``), which wins over ``config``'s range of
+    nodes (``"node"``): the launcher placed the workers. A malformed value names the
+    variable."""
+    if launched_with:
+        parts = launched_with.split(":")
+        if len(parts) != 2 or not all(p.isdigit() for p in parts) or not 1 <= int(parts[0]) <= int(parts[1]):
+            raise ConfigurationError(
+                f"{WORKERS_ENV}={launched_with!r} must be 'MIN:MAX' with 1 <= MIN <= MAX; it is set by the "
+                "launcher that placed this worker (hookloop-ray's num_workers=(MIN, MAX)), not by hand")
+        low, high = int(parts[0]), int(parts[1])
+        return (low, high, "worker") if low < high else None
+    if is_elastic(config):
+        return config.min_nodes, config.nodes, "node"
+    return None
+
+
 def rendezvous_options(config: Any) -> dict[str, str]:
     """``rdzv_conf`` (``"join_timeout=60,last_call_timeout=5"``) as a dict; refused unless
     it is ``KEY=VALUE`` pairs, without ``is_host`` (hookloop sets it from ``node_rank``)."""
@@ -144,9 +173,10 @@ class BatchPlan:
 
 
 def plan_batch(policy: str, per_device: int | None, replicas: int, nodes_now: int, node_range: tuple[int, int],
-               accumulate: int, global_batch_size: int | None) -> BatchPlan:
+               accumulate: int, global_batch_size: int | None, unit: str = "node") -> BatchPlan:
     """The accumulation of an elastic job's process with ``replicas`` data-parallel
-    processes on ``nodes_now`` nodes (of ``node_range``), by ``policy``.
+    processes on ``nodes_now`` nodes (of ``node_range``), by ``policy``. ``unit`` names
+    what the range counts in the errors (``"worker"``: a launcher's range of processes).
 
     ``"global"``: the global batch is ``global_batch_size``, else ``per_device x
     accumulate x`` the data-parallel processes on ``MAX`` nodes; refused unless
@@ -164,19 +194,19 @@ def plan_batch(policy: str, per_device: int | None, replicas: int, nodes_now: in
             "batch_size): give DataLoader(batch_size=...), or elastic_batch='per-device'")
     if replicas % nodes_now:
         raise ConfigurationError(
-            f"an elastic job needs the same number of data-parallel processes on every node, and "
-            f"{replicas} process(es) on {nodes_now} node(s) are not")
+            f"an elastic job needs the same number of data-parallel processes on every {unit}, and "
+            f"{replicas} process(es) on {nodes_now} {unit}(s) are not")
     per_node = replicas // nodes_now
     wanted = global_batch_size if global_batch_size is not None else per_device * accumulate * per_node * high
     bad = [n for n in range(low, high + 1) if wanted % (per_device * per_node * n)]
     if bad:
-        sizes = ", ".join(f"{n} node{'s' if n > 1 else ''} ({per_device * per_node * n} samples per batch)"
+        sizes = ", ".join(f"{n} {unit}{'s' if n > 1 else ''} ({per_device * per_node * n} samples per batch)"
                           for n in bad)
         fits = per_device * per_node * _lcm_range(low, high)
         raise ConfigurationError(
-            f"elastic_batch='global' keeps a global batch of {wanted} samples on {low} to {high} nodes, and "
+            f"elastic_batch='global' keeps a global batch of {wanted} samples on {low} to {high} {unit}s, and "
             f"it does not divide into whole accumulated batches on {sizes}: give a global_batch_size "
-            f"that is a multiple of {fits}, a node range whose sizes divide {wanted}, or "
+            f"that is a multiple of {fits}, a {unit} range whose sizes divide {wanted}, or "
             "elastic_batch='per-device' (the global batch then follows the world size)")
     return BatchPlan(policy, per_device, replicas, wanted // (per_device * replicas), wanted)
 

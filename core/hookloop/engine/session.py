@@ -19,6 +19,7 @@ tell them from the user's.
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -37,9 +38,9 @@ from hookloop.contract.errors import ConfigurationError
 from hookloop.contract.hookspecs import MODULE_HOOKS, hookimpl
 from hookloop.dispatch import resolve_events
 from hookloop.distributed import faults
-from hookloop.distributed.elastic import is_elastic, plan_batch
+from hookloop.distributed.elastic import WORKERS_ENV, elastic_range, plan_batch
 from hookloop.distributed.mesh import build_device_mesh
-from hookloop.distributed.ranks import env_int, rank_zero_only, rank_zero_warn
+from hookloop.distributed.ranks import env_int, launched_by_hookloop, rank_zero_only, rank_zero_warn
 from hookloop.distributed.strategy import data_parallel_rank
 from hookloop.engine import loop
 from hookloop.engine.loop import _per_device_batch, batch_limit
@@ -531,26 +532,32 @@ def _accumulate_for_global_batch(trainer) -> None:
 def _plan_elastic_batch(trainer) -> None:
     """An elastic job's accumulation at this world size, by its ``elastic_batch`` policy
     (:func:`hookloop.distributed.elastic.plan_batch`; refused at start when the global
-    batch does not divide on some node count of the range); global rank 0 states the
-    policy and the batch."""
+    batch does not divide on some size of the range); global rank 0 states the policy
+    and the batch. The range is ``config``'s nodes, or the worker processes of a launcher
+    that places them itself (``HOOKLOOP_ELASTIC_WORKERS``, honoured only in its workers)."""
     config = trainer.config
-    if not is_elastic(config):
+    found = elastic_range(config, os.environ.get(WORKERS_ENV) if launched_by_hookloop() else None)
+    if found is None:
         return
+    low, high, unit = found
     replicas = data_parallel_rank(trainer)[0]
-    per_node = max(1, config.num_processes())
-    nodes_now = env_int("GROUP_WORLD_SIZE") or max(1, trainer.world_size // per_node)
+    if unit == "worker":  # one process per worker: the launcher's count is the world size
+        now = trainer.world_size
+    else:
+        per_node = max(1, config.num_processes())
+        now = env_int("GROUP_WORLD_SIZE") or max(1, trainer.world_size // per_node)
     settings = getattr(trainer, "settings", None)
     base = getattr(settings, "accumulate_grad_batches", None) or 1
     if config.global_batch_size is not None:
         base = trainer.accumulate_grad_batches  # _accumulate_for_global_batch's, for this world
     plan = plan_batch(config.elastic_batch, _per_device_batch(trainer.train_dataloader), replicas,
-                      nodes_now, (config.min_nodes, config.nodes), base, config.global_batch_size)
+                      now, (low, high), base, config.global_batch_size, unit=unit)
     trainer.accumulate_grad_batches = plan.accumulate
     if trainer.global_rank == 0:
         kept = ("the global batch is kept, the accumulation follows the world size"
                 if plan.policy == "global"
                 else "each process's batch is kept, the global batch follows the world size")
-        print(f"hookloop: elastic job on {nodes_now} of {config.min_nodes}:{config.nodes} nodes, "
+        print(f"hookloop: elastic job on {now} of {low}:{high} {unit}s, "
               f"elastic_batch={plan.policy!r} ({kept}): global batch {plan.describe()}", flush=True)
 
 

@@ -10,13 +10,14 @@ Layer: above :mod:`hookloop.loop`; below the session and the trainer.
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 from typing import Any
 
 from hookloop.resume import checkpoint as ckpt
 from hookloop.resume import loader_state
-from hookloop.distributed.elastic import is_elastic
+from hookloop.distributed.elastic import WORKERS_ENV, is_elastic
 from hookloop.distributed.strategy import data_parallel_rank
 from hookloop.contract.errors import CheckpointError, ConfigurationError
 from hookloop.helpers import apply_to_tensors, gather_per_rank, own_entry
@@ -313,7 +314,8 @@ def _adapt_position(trainer, loop: dict, train_loader: Any) -> None:
         procs = f"{world} process{'es' if world != 1 else ''} x {acc} accumulated batch{'es' if acc != 1 else ''}"
         return f"{int(batch) * world * acc} ({batch} per device x {procs})" if batch else f"(batches) x {procs}"
 
-    policy = f" (elastic_batch={trainer.config.elastic_batch!r})" if is_elastic(trainer.config) else ""
+    elastic = is_elastic(trainer.config) or bool(os.environ.get(WORKERS_ENV))  # a launcher's range of workers
+    policy = f" (elastic_batch={trainer.config.elastic_batch!r})" if elastic else ""
     trainer.print(f"hookloop: resuming a checkpoint of {old_world} processes on {new_world}: effective batch size "
                   f"{effective(old_world, old_batch, old_acc)} -> {effective(new_world, new_batch, new_acc)}"
                   f"{policy}; {position}", flush=True)

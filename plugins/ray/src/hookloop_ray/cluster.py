@@ -18,6 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import hookloop
+from hookloop.distributed.elastic import WORKERS_ENV
+
+#: an elastic job's worker range, "MIN:MAX", in every worker: the core plans the batch by
+#: the Trainer's elastic_batch policy for it (docs/environment.md)
+ELASTIC_ENV = WORKERS_ENV
 
 #: the variables of the caller's environment that reach every worker (hookloop's own
 #: settings, the samplers' seed, where Python finds the user's code); the worker's place
@@ -26,9 +31,12 @@ FORWARDED_PREFIXES = ("HOOKLOOP_", "PL_", "TORCH_", "NCCL_", "GLOO_")
 FORWARDED = ("PYTHONPATH", "OMP_NUM_THREADS")
 #: set per worker, never forwarded from the caller
 PER_WORKER = ("HOOKLOOP_WORKER", "HOOKLOOP_ATTEMPT", "HOOKLOOP_RUN_TOKEN", "HOOKLOOP_LAUNCHER_PID",
-              "HOOKLOOP_RAY_WORKER")
+              "HOOKLOOP_RAY_WORKER", ELASTIC_ENV)
 #: marks a process a Ray actor of hookloop-ray started (the shared-storage check runs there)
 WORKER_ENV = "HOOKLOOP_RAY_WORKER"
+#: how long an elastic job tries to place more than MIN workers before it tries fewer
+#: (MIN itself waits placement_timeout)
+PROBE_SECONDS = 2.0
 
 
 def import_ray() -> Any:
@@ -50,7 +58,10 @@ class Options:
     receives them as JSON)."""
 
     address: str | None = None
+    #: the most workers (MAX of an elastic job)
     num_workers: int = 1
+    #: the fewest workers of an elastic job (``num_workers=(MIN, MAX)``); None: a fixed count
+    min_workers: int | None = None
     resources_per_worker: dict = field(default_factory=lambda: {"CPU": 1})
     placement_strategy: str = "PACK"
     max_failures: int = 0
@@ -154,10 +165,17 @@ def _describe_nodes(nodes: list[dict]) -> str:
     return "; ".join(shown) or "no live node"
 
 
-def check_resources(ray: Any, options: Options) -> None:
-    """Refuse at once what the cluster can never hold, naming what it has."""
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
-    bundle, n = options.resources_per_worker, options.num_workers
+def _capacity(nodes: list[dict], bundle: dict) -> int:
+    """How many bundles the nodes hold in all (their total resources)."""
+    return sum(min(int(node["Resources"].get(k, 0) // v) for k, v in bundle.items() if v)
+               for node in nodes if _fits(bundle, node["Resources"]))
+
+
+def check_resources(ray: Any, options: Options, n: int | None = None) -> None:
+    """Refuse at once what the cluster can never hold (``n`` workers, default
+    ``num_workers``), naming what it has."""
+    nodes = [node for node in ray.nodes() if node.get("Alive")]
+    bundle, n = options.resources_per_worker, options.num_workers if n is None else n
     fitting = [node for node in nodes if _fits(bundle, node["Resources"])]
     asked = f"num_workers={n} x resources_per_worker={bundle}"
     has = f"the cluster has: {_describe_nodes(nodes)}"
@@ -167,7 +185,7 @@ def check_resources(ray: Any, options: Options) -> None:
             f"the ray plugin cannot place {asked}: no node has {', '.join(f'{k}={bundle[k]}' for k in missing)} "
             f"for one worker; {has}. Ask for less per worker (ray.resources_per_worker), or add nodes "
             f"that have it")
-    capacity = sum(min(int(node["Resources"].get(k, 0) // v) for k, v in bundle.items() if v) for node in fitting)
+    capacity = _capacity(nodes, bundle)
     strict_spread = options.placement_strategy == "STRICT_SPREAD"
     if strict_spread and len(fitting) < n:
         raise hookloop.ConfigurationError(
@@ -192,16 +210,51 @@ def placement_group(ray: Any, options: Options) -> Any:
     return group
 
 
-def wait_ready(ray: Any, group: Any, options: Options) -> None:
+def wait_ready(ray: Any, group: Any, options: Options, n: int | None = None) -> None:
     ready, _ = ray.wait([group.ready()], timeout=options.placement_timeout)
     if not ready:
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         raise hookloop.ConfigurationError(
-            f"the ray plugin could not place num_workers={options.num_workers} x "
+            f"the ray plugin could not place num_workers={options.num_workers if n is None else n} x "
             f"{options.resources_per_worker} ({options.placement_strategy}) within "
             f"{options.placement_timeout:g} s: other jobs hold the resources, or a node is gone. "
             f"Available now: {ray.available_resources()}; nodes: {_describe_nodes(nodes)}. "
             f"Wait longer (ray.placement_timeout) or ask for less")
+
+
+def elastic_placement_group(ray: Any, options: Options) -> tuple[Any, int]:
+    """An elastic job's placement group and its size: as many workers as the cluster can
+    place now, from ``num_workers`` (MAX) down to ``min_workers`` (MIN). Each size above
+    MIN gets :data:`PROBE_SECONDS`; MIN waits ``placement_timeout``, then the job is
+    refused, naming what the cluster has. Sizes the live nodes cannot hold are not tried."""
+    from ray.util.placement_group import placement_group as make
+    from ray.util.placement_group import remove_placement_group
+
+    low, high = options.min_workers or options.num_workers, options.num_workers
+    check_resources(ray, options, low)
+    bundle = dict(options.resources_per_worker)
+    alive = [node for node in ray.nodes() if node.get("Alive")]
+    start = max(low, min(high, _capacity(alive, bundle)))
+    for n in range(start, low - 1, -1):
+        group = make([bundle] * n, strategy=options.placement_strategy)
+        if n == low:
+            wait_ready(ray, group, options, n)
+            return group, n
+        ready, _ = ray.wait([group.ready()], timeout=PROBE_SECONDS)
+        if ready:
+            return group, n
+        remove_placement_group(group)
+    raise AssertionError("unreachable")
+
+
+def growth_probe(ray: Any, options: Options, running: int) -> Any:
+    """A placement group of the ``num_workers - running`` workers an elastic job lacks:
+    pending until the cluster can hold them beside the running ones (Ray places it as
+    soon as resources appear), ready when the job can grow back to MAX."""
+    from ray.util.placement_group import placement_group as make
+
+    return make([dict(options.resources_per_worker)] * (options.num_workers - running),
+                strategy=options.placement_strategy)
 
 
 @dataclass
@@ -272,7 +325,7 @@ class WorkerFailed(Exception):
         self.report = report
 
 
-def _start_actors(ray: Any, group: Any, options: Options) -> list[Place]:
+def _start_actors(ray: Any, group: Any, options: Options, n: int | None = None) -> list[Place]:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from hookloop_ray.worker import Worker
@@ -282,18 +335,26 @@ def _start_actors(ray: Any, group: Any, options: Options) -> list[Place]:
     actors = [
         ray.remote(Worker).options(
             num_cpus=cpus, num_gpus=gpus, resources=resources or None, max_restarts=0,
+            max_concurrency=2,  # stop() beside the running run()
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group,
                                                                  placement_group_bundle_index=i),
         ).remote()
-        for i in range(options.num_workers)
+        for i in range(options.num_workers if n is None else n)
     ]
     where = ray.get([a.where.remote() for a in actors])
     return [Place(actor=a, bundle=i, node_id=w["node_id"], address=w["address"], gpu_ids=w["gpu_ids"])
             for i, (a, w) in enumerate(zip(actors, where, strict=True))]
 
 
-def _attempt(ray: Any, places: list[Place], job: Job, attempt: int, token: str) -> dict:
-    """Run one attempt to its end; the first failure ends it (the other actors are killed)."""
+#: how a worker that was asked to stop for a growth ends: hookloop's checkpoint-and-stop
+#: at a step boundary (128 + SIGTERM), or SIGTERM itself before or after fit's handler
+STOPPED = (143, -15)
+
+
+def _attempt(ray: Any, places: list[Place], job: Job, attempt: int, token: str, probe: Any = None) -> dict | None:
+    """Run one attempt to its end; the first failure ends it (the other actors are killed).
+    Returns rank 0's report, or ``None`` when ``probe`` (:func:`growth_probe`) became ready
+    and every worker stopped at a step boundary for the job to grow back."""
     ranked = assign_ranks(places, ray.get_runtime_context().get_node_id())
     master = (ranked[0].address, ray.get(ranked[0].actor.free_port.remote()))
     payload = ray.put(job.payload) if job.payload is not None else None
@@ -301,9 +362,19 @@ def _attempt(ray: Any, places: list[Place], job: Job, attempt: int, token: str) 
     for place in ranked:
         env = {**job.env, **worker_environment(place, ranked, master, attempt, token)}
         refs[place.actor.run.remote(job.args, env, job.cwd, payload)] = place
-    pending, result, failure = list(refs), None, None
+    pending, result, failure, stopping = list(refs), None, None, False
+    probe_ref = probe.ready() if probe is not None else None
     while pending and failure is None:
-        done, pending = ray.wait(pending, num_returns=1)
+        done, _ = ray.wait(pending + ([probe_ref] if probe_ref is not None else []), num_returns=1)
+        if done[0] == probe_ref:
+            probe_ref, stopping = None, True
+            print(f"hookloop-ray: the cluster can place {len(ranked) + len(probe.bundle_specs)} workers again: "
+                  f"stopping the {len(ranked)} running at their next step boundary (SIGTERM; they save "
+                  f"last.ckpt) to grow back (not a failure)", file=sys.stderr, flush=True)
+            for place in ranked:
+                place.actor.stop.remote()
+            continue
+        pending.remove(done[0])
         place = refs[done[0]]
         try:
             report = ray.get(done[0])
@@ -311,14 +382,16 @@ def _attempt(ray: Any, places: list[Place], job: Job, attempt: int, token: str) 
             failure = WorkerFailed(f"the actor of rank {place.rank} (node {place.address}) was lost: "
                                    f"{str(exc).splitlines()[0]}")
             continue
-        if report["returncode"] != 0:
+        if report["returncode"] == 0:
+            result = report if place.rank == 0 else result
+        elif not (stopping and report["returncode"] in STOPPED):
             failure = WorkerFailed(_describe_failure(place, report), report)
-        elif place.rank == 0:
-            result = report
     for place in ranked:
         ray.kill(place.actor)  # the survivors of a failed attempt would wait in a collective
     if failure is not None:
         raise failure
+    if stopping and result is None:
+        return None  # stopped to grow (rank 0 had not finished: the next attempt resumes)
     return result or {}
 
 
@@ -332,9 +405,13 @@ def run_job(ray: Any, options: Options, job: Job) -> dict:
     """Place the workers, run ``job`` in them, and restart all of them after a failure (a
     lost actor or node, a worker that failed) up to ``options.max_failures`` times; each
     restart is a new attempt (``HOOKLOOP_ATTEMPT``), which resumes from the run's
-    ``last.ckpt``. Returns rank 0's report (its ``result`` in function mode); raises
-    :class:`WorkerFailed` for the last attempt's first failure."""
+    ``last.ckpt``. An elastic job (``min_workers``) runs each attempt on as many workers
+    as the cluster can place (:func:`run_elastic_job`). Returns rank 0's report (its
+    ``result`` in function mode); raises :class:`WorkerFailed` for the last attempt's
+    first failure."""
     token = os.environ.get("HOOKLOOP_RUN_TOKEN") or hookloop.resume.rundir.run_token()
+    if options.min_workers is not None and options.min_workers < options.num_workers:
+        return run_elastic_job(ray, options, job, token)
     group = placement_group(ray, options)
     try:
         for attempt in range(options.max_failures + 1):
@@ -346,12 +423,52 @@ def run_job(ray: Any, options: Options, job: Job) -> dict:
             except WorkerFailed as failure:
                 if attempt == options.max_failures:
                     raise
-                print(f"hookloop-ray: attempt {attempt} failed: {failure}; restarting every worker "
-                      f"({attempt + 1} of max_failures={options.max_failures}), from the last checkpoint",
-                      file=sys.stderr, flush=True)
-                time.sleep(0.5)
+                _say_restart(attempt, failure, attempt + 1, options)
     finally:
         from ray.util.placement_group import remove_placement_group
 
         remove_placement_group(group)
     raise AssertionError("unreachable")
+
+
+def _say_restart(attempt: int, failure: WorkerFailed, used: int, options: Options) -> None:
+    print(f"hookloop-ray: attempt {attempt} failed: {failure}; restarting every worker "
+          f"({used} of max_failures={options.max_failures}), from the last checkpoint",
+          file=sys.stderr, flush=True)
+    time.sleep(0.5)
+
+
+def run_elastic_job(ray: Any, options: Options, job: Job, token: str) -> dict:
+    """An elastic job (``num_workers=(MIN, MAX)``): every attempt runs on as many workers
+    as the cluster can place then (:func:`elastic_placement_group`). A failure (a lost
+    actor or node) uses one of ``max_failures`` and the next attempt runs on the workers
+    left (shrink); while an attempt runs on fewer than MAX, a pending
+    :func:`growth_probe` watches the cluster, and when it is placed the workers stop at a
+    step boundary and the next attempt runs on MAX (grow), using no ``max_failures``.
+    Every worker gets ``HOOKLOOP_ELASTIC_WORKERS=MIN:MAX``: the core plans its batch by
+    the Trainer's ``elastic_batch`` policy at each world size."""
+    from ray.util.placement_group import remove_placement_group
+
+    job = Job(args=job.args, env={**job.env, ELASTIC_ENV: f"{options.min_workers}:{options.num_workers}"},
+              cwd=job.cwd, payload=job.payload)
+    failures, attempt = 0, 0
+    while True:
+        group, n = elastic_placement_group(ray, options)
+        probe = growth_probe(ray, options, n) if n < options.num_workers else None
+        print(f"hookloop-ray: attempt {attempt} on {n} of {options.min_workers}:{options.num_workers} workers",
+              file=sys.stderr, flush=True)
+        try:
+            places = _start_actors(ray, group, options, n)
+            report = _attempt(ray, places, job, attempt, token, probe)
+            if report is not None:
+                return report
+        except WorkerFailed as failure:
+            if failures == options.max_failures:
+                raise
+            failures += 1
+            _say_restart(attempt, failure, failures, options)
+        finally:
+            for made in (probe, group):
+                if made is not None:
+                    remove_placement_group(made)
+        attempt += 1

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import hookloop
+from hookloop.distributed.elastic import ELASTIC_MAX_RESTARTS
 
 from .cluster import (
     WORKER_ENV,
@@ -29,6 +30,41 @@ def _check(name: str, ok: bool, what: str, value: Any) -> None:
         raise hookloop.ConfigurationError(f"ray plugin option {name}={value!r} {what}")
 
 
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def worker_range(value: Any) -> tuple[int | None, int | None]:
+    """``(MIN, MAX)`` of ``num_workers``: ``(None, N)`` for a fixed ``N`` (or ``None``),
+    ``(MIN, MAX)`` for ``(MIN, MAX)``, ``[MIN, MAX]`` or ``"MIN:MAX"`` (``(N, N)`` is a
+    fixed ``N``). Refused, with the fix, when it is neither."""
+    text = value.strip() if isinstance(value, str) else None
+    if text is not None and text.isdigit():
+        value = int(text)
+    if value is None or _whole(value):
+        _check("num_workers", value is None or value >= 1,
+               "must be an integer >= 1, (MIN, MAX) or 'MIN:MAX' for an elastic job, or None for devices x nodes",
+               value)
+        return None, value
+    if text is not None:
+        parts = text.split(":")
+        _check("num_workers", len(parts) == 2 and all(p.strip().isdigit() for p in parts),
+               "must be an integer >= 1, or (MIN, MAX) / 'MIN:MAX' for an elastic job (Ray Train's "
+               "ScalingConfig(num_workers=(MIN, MAX))), e.g. num_workers='1:2'", value)
+        pair = tuple(int(p) for p in parts)
+    else:
+        _check("num_workers", isinstance(value, (tuple, list)) and len(value) == 2 and all(_whole(v) for v in value),
+               "must be an integer >= 1, or (MIN, MAX) / 'MIN:MAX' for an elastic job (Ray Train's "
+               "ScalingConfig(num_workers=(MIN, MAX))), e.g. num_workers=(1, 2)", value)
+        pair = (value[0], value[1])
+    low, high = pair
+    _check("num_workers", low >= 1, f"has MIN={low}: an elastic job needs at least 1 worker, e.g. (1, {max(high, 1)})",
+           value)
+    _check("num_workers", low <= high, f"has MIN={low} above MAX={high}: the range is (MIN, MAX), e.g. ({high}, {low})",
+           value)
+    return (low, high) if low < high else (None, high)
+
+
 class Ray:
     """Start the workers of a run as Ray actors, with any strategy (``plugins=["ddp",
     "ray"]``, ``hookloop run --plugins fsdp,ray script.py``).
@@ -43,7 +79,11 @@ class Ray:
     ``num_workers``
         how many workers (processes); ``None`` (default): ``devices x nodes``, as torchrun
         would start. Ray decides the nodes; each worker's local rank and node rank come
-        from the node it landed on.
+        from the node it landed on. A range, ``(MIN, MAX)`` or ``"MIN:MAX"`` (Ray Train's
+        elastic ``ScalingConfig(num_workers=(MIN, MAX))``): an elastic job, on as many
+        workers as the cluster can place (at least MIN); it shrinks after a lost worker or
+        node and grows back when the cluster can place MAX again, resuming from
+        ``last.ckpt`` each time, with the Trainer's ``elastic_batch`` policy.
     ``resources_per_worker``
         the Ray resources of one worker (default ``{"CPU": 1}``; ``{"CPU": 4, "GPU": 1}``),
         one bundle of the placement group each.
@@ -52,8 +92,9 @@ class Ray:
     ``max_failures``
         how many times the job starts again after a lost actor or node or a failed worker
         (Ray Train's name); ``None`` (default): the Trainer's ``max_restarts``
-        (``--max-restarts``), 0 unless set. Each restart resumes every worker from the run's
-        ``last.ckpt``.
+        (``--max-restarts``), 0 unless set (an elastic job: 3, as torchrun's). Each restart
+        resumes every worker from the run's ``last.ckpt``; an elastic job's growth is not a
+        failure.
     ``placement_timeout``
         seconds to wait for the placement group (default 60) before the job is refused,
         naming what the cluster has.
@@ -73,7 +114,7 @@ class Ray:
         WORKER_ENV: "set in a worker a hookloop-ray actor started (the shared-storage check runs there)",
     }
 
-    def __init__(self, address: str | None = None, num_workers: int | None = None,
+    def __init__(self, address: str | None = None, num_workers: int | str | tuple | None = None,
                  resources_per_worker: dict | None = None, placement_strategy: str = "PACK",
                  max_failures: int | None = None, placement_timeout: float = 60.0, runtime_env: dict | None = None):
         if isinstance(resources_per_worker, str):  # --plugin-option ray.resources_per_worker='{"CPU": 2}'
@@ -81,8 +122,7 @@ class Ray:
         resources_per_worker = {"CPU": 1} if resources_per_worker is None else resources_per_worker
         _check("address", address is None or isinstance(address, str) and address.strip() != "",
                "must be None (a local cluster), 'auto', 'HOST:PORT' or 'ray://HOST:PORT'", address)
-        _check("num_workers", num_workers is None or isinstance(num_workers, int) and not isinstance(num_workers, bool)
-               and num_workers >= 1, "must be an integer >= 1, or None for devices x nodes", num_workers)
+        self.min_workers, num_workers = worker_range(num_workers)
         _check("resources_per_worker", isinstance(resources_per_worker, dict) and bool(resources_per_worker)
                and all(isinstance(k, str) and isinstance(v, (int, float)) and v >= 0 for k, v in resources_per_worker.items()),
                'must be a dict of Ray resources, e.g. {"CPU": 2, "GPU": 1}', resources_per_worker)
@@ -101,9 +141,12 @@ class Ray:
     def options(self, config: Any) -> Options:
         """The launching side's options for ``config`` (``num_workers`` resolved)."""
         workers = self.num_workers or config.num_processes() * config.nodes
-        return Options(address=self.address, num_workers=workers, resources_per_worker=self.resources_per_worker,
-                       placement_strategy=self.placement_strategy,
-                       max_failures=config.max_restarts if self.max_failures is None else self.max_failures,
+        failures = self.max_failures
+        if failures is None:  # the Trainer's; an elastic job's default is torchrun's elastic example's
+            failures = config.max_restarts or (ELASTIC_MAX_RESTARTS if self.min_workers is not None else 0)
+        return Options(address=self.address, num_workers=workers, min_workers=self.min_workers,
+                       resources_per_worker=self.resources_per_worker,
+                       placement_strategy=self.placement_strategy, max_failures=failures,
                        placement_timeout=self.placement_timeout, runtime_env=self.runtime_env)
 
     # -- 1. launching ---------------------------------------------------------------------

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -42,6 +43,15 @@ class Worker:
             s.bind(("", 0))
             return s.getsockname()[1]
 
+    process: subprocess.Popen | None = None
+
+    def stop(self) -> None:
+        """SIGTERM to the running worker process (an elastic job grows back): hookloop
+        saves ``last.ckpt`` at the next step boundary and exits 143. Runs beside
+        :meth:`run` (the actor has two threads)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+
     def run(self, args: list[str], env: dict[str, str], cwd: str, payload: bytes | None) -> dict:
         """Start the worker process, wait for it, and report how it ended."""
         with tempfile.TemporaryDirectory(prefix="hookloop-ray-") as tmp:
@@ -51,7 +61,8 @@ class Worker:
                 Path(files["payload"]).write_bytes(payload)
                 command += ["--payload", files["payload"], "--result", files["result"]]
             environ = {**os.environ, **env, "HOOKLOOP_LAUNCHER_PID": str(os.getpid())}
-            process = subprocess.Popen([*command, *args], env=environ, cwd=cwd if os.path.isdir(cwd) else None)
+            process = self.process = subprocess.Popen([*command, *args], env=environ,
+                                                      cwd=cwd if os.path.isdir(cwd) else None)
             returncode = process.wait()
             report: dict[str, Any] = {"returncode": returncode, "pid": process.pid, "error": None, "result": None}
             if os.path.exists(files["error"]):
