@@ -133,3 +133,27 @@ def test_spawn_without_restarts_raises_the_workers_failure(tmp_path):
     with pytest.raises(AssertionError, match=expected) as info:
         run_python([sys.executable, str(JOB), str(tmp_path), "ddp,spawn", "0", "3"], cwd=tmp_path, timeout=300)
     assert "starting attempt" not in str(info.value)
+
+
+class Unpicklable(Exception):
+    def __reduce__(self):
+        raise TypeError("not this one")
+
+
+def test_a_workers_error_comes_back_as_its_own_exception_with_its_traceback():
+    import pickle
+
+    try:
+        raise KeyError("missing column")
+    except KeyError as exc:
+        report = pickle.loads(pickle.dumps(hookloop.worker_error(exc)))  # plain data, as a file carries it
+    back = hookloop.adopt_worker_error(report, "spawn worker process 1", "spawn worker 1 failed")
+    assert type(back) is KeyError and back.args == ("missing column",)
+    assert back.__notes__[0].startswith("(raised in spawn worker process 1:)\nTraceback") and "missing column" in back.__notes__[0]
+    try:
+        raise Unpicklable("x")
+    except Unpicklable as exc:
+        report = hookloop.worker_error(exc)
+    assert report["exception"] is None
+    back = hookloop.adopt_worker_error(report, "the ray worker of rank 0", "a ray worker failed")
+    assert type(back) is RuntimeError and str(back) == "a ray worker failed" and "Unpicklable" in back.__notes__[0]

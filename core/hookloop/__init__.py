@@ -76,7 +76,7 @@ from hookloop.helpers import (
 from hookloop.distributed.strategy import DistributedSampling, TorchCollectives, TorchDistributed, check_sampler_seed, data_parallel_rank
 from hookloop.contract.hookspecs import hookimpl, hookspec
 from hookloop.distributed.launch import as_launcher, die_with_launcher, elastic_command, in_worker
-from hookloop.distributed.results import adopt_worker_result, worker_result
+from hookloop.distributed.results import adopt_worker_error, adopt_worker_result, worker_error, worker_result
 from hookloop.distributed.failures import install_worker_hook
 from hookloop.lightning.module import Module
 from hookloop.observers.checkpoint import ModelCheckpoint
@@ -173,6 +173,8 @@ __all__ = [
     "as_launcher",
     "adopt_worker_result",
     "worker_result",
+    "adopt_worker_error",
+    "worker_error",
     "atomic_copy_tree",
     "atomic_save",
     "atomic_write_text",

@@ -27,7 +27,6 @@ import pickle
 import socket
 import sys
 import tempfile
-import traceback
 import types
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -39,7 +38,7 @@ from hookloop.contract.errors import ConfigurationError
 from hookloop.contract.hookspecs import hookimpl
 from hookloop.distributed.launch import WORKER_ENV, as_launcher, die_with_launcher, elastic_command, in_worker
 from hookloop.distributed.ranks import ATTEMPT_ENV
-from hookloop.distributed.results import adopt_worker_result, worker_result
+from hookloop.distributed.results import adopt_worker_error, adopt_worker_result, worker_error, worker_result
 from hookloop.resume.checkpoint import atomic_save
 
 _RESULT = "result.pt"
@@ -252,13 +251,8 @@ def _worker(local_rank: int, payload: bytes, nprocs: int, port: int, tmp: str, a
             atomic_save(worker_result(trainer, value), Path(tmp) / _RESULT)
     except BaseException as exc:
         # Hand the exception itself to the caller, so it can catch the same type.
-        text = traceback.format_exc()
-        try:
-            blob = pickle.dumps(exc)
-        except Exception:
-            blob = None
         with open(Path(tmp) / f"error-{local_rank}.pkl", "wb") as f:
-            pickle.dump({"exception": blob, "traceback": text}, f)
+            pickle.dump(worker_error(exc), f)
         raise
 
 
@@ -270,17 +264,7 @@ def _worker_exception(tmp: Path, nprocs: int, label: str = "spawn") -> BaseExcep
             continue
         with open(path, "rb") as f:
             report = pickle.load(f)
-        exc = None
-        if report["exception"] is not None:
-            try:
-                exc = pickle.loads(report["exception"])
-            except Exception:
-                exc = None
-        if not isinstance(exc, BaseException):
-            exc = RuntimeError(f"{label} worker {rank} failed")
-        if hasattr(exc, "add_note"):
-            exc.add_note(f"(raised in {label} worker process {rank}:)\n{report['traceback']}")
-        return exc
+        return adopt_worker_error(report, f"{label} worker process {rank}", f"{label} worker {rank} failed")
     return None
 
 

@@ -17,10 +17,16 @@ produced, as if the run had been in-process:
 checkpoint observer's bookkeeping (``best_model_path``, ``last_model_path``,
 ``best_model_score``, ``best_k_models``, its ``dirpath``). What the function returned
 comes back (``True`` in its place when it returned ``None``: the spawn hook's sentinel).
+
+A worker that fails sends :func:`worker_error` instead (inside its ``except``), and the
+caller raises :func:`adopt_worker_error`'s exception: the worker's own, so the caller
+can catch its type, with the worker's traceback attached as a note.
 """
 
 from __future__ import annotations
 
+import pickle
+import traceback
 from typing import Any
 
 from hookloop.contract.pluginspec import plugin_name
@@ -71,3 +77,30 @@ def adopt_worker_result(trainer: Any, result: dict[str, Any]) -> Any:
         observer.load_state_dict(state)
     value = result["value"]
     return True if value is None else value
+
+
+def worker_error(exc: BaseException) -> dict[str, Any]:
+    """What a failed worker sends back, called inside its ``except``: the exception pickled
+    (``None`` when it cannot be) and its traceback as text (plain data: pickle it)."""
+    text = traceback.format_exc()
+    try:
+        blob: bytes | None = pickle.dumps(exc)
+    except Exception:
+        blob = None
+    return {"exception": blob, "traceback": text}
+
+
+def adopt_worker_error(report: dict[str, Any], where: str, fallback: str) -> BaseException:
+    """The exception for the caller to raise from a :func:`worker_error` report: the
+    worker's own (its type kept) with the note ``(raised in WHERE:)`` and the worker's
+    traceback; ``RuntimeError(fallback)`` when it could not be pickled back."""
+    exc: Any = None
+    if report.get("exception") is not None:
+        try:
+            exc = pickle.loads(report["exception"])  # the launcher's own file, from its own worker
+        except Exception:
+            exc = None
+    if not isinstance(exc, BaseException):
+        exc = RuntimeError(fallback)
+    exc.add_note(f"(raised in {where}:)\n{report.get('traceback', '')}")
+    return exc

@@ -209,17 +209,8 @@ def _worker_exception(failure: WorkerFailed) -> BaseException:
     import pickle
 
     report = failure.report or {}
-    exc: Any = None
     error = report.get("error")
     if error:
-        details = pickle.loads(error)
-        if details["exception"] is not None:
-            try:
-                exc = pickle.loads(details["exception"])
-            except Exception:
-                exc = None
-        if not isinstance(exc, BaseException):
-            exc = RuntimeError(f"a ray worker failed: {failure}")
-        exc.add_note(f"(raised in the ray worker of {failure}:)\n{details['traceback']}")
-        return exc
+        return hookloop.adopt_worker_error(pickle.loads(error), f"the ray worker of {failure}",
+                                           f"a ray worker failed: {failure}")
     return RuntimeError(f"a ray worker failed: {failure} (its output is above)")

@@ -23,7 +23,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -78,13 +77,10 @@ class Worker:
 
 
 def _write_error(path: str, exc: BaseException) -> None:
-    text = traceback.format_exc()
-    try:
-        blob = pickle.dumps(exc)
-    except Exception:
-        blob = None
+    from hookloop.distributed.results import worker_error
+
     with open(path, "wb") as f:
-        pickle.dump({"exception": blob, "traceback": text, "rank": os.environ.get("RANK")}, f)
+        pickle.dump({**worker_error(exc), "rank": os.environ.get("RANK")}, f)
 
 
 def _run_function(payload: str, result: str) -> None:
