@@ -40,6 +40,17 @@ TORCHFT ?= torchft==0.2.0
 # Ray: hookloop-ray's launcher (tests/test_ray.py runs a real 2-node ray.cluster_utils.Cluster),
 # installed with torch pinned beside it
 RAY ?= ray==2.60.0
+# Streaming and stateful data (tests/test_streaming_data.py resumes each exactly under ddp and
+# fsdp): torchdata's StatefulDataLoader, Hugging Face datasets in streaming mode, LitData's
+# StreamingDataset. LitData is installed without its dependencies, which name torchvision: PyPI's
+# torchvision does not import beside this machine's CPU torch ('operator torchvision::nms does
+# not exist') and LitData's streaming dataset does not use it; LITDATA_DEPS are the others.
+DATA ?= torchdata==0.11.0 datasets==5.2.0
+LITDATA ?= litdata==0.2.76
+LITDATA_DEPS ?= lightning-utilities filelock numpy boto3 requests 'urllib3>=1.26' tifffile obstore
+# Object storage (tests/test_object_storage.py): fsspec's S3 client against a real S3-compatible
+# server, moto in server mode, started by the tests on 127.0.0.1
+STORAGE ?= 's3fs==2026.9.0' 'moto[server]==5.2.5'
 # The documentation site (mkdocs.yml) and its browser test (tests/test_docs_site.py, which
 # drives Debian's chromium through chromium-driver). selenium 4.51.0: 4.52.0 requires a
 # certifi newer than the package index has.
@@ -90,7 +101,8 @@ $(BACKENDS_STAMP): $(DEMO_STAMP) $(wildcard plugins/*/build_*.sh plugins/deepspe
 # Every other in-tree plugin (the demo's and the backends' are already in).
 install: $(STAMP)
 $(STAMP): $(BACKENDS_STAMP) $(DOCS_STAMP) pyproject.toml $(wildcard plugins/*/pyproject.toml) Makefile
-	$(PIP) -e '.[plot,cli,rich]' $(foreach p,$(filter-out $(DEMO_PLUGINS),$(PLUGINS)),-e $(p)) pytest scikit-learn $(ORACLE) $(TORCHAO) $(TRANSFORMERS) $(TORCHFT) $(RAY) $(LINTERS) $(TORCH)
+	$(PIP) -e '.[plot,cli,rich]' $(foreach p,$(filter-out $(DEMO_PLUGINS),$(PLUGINS)),-e $(p)) pytest scikit-learn $(ORACLE) $(TORCHAO) $(TRANSFORMERS) $(TORCHFT) $(RAY) $(DATA) $(STORAGE) $(LITDATA_DEPS) $(LINTERS) $(TORCH)
+	$(PIP) --no-deps $(LITDATA)
 	@# The browser test's Chromium and its driver: Debian's packages, where apt-get can.
 	@if command -v apt-get >/dev/null && ! { [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; }; then \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null) \
