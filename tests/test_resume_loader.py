@@ -11,6 +11,7 @@ uninterrupted run: the batches each step saw, and the final weights.
 from __future__ import annotations
 
 import multiprocessing
+import sys
 import os
 import warnings
 
@@ -253,3 +254,120 @@ def test_under_ddp_each_rank_resumes_its_shard_with_its_workers_draws(tmp_path):
         assert len(a["seen"]) == 10 and b["seen"] == a["seen"][:7]  # 5 batches per rank and epoch
         assert c["seen"] == a["seen"][7:], f"rank {rank}"
         assert c["weights"] == a["weights"]
+
+
+# -- torchdata's StatefulDataLoader (issue 37) ----------------------------------------------
+
+
+class GeneratorAugmented(Dataset):
+    """Sample i is (i, an augmentation drawn from a generator the dataset holds and saves):
+    what a StatefulDataLoader gives back to each worker (docs/how-to/streaming-data.md)."""
+
+    def __init__(self, n: int = N):
+        self.n, self.generator = n, None
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if self.generator is None:
+            info = torch.utils.data.get_worker_info()
+            self.generator = torch.Generator().manual_seed(info.seed if info else 0)
+        return torch.tensor(i), torch.rand(1, generator=self.generator)
+
+    def state_dict(self):
+        return {"generator": None if self.generator is None else self.generator.get_state()}
+
+    def load_state_dict(self, state):
+        if state["generator"] is not None:
+            self.generator = torch.Generator()
+            self.generator.set_state(state["generator"])
+
+
+def _plain_loader():
+    return DataLoader(GeneratorAugmented(), batch_size=BATCH, shuffle=True, num_workers=2,
+                      persistent_workers=True, multiprocessing_context="fork")
+
+
+def test_stateful_dataloader_true_runs_as_a_hand_built_StatefulDataLoader(tmp_path):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    torch.manual_seed(11)
+    by_hand = Recorder()
+    fit(tmp_path / "a", by_hand, StatefulDataLoader(GeneratorAugmented(), batch_size=BATCH, shuffle=True, num_workers=2,
+                                                    persistent_workers=True, multiprocessing_context="fork"),
+        max_epochs=2)
+    torch.manual_seed(11)
+    built = Recorder()
+    loader = _plain_loader()
+    trainer = fit(tmp_path / "b", built, loader, max_epochs=2, stateful_dataloader=True)
+    assert type(trainer.state.fit_train_loader).__name__ == "StatefulDataLoader"
+    assert type(loader) is DataLoader  # the user's loader is not changed
+    assert len(built.seen) == 2 * N // BATCH
+    assert built.seen == by_hand.seen
+    for (name, a), b in zip(by_hand.state_dict().items(), built.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_stateful_dataloader_true_resumes_mid_epoch_exactly(tmp_path):
+    torch.manual_seed(11)
+    straight = Recorder()
+    fit(tmp_path / "a", straight, _plain_loader(), max_epochs=EPOCHS, stateful_dataloader=True)
+    torch.manual_seed(11)
+    first = Recorder()
+    fit(tmp_path / "b", first, _plain_loader(), max_steps=STOP, stateful_dataloader=True)
+    torch.manual_seed(999)
+    resumed = Recorder(seed=3)
+    last = tmp_path / "b" / "logs" / "version_0" / "checkpoints" / "last.ckpt"
+    fit(tmp_path / "b", resumed, _plain_loader(), ckpt_path=last, max_epochs=EPOCHS, stateful_dataloader=True)
+    assert_same_run(straight, resumed)
+
+
+def test_stateful_dataloader_true_without_torchdata_names_pip_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchdata.stateful_dataloader", None)  # import fails as if not installed
+    with pytest.raises(hookloop.ConfigurationError, match="pip install torchdata"):
+        fit(tmp_path, Recorder(), _plain_loader(), max_epochs=1, stateful_dataloader=True)
+
+
+def _docs_example(name: str) -> dict:
+    """Run the code block of docs/how-to/streaming-data.md that defines ``name``."""
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).parents[1] / "docs" / "how-to" / "streaming-data.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", page, re.S) if f"class {name}(" in b)
+    namespace: dict = {}
+    exec(compile(block, "docs/how-to/streaming-data.md", "exec"), namespace)
+    return namespace
+
+
+class StreamRecorder(Recorder):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.seen.append((x.flatten().tolist(), y.tolist()))
+        return ((self.net(x / N).flatten() - y.float()) ** 2).mean()
+
+
+def test_the_docs_stateful_iterable_dataset_resumes_exactly(tmp_path):
+    docs = _docs_example("CountingStream")
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    def make_loader():
+        return StatefulDataLoader(docs["CountingStream"](N), batch_size=BATCH, num_workers=2,
+                                  persistent_workers=True, multiprocessing_context="fork")
+
+    assert isinstance(docs["loader"], StatefulDataLoader)  # the page's own loader line ran
+    torch.manual_seed(11)
+    straight = StreamRecorder()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(tmp_path / "a", straight, make_loader(), max_epochs=EPOCHS)
+        torch.manual_seed(11)
+        fit(tmp_path / "b", StreamRecorder(), make_loader(), max_steps=STOP)
+        resumed = StreamRecorder(seed=3)
+        last = tmp_path / "b" / "logs" / "version_0" / "checkpoints" / "last.ckpt"
+        fit(tmp_path / "b", resumed, make_loader(), ckpt_path=last, max_epochs=EPOCHS)
+    # a stateful stream resumes from its state, without the read-again warning
+    assert not [w for w in caught if "resuming mid-epoch" in str(w.message)]
+    assert sorted(i for x, _ in straight.seen[:N // BATCH] for i in x) == list(range(N))  # every sample once an epoch
+    assert_same_run(straight, resumed)

@@ -454,25 +454,29 @@ def distributed_sampler(
     return DistributedSamplerWrapper(sampler, num_replicas, rank, seed=seed)
 
 
-def rebuild_dataloader(dataloader: DataLoader, sampler: Sampler) -> DataLoader:
+def rebuild_dataloader(dataloader: DataLoader, sampler: Sampler | None, *, cls: type | None = None,
+                       shuffle: bool | None = None) -> DataLoader:
     """A copy of ``dataloader`` that draws from ``sampler``, every other setting kept.
 
     The copy is built with the loader's own class (a ``DataLoader`` subclass keeps its
-    behaviour) from every argument of that class's ``__init__`` that the loader holds
-    under the same attribute name, so arguments that a newer torch adds are kept too.
-    Only ``sampler``, ``batch_sampler`` and ``shuffle`` are replaced. Raises
+    behaviour; ``cls`` another one, e.g. torchdata's ``StatefulDataLoader``) from every
+    argument of that class's ``__init__`` that the loader holds under the same attribute
+    name, so arguments that a newer torch adds are kept too. Only ``sampler``,
+    ``batch_sampler`` and ``shuffle`` are replaced (``sampler=None, shuffle=True``: the
+    class's own shuffling sampler). Raises
     ``ConfigurationError`` when a required argument of a subclass is not stored as an
     attribute of that name, and ``TypeError`` for a custom ``batch_sampler``.
     """
     batch_sampler = dataloader.batch_sampler
-    if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
+    # a loader class's own batch sampler (torchdata's stateful one) was built from batch_size
+    if batch_sampler is not None and type(batch_sampler) is not BatchSampler and dataloader.batch_size is None:
         raise TypeError(
             f"the loader uses a custom batch_sampler ({type(batch_sampler).__name__}), "
             f"which hookloop cannot shard: give each rank its share inside it and pass "
             f"use_distributed_sampler=False"
         )
-    cls = type(dataloader)
-    replaced = {"sampler": sampler, "batch_sampler": None, "shuffle": None}
+    cls = cls or type(dataloader)
+    replaced = {"sampler": sampler, "batch_sampler": None, "shuffle": shuffle}
     args: list[Any] = []
     kwargs: dict[str, Any] = {}
     for param in _init_parameters(cls):

@@ -72,6 +72,9 @@ def fit(trainer) -> None:
         if config.overfit_batches:
             train_loader = _overfit_loader(trainer, train_loader)
         train_loader = prepare_loader(trainer, train_loader, training=True)
+        if config.stateful_dataloader:
+            train_loader = loader_state.stateful_loader(train_loader)
+        loader_state.check_rank_split(trainer, train_loader)
         # skippable by index, with per-batch worker seeds (hookloop.loader_state)
         train_loader = state.fit_train_loader = loader_state.resumable_loader(train_loader)
         # with workers: per-batch worker seeds, the same after a resume (hookloop.loader_state)

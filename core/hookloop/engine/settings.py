@@ -90,6 +90,9 @@ class TrainerConfig:
     enable_model_summary: bool = True
     logger: bool = True
     use_distributed_sampler: bool = True
+    #: fit iterates torchdata's StatefulDataLoader built from the training DataLoader
+    #: (hookloop.loader_state.stateful_loader; Accelerate's use_stateful_dataloader)
+    stateful_dataloader: bool = False
     autoload_plugins: bool = False
     plugin_options: dict = field(default_factory=dict)
     #: the device mesh's sizes, ``{"dp_shard": 2, "tp": 2}`` (hookloop.mesh; ``--mesh``,
@@ -288,7 +291,7 @@ class TrainerConfig:
 
 #: the on/off settings, checked to be real booleans
 _SWITCHES = ("enable_checkpointing", "enable_progress_bar", "enable_model_summary", "logger",
-             "use_distributed_sampler", "autoload_plugins", "requeue_on_preemption")
+             "use_distributed_sampler", "stateful_dataloader", "autoload_plugins", "requeue_on_preemption")
 
 
 #: The longest process-group timeout, in seconds (about 31 years). torch turns a timeout

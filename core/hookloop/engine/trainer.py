@@ -169,6 +169,7 @@ class Trainer:
         enable_model_summary: bool = _UNSET,
         logger: Any = _UNSET,
         use_distributed_sampler: bool = _UNSET,
+        stateful_dataloader: bool = _UNSET,
         autoload_plugins: bool = _UNSET,
         plugin_options: dict = _UNSET,
         mesh: Any = _UNSET,

@@ -308,3 +308,87 @@ def start_epoch(trainer, loader: Any, skip: int) -> bool:
             f"cannot resume exactly). Give the loader state_dict()/load_state_dict() (torchdata's "
             f"StatefulDataLoader) to resume exactly", stacklevel=2)
     return True
+
+
+def stateful_loader(loader: Any) -> Any:
+    """``Trainer(stateful_dataloader=True)``: the training ``DataLoader`` rebuilt as
+    torchdata's ``StatefulDataLoader`` (Accelerate's ``use_stateful_dataloader``), every
+    setting kept; a loader that keeps its own state is returned as it is. A plain
+    ``RandomSampler`` (``shuffle=True`` on one process) becomes the ``StatefulDataLoader``'s
+    own, whose generator state is saved; a sampler hookloop gave the loader
+    (``DistributedSampler``, seeded and set per epoch) is kept."""
+    if loader is None or is_stateful(loader):
+        return loader
+    from hookloop.contract.errors import ConfigurationError
+    from hookloop.helpers import rebuild_dataloader
+
+    try:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+    except ImportError as error:
+        raise ConfigurationError(
+            f"Trainer(stateful_dataloader=True) builds torchdata's StatefulDataLoader, and torchdata cannot be "
+            f"imported ({error}): pip install torchdata, or pass stateful_dataloader=False") from None
+    if not isinstance(loader, DataLoader):
+        raise ConfigurationError(
+            f"Trainer(stateful_dataloader=True) rebuilds a torch DataLoader, got a {type(loader).__name__}: pass a "
+            f"DataLoader, or build the StatefulDataLoader yourself and pass stateful_dataloader=False")
+    sampler = loader.sampler
+    if isinstance(loader.dataset, IterableDataset):
+        return rebuild_dataloader(loader, None, cls=StatefulDataLoader)
+    if (type(sampler) is torch.utils.data.RandomSampler and not sampler.replacement
+            and sampler._num_samples is None and sampler.generator in (None, loader.generator)):
+        return rebuild_dataloader(loader, None, cls=StatefulDataLoader, shuffle=True)  # loader.generator kept
+    if type(sampler) is torch.utils.data.SequentialSampler:
+        return rebuild_dataloader(loader, None, cls=StatefulDataLoader, shuffle=False)
+    return rebuild_dataloader(loader, sampler, cls=StatefulDataLoader)
+
+
+def check_rank_split(trainer, loader: Any) -> None:
+    """Under several data-parallel processes, a training ``IterableDataset`` is not split by
+    hookloop (no sampler can index it): each rank must read its own share, or every rank
+    trains on the same samples. Hugging Face ``datasets`` and LitData datasets say which
+    rank they read for: a split that is missing or is another rank's is an error. Any other
+    ``IterableDataset`` may split itself (``get_worker_info`` and the rank in its
+    ``__iter__``), which hookloop cannot see: a warning on global rank 0, once
+    (docs/how-to/streaming-data.md)."""
+    dataset = getattr(loader, "dataset", None)
+    if not isinstance(dataset, IterableDataset):
+        return
+    from hookloop.contract.errors import ConfigurationError
+    from hookloop.distributed.strategy import data_parallel_rank
+
+    replicas, rank = data_parallel_rank(trainer)
+    if replicas == 1:
+        return
+    name = type(dataset).__name__
+    library = type(dataset).__module__.split(".")[0]
+    if library == "datasets" and hasattr(dataset, "_distributed"):
+        split = dataset._distributed
+        if split is None:
+            raise ConfigurationError(
+                f"the training loader's datasets.{name} is not split by rank: each of the {replicas} data-parallel "
+                f"processes would read the same samples. Split it with datasets.distributed.split_dataset_by_node("
+                f"dataset, rank=rank, world_size={replicas}), (replicas, rank) = hookloop.data_parallel_rank(trainer)")
+        if (split.rank, split.world_size) != (rank, replicas):
+            raise ConfigurationError(
+                f"the training loader's datasets.{name} is split for rank {split.rank} of {split.world_size}, but "
+                f"this process is data-parallel rank {rank} of {replicas}: split it with split_dataset_by_node(dataset, "
+                f"rank={rank}, world_size={replicas}) (hookloop.data_parallel_rank(trainer) gives both)")
+        return
+    env = getattr(dataset, "distributed_env", None)
+    if library == "litdata" and env is not None:
+        if (env.global_rank, env.world_size) != (rank, replicas):
+            raise ConfigurationError(
+                f"the training loader's litdata.{name} reads for rank {env.global_rank} of {env.world_size}, but this "
+                f"process is data-parallel rank {rank} of {replicas}: LitData reads the rank when the dataset is built "
+                f"(from torch.distributed, else the WORLD_SIZE and GLOBAL_RANK variables), so build it once the "
+                f"processes are up: in train_dataloader() or a DataModule's setup()")
+        return
+    if trainer.global_rank == 0:
+        warnings.warn(
+            f"the training loader's {name} is an IterableDataset and runs on {replicas} data-parallel processes: "
+            f"hookloop cannot split it by rank (no sampler can index it), so unless its __iter__ reads only this "
+            f"rank's share, every rank trains on the same samples. Split it by rank: "
+            f"datasets.distributed.split_dataset_by_node for Hugging Face datasets (LitData's StreamingDataset "
+            f"splits itself), or (replicas, rank) = hookloop.data_parallel_rank(trainer) with "
+            f"torch.utils.data.get_worker_info() in __iter__ (docs/how-to/streaming-data.md)", stacklevel=2)

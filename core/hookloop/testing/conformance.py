@@ -721,6 +721,9 @@ class ResumeConformance:
     dropout: float = 0.25
     augment: bool = True
     kinds: tuple = ("step", "save", "validation", "accumulation")
+    # The training loader (hookloop.testing.streaming.LOADERS): "map" (a DataLoader of a
+    # map-style dataset), "stateful", "stateful_trainer", "hf_streaming" or "litdata".
+    loader: str = "map"
     # The job's shape: per rank and epoch 8 micro-batches of 4 samples, 2 per optimizer
     # step (4 steps an epoch), a checkpoint every 2 steps, 3 validation batches, 4 epochs.
     batch_size = 4
@@ -811,7 +814,7 @@ class ResumeConformance:
         spec = {"batch_size": cls.batch_size, "world_size": cls.world_size, "micro_batches": cls.micro_batches,
                 "val_batches": cls.val_batches, "epochs": cls.epochs, "accumulate": cls.accumulate,
                 "every_n_train_steps": cls.every_n_train_steps, "restarts": cls.restarts, "kills": kills,
-                "persistent_workers": cls.persistent_workers, "dropout": cls.dropout, "augment": cls.augment,
+                "persistent_workers": cls.persistent_workers, "loader": cls.loader, "dropout": cls.dropout, "augment": cls.augment,
                 "options": {cls.plugin: dict(cls.options)} if cls.plugin and cls.options else {}}
         path = out / "spec.json"
         path.write_text(json.dumps(spec))

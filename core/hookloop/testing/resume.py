@@ -42,6 +42,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import hookloop
 
+from hookloop.testing import streaming
 from hookloop.testing.reference import TinyClassifier, local_tensor, tiny_dataset, weights
 
 ATTEMPT_ENV = "HOOKLOOP_RESUME_ATTEMPT"
@@ -93,6 +94,16 @@ class ResumeJob(TinyClassifier):
             numpy.random.seed(3000 + rank)
         except ImportError:  # pragma: no cover
             pass
+
+    def train_dataloader(self):
+        """The training loader of the spec's ``loader`` kind other than ``"map"``, built
+        here, once the process group is up (LitData reads the rank when it is built)."""
+        spec, (replicas, rank) = self.spec, hookloop.data_parallel_rank(self.trainer)
+        return streaming.train_loader(
+            spec["loader"], n=spec["micro_batches"] * spec["batch_size"] * spec["world_size"],
+            batch_size=spec["batch_size"], rank=rank, world_size=replicas,
+            noise=0.1 if spec.get("augment", True) else 0.0, persistent_workers=spec.get("persistent_workers", True),
+            data_dir=self.out / "data")
 
     def training_step(self, batch, batch_idx):
         x, y, _ = batch
@@ -242,7 +253,8 @@ def main(out: str, spec_path: str) -> None:
     train = AugmentedDataset(spec["micro_batches"] * b * w, noise=noise)
     val = AugmentedDataset(spec["val_batches"] * b * w, seed=2, noise=noise)
     loader_options = dict(num_workers=2, persistent_workers=spec.get("persistent_workers", True), batch_size=b)
-    train_loader = DataLoader(train, shuffle=True, **loader_options)
+    kind = spec.get("loader", "map")  # any other kind: ResumeJob.train_dataloader
+    train_loader = DataLoader(train, shuffle=True, **loader_options) if kind == "map" else None
     val_loader = DataLoader(val, **loader_options)
     job = ResumeJob(spec, out)
     trainer = hookloop.Trainer(
@@ -250,6 +262,7 @@ def main(out: str, spec_path: str) -> None:
         log_every_n_steps=1, num_sanity_val_steps=0, default_root_dir=str(Path(out) / "root"),
         plugin_options=spec["options"], enable_progress_bar=False,
         callbacks=[hookloop.ModelCheckpoint(every_n_train_steps=spec["every_n_train_steps"])],
+        **({"stateful_dataloader": True} if kind == "stateful_trainer" else {}),
     )
     resume = spec["restarts"] == "rerun" and job.attempt > 0
     trainer.fit(job, train_loader, val_loader, ckpt_path="last" if resume else None)
