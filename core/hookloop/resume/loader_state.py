@@ -347,48 +347,65 @@ def check_rank_split(trainer, loader: Any) -> None:
     """Under several data-parallel processes, a training ``IterableDataset`` is not split by
     hookloop (no sampler can index it): each rank must read its own share, or every rank
     trains on the same samples. Hugging Face ``datasets`` and LitData datasets say which
-    rank they read for: a split that is missing or is another rank's is an error. Any other
+    rank they read for: a split that is missing or is another rank's is an error, raised
+    on every rank (the ranks compare their findings, once, at start). Any other
     ``IterableDataset`` may split itself (``get_worker_info`` and the rank in its
     ``__iter__``), which hookloop cannot see: a warning on global rank 0, once
     (docs/how-to/streaming-data.md)."""
     dataset = getattr(loader, "dataset", None)
     if not isinstance(dataset, IterableDataset):
         return
-    from hookloop.contract.errors import ConfigurationError
     from hookloop.distributed.strategy import data_parallel_rank
 
     replicas, rank = data_parallel_rank(trainer)
     if replicas == 1:
         return
+    problem, known = _split_problem(dataset, rank, replicas)
+    if known:
+        import torch.distributed as dist
+
+        problems = [problem]
+        if dist.is_available() and dist.is_initialized():
+            problems = [None] * dist.get_world_size()
+            dist.all_gather_object(problems, problem)
+        found = next((p for p in problems if p is not None), None)
+        if found is not None:
+            from hookloop.contract.errors import ConfigurationError
+
+            raise ConfigurationError(found)
+        return
+    if trainer.global_rank == 0:
+        warnings.warn(
+            f"the training loader's {type(dataset).__name__} is an IterableDataset and runs on {replicas} "
+            f"data-parallel processes: hookloop cannot split it by rank (no sampler can index it), so unless its "
+            f"__iter__ reads only this rank's share, every rank trains on the same samples. Split it by rank: "
+            f"datasets.distributed.split_dataset_by_node for Hugging Face datasets (LitData's StreamingDataset "
+            f"splits itself), or (replicas, rank) = hookloop.data_parallel_rank(trainer) with "
+            f"torch.utils.data.get_worker_info() in __iter__ (docs/how-to/streaming-data.md)", stacklevel=2)
+
+
+def _split_problem(dataset: Any, rank: int, replicas: int) -> tuple[str | None, bool]:
+    """(what is wrong with ``dataset``'s rank split, or None; whether its library says)."""
     name = type(dataset).__name__
     library = type(dataset).__module__.split(".")[0]
     if library == "datasets" and hasattr(dataset, "_distributed"):
         split = dataset._distributed
         if split is None:
-            raise ConfigurationError(
-                f"the training loader's datasets.{name} is not split by rank: each of the {replicas} data-parallel "
-                f"processes would read the same samples. Split it with datasets.distributed.split_dataset_by_node("
-                f"dataset, rank=rank, world_size={replicas}), (replicas, rank) = hookloop.data_parallel_rank(trainer)")
+            return (f"the training loader's datasets.{name} is not split by rank: each of the {replicas} "
+                    f"data-parallel processes would read the same samples. Split it with "
+                    f"datasets.distributed.split_dataset_by_node(dataset, rank=rank, world_size={replicas}), "
+                    f"(replicas, rank) = hookloop.data_parallel_rank(trainer)"), True
         if (split.rank, split.world_size) != (rank, replicas):
-            raise ConfigurationError(
-                f"the training loader's datasets.{name} is split for rank {split.rank} of {split.world_size}, but "
-                f"this process is data-parallel rank {rank} of {replicas}: split it with split_dataset_by_node(dataset, "
-                f"rank={rank}, world_size={replicas}) (hookloop.data_parallel_rank(trainer) gives both)")
-        return
+            return (f"the training loader's datasets.{name} on data-parallel rank {rank} of {replicas} is split for "
+                    f"rank {split.rank} of {split.world_size}: split it with split_dataset_by_node(dataset, "
+                    f"rank=rank, world_size={replicas}), (replicas, rank) = hookloop.data_parallel_rank(trainer)"), True
+        return None, True
     env = getattr(dataset, "distributed_env", None)
     if library == "litdata" and env is not None:
         if (env.global_rank, env.world_size) != (rank, replicas):
-            raise ConfigurationError(
-                f"the training loader's litdata.{name} reads for rank {env.global_rank} of {env.world_size}, but this "
-                f"process is data-parallel rank {rank} of {replicas}: LitData reads the rank when the dataset is built "
-                f"(from torch.distributed, else the WORLD_SIZE and GLOBAL_RANK variables), so build it once the "
-                f"processes are up: in train_dataloader() or a DataModule's setup()")
-        return
-    if trainer.global_rank == 0:
-        warnings.warn(
-            f"the training loader's {name} is an IterableDataset and runs on {replicas} data-parallel processes: "
-            f"hookloop cannot split it by rank (no sampler can index it), so unless its __iter__ reads only this "
-            f"rank's share, every rank trains on the same samples. Split it by rank: "
-            f"datasets.distributed.split_dataset_by_node for Hugging Face datasets (LitData's StreamingDataset "
-            f"splits itself), or (replicas, rank) = hookloop.data_parallel_rank(trainer) with "
-            f"torch.utils.data.get_worker_info() in __iter__ (docs/how-to/streaming-data.md)", stacklevel=2)
+            return (f"the training loader's litdata.{name} on data-parallel rank {rank} of {replicas} reads for rank "
+                    f"{env.global_rank} of {env.world_size}: LitData reads the rank when the dataset is built (from "
+                    f"torch.distributed, else the WORLD_SIZE and GLOBAL_RANK variables), so build it once the "
+                    f"processes are up: in train_dataloader() or a DataModule's setup()"), True
+        return None, True
+    return None, False
