@@ -700,7 +700,9 @@ class ResumeConformance:
     ``fit(ckpt_path="last")``, as a user re-runs a job), ``refuses_restarts`` (a strategy
     that cannot restart workers: a piece of the error ``hookloop run --max-restarts 1``
     must fail with; the kill tests are then not run), ``seeds`` (``(2,)``; ``(2, 0, 1, 6)``
-    when ``HOOKLOOP_TEST_FULL=1``), ``timeout`` (s, per job).
+    when ``HOOKLOOP_TEST_FULL=1``), ``timeout`` (s, per job), ``loader`` (the training
+    loader: ``"map"``, a ``DataLoader`` of a map-style dataset; ``"stateful"``,
+    ``"stateful_trainer"``, ``"hf_streaming"``, ``"litdata"``: :mod:`hookloop.testing.streaming`).
     """
 
     plugin: str = ""

@@ -10,6 +10,9 @@
   ``split_dataset_by_node``, in a ``StatefulDataLoader``.
 * ``"litdata"``: LitData's ``StreamingDataset`` over a local "remote" directory written
   once by ``litdata.optimize``, in LitData's ``StreamingDataLoader``.
+* ``"stateful_worker_rng"``: ``"stateful"`` with the augmentation drawn from the worker's
+  global generator (``torch.randn`` in ``__getitem__``), which no library restores: the
+  case that is *not* exact, kept to show the certificate catches it.
 
 What the workers draw: a ``StatefulDataLoader`` restores each worker's dataset state (a
 dataset with ``state_dict``/``load_state_dict``) and the loader's base seed, not the
@@ -31,7 +34,7 @@ import torch
 from hookloop.testing.reference import tiny_dataset
 
 #: the loader kinds a certificate can run
-LOADERS = ("map", "stateful", "stateful_trainer", "hf_streaming", "litdata")
+LOADERS = ("map", "stateful", "stateful_trainer", "hf_streaming", "litdata", "stateful_worker_rng")
 #: the streaming kinds' files: this many parquet files, or LitData chunks of this many items
 SHARDS = 4
 
@@ -41,8 +44,8 @@ class StatefulAugmentedDataset(torch.utils.data.Dataset):
     from a generator the dataset holds; ``state_dict``/``load_state_dict`` save and
     restore it, so a ``StatefulDataLoader`` gives every worker its generator back."""
 
-    def __init__(self, n: int, seed: int = 1, noise: float = 0.1):
-        self.data, self.noise = tiny_dataset(n, seed=seed), noise
+    def __init__(self, n: int, seed: int = 1, noise: float = 0.1, own_generator: bool = True):
+        self.data, self.noise, self.own_generator = tiny_dataset(n, seed=seed), noise, own_generator
         self.generator: torch.Generator | None = None
 
     def __len__(self) -> int:
@@ -57,7 +60,7 @@ class StatefulAugmentedDataset(torch.utils.data.Dataset):
     def __getitem__(self, i):
         x, y, index = self.data[i]
         if self.noise:
-            x = x + self.noise * torch.randn(x.shape, generator=self._generator())
+            x = x + self.noise * torch.randn(x.shape, generator=self._generator() if self.own_generator else None)
         return x, y, index
 
     def state_dict(self) -> dict:
@@ -138,8 +141,8 @@ def train_loader(kind: str, *, n: int, batch_size: int, rank: int, world_size: i
     """The training loader of kind ``kind`` (not ``"map"``, which the job builds itself)
     for global rank ``rank`` of ``world_size``."""
     options = dict(batch_size=batch_size, num_workers=2, persistent_workers=persistent_workers)
-    if kind in ("stateful", "stateful_trainer"):
-        dataset = StatefulAugmentedDataset(n, noise=noise)
+    if kind in ("stateful", "stateful_trainer", "stateful_worker_rng"):
+        dataset = StatefulAugmentedDataset(n, noise=noise, own_generator=kind != "stateful_worker_rng")
         if kind == "stateful_trainer":
             return torch.utils.data.DataLoader(dataset, shuffle=True, **options)
         from torchdata.stateful_dataloader import StatefulDataLoader
