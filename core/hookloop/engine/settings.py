@@ -291,7 +291,8 @@ class TrainerConfig:
 
 #: the on/off settings, checked to be real booleans
 _SWITCHES = ("enable_checkpointing", "enable_progress_bar", "enable_model_summary", "logger",
-             "use_distributed_sampler", "stateful_dataloader", "autoload_plugins", "requeue_on_preemption")
+             "use_distributed_sampler", "stateful_dataloader", "autoload_plugins",
+             "requeue_on_preemption")
 
 
 #: The longest process-group timeout, in seconds (about 31 years). torch turns a timeout
