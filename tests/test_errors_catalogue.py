@@ -739,6 +739,21 @@ def _(tmp):
     quiet(global_batch_size=16).fit(TinyModule(), DataLoader(tiny_data(16), batch_sampler=[list(range(16))]))
 
 
+@row("D14")
+def _(tmp):
+    import sys
+
+    saved = sys.modules.get("torchdata.stateful_dataloader")
+    sys.modules["torchdata.stateful_dataloader"] = None  # import fails as if torchdata were not installed
+    try:
+        quiet(stateful_dataloader=True).fit(TinyModule(), loader())
+    finally:
+        if saved is None:
+            del sys.modules["torchdata.stateful_dataloader"]
+        else:
+            sys.modules["torchdata.stateful_dataloader"] = saved
+
+
 @row("D06")
 def _(tmp):
     quiet().fit(TinyModule(), loader(), datamodule=hookloop.DataModule())
