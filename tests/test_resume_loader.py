@@ -312,7 +312,9 @@ def test_stateful_dataloader_true_runs_as_a_hand_built_StatefulDataLoader(tmp_pa
 def test_stateful_dataloader_true_resumes_mid_epoch_exactly(tmp_path):
     torch.manual_seed(11)
     straight = Recorder()
-    fit(tmp_path / "a", straight, _plain_loader(), max_epochs=EPOCHS, stateful_dataloader=True)
+    trainer = fit(tmp_path / "a", straight, _plain_loader(), max_epochs=EPOCHS, stateful_dataloader=True)
+    # the persistent workers of the loader hookloop built ended with fit
+    assert trainer.state.fit_train_loader is not None and not multiprocessing.active_children()
     torch.manual_seed(11)
     first = Recorder()
     fit(tmp_path / "b", first, _plain_loader(), max_steps=STOP, stateful_dataloader=True)

@@ -209,7 +209,8 @@ def release(trainer) -> None:
     loaders = [trainer.state.fit_train_loader, *(trainer.state.fit_val_loaders or [])]
     trainer.state.fit_val_loaders = None
     for loader in loaders:
-        if loader is None or not isinstance(getattr(loader, "batch_sampler", None), ResumableBatchSampler):
+        if loader is None or not (isinstance(getattr(loader, "batch_sampler", None), ResumableBatchSampler)
+                                  or getattr(loader, "_hookloop_built", False)):
             continue
         iterator = loader._iterator
         object.__setattr__(loader, "_iterator", None)
@@ -334,13 +335,16 @@ def stateful_loader(loader: Any) -> Any:
             f"DataLoader, or build the StatefulDataLoader yourself and pass stateful_dataloader=False")
     sampler = loader.sampler
     if isinstance(loader.dataset, IterableDataset):
-        return rebuild_dataloader(loader, None, cls=StatefulDataLoader)
-    if (type(sampler) is torch.utils.data.RandomSampler and not sampler.replacement
+        built = rebuild_dataloader(loader, None, cls=StatefulDataLoader)
+    elif (type(sampler) is torch.utils.data.RandomSampler and not sampler.replacement
             and sampler._num_samples is None and sampler.generator in (None, loader.generator)):
-        return rebuild_dataloader(loader, None, cls=StatefulDataLoader, shuffle=True)  # loader.generator kept
-    if type(sampler) is torch.utils.data.SequentialSampler:
-        return rebuild_dataloader(loader, None, cls=StatefulDataLoader, shuffle=False)
-    return rebuild_dataloader(loader, sampler, cls=StatefulDataLoader)
+        built = rebuild_dataloader(loader, None, cls=StatefulDataLoader, shuffle=True)  # loader.generator kept
+    elif type(sampler) is torch.utils.data.SequentialSampler:
+        built = rebuild_dataloader(loader, None, cls=StatefulDataLoader, shuffle=False)
+    else:
+        built = rebuild_dataloader(loader, sampler, cls=StatefulDataLoader)
+    built._hookloop_built = True  # its persistent workers end with fit (release)
+    return built
 
 
 def check_rank_split(trainer, loader: Any) -> None:
