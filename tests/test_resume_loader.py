@@ -314,7 +314,7 @@ def test_stateful_dataloader_true_resumes_mid_epoch_exactly(tmp_path):
     straight = Recorder()
     trainer = fit(tmp_path / "a", straight, _plain_loader(), max_epochs=EPOCHS, stateful_dataloader=True)
     # the persistent workers of the loader hookloop built ended with fit
-    assert trainer.state.fit_train_loader is not None and not multiprocessing.active_children()
+    assert trainer.state.fit_train_loader is not None and trainer.state.fit_train_loader._iterator is None
     torch.manual_seed(11)
     first = Recorder()
     fit(tmp_path / "b", first, _plain_loader(), max_steps=STOP, stateful_dataloader=True)
