@@ -181,6 +181,8 @@ def _fit_epochs(trainer, train_loader, step: TrainStep, validation, max_epochs: 
                 break
         else:
             ended = EPOCH_DONE  # resumed inside on_train_epoch_end: the epoch had all its batches
+            # a stateful loader loads its state at the epoch's end (its workers' datasets)
+            loader_state.start_epoch(trainer, train_loader, trainer.batch_idx, iterating=False)
         _end_epoch(trainer, epoch, resumed_stage, complete=ended in (EPOCH_DONE, EPOCH_CUT))
 
 
@@ -314,7 +316,9 @@ def _train_epoch(trainer, loader: DataLoader, step: TrainStep,
     accumulate = step.accumulate = trainer.accumulate_grad_batches  # a callback may change it
     skip, resumed_stage = trainer.batch_idx, trainer.state.loop_stage
     if skip and n is not None and skip >= n:
-        # The checkpoint was written after the epoch's last batch: nothing left to train.
+        # The checkpoint was written after the epoch's last batch: nothing left to train. A
+        # stateful loader still loads its state (its workers' datasets at the epoch's end).
+        loader_state.start_epoch(trainer, loader, skip, iterating=False)
         if resumed_stage == "train" and validation.due(skip - 1, True):
             validation.run()  # it came after the checkpoint in the interrupted run
         return EPOCH_DONE
@@ -348,7 +352,9 @@ def _train_epoch(trainer, loader: DataLoader, step: TrainStep,
     validate = validation.due if validation.due_this_epoch() else None
     step_plateau = trainer.automatic_optimization and any(
         c.interval == "step" and c.reduce_on_plateau for c in trainer.lr_scheduler_configs)
+    trained = False  # a resumed unsized epoch may have no batch left (see the end)
     for item in batches:
+        trained = True
         if n is not None:
             batch_idx, batch = item
             if batch_idx >= n:
@@ -388,6 +394,11 @@ def _train_epoch(trainer, loader: DataLoader, step: TrainStep,
             step_schedulers(trainer, "step", plateau=True, count=batch_idx + 1)
         if stop:
             return EPOCH_DONE if is_last else EPOCH_STOPPED
+    if (skip and not trained and resumed_stage == "train" and validation.due(skip - 1, True)
+            and not validation.due(skip - 1, False)):
+        # An unsized loader resumed after its epoch's last batch (its state says so): the
+        # end-of-epoch validation came after the checkpoint in the interrupted run.
+        validation.run()
     return EPOCH_DONE
 
 

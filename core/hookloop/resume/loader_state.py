@@ -222,10 +222,16 @@ def release(trainer) -> None:
 def resumed(loader: Any) -> None:
     """``fit`` restored a checkpoint: the first iteration of ``loader`` in this process
     may continue workers the uninterrupted run still had (see :func:`iterate`)."""
+    if not (getattr(loader, "num_workers", 0) and getattr(loader, "persistent_workers", False)):
+        return
     batch_sampler = getattr(loader, "batch_sampler", None)
-    if (isinstance(batch_sampler, ResumableBatchSampler) and getattr(loader, "num_workers", 0)
-            and getattr(loader, "persistent_workers", False)):
+    if isinstance(batch_sampler, ResumableBatchSampler):
         batch_sampler.first_after_resume = True
+    elif is_stateful(loader) and isinstance(loader, DataLoader):
+        # a StatefulDataLoader restores its workers' base seed from its state; what its
+        # first iter() here draws from the global generator, the uninterrupted run's
+        # persistent workers never drew
+        loader._hookloop_first_after_resume = True
 
 
 def iterate(loader: Any, epoch: int) -> Any:
@@ -237,9 +243,12 @@ def iterate(loader: Any, epoch: int) -> Any:
     the uninterrupted run's did. What the workers draw does not depend on the base seed:
     each batch reseeds the worker that reads it."""
     batch_sampler = getattr(loader, "batch_sampler", None)
-    if not getattr(batch_sampler, "first_after_resume", False):
+    if getattr(loader, "_hookloop_first_after_resume", False):
+        loader._hookloop_first_after_resume = False
+    elif not getattr(batch_sampler, "first_after_resume", False):
         return iter(loader)
-    batch_sampler.first_after_resume = False
+    else:
+        batch_sampler.first_after_resume = False
     if epoch == 0 or loader._iterator is not None:
         return iter(loader)
     return _iter_with_scratch_base_seed(loader)
@@ -281,9 +290,11 @@ def loader_state(trainer, loader: Any) -> dict | None:
     return None
 
 
-def start_epoch(trainer, loader: Any, skip: int) -> bool:
+def start_epoch(trainer, loader: Any, skip: int, iterating: bool = True) -> bool:
     """Prepare ``loader`` for this epoch's iteration, resuming at batch ``skip``; whether
-    the done batches still have to be read and discarded (the fallback)."""
+    the done batches still have to be read and discarded (the fallback). ``iterating=False``:
+    the epoch had no batch left; only a stateful loader's state is loaded (the next epoch
+    continues from it)."""
     trainer.state.loader_state_pending = None
     state = trainer.state.loader_resume_state
     trainer.state.loader_resume_state = None
@@ -291,6 +302,15 @@ def start_epoch(trainer, loader: Any, skip: int) -> bool:
         return False
     if is_stateful(loader) and state is not None and "state_dict" in state:
         loader.load_state_dict(state["state_dict"])
+        if not iterating:
+            # The state is at its epoch's end: the next iter() yields the (empty) rest of
+            # that epoch (torchdata's StatefulDataLoader), so read it here, and the next
+            # epoch starts where the uninterrupted run's did. Its base seed comes from a
+            # scratch generator: the state restores the workers' own.
+            for _ in (_iter_with_scratch_base_seed(loader) if isinstance(loader, DataLoader) else loader):
+                pass
+        return False
+    if not iterating:
         return False
     batch_sampler = getattr(loader, "batch_sampler", None)
     if isinstance(batch_sampler, ResumableBatchSampler):
