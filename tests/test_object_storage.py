@@ -16,9 +16,20 @@ import threading
 import time
 
 import pytest
+import torch
+from torch.utils.data import DataLoader
 
+import hookloop
+from conftest import TinyModule, state_of, tiny_data
 from hookloop.contract.errors import CheckpointError, ConfigurationError
 from hookloop.resume import storage
+
+
+@pytest.fixture(autouse=True)
+def _staging(tmp_path, monkeypatch):
+    """Each test's staging directories under its own tmp_path (not ~/.cache)."""
+    monkeypatch.setenv(storage.STAGING_ENV, str(tmp_path / "staging"))
+
 
 PAYLOAD_A = os.urandom(3 << 20)
 PAYLOAD_B = os.urandom(2 << 20)
@@ -155,7 +166,7 @@ def test_commit_resolve_download_prune_on_s3(s3, tmp_path):
     url = s3.url("run/checkpoints/last.ckpt")
     (tmp_path / "a").write_bytes(PAYLOAD_A)
     first = storage.commit_file(tmp_path / "a", url, step=1)
-    assert s3.keys("run") == sorted([f"run/checkpoints/last.ckpt/latest", first.removeprefix(f"s3://{s3.bucket}/")])
+    assert s3.keys("run") == sorted(["run/checkpoints/last.ckpt/latest", first.removeprefix(f"s3://{s3.bucket}/")])
     second = storage.commit_file(lambda f: f.write(PAYLOAD_B), url, step=2)  # streamed (multipart)
     assert storage.resolve(url) == second
     assert s3.keys("run") == sorted(["run/checkpoints/last.ckpt/latest", second.removeprefix(f"s3://{s3.bucket}/")])
@@ -279,3 +290,199 @@ def test_a_store_that_stays_unreachable_is_an_error_naming_the_url(monkeypatch):
             storage.commit_file(lambda f: f.write(b"x"), "s3://nowhere/run/last.ckpt", step=1)
     finally:
         clear_fsspec_cache()
+
+
+# -- the Trainer on a store ---------------------------------------------------------------
+
+def _fit(root, epochs: int, ckpt_path=None, callbacks=None, **kw) -> tuple[hookloop.Trainer, TinyModule]:
+    module = TinyModule()
+    trainer = hookloop.Trainer(default_root_dir=root, max_epochs=epochs, enable_progress_bar=False, log_every_n_steps=1,
+                               enable_model_summary=False, callbacks=callbacks, **kw)
+    trainer.fit(module, DataLoader(tiny_data(), batch_size=16), ckpt_path=ckpt_path)
+    return trainer, module
+
+
+def _optimizer_state(trainer) -> dict:
+    return trainer.optimizers[0].state_dict()["state"]
+
+
+def _same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], dict):
+            _same(a[k], b[k])
+        else:
+            assert torch.equal(a[k], b[k]), k
+
+
+def test_a_memory_url_root_is_a_store_not_a_local_directory(tmp_path):
+    """Before: Trainer(default_root_dir="memory://run") trained into ./memory:/run."""
+    url = _memory_url("run")
+    _fit(url, 1)
+    assert not (tmp_path / "memory:").exists(), "the URL was taken for a local path"
+    names = storage.listdir(storage.join(url, "logs", "version_0"))
+    assert {".hookloop-run", "checkpoints", "metrics.csv", "hparams.yaml"} <= set(names)
+    last = storage.join(url, "logs", "version_0", "checkpoints", "last.ckpt")
+    assert storage.resolve(last).endswith("/last.ckpt") and storage.name_of(storage.parent_of(storage.resolve(last))).startswith("step6-")
+    assert b"train_loss" in storage.read_bytes(storage.join(url, "logs", "version_0", "metrics.csv"))
+
+
+def test_a_file_url_root_is_the_local_directory(tmp_path):
+    _fit(f"file://{tmp_path / 'run'}", 1)
+    assert (tmp_path / "run" / "logs" / "version_0" / "checkpoints" / "last.ckpt").is_file()
+    assert not (tmp_path / "file:").exists()
+
+
+def test_ckpt_path_last_on_a_store_resumes_on_a_machine_without_the_staging_copy(tmp_path, monkeypatch):
+    """Train 2 epochs, lose the local staging directory (another machine), resume to 3 from
+    the store's last.ckpt: the weights and optimizer state equal an uninterrupted run's."""
+    url = _memory_url("run")
+    _fit(url, 2)
+    monkeypatch.setenv(storage.STAGING_ENV, str(tmp_path / "other-machine"))
+    resumed, module = _fit(url, 3, ckpt_path="last")
+    straight, reference = _fit(str(tmp_path / "straight"), 3)
+    assert resumed.global_step == straight.global_step == 18
+    _same(state_of(module), state_of(reference))
+    _same(_optimizer_state(resumed), _optimizer_state(straight))
+    # the run directory on the store is claimed anew, as locally: version_1
+    assert storage.listdir(storage.join(url, "logs")) == ["version_0", "version_1"]
+    # and a URL as ckpt_path
+    again, module2 = _fit(_memory_url("other"), 3, ckpt_path=storage.join(url, "logs", "version_0", "checkpoints", "last.ckpt"))
+    assert again.global_step == 18
+    _same(state_of(module2), state_of(reference))
+
+
+def test_a_ckpt_path_url_with_nothing_committed_is_an_error():
+    with pytest.raises(CheckpointError, match=r"checkpoint memory://.*/nothing.ckpt does not exist: nothing is committed"):
+        _fit(_memory_url("run"), 1, ckpt_path=_memory_url("nothing.ckpt"))
+
+
+def test_two_runs_with_staging_on_two_machines_claim_two_versions_on_the_store(tmp_path, monkeypatch):
+    """Issue 2's protection on a store: the claim is an exclusive create there, so a second
+    machine (its own staging directory) never writes into the first run's version."""
+    url = _memory_url("run")
+    from hookloop.resume import rundir
+
+    claimed = []
+    for machine in ("a", "b"):
+        monkeypatch.setenv(storage.STAGING_ENV, str(tmp_path / machine))
+        claimed.append(rundir.claim(storage.local_root(url), "job", 0, reuse=False).name)
+    assert claimed == ["version_0", "version_1"]
+    # a later attempt of the job takes the directory its marker names
+    assert rundir.claim(storage.local_root(url), "job", 0, reuse=True).name == "version_1"
+
+
+def test_top_k_pruning_and_dirpath_on_a_store(tmp_path):
+    url = _memory_url("ck")
+    callback = hookloop.ModelCheckpoint(dirpath=url, save_top_k=1, monitor="train_loss", save_last=True)
+    trainer, _ = _fit(str(tmp_path / "root"), 3, callbacks=[callback])
+    on_store = storage.listdir(url)
+    best = os.path.basename(callback.best_model_path)
+    assert on_store == sorted([best, "last.ckpt"]), on_store  # the pushed-out ones went from the store too
+    assert storage.download(storage.join(url, best), tmp_path / "best.ckpt").read_bytes() == \
+        open(callback.best_model_path, "rb").read()
+
+
+def test_a_dirpath_or_save_dir_url_without_its_implementation_is_refused():
+    with pytest.raises(ConfigurationError, match="pip install gcsfs"):
+        hookloop.ModelCheckpoint(dirpath="gs://bucket/ck")
+    with pytest.raises(ConfigurationError, match="pip install gcsfs"):
+        hookloop.Trainer(default_root_dir="gs://bucket/run")
+    with pytest.raises(ConfigurationError, match="pip install gcsfs"):
+        hookloop.CSVLogger(save_dir="gs://bucket/logs")
+
+
+def test_save_checkpoint_to_a_url_commits_it(tmp_path):
+    trainer, module = _fit(str(tmp_path / "root"), 1)
+    url = _memory_url("model.ckpt")
+    trainer.save_checkpoint(url)
+    got = storage.download(url, tmp_path / "got.ckpt")
+    loaded = hookloop.resume.checkpoint.safe_load(got)
+    _same(loaded["state_dict"], state_of(module))
+
+
+@pytest.mark.slow
+def test_fit_on_s3_async_save_resume_bit_identical(s3, tmp_path, monkeypatch):
+    """The real store and client: async_save=True writes in the background and commits to
+    S3; a resume from the store on another machine equals an uninterrupted run."""
+    url = s3.url("run")
+    callback = hookloop.ModelCheckpoint(async_save=True, every_n_train_steps=2)
+    _fit(url, 2, callbacks=[callback])
+    keys = s3.keys("run")
+    assert "run/logs/version_0/checkpoints/last.ckpt/latest" in keys and "run/logs/version_0/metrics.csv" in keys
+    assert [k for k in keys if k.startswith("run/logs/version_0/checkpoints/last.ckpt/step12-")]
+    monkeypatch.setenv(storage.STAGING_ENV, str(tmp_path / "other-machine"))
+    resumed, module = _fit(url, 3, ckpt_path="last", callbacks=[hookloop.ModelCheckpoint(async_save=True)])
+    straight, reference = _fit(str(tmp_path / "straight"), 3)
+    _same(state_of(module), state_of(reference))
+    _same(_optimizer_state(resumed), _optimizer_state(straight))
+
+
+# -- hookloop run --max-restarts with a root on S3, a rank killed mid-upload ----------------
+
+def _run_resume_job(out, root: str, kills: list, restarts: int, env: dict) -> subprocess.Popen:
+    import json
+
+    from hookloop.testing.conformance import ResumeConformance
+
+    class OnS3(ResumeConformance):
+        plugin, epochs = "ddp", 2
+
+    spec = OnS3._spec(out, kills)
+    spec.write_text(json.dumps({**json.loads(spec.read_text()), "root": root}))
+    return subprocess.Popen(OnS3._command(out, spec, restarts), cwd=out, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _same_tree(a, b, where: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _same_tree(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _same_tree(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+@pytest.mark.slow
+def test_hookloop_run_restarts_from_the_remote_last_after_a_kill_mid_upload(s3, tmp_path):
+    """2 ddp ranks under ``hookloop run --max-restarts 1``, the root on S3: rank 0 is
+    SIGKILLed half-way through the upload of step 6's last.ckpt; the restarted attempt
+    resumes from the committed one (step 4), and the final weights, optimizer states and
+    schedulers of every rank equal an uninterrupted run's, bit for bit."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "HOOKLOOP_"))}
+    env[storage.STAGING_ENV] = str(tmp_path / "staging")
+    kill = {"kind": "upload", "rank": 0, "at": 6}
+    jobs = {}
+    for name, kills in (("straight", []), ("killed", [kill])):
+        (tmp_path / name).mkdir()
+        jobs[name] = _run_resume_job(tmp_path / name, s3.url(name), kills, 1, env)
+    logs = {}
+    for name, proc in jobs.items():
+        try:
+            logs[name] = proc.communicate(timeout=600)[0]
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        assert proc.returncode == 0, f"{name} job failed:\n{logs.get(name, '')[-6000:]}"
+    assert (tmp_path / "killed" / "killed.attempt0.json").exists(), logs["killed"][-4000:]
+    import re
+
+    resumed = r"restart 1 of this run .*: resumed from \S+ at epoch 1, global step 4\b"
+    assert re.search(resumed, logs["killed"]), logs["killed"][-4000:]
+    for rank in range(2):
+        straight = torch.load(tmp_path / "straight" / f"final.rank{rank}.pt", weights_only=False)
+        killed = torch.load(tmp_path / "killed" / f"final.rank{rank}.pt", weights_only=False)
+        assert (killed["attempt"], straight["attempt"]) == (1, 0)
+        _same_tree({k: v for k, v in killed.items() if k != "attempt"},
+                   {k: v for k, v in straight.items() if k != "attempt"}, f"rank {rank}")
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(":")]
+    last = s3.url("killed", "logs", "version_0", "checkpoints", "last.ckpt")
+    assert storage.name_of(storage.parent_of(storage.resolve(last))).startswith("step8-")
+    assert s3.filesystem().list_multipart_uploads(s3.bucket) == []  # the killed upload was aborted

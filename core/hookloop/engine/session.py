@@ -47,8 +47,9 @@ from hookloop.engine.loop import _per_device_batch, batch_limit
 from hookloop.engine.optim import parse_optimizers
 from hookloop.engine.step import PREDICT, TEST, VALIDATE, _StepModule, log_epoch_row, log_row
 from hookloop.helpers import DistributedSamplerWrapper, OrderedSampler, rebuild_dataloader
+from hookloop.observers.checkpoint import log_dirs
 from hookloop.resume import checkpoint as ckpt
-from hookloop.resume import loader_state
+from hookloop.resume import loader_state, storage
 from hookloop.resume.run import restore, resume_after_restart
 
 #: the ``stage`` argument of ``setup``/``teardown`` for each entry point
@@ -196,6 +197,8 @@ def session(trainer, stage: str):
     finally:
         try:
             hook.teardown(trainer=trainer, stage=setup_stage)
+            if trainer.is_global_zero:  # a staged run's logs, closed by teardown, to its store
+                storage.push_logs(log_dirs(trainer))
             trainer.device_mesh = None
             if datamodule is not None:
                 _datamodule_hook(datamodule, "teardown", setup_stage)

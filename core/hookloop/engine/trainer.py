@@ -291,7 +291,12 @@ class Trainer:
 
     @property
     def default_root_dir(self) -> Path:
-        return Path(self.config.default_root_dir)
+        """The run's root directory; for a URL (``s3://bucket/run``), its local staging
+        directory, whose checkpoints are committed to the store and whose logs are
+        uploaded (docs/how-to/object-storage.md): :func:`hookloop.resume.storage.local_root`."""
+        from hookloop.resume.storage import local_root
+
+        return local_root(self.config.default_root_dir)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -560,10 +565,19 @@ class Trainer:
         """Write a checkpoint of the whole run state to ``path`` (call on every rank).
 
         Synchronous: it first waits for a background save in flight
-        (``ModelCheckpoint(async_save=True)``), whose error it then raises."""
+        (``ModelCheckpoint(async_save=True)``), whose error it then raises. A URL
+        (``s3://bucket/model.ckpt``) is written in its local staging directory, then
+        committed to the store (docs/how-to/object-storage.md)."""
         self.state.checkpoint_writer.wait()
         checkpoint = checkpoint_dict(self)
-        return self.hook.save_checkpoint(trainer=self, checkpoint=checkpoint, path=Path(path))
+        from hookloop.resume import storage
+
+        # a URL (s3://...): written in its staging directory, then committed to the store
+        local = storage.local_root(path) if storage.is_url(path) else Path(path)
+        saved = self.hook.save_checkpoint(trainer=self, checkpoint=checkpoint, path=local)
+        if storage.is_url(path) and self.is_global_zero and local.is_file():
+            storage.sync_file(local)
+        return saved
 
     # -- helpers of the entry points ----------------------------------------------------
 

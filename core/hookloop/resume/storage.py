@@ -428,3 +428,128 @@ def download(url: str, local: str | os.PathLike) -> Path | None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return local
+
+
+# --------------------------------------------------------------------------- local staging
+
+#: Where hookloop keeps the local copies of the run directories whose root is a URL.
+STAGING_ENV = "HOOKLOOP_STAGING_DIR"
+#: what :func:`push_logs` uploaded: local file -> (size, mtime_ns)
+_PUSHED: dict[Path, tuple[int, int]] = {}
+
+
+def staging_root() -> Path:
+    """The folder of the local staging directories: :data:`STAGING_ENV`, else
+    ``~/.cache/hookloop/staging``."""
+    return Path(os.environ.get(STAGING_ENV) or Path.home() / ".cache" / "hookloop" / "staging").expanduser().absolute()
+
+
+def local_root(path: str | os.PathLike) -> Path:
+    """The local directory hookloop works in for ``path``: a local path (``file://`` too)
+    as it is; for the URL of a store, its staging directory, ``<staging root>/<scheme>/<the
+    URL's path>``: the same in every process of the job on this machine, and
+    :func:`remote_of` maps it back to the URL (no registry: a worker process that only
+    inherited the environment finds the same). Hookloop writes there with every local
+    protection, then commits checkpoints to the store (:func:`sync_file`) and uploads logs
+    (:func:`push_logs`). A scheme without an installed implementation is refused here."""
+    if not is_url(path):
+        return local_path(path)
+    url = str(path).rstrip("/")
+    filesystem(url)  # the scheme is served: an error naming the package otherwise
+    scheme, rest = url.split("://", 1)
+    parts = [p for p in rest.split("/") if p]
+    if not parts or any(p in (".", "..") for p in parts):
+        raise ConfigurationError(f"{url!r}: give a URL with a path (a bucket at least), without '.' or '..' in it")
+    return staging_root().joinpath(scheme.lower(), *parts)
+
+
+def remote_of(path: str | os.PathLike) -> str | None:
+    """The URL a local path under the staging root stands for (:func:`local_root`), or
+    ``None`` for any other path (the user's own)."""
+    if isinstance(path, str) and is_url(path):
+        return path.rstrip("/")
+    local, root = Path(os.path.abspath(path)), staging_root()
+    if root not in local.parents:
+        return None
+    scheme, *parts = local.relative_to(root).parts
+    return f"{scheme}://{'/'.join(parts)}" if parts else None
+
+
+def sync_file(local: str | os.PathLike, step: int | None = None) -> str | None:
+    """Commit the checkpoint file ``local`` to the store when it is staged (:func:`commit_file`:
+    a new tag, ``step`` in its name, then its ``latest``); returns the committed payload's
+    URL, ``None`` for a path that is not staged."""
+    url = remote_of(local)
+    if url is None:
+        return None
+    return commit_file(local, url, step=step)
+
+
+def unsync(local: str | os.PathLike) -> None:
+    """Remove the store's copy of the staged checkpoint ``local`` (top-k pruning)."""
+    url = remote_of(local)
+    if url is not None:
+        remove(url)
+
+
+def committed_remote(local: str | os.PathLike) -> str | None:
+    """The committed payload (:func:`resolve`) of the staged checkpoint ``local``, or
+    ``None`` (not staged, or nothing committed)."""
+    url = remote_of(local)
+    return None if url is None else resolve(url)
+
+
+def fetch(local: str | os.PathLike) -> bool:
+    """Replace the staged checkpoint ``local`` with the store's committed copy (the store is
+    the truth: another machine may have written it). Returns whether one was downloaded
+    (``False`` for a path that is not staged, or nothing committed there)."""
+    url = remote_of(local)
+    return url is not None and download(url, local) is not None
+
+
+def exists_remote(local: str | os.PathLike) -> bool:
+    """Whether the store holds a committed checkpoint for the staged path ``local``."""
+    url = remote_of(local)
+    return url is not None and exists(join(url, LATEST))
+
+
+def committed_at(url: str) -> float | None:
+    """When the checkpoint directory ``url`` was last committed (its ``latest``'s time on
+    the store, seconds since the epoch), or ``None`` (nothing committed)."""
+    fs, path = filesystem(url)
+    marker = join(path, LATEST)
+    try:
+        info = retrying(lambda: fs.info(marker), url, "look up")
+    except FileNotFoundError:
+        return None
+    stamp = info.get("LastModified") or info.get("mtime") or info.get("created")
+    if hasattr(stamp, "timestamp"):
+        return float(stamp.timestamp())
+    return float(stamp) if stamp is not None else 0.0
+
+
+def push_logs(directories: list[str | os.PathLike]) -> list[str]:
+    """Upload the files of the staged ``directories`` (a run's, its loggers') that changed
+    since the last push, except checkpoints (committed by their own protocol), temporary
+    files and the run markers: the logs (``metrics.csv``, ``hparams.yaml``, event files)
+    reach the store at each checkpoint and at the end of a run, whole (an object store
+    cannot append). Returns the URLs written."""
+    written = []
+    for directory in {Path(os.path.abspath(d)) for d in directories if d is not None}:
+        if remote_of(directory) is None or not directory.is_dir():
+            continue
+        for file in sorted(directory.rglob("*")):
+            rel = file.relative_to(directory).parts
+            if (not file.is_file() or any(p.endswith(".ckpt") or p.startswith(".") for p in rel)
+                    or "checkpoints" in rel[:-1]):
+                continue
+            stat = file.stat()
+            key = (stat.st_size, stat.st_mtime_ns)
+            if _PUSHED.get(file) == key:
+                continue
+            url = remote_of(file)
+            assert url is not None
+            upload(file, url)
+            _PUSHED[file] = key
+            written.append(url)
+    return written
