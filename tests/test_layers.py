@@ -37,7 +37,7 @@ LAYERS: list[list[str]] = [
     ["contract", "distributed", "resume", "engine", "lightning", "tools"],
     ["distributed.launch", "distributed.collectives"],
     ["distributed.faults", "resume.checkpoint"],
-    ["lightning.loggers", "helpers", "distributed.strategy", "data", "resume.loader_state", "distributed.mesh"],
+    ["lightning.loggers", "helpers", "distributed.strategy", "data", "resume.loader_state", "distributed.mesh", "resume.sharded_store"],
     ["engine.metrics"],
     ["engine.state"],
     ["engine.optim", "resume.dcp"],

@@ -575,8 +575,13 @@ class Trainer:
         # a URL (s3://...): written in its staging directory, then committed to the store
         local = storage.local_root(path) if storage.is_url(path) else Path(path)
         saved = self.hook.save_checkpoint(trainer=self, checkpoint=checkpoint, path=local)
-        if storage.is_url(path) and self.is_global_zero and local.is_file():
-            storage.sync_file(local)
+        if storage.is_url(path):
+            if getattr(self.strategy, "hookloop_checkpoint_format", "file") == "directory":
+                from hookloop.resume import sharded_store
+
+                sharded_store.commit_directory(self, local, self.global_step)  # every rank: its machine's shards
+            elif self.is_global_zero:
+                storage.sync_file(local)
         return saved
 
     # -- helpers of the entry points ----------------------------------------------------

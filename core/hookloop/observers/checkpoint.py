@@ -29,7 +29,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Literal, get_type_hints
 
-from hookloop.resume import storage
+from hookloop.resume import sharded_store, storage
 from hookloop.resume.checkpoint import LAST, NONFINITE, PREVIOUS, _write_checkpoint, atomic_copy, atomic_copy_tree, deferred_writes
 from hookloop.contract.errors import CheckpointError, ConfigurationError
 from hookloop.contract.hookspecs import hookimpl
@@ -495,11 +495,17 @@ class ModelCheckpoint:
         inside it only take their CPU snapshots: returned, to be written in the background."""
         if not self._async:
             trainer.save_checkpoint(path)
-            if trainer.is_global_zero and not self._sharded:
+            if self._sharded:  # every rank: each machine uploads the shards on its disk
+                sharded_store.commit_directory(trainer, path, trainer.global_step)
+            elif trainer.is_global_zero:
                 storage.sync_file(path, trainer.global_step)  # a staged directory's: committed to its store
             return []
         with deferred_writes(trainer.state.checkpoint_writer.spare) as writes:
             trainer.save_checkpoint(path)
+        if self._sharded:  # after this rank's shard writes and the strategy's commit, in the background
+            commit = sharded_store.commit_directory_later(trainer, path, trainer.global_step)
+            if commit is not None:
+                writes.append(commit)
         return writes
 
     def _last_paths(self) -> list[Path]:
@@ -622,6 +628,7 @@ class ModelCheckpoint:
                 keep = Path(target).parent == self.resume_dir
                 if self._sharded:
                     background.append(lambda: atomic_copy_tree(source, target, keep_previous=keep))
+                    background.append(lambda step=trainer.global_step: sharded_store.copy_committed(source, target, step))
                 else:
                     background.append(lambda step=trainer.global_step: _copy_and_commit(source, target, keep, step))
             return
@@ -632,6 +639,7 @@ class ModelCheckpoint:
             keep = dst.parent == self.resume_dir
             if src.is_dir():  # a strategy's sharded directory: hard-linked, complete before installed
                 atomic_copy_tree(src, dst, keep_previous=keep)
+                sharded_store.copy_committed(src, dst, trainer.global_step)  # staged: copied on its store
             else:  # fsynced, checksum and all; a staged one committed to its store
                 _copy_and_commit(src, dst, keep, trainer.global_step)
         trainer.barrier("checkpoint_last")

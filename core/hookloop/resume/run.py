@@ -177,7 +177,7 @@ def restore(trainer, ckpt_path: Any, fall_back: bool = False, train_loader: Any 
                     f"last.ckpt yet: starting from scratch{hint}")
             return None
         path, fall_back = found, True
-    if storage.remote_of(path) is not None and not storage.fetch(path) and storage.is_url(ckpt_path):
+    if storage.remote_of(path) is not None and not _fetch(trainer, path) and storage.is_url(ckpt_path):
         raise CheckpointError(f"checkpoint {ckpt_path} does not exist: nothing is committed there (no "
                               f"{storage.join(str(ckpt_path), storage.LATEST)}). Pass the URL of a checkpoint "
                               f"hookloop committed, or ckpt_path='last' for this root's newest")
@@ -224,6 +224,18 @@ def restore(trainer, ckpt_path: Any, fall_back: bool = False, train_loader: Any 
         mine = states[trainer.global_rank] if len(states) == trainer.world_size else None
         trainer.hook.on_load_rank_checkpoint(trainer=trainer, rank_state=mine, rank_states=states)
     return path
+
+
+def _fetch(trainer, path: Path) -> bool:
+    """The store's committed copy of the staged checkpoint ``path``, downloaded once per
+    machine (by its local rank 0; the other ranks read that copy after a barrier: a
+    sharded checkpoint's directory is replaced whole, never under a reader); whether
+    one was committed (global rank 0's answer, the same store for every machine)."""
+    from hookloop.resume import storage
+
+    fetched = storage.fetch(path) if trainer.local_rank == 0 else False
+    trainer.barrier("checkpoint_fetch")
+    return bool(trainer.broadcast(fetched, 0))
 
 
 def _rank_rng(trainer, checkpoint: dict, loop: dict) -> tuple[dict | None, dict | None, bool]:

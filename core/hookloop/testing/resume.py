@@ -20,7 +20,8 @@ its ranks at the ``a``-th kill point of the spec, one of
   its accumulation window (the window's earlier micro-batches are accumulated, no step yet);
 * ``upload``: with a root on an object store (the spec's ``root``, a URL), in the middle of
   the upload of the ``last.ckpt`` of step ``at`` to the store (half its bytes sent in an
-  unfinished upload, then the kill).
+  unfinished upload, then the kill); for a strategy that writes checkpoint directories, in
+  the middle of the upload of step ``at``'s directory (half its files sent).
 
 The fault injection lives here, in the job, not in hookloop. Every rank writes
 ``OUT/final.rank<R>.pt`` at the end of the attempt that finishes (its weights, its
@@ -263,6 +264,24 @@ def _wrap_commit(job: ResumeJob, trainer: hookloop.Trainer) -> None:
         return real(half, url, step)
 
     storage.commit_file = commit_file
+
+    from hookloop.resume import sharded_store
+
+    real_tree = sharded_store.upload_committed
+
+    def upload_committed(path, tag_url):
+        """A sharded checkpoint (a directory): half its files reach the new tag, then the kill."""
+        kill = job.kill
+        if (kill is None or kill["kind"] != "upload" or trainer.global_rank != kill["rank"]
+                or trainer.global_step != kill["at"]):
+            return real_tree(path, tag_url)
+        files = sorted(p for p in Path(path).rglob("*") if p.is_file())
+        fs, root = storage.filesystem(tag_url)
+        for file in files[: max(1, len(files) // 2)]:
+            fs.put_file(str(file), storage.join(root, file.relative_to(path).as_posix()))
+        die(job.out, kill, job.attempt)
+
+    sharded_store.upload_committed = upload_committed
 
 
 def main(out: str, spec_path: str) -> None:
