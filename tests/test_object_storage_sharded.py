@@ -23,19 +23,20 @@ from hookloop.resume import storage
 from hookloop.testing.conformance import ResumeConformance
 
 CASES = {
-    # plugin: (options, tier)
-    "fsdp": ({"state_dict_type": "sharded"}, pytest.mark.slow),
-    "deepspeed_stage_2": ({}, pytest.mark.full),
+    # case: (plugin, options, ModelCheckpoint(async_save=...), tier)
+    "fsdp": ("fsdp", {"state_dict_type": "sharded"}, False, pytest.mark.slow),
+    "fsdp-async": ("fsdp", {"state_dict_type": "sharded"}, True, pytest.mark.full),
+    "deepspeed_stage_2": ("deepspeed_stage_2", {}, False, pytest.mark.full),
 }
 
 
-def _job(out, plugin: str, root: str, kills: list, env: dict) -> subprocess.Popen:
+def _job(out, case: str, root: str, kills: list, env: dict) -> subprocess.Popen:
     class OnS3(ResumeConformance):
         epochs = 2
 
-    OnS3.plugin, OnS3.options = plugin, CASES[plugin][0]
+    OnS3.plugin, OnS3.options, async_save, _ = CASES[case]
     spec = OnS3._spec(out, kills)
-    spec.write_text(json.dumps({**json.loads(spec.read_text()), "root": root}))
+    spec.write_text(json.dumps({**json.loads(spec.read_text()), "root": root, "async_save": async_save}))
     return subprocess.Popen(OnS3._command(out, spec, 1), cwd=out, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
@@ -55,15 +56,15 @@ def _equal(a, b, where: str = "") -> None:
         assert a == b, where
 
 
-@pytest.mark.parametrize("plugin", [pytest.param(name, marks=mark) for name, (_, mark) in CASES.items()])
-def test_a_sharded_checkpoint_killed_mid_upload_resumes_from_the_previous_commit(s3, tmp_path, plugin):
+@pytest.mark.parametrize("case", [pytest.param(name, marks=case[-1]) for name, case in CASES.items()])
+def test_a_sharded_checkpoint_killed_mid_upload_resumes_from_the_previous_commit(s3, tmp_path, case):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "HOOKLOOP_"))}
     env[storage.STAGING_ENV] = str(tmp_path / "staging")
     kill = {"kind": "upload", "rank": 0, "at": 6}
     jobs, logs = {}, {}
     for name, kills in (("straight", []), ("killed", [kill])):
         (tmp_path / name).mkdir()
-        jobs[name] = _job(tmp_path / name, plugin, s3.url(name), kills, env)
+        jobs[name] = _job(tmp_path / name, case, s3.url(name), kills, env)
     for name, proc in jobs.items():
         try:
             logs[name] = proc.communicate(timeout=900)[0]
@@ -89,7 +90,7 @@ def test_a_sharded_checkpoint_killed_mid_upload_resumes_from_the_previous_commit
     names = storage.listdir(payload)
     assert "latest" in names and len(names) == 2, names
     shards = [k for k in s3.keys("killed", "logs", "version_0", "checkpoints") if "/last.ckpt/" in k]
-    pattern = r"__\d+_0\.distcp$" if plugin == "fsdp" else r"zero_pp_rank_\d+_mp_rank_00_optim_states\.pt$"
+    pattern = r"__\d+_0\.distcp$" if case.startswith("fsdp") else r"zero_pp_rank_\d+_mp_rank_00_optim_states\.pt$"
     assert len([k for k in shards if re.search(pattern, k)]) >= 2, shards  # every rank's shard
     # the store's committed checkpoints are the uninterrupted run's, each its marker and one tag;
     # the killed upload (epoch=1-step=6.ckpt, which the restart saved as -v1 beside its local copy

@@ -298,7 +298,8 @@ def main(out: str, spec_path: str) -> None:
         max_epochs=spec["epochs"], accumulate_grad_batches=spec["accumulate"], gradient_clip_val=0.5,
         log_every_n_steps=1, num_sanity_val_steps=0, default_root_dir=spec.get("root") or str(Path(out) / "root"),
         plugin_options=spec["options"], enable_progress_bar=False,
-        callbacks=[hookloop.ModelCheckpoint(every_n_train_steps=spec["every_n_train_steps"])],
+        callbacks=[hookloop.ModelCheckpoint(every_n_train_steps=spec["every_n_train_steps"],
+                                            async_save=spec.get("async_save", False))],
     )
     resume = spec["restarts"] == "rerun" and job.attempt > 0
     trainer.fit(job, train_loader, val_loader, ckpt_path="last" if resume else None)
