@@ -503,3 +503,14 @@ def test_csv_and_tensorboard_loggers_with_a_save_dir_on_a_store(tmp_path):
     assert local and set(local) <= set(events)
     for name in local:
         assert storage.read_bytes(storage.join(url, "tb", "version_0", name)) == (Path(loggers[1].log_dir) / name).read_bytes()
+
+
+def test_sharded_checkpoints_to_a_store_are_refused_not_kept_local_silently():
+    """fsdp's sharded directories are not committed to stores yet: an error at the start of
+    fit, not checkpoints that never leave the machine. fsdp's full state dict (one file) is."""
+    url = _memory_url("run")
+    with pytest.raises(ConfigurationError, match=r"fsdp writes sharded checkpoint directories, and this run's "
+                                                 r"checkpoints go to a store \(memory://"):
+        _fit(url, 1, plugins=["fsdp"], devices=1, plugin_options={"fsdp": {"state_dict_type": "sharded"}})
+    _fit(url, 1, plugins=["fsdp"], devices=1)
+    assert storage.resolve(storage.join(url, "logs", "version_1", "checkpoints", "last.ckpt")) is not None
