@@ -431,7 +431,9 @@ def _run_resume_job(out, root: str, kills: list, restarts: int, env: dict) -> su
 
     spec = OnS3._spec(out, kills)
     spec.write_text(json.dumps({**json.loads(spec.read_text()), "root": root}))
-    return subprocess.Popen(OnS3._command(out, spec, restarts), cwd=out, env=env, stdout=subprocess.PIPE,
+    command = OnS3._command(out, spec, restarts)
+    command[command.index("run") + 1:command.index("run") + 1] = ["--default-root-dir", root]  # the failure logs' root
+    return subprocess.Popen(command, cwd=out, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
@@ -483,7 +485,9 @@ def test_hookloop_run_restarts_from_the_remote_last_after_a_kill_mid_upload(s3, 
         assert (killed["attempt"], straight["attempt"]) == (1, 0)
         _same_tree({k: v for k, v in killed.items() if k != "attempt"},
                    {k: v for k, v in straight.items() if k != "attempt"}, f"rank {rank}")
-    assert not [p for p in tmp_path.iterdir() if p.name.endswith(":")]
+    assert not [p for p in tmp_path.rglob("*:")], "a URL was taken for a local path"
+    # the failure logs (the surviving rank's traceback) stay in the root's staging directory here
+    assert list((tmp_path / "staging" / "s3" / s3.bucket / "killed" / "logs" / "failures").rglob("rank*.log"))
     last = s3.url("killed", "logs", "version_0", "checkpoints", "last.ckpt")
     assert storage.name_of(storage.parent_of(storage.resolve(last))).startswith("step8-")
     assert s3.filesystem().list_multipart_uploads(s3.bucket) == []  # the killed upload was aborted
