@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from pathlib import Path
 import time
 
 import pytest
@@ -430,7 +431,9 @@ def _run_resume_job(out, root: str, kills: list, restarts: int, env: dict) -> su
 
     spec = OnS3._spec(out, kills)
     spec.write_text(json.dumps({**json.loads(spec.read_text()), "root": root}))
-    return subprocess.Popen(OnS3._command(out, spec, restarts), cwd=out, env=env, stdout=subprocess.PIPE,
+    command = OnS3._command(out, spec, restarts)
+    command[command.index("run") + 1:command.index("run") + 1] = ["--default-root-dir", root]  # the failure logs' root
+    return subprocess.Popen(command, cwd=out, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
@@ -474,7 +477,7 @@ def test_hookloop_run_restarts_from_the_remote_last_after_a_kill_mid_upload(s3, 
     assert (tmp_path / "killed" / "killed.attempt0.json").exists(), logs["killed"][-4000:]
     import re
 
-    resumed = r"restart 1 of this run .*: resumed from \S+ at epoch 1, global step 4\b"
+    resumed = r"restart 1 of this run .*: resumed from \S+ at epoch \d+, global step 4\b"
     assert re.search(resumed, logs["killed"]), logs["killed"][-4000:]
     for rank in range(2):
         straight = torch.load(tmp_path / "straight" / f"final.rank{rank}.pt", weights_only=False)
@@ -482,7 +485,36 @@ def test_hookloop_run_restarts_from_the_remote_last_after_a_kill_mid_upload(s3, 
         assert (killed["attempt"], straight["attempt"]) == (1, 0)
         _same_tree({k: v for k, v in killed.items() if k != "attempt"},
                    {k: v for k, v in straight.items() if k != "attempt"}, f"rank {rank}")
-    assert not [p for p in tmp_path.iterdir() if p.name.endswith(":")]
+    assert not [p for p in tmp_path.rglob("*:")], "a URL was taken for a local path"
+    # the failure logs (the surviving rank's traceback) stay in the root's staging directory here
+    assert list((tmp_path / "staging" / "s3" / s3.bucket / "killed" / "logs" / "failures").rglob("rank*.log"))
     last = s3.url("killed", "logs", "version_0", "checkpoints", "last.ckpt")
     assert storage.name_of(storage.parent_of(storage.resolve(last))).startswith("step8-")
     assert s3.filesystem().list_multipart_uploads(s3.bucket) == []  # the killed upload was aborted
+
+
+def test_csv_and_tensorboard_loggers_with_a_save_dir_on_a_store(tmp_path):
+    """Both loggers write in the staging directory; their files reach the store whole."""
+    from hookloop_tensorboard import TensorBoardLogger
+
+    url = _memory_url("logs")
+    loggers = [hookloop.CSVLogger(save_dir=url, name="csv"), TensorBoardLogger(save_dir=url, name="tb")]
+    _fit(str(tmp_path / "root"), 2, logger=loggers)
+    csv = storage.read_bytes(storage.join(url, "csv", "version_0", "metrics.csv"))
+    assert csv == (Path(loggers[0].log_dir) / "metrics.csv").read_bytes() and b"train_loss" in csv
+    events = storage.listdir(storage.join(url, "tb", "version_0"))
+    local = sorted(p.name for p in Path(loggers[1].log_dir).iterdir() if p.name.startswith("events."))
+    assert local and set(local) <= set(events)
+    for name in local:
+        assert storage.read_bytes(storage.join(url, "tb", "version_0", name)) == (Path(loggers[1].log_dir) / name).read_bytes()
+
+
+def test_sharded_checkpoints_to_a_store_are_refused_not_kept_local_silently():
+    """fsdp's sharded directories are not committed to stores yet: an error at the start of
+    fit, not checkpoints that never leave the machine. fsdp's full state dict (one file) is."""
+    url = _memory_url("run")
+    with pytest.raises(ConfigurationError, match=r"fsdp writes sharded checkpoint directories, and this run's "
+                                                 r"checkpoints go to a store \(memory://"):
+        _fit(url, 1, plugins=["fsdp"], devices=1, plugin_options={"fsdp": {"state_dict_type": "sharded"}})
+    _fit(url, 1, plugins=["fsdp"], devices=1)
+    assert storage.resolve(storage.join(url, "logs", "version_1", "checkpoints", "last.ckpt")) is not None

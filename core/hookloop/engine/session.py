@@ -34,7 +34,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-from hookloop.contract.errors import ConfigurationError
+from hookloop.contract.errors import CheckpointError, ConfigurationError
 from hookloop.contract.hookspecs import MODULE_HOOKS, hookimpl
 from hookloop.dispatch import resolve_events
 from hookloop.distributed import faults
@@ -284,11 +284,13 @@ def _resolve_run_dir(trainer) -> None:
                 # Told to every rank, so none waits for a directory that never comes.
                 chosen = OSError(f"{exc.strerror or exc}: "
                                  f"{exc.filename or trainer.default_root_dir}")
+            except CheckpointError as exc:  # a root on a store that did not answer (retried)
+                chosen = OSError(str(exc))
         chosen = trainer.broadcast(chosen, 0)
         if isinstance(chosen, OSError):
             raise ConfigurationError(
                 "cannot create the run directory under "
-                f"default_root_dir={str(trainer.default_root_dir)!r} or a logger's save_dir "
+                f"default_root_dir={str(trainer.config.default_root_dir)!r} or a logger's save_dir "
                 f"({chosen}): make it writable or choose another (Trainer(default_root_dir=...) or "
                 "--default-root-dir, the logger's save_dir)"
             )

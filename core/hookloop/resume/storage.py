@@ -211,14 +211,20 @@ def read_bytes(url: str) -> bytes | None:
 
 def write_bytes(url: str, data: bytes, exclusive: bool = False) -> bool:
     """Put ``data`` at ``url`` (one PUT: readers see the old object or the new one). With
-    ``exclusive``, only if no object is there yet (S3's ``If-None-Match: *``): returns
-    ``False`` when one is."""
+    ``exclusive``, only if no object is there yet (S3's ``If-None-Match: *``, fsspec's
+    ``mode="create"``; an implementation without it is asked first, which two writers
+    racing can both pass): returns ``False`` when one is."""
     fs, path = filesystem(url)
 
     def put() -> None:
-        if exclusive:
+        if not exclusive:
+            fs.pipe_file(path, data)
+            return
+        try:
             fs.pipe_file(path, data, mode="create")
-        else:
+        except TypeError:  # an implementation without exclusive writes: look, then write
+            if fs.exists(path):
+                raise FileExistsError(path) from None
             fs.pipe_file(path, data)
     try:
         retrying(put, url, "write")
