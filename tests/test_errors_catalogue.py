@@ -1116,18 +1116,6 @@ def _(tmp):
             clear_fsspec_cache()
 
 
-@row("K22")
-def _(tmp):
-    import uuid
-
-    from hookloop.resume import storage
-
-    with _environment_rows(**{storage.STAGING_ENV: str(tmp / "staging")}):
-        quiet(plugins=["fsdp"], devices=1, enable_checkpointing=True, logger=True,
-              plugin_options={"fsdp": {"state_dict_type": "sharded"}},
-              default_root_dir=f"memory://catalogue-{uuid.uuid4().hex}/run").fit(TinyModule(), loader())
-
-
 @row("K13")
 def _(tmp):
     quiet(max_epochs=2).fit(TinyModule(), loader(), ckpt_path=_marked(tmp, 3))

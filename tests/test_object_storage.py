@@ -341,6 +341,8 @@ def test_ckpt_path_last_on_a_store_resumes_on_a_machine_without_the_staging_copy
     _fit(url, 2)
     monkeypatch.setenv(storage.STAGING_ENV, str(tmp_path / "other-machine"))
     resumed, module = _fit(url, 3, ckpt_path="last")
+    # it resumed from the store's copy (a fresh start would end at the same weights)
+    assert str(resumed.state.loaded_ckpt_path).startswith(str(tmp_path / "other-machine"))
     straight, reference = _fit(str(tmp_path / "straight"), 3)
     assert resumed.global_step == straight.global_step == 18
     _same(state_of(module), state_of(reference))
@@ -414,6 +416,7 @@ def test_fit_on_s3_async_save_resume_bit_identical(s3, tmp_path, monkeypatch):
     assert [k for k in keys if k.startswith("run/logs/version_0/checkpoints/last.ckpt/step12-")]
     monkeypatch.setenv(storage.STAGING_ENV, str(tmp_path / "other-machine"))
     resumed, module = _fit(url, 3, ckpt_path="last", callbacks=[hookloop.ModelCheckpoint(async_save=True)])
+    assert str(resumed.state.loaded_ckpt_path).startswith(str(tmp_path / "other-machine"))  # from the store
     straight, reference = _fit(str(tmp_path / "straight"), 3)
     _same(state_of(module), state_of(reference))
     _same(_optimizer_state(resumed), _optimizer_state(straight))
@@ -509,12 +512,22 @@ def test_csv_and_tensorboard_loggers_with_a_save_dir_on_a_store(tmp_path):
         assert storage.read_bytes(storage.join(url, "tb", "version_0", name)) == (Path(loggers[1].log_dir) / name).read_bytes()
 
 
-def test_sharded_checkpoints_to_a_store_are_refused_not_kept_local_silently():
-    """fsdp's sharded directories are not committed to stores yet: an error at the start of
-    fit, not checkpoints that never leave the machine. fsdp's full state dict (one file) is."""
+def test_a_sharded_checkpoint_on_a_store_resumes_on_a_machine_without_the_staging_copy(tmp_path, monkeypatch):
+    """fsdp's sharded directory (DCP) is committed to the store as a tree (its own latest
+    and tag); another machine resumes from it like an uninterrupted run (issue 37, item 2)."""
     url = _memory_url("run")
-    with pytest.raises(ConfigurationError, match=r"fsdp writes sharded checkpoint directories, and this run's "
-                                                 r"checkpoints go to a store \(memory://"):
-        _fit(url, 1, plugins=["fsdp"], devices=1, plugin_options={"fsdp": {"state_dict_type": "sharded"}})
-    _fit(url, 1, plugins=["fsdp"], devices=1)
-    assert storage.resolve(storage.join(url, "logs", "version_1", "checkpoints", "last.ckpt")) is not None
+    sharded = dict(plugins=["fsdp"], devices=1, plugin_options={"fsdp": {"state_dict_type": "sharded"}})
+    _fit(url, 2, **sharded)
+    payload = storage.resolve(storage.join(url, "logs", "version_0", "checkpoints", "last.ckpt"))
+    assert storage.name_of(payload).startswith("step12-") and "latest" in storage.listdir(payload)
+    monkeypatch.setenv(storage.STAGING_ENV, str(tmp_path / "other-machine"))
+    resumed, module = _fit(url, 3, ckpt_path="last", **sharded)
+    # it resumed from the store's copy, downloaded into this machine's (empty) staging directory
+    assert str(resumed.state.loaded_ckpt_path).startswith(str(tmp_path / "other-machine"))
+    assert (resumed.state.loaded_ckpt_path / "latest").is_file()
+    straight, reference = _fit(str(tmp_path / "straight"), 3, **sharded)
+    assert resumed.global_step == straight.global_step == 18
+    from hookloop.testing.reference import local_tensor  # fsdp's parameters are DTensors
+
+    _same({k: local_tensor(v) for k, v in state_of(module).items()},
+          {k: local_tensor(v) for k, v in state_of(reference).items()})

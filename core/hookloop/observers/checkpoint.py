@@ -225,14 +225,6 @@ class ModelCheckpoint:
         self.dirpath = str(self.dir)
         self._resumed_from = None
         sharded = self._sharded = getattr(trainer.strategy, "hookloop_checkpoint_format", "file") == "directory"
-        staged = [str(d) for d in (self.dir, self.resume_dir) if d is not None and storage.remote_of(d)]
-        if sharded and staged:
-            # Never a silent local-only checkpoint: the directories' commit to a store is not built yet.
-            raise ConfigurationError(
-                f"{plugin_name(trainer.strategy)} writes sharded checkpoint directories, and this run's checkpoints "
-                f"go to a store ({storage.remote_of(staged[0])}): hookloop commits single-file checkpoints to "
-                f"object storage, not yet sharded ones. Give a local directory (Trainer(default_root_dir=...) or "
-                f"ModelCheckpoint(dirpath=...)) and copy it to the store after the run")
         for last in self._last_paths():
             if last.exists() and last.is_dir() != sharded:
                 # Found now, not after an epoch of training at the first save.
