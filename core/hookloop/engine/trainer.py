@@ -579,7 +579,8 @@ class Trainer:
             if getattr(self.strategy, "hookloop_checkpoint_format", "file") == "directory":
                 from hookloop.resume import sharded_store
 
-                sharded_store.commit_directory(self, local, self.global_step)  # every rank: its machine's shards
+                # every rank: each machine's local rank 0 uploads the shards on its disk
+                sharded_store.commit_directory(self, local, self.global_step)
             elif self.is_global_zero:
                 storage.sync_file(local)
         return saved
