@@ -246,3 +246,33 @@ def jobs(tmp_path_factory):
     if os.environ.get("PYTEST_XDIST_WORKER"):
         base = base.parent  # the session's folder, shared by its xdist workers
     return Registry(base / "jobs")
+
+
+@pytest.fixture(scope="session")
+def _s3_server_process():
+    """One moto server on 127.0.0.1 for the session (hookloop.testing.s3)."""
+    from hookloop.testing.s3 import start_s3_server, stop_s3_server
+
+    server = start_s3_server()
+    yield server
+    stop_s3_server(server)
+
+
+@pytest.fixture
+def s3(_s3_server_process, monkeypatch):
+    """A real S3-compatible server (moto, in a process of its own) with a fresh bucket for
+    this test; ``AWS_ENDPOINT_URL`` and the credentials are set in the environment, as a
+    user points s3fs at a non-AWS store, so worker processes reach it too. A test that
+    uses it launches a process: mark it ``slow`` or ``full``."""
+    import dataclasses
+    import uuid
+
+    from hookloop.testing.s3 import clear_fsspec_cache
+
+    for key, value in _s3_server_process.env.items():
+        monkeypatch.setenv(key, value)
+    clear_fsspec_cache()
+    server = dataclasses.replace(_s3_server_process, bucket=f"hookloop-{uuid.uuid4().hex[:12]}")
+    server.filesystem().mkdir(server.bucket)
+    yield server
+    clear_fsspec_cache()

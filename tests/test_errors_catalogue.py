@@ -1090,6 +1090,47 @@ def _(tmp):
     return in_process_command("deepspeed", "collate", str(tag.parent), str(tmp / "OUT.pt"))
 
 
+@row("K19")
+def _(tmp):
+    import uuid
+
+    quiet().fit(TinyModule(), loader(), ckpt_path=f"memory://catalogue-{uuid.uuid4().hex}/nothing.ckpt")
+
+
+@row("K20")
+def _(tmp):
+    import uuid
+
+    from hookloop.resume import storage
+
+    url = f"memory://catalogue-{uuid.uuid4().hex}/run/last.ckpt"
+    storage.write_bytes(storage.join(url, "latest"), b"../../other-run/last.ckpt\n")
+    quiet().fit(TinyModule(), loader(), ckpt_path=url)
+
+
+@row("K21")
+def _(tmp):
+    import socket
+
+    from hookloop.resume import storage
+
+    with socket.socket() as s:  # a port nothing listens on: every connection is refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    variables = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s",
+                 "AWS_MAX_ATTEMPTS": "1", storage.RETRIES_ENV: "2", storage.BACKOFF_ENV: "0.01",
+                 storage.STAGING_ENV: str(tmp / "staging")}
+    from hookloop.testing.s3 import clear_fsspec_cache
+
+    with _environment_rows(**variables):
+        clear_fsspec_cache()  # no client of another endpoint
+        try:
+            quiet(enable_checkpointing=True, callbacks=[hookloop.ModelCheckpoint(dirpath="s3://bucket/ck")]).fit(
+                TinyModule(), loader())
+        finally:
+            clear_fsspec_cache()
+
+
 @row("K13")
 def _(tmp):
     quiet(max_epochs=2).fit(TinyModule(), loader(), ckpt_path=_marked(tmp, 3))
@@ -1147,6 +1188,16 @@ def _(tmp):
 def _(tmp):
     (tmp / "ck" / "last.ckpt").mkdir(parents=True)  # what a sharded (DeepSpeed) run left there
     quiet(enable_checkpointing=True, callbacks=[hookloop.ModelCheckpoint(dirpath=tmp / "ck", save_last=True)]).fit(TinyModule(), loader())
+
+
+@row("R03")
+def _(tmp):
+    hookloop.Trainer(default_root_dir="gs://bucket/run")
+
+
+@row("R04")
+def _(tmp):
+    hookloop.Trainer(default_root_dir="nosuch://bucket/run")
 
 
 # ---------------------------------------------------------------------------------------

@@ -31,13 +31,13 @@ PACKAGE = "hookloop"
 #: is a package stands for the package and every module in it). A module may import the
 #: modules of its own layer and of the layers below.
 LAYERS: list[list[str]] = [
-    ["contract.errors", "_version", "contract.types", "distributed.ranks", "contract.versioning", "contract.hookspecs", "resume.rundir", "contract.sourcescan", "distributed.failures"],
+    ["contract.errors", "_version", "contract.types", "distributed.ranks", "contract.versioning", "contract.hookspecs", "resume.rundir", "resume.storage", "contract.sourcescan", "distributed.failures"],
     ["resume.unpickling", "engine.settings", "distributed.elastic", "contract.pluginspec", "_moved", "contract.translators", "distributed.environment"],
     ["dispatch"],
     ["contract", "distributed", "resume", "engine", "lightning", "tools"],
     ["distributed.launch", "distributed.collectives"],
     ["distributed.faults", "resume.checkpoint"],
-    ["lightning.loggers", "helpers", "distributed.strategy", "data", "resume.loader_state", "distributed.mesh"],
+    ["lightning.loggers", "helpers", "distributed.strategy", "data", "resume.loader_state", "distributed.mesh", "resume.sharded_store"],
     ["engine.metrics"],
     ["engine.state"],
     ["engine.optim", "resume.dcp"],

@@ -41,7 +41,10 @@ def failure_dir(root: str | os.PathLike | None) -> Path:
     (``root``: the Trainer's ``default_root_dir``, the working directory when ``None``).
     Created by the first worker that fails, so a run that succeeds leaves nothing."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    return Path(root or os.getcwd()).absolute() / "logs" / "failures" / f"{stamp}-{os.getpid()}"
+    from hookloop.resume.storage import local_root
+
+    # a root on a store: the failure logs stay in its local staging directory
+    return local_root(root or os.getcwd()).absolute() / "logs" / "failures" / f"{stamp}-{os.getpid()}"
 
 
 def _rank() -> str:

@@ -34,7 +34,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-from hookloop.contract.errors import ConfigurationError
+from hookloop.contract.errors import CheckpointError, ConfigurationError
 from hookloop.contract.hookspecs import MODULE_HOOKS, hookimpl
 from hookloop.dispatch import resolve_events
 from hookloop.distributed import faults
@@ -47,8 +47,9 @@ from hookloop.engine.loop import _per_device_batch, batch_limit
 from hookloop.engine.optim import parse_optimizers
 from hookloop.engine.step import PREDICT, TEST, VALIDATE, _StepModule, log_epoch_row, log_row
 from hookloop.helpers import DistributedSamplerWrapper, OrderedSampler, rebuild_dataloader
+from hookloop.observers.checkpoint import log_dirs
 from hookloop.resume import checkpoint as ckpt
-from hookloop.resume import loader_state
+from hookloop.resume import loader_state, storage
 from hookloop.resume.run import restore, resume_after_restart
 
 #: the ``stage`` argument of ``setup``/``teardown`` for each entry point
@@ -199,6 +200,8 @@ def session(trainer, stage: str):
     finally:
         try:
             hook.teardown(trainer=trainer, stage=setup_stage)
+            if trainer.is_global_zero:  # a staged run's logs, closed by teardown, to its store
+                storage.push_logs(log_dirs(trainer))
             trainer.device_mesh = None
             if datamodule is not None:
                 _datamodule_hook(datamodule, "teardown", setup_stage)
@@ -284,11 +287,13 @@ def _resolve_run_dir(trainer) -> None:
                 # Told to every rank, so none waits for a directory that never comes.
                 chosen = OSError(f"{exc.strerror or exc}: "
                                  f"{exc.filename or trainer.default_root_dir}")
+            except CheckpointError as exc:  # a root on a store that did not answer (retried)
+                chosen = OSError(str(exc))
         chosen = trainer.broadcast(chosen, 0)
         if isinstance(chosen, OSError):
             raise ConfigurationError(
                 "cannot create the run directory under "
-                f"default_root_dir={str(trainer.default_root_dir)!r} or a logger's save_dir "
+                f"default_root_dir={str(trainer.config.default_root_dir)!r} or a logger's save_dir "
                 f"({chosen}): make it writable or choose another (Trainer(default_root_dir=...) or "
                 "--default-root-dir, the logger's save_dir)"
             )

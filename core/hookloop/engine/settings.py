@@ -257,6 +257,10 @@ class TrainerConfig:
         if not isinstance(self.default_root_dir, (str, os.PathLike)):
             raise ConfigurationError(f"default_root_dir={self.default_root_dir!r} must be a path "
                                      "(a str or os.PathLike)")
+        from hookloop.resume import storage
+
+        if storage.is_url(self.default_root_dir):  # a store fsspec serves, never a local path
+            storage.filesystem(str(self.default_root_dir))
         self.num_processes()  # validates devices
 
     def apply_torch_flags(self) -> None:

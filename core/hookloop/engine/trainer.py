@@ -292,7 +292,12 @@ class Trainer:
 
     @property
     def default_root_dir(self) -> Path:
-        return Path(self.config.default_root_dir)
+        """The run's root directory; for a URL (``s3://bucket/run``), its local staging
+        directory, whose checkpoints are committed to the store and whose logs are
+        uploaded (docs/how-to/object-storage.md): :func:`hookloop.resume.storage.local_root`."""
+        from hookloop.resume.storage import local_root
+
+        return local_root(self.config.default_root_dir)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -561,10 +566,25 @@ class Trainer:
         """Write a checkpoint of the whole run state to ``path`` (call on every rank).
 
         Synchronous: it first waits for a background save in flight
-        (``ModelCheckpoint(async_save=True)``), whose error it then raises."""
+        (``ModelCheckpoint(async_save=True)``), whose error it then raises. A URL
+        (``s3://bucket/model.ckpt``) is written in its local staging directory, then
+        committed to the store (docs/how-to/object-storage.md)."""
         self.state.checkpoint_writer.wait()
         checkpoint = checkpoint_dict(self)
-        return self.hook.save_checkpoint(trainer=self, checkpoint=checkpoint, path=Path(path))
+        from hookloop.resume import storage
+
+        # a URL (s3://...): written in its staging directory, then committed to the store
+        local = storage.local_root(path) if storage.is_url(path) else Path(path)
+        saved = self.hook.save_checkpoint(trainer=self, checkpoint=checkpoint, path=local)
+        if storage.is_url(path):
+            if getattr(self.strategy, "hookloop_checkpoint_format", "file") == "directory":
+                from hookloop.resume import sharded_store
+
+                # every rank: each machine's local rank 0 uploads the shards on its disk
+                sharded_store.commit_directory(self, local, self.global_step)
+            elif self.is_global_zero:
+                storage.sync_file(local)
+        return saved
 
     # -- helpers of the entry points ----------------------------------------------------
 

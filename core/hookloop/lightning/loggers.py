@@ -78,7 +78,11 @@ class VersionedDirectory(ConstructorOptions):
         check_version(version, type(self).__name__)
         if save_dir is not None and not isinstance(save_dir, (str, os.PathLike)):
             raise ConfigurationError(f"{type(self).__name__}(save_dir={save_dir!r}) must be a path (a str or os.PathLike)")
-        self._save_dir = None if save_dir is None else os.fspath(save_dir)
+        from hookloop.resume.storage import is_url, local_root
+
+        # a URL (s3://...): the logger writes in its staging directory, uploaded to the store
+        # at each checkpoint and at the end of the run (docs/how-to/object-storage.md)
+        self._save_dir = None if save_dir is None else os.fspath(local_root(save_dir) if is_url(save_dir) else save_dir)
         self._name = "" if name is None else str(name)
         self._version = version
         self._requested_version = version

@@ -29,6 +29,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Literal, get_type_hints
 
+from hookloop.resume import sharded_store, storage
 from hookloop.resume.checkpoint import LAST, NONFINITE, PREVIOUS, _write_checkpoint, atomic_copy, atomic_copy_tree, deferred_writes
 from hookloop.contract.errors import CheckpointError, ConfigurationError
 from hookloop.contract.hookspecs import hookimpl
@@ -135,10 +136,13 @@ class ModelCheckpoint:
         if save_on_train_epoch_end not in (None, True, False):
             raise ConfigurationError(
                 f"checkpoint save_on_train_epoch_end={save_on_train_epoch_end!r} must be True, False or None")
-        #: a URL given as dirpath (``memory://...``): refused with save_last="link" at setup
-        self._remote = str(dirpath) if dirpath and "://" in str(dirpath) else None
-        if dirpath:  # as Lightning: the absolute, resolved directory (setup resolves None)
-            dirpath = os.path.realpath(os.path.expanduser(dirpath))
+        #: a URL given as dirpath (``s3://...``): written in its local staging directory and
+        #: committed to the store (docs/how-to/object-storage.md); save_last="link" refused
+        self._remote = str(dirpath) if dirpath and storage.is_url(dirpath) else None
+        if self._remote:
+            dirpath = str(storage.local_root(self._remote))
+        elif dirpath:  # as Lightning: the absolute, resolved directory (setup resolves None)
+            dirpath = os.path.realpath(os.path.expanduser(storage.local_path(dirpath)))
         self.dirpath, self.filename, self.monitor, self.mode = dirpath, filename, monitor, mode
         self._dirpath_given = dirpath is not None
         self.save_on_exception = save_on_exception
@@ -442,7 +446,14 @@ class ModelCheckpoint:
                 if last.parent != self.resume_dir:  # dirpath holds what Lightning writes: no last.prev.ckpt
                     self._drop_previous(trainer, last, background)
         if background is not None and written is not None and (writes or background):
-            trainer.state.checkpoint_writer.submit(_Job(writes, background, trainer.state.checkpoint_writer.spare), written)
+            if trainer.is_global_zero:
+                dirs = log_dirs(trainer)
+                background.append(lambda: storage.push_logs(dirs))
+            trainer.state.checkpoint_writer.submit(
+                _Job(writes, background, trainer.state.checkpoint_writer.spare,
+                     commit=trainer.global_step if trainer.is_global_zero and not self._sharded else None), written)
+        elif written is not None and trainer.is_global_zero:
+            storage.push_logs(log_dirs(trainer))  # the logs reach a store at each checkpoint
 
     def _drop_previous(self, trainer, last: Path, background: list | None) -> None:
         """Remove the ``last.prev.ckpt`` that writing ``last`` (a ``last.ckpt``) kept beside
@@ -484,9 +495,17 @@ class ModelCheckpoint:
         inside it only take their CPU snapshots: returned, to be written in the background."""
         if not self._async:
             trainer.save_checkpoint(path)
+            if self._sharded:  # every rank: each machine uploads the shards on its disk
+                sharded_store.commit_directory(trainer, path, trainer.global_step)
+            elif trainer.is_global_zero:
+                storage.sync_file(path, trainer.global_step)  # a staged directory's: committed to its store
             return []
         with deferred_writes(trainer.state.checkpoint_writer.spare) as writes:
             trainer.save_checkpoint(path)
+        if self._sharded:  # after this rank's shard writes and the strategy's commit, in the background
+            commit = sharded_store.commit_directory_later(trainer, path, trainer.global_step)
+            if commit is not None:
+                writes.append(commit)
         return writes
 
     def _last_paths(self) -> list[Path]:
@@ -524,7 +543,7 @@ class ModelCheckpoint:
             ext = self.FILE_EXTENSION
             stem, suffix = (path[:-len(ext)], ext) if path.endswith(ext) else (path, "")
             version = self.STARTING_VERSION
-            while os.path.lexists(chosen) and chosen != replaceable:
+            while (os.path.lexists(chosen) or storage.exists_remote(chosen)) and chosen != replaceable:
                 chosen = f"{stem}-v{version}{suffix}"
                 version += 1
         if trainer.world_size > 1:
@@ -607,8 +626,11 @@ class ModelCheckpoint:
         if background is not None:
             if trainer.is_global_zero:
                 keep = Path(target).parent == self.resume_dir
-                copy = atomic_copy_tree if self._sharded else atomic_copy
-                background.append(lambda: copy(source, target, keep_previous=keep))
+                if self._sharded:
+                    background.append(lambda: atomic_copy_tree(source, target, keep_previous=keep))
+                    background.append(lambda step=trainer.global_step: sharded_store.copy_committed(source, target, step))
+                else:
+                    background.append(lambda step=trainer.global_step: _copy_and_commit(source, target, keep, step))
             return
         if trainer.is_global_zero:
             src, dst = Path(source), Path(target)
@@ -617,8 +639,9 @@ class ModelCheckpoint:
             keep = dst.parent == self.resume_dir
             if src.is_dir():  # a strategy's sharded directory: hard-linked, complete before installed
                 atomic_copy_tree(src, dst, keep_previous=keep)
-            else:  # fsynced, checksum and all
-                atomic_copy(src, dst, keep_previous=keep)
+                sharded_store.copy_committed(src, dst, trainer.global_step)  # staged: copied on its store
+            else:  # fsynced, checksum and all; a staged one committed to its store
+                _copy_and_commit(src, dst, keep, trainer.global_step)
         trainer.barrier("checkpoint_last")
 
     # -- state ------------------------------------------------------------------------------
@@ -759,6 +782,18 @@ def _remove_files(paths: list[str]) -> None:
             shutil.rmtree(target, ignore_errors=True)
         elif target.exists():
             target.unlink()
+        storage.unsync(target)  # a staged checkpoint's copy on the store goes too
+
+
+def log_dirs(trainer) -> list:
+    """The directories of the run's logs (the run directory, each logger's), none for a run
+    without a logger (whose directory is the root itself)."""
+    return [d for d in (trainer.state.run_dirs or []) if d is not None] if trainer.loggers else []
+
+
+def _copy_and_commit(source: Any, target: Any, keep_previous: bool, step: int) -> None:
+    atomic_copy(source, target, keep_previous=keep_previous)
+    storage.sync_file(target, step)
 
 
 class _Values(dict):
@@ -779,8 +814,8 @@ class _Job:
     writes (atomic, fsync'd), then last.ckpt's copy and the removal of pushed-out files,
     in the order a synchronous save does them."""
 
-    def __init__(self, writes: list, then: list, spare: list):
-        self.writes, self.then, self.spare = writes, then, spare
+    def __init__(self, writes: list, then: list, spare: list, commit: int | None = None):
+        self.writes, self.then, self.spare, self.commit = writes, then, spare, commit
 
     def __call__(self) -> None:
         for item in self.writes:
@@ -789,6 +824,8 @@ class _Job:
             else:
                 snapshot, path, _ = item
                 _write_checkpoint(snapshot, path)
+                if self.commit is not None:
+                    storage.sync_file(path, self.commit)  # a staged directory's: committed to its store
         # written: its storages are the next snapshot's (the writer waits for this job
         # before that snapshot is taken)
         self.spare[:] = [storage for item in self.writes if not callable(item) for storage in item[2]]

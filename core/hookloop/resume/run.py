@@ -111,6 +111,7 @@ def resume_after_restart(trainer, train_loader: Any = None) -> None:
     and says what happened. Called once the run directory and the process group exist.
     """
     from hookloop.distributed.ranks import attempt
+    from hookloop.resume import rundir
 
     restart, variable = attempt()
     if not restart:
@@ -122,9 +123,10 @@ def resume_after_restart(trainer, train_loader: Any = None) -> None:
     found = None
     if trainer.global_rank == 0:
         # last.prev.ckpt alone: killed between its two renames (file systems without hard links)
-        existing = [(place / name) for place in places for name in (ckpt.LAST, ckpt.PREVIOUS)
-                    if (place / name).exists()]
-        found = str(max(existing, key=lambda p: p.stat().st_mtime).with_name(ckpt.LAST)) if existing else None
+        # a staged place (a root on a store): its committed last.ckpt, by the commit's time
+        written = [(t, place / ckpt.LAST) for place in places
+                   if (t := rundir.written_at(place / ckpt.LAST)) is not None]
+        found = str(max(written, key=lambda w: w[0])[1]) if written else None
     found = trainer.broadcast(found, 0)
     if found is None:
         hint = ("" if trainer.loggers else "; a run without a logger writes a last.ckpt only with "
@@ -149,9 +151,10 @@ def restore(trainer, ckpt_path: Any, fall_back: bool = False, train_loader: Any 
     ``fall_back``) a ``last.ckpt`` that cannot be read (corrupt, truncated, missing) falls
     back to the ``last.prev.ckpt`` beside it, with a warning naming both.
     """
-    from hookloop.resume import rundir
+    from hookloop.resume import rundir, storage
 
-    path = Path(ckpt_path)
+    # a URL (s3://.../last.ckpt): its committed payload, downloaded into its staging directory
+    path = storage.local_root(ckpt_path) if storage.is_url(ckpt_path) else Path(ckpt_path)
     if str(ckpt_path) == "best":
         best = getattr(trainer.checkpoint_callback, "best_model_path", "")
         if not best:
@@ -174,6 +177,10 @@ def restore(trainer, ckpt_path: Any, fall_back: bool = False, train_loader: Any 
                     f"last.ckpt yet: starting from scratch{hint}")
             return None
         path, fall_back = found, True
+    if storage.remote_of(path) is not None and not _fetch(trainer, path) and storage.is_url(ckpt_path):
+        raise CheckpointError(f"checkpoint {ckpt_path} does not exist: nothing is committed there (no "
+                              f"{storage.join(str(ckpt_path), storage.LATEST)}). Pass the URL of a checkpoint "
+                              f"hookloop committed, or ckpt_path='last' for this root's newest")
     checkpoint, path = _read_checkpoint(trainer, path, fall_back)
     # Lightning's trainer.ckpt_path: what ModelCheckpoint's pruning never removes
     trainer.state.loaded_ckpt_path = path
@@ -217,6 +224,18 @@ def restore(trainer, ckpt_path: Any, fall_back: bool = False, train_loader: Any 
         mine = states[trainer.global_rank] if len(states) == trainer.world_size else None
         trainer.hook.on_load_rank_checkpoint(trainer=trainer, rank_state=mine, rank_states=states)
     return path
+
+
+def _fetch(trainer, path: Path) -> bool:
+    """The store's committed copy of the staged checkpoint ``path``, downloaded once per
+    machine (by its local rank 0; the other ranks read that copy after a barrier: a
+    sharded checkpoint's directory is replaced whole, never under a reader); whether
+    one was committed (global rank 0's answer, the same store for every machine)."""
+    from hookloop.resume import storage
+
+    fetched = storage.fetch(path) if trainer.local_rank == 0 else False
+    trainer.barrier("checkpoint_fetch")
+    return bool(trainer.broadcast(fetched, 0))
 
 
 def _rank_rng(trainer, checkpoint: dict, loop: dict) -> tuple[dict | None, dict | None, bool]:

@@ -15,6 +15,11 @@ so an id that unrelated jobs share (torchrun's rendezvous id, a process's leftov
 variables) cannot make them share a directory. The id is never exported into this
 process's environment: a child process of a run is a job of its own unless a hookloop
 launcher hands it the id (:data:`TOKEN_ENV`, in the worker's environment only).
+
+A root on a store (``default_root_dir="s3://bucket/run"``) works in its local staging
+directory (:func:`hookloop.resume.storage.local_root`); its versions are those on the store,
+and a claim there is the exclusive creation of the new directory's marker object (S3's
+``If-None-Match: *``), so two runs on two machines never take one ``version_N``.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import os
 import re
 import uuid
 from pathlib import Path
+
+from hookloop.resume import storage
 
 MARKER = ".hookloop-run"
 #: The job id the user gives (``hookloop run --run-id`` sets it): public. Also torchrun's
@@ -98,6 +105,12 @@ def next_index() -> int:
 
 
 def versions(logs: Path) -> list[tuple[int, Path]]:
+    """The ``version_N`` directories under ``logs``, by N: on the store for a staged one."""
+    remote = storage.remote_of(logs)
+    if remote is not None:
+        found = [(int(m.group(1)), Path(logs) / name) for name in storage.listdir(remote)
+                 if (m := _VERSION.match(name))]
+        return sorted(found)
     if not logs.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in logs.iterdir() if p.is_dir() and (m := _VERSION.match(p.name))]
@@ -133,6 +146,8 @@ def claim_in(versions_root: Path, token: str, index: int, version: int | str | N
     key = f"{token}:{index}"
     if reuse is None:
         reuse = reuses_marked_directories()
+    if storage.remote_of(logs) is not None:
+        return _claim_on_store(logs, key, reuse)
     # The newest: jobs that shared an id in turn (a requeued job's earlier runs) each
     # marked one, and this attempt continues the latest.
     for _, path in reversed(versions(logs) if reuse else []):
@@ -152,15 +167,54 @@ def claim_in(versions_root: Path, token: str, index: int, version: int | str | N
         return path
 
 
+def _claim_on_store(logs: Path, key: str, reuse: bool) -> Path:
+    """:func:`claim_in` for a staged ``logs``: the markers are objects on the store, a new
+    ``version_N`` is claimed by creating its marker only if none is there; the staging
+    directory of a newly claimed version is emptied (a leftover of a run whose store copy
+    is gone)."""
+    remote = storage.remote_of(logs)
+    assert remote is not None
+    found = versions(logs)
+    for _, path in reversed(found if reuse else []):
+        marker = storage.read_bytes(storage.join(remote, path.name, MARKER))
+        if marker is not None and marker.decode("utf-8", "replace").strip() == key:
+            path.mkdir(parents=True, exist_ok=True)
+            return path
+    number = found[-1][0] + 1 if found else 0
+    while not storage.write_bytes(storage.join(remote, f"version_{number}", MARKER), (key + "\n").encode(),
+                                  exclusive=True):
+        number += 1  # another run took it meanwhile
+    path = logs / f"version_{number}"
+    if path.exists():
+        import shutil
+
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    (path / MARKER).write_text(key + "\n")
+    return path
+
+
+def written_at(checkpoint: Path) -> float | None:
+    """When ``checkpoint`` (a ``last.ckpt``) was written: its commit on the store for a
+    staged one, else the newer of its file and its ``last.prev.ckpt``; ``None``: none."""
+    remote = storage.remote_of(checkpoint)
+    if remote is not None:
+        return storage.committed_at(remote)
+    times = [p.stat().st_mtime for p in (checkpoint, checkpoint.with_name("last.prev.ckpt")) if p.exists()]
+    return max(times) if times else None
+
+
 def newest_last_checkpoint(root: Path, also: Path | None = None) -> Path | None:
     """``last.ckpt`` of the most recently written run under ``root`` (or in
     ``<root>/checkpoints``, a run's without a logger, or in ``also``: the checkpoint
     directory a ``dirpath`` gave), or ``None``. A directory holding only its
     ``last.prev.ckpt`` (killed between two renames) counts too: the path returned is then
-    a missing ``last.ckpt``, and loading it falls back to the previous one."""
+    a missing ``last.ckpt``, and loading it falls back to the previous one. Under a staged
+    root (a URL), the checkpoints committed on the store count, by their commit's time:
+    the path returned is the staging copy, which the resume downloads."""
     directories = [p / "checkpoints" for _, p in versions(root / "logs")] + [root / "checkpoints"]
     directories += [Path(also)] if also is not None else []
-    existing = [d / name for d in directories for name in ("last.ckpt", "last.prev.ckpt") if (d / name).exists()]
-    if not existing:
+    written = [(t, d / "last.ckpt") for d in directories if (t := written_at(d / "last.ckpt")) is not None]
+    if not written:
         return None
-    return max(existing, key=lambda c: c.stat().st_mtime).with_name("last.ckpt")
+    return max(written, key=lambda w: w[0])[1]

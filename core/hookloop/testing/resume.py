@@ -17,7 +17,11 @@ its ranks at the ``a``-th kill point of the spec, one of
 * ``validation``: in ``validation_step`` of batch ``batch`` of the validation at the end
   of epoch ``epoch``;
 * ``accumulation``: at the start of micro-batch ``batch`` of epoch ``epoch``, the last of
-  its accumulation window (the window's earlier micro-batches are accumulated, no step yet).
+  its accumulation window (the window's earlier micro-batches are accumulated, no step yet);
+* ``upload``: with a root on an object store (the spec's ``root``, a URL), in the middle of
+  the upload of the ``last.ckpt`` of step ``at`` to the store (half its bytes sent in an
+  unfinished upload, then the kill); for a strategy that writes checkpoint directories, in
+  the middle of the upload of step ``at``'s directory (half its files sent).
 
 The fault injection lives here, in the job, not in hookloop. Every rank writes
 ``OUT/final.rank<R>.pt`` at the end of the attempt that finishes (its weights, its
@@ -83,6 +87,8 @@ class ResumeJob(TinyClassifier):
 
     def setup(self, stage):
         _wrap_torch_save(self, self.trainer)  # in this process (a spawned rank is another one)
+        if self.kill is not None and self.kill["kind"] == "upload":
+            _wrap_commit(self, self.trainer)
         # Every rank its own random streams (dropout, augmentation seeds, sampler draws):
         # a resume that hands one rank another rank's states shows.
         rank = self.trainer.global_rank
@@ -246,6 +252,49 @@ def _wrap_dcp_writes(job: ResumeJob, trainer: hookloop.Trainer) -> None:
     filesystem._write_item = write_item
 
 
+def _wrap_commit(job: ResumeJob, trainer: hookloop.Trainer) -> None:
+    """Kill the upload of ``last.ckpt`` to the store half-way (the ``upload`` kill point):
+    the armed rank streams half of the file's bytes into the commit's new tag, then dies
+    before the upload completes and before the ``latest`` marker moves."""
+    from hookloop.resume import storage
+
+    real = storage.commit_file
+
+    def commit_file(source, url, step=None):
+        kill = job.kill
+        if (kill is None or kill["kind"] != "upload" or trainer.global_rank != kill["rank"]
+                or trainer.global_step != kill["at"] or storage.name_of(url) != "last.ckpt"):
+            return real(source, url, step)
+        data = Path(source).read_bytes()
+
+        def half(f):
+            f.write(data[: len(data) // 2])
+            f.flush()
+            die(job.out, kill, job.attempt)
+
+        return real(half, url, step)
+
+    storage.commit_file = commit_file
+
+    from hookloop.resume import sharded_store
+
+    real_tree = sharded_store.upload_committed
+
+    def upload_committed(path, tag_url):
+        """A sharded checkpoint (a directory): half its files reach the new tag, then the kill."""
+        kill = job.kill
+        if (kill is None or kill["kind"] != "upload" or trainer.global_rank != kill["rank"]
+                or trainer.global_step != kill["at"]):
+            return real_tree(path, tag_url)
+        files = sorted(p for p in Path(path).rglob("*") if p.is_file())
+        fs, root = storage.filesystem(tag_url)
+        for file in files[: max(1, len(files) // 2)]:
+            fs.put_file(str(file), storage.join(root, file.relative_to(path).as_posix()))
+        die(job.out, kill, job.attempt)
+
+    sharded_store.upload_committed = upload_committed
+
+
 def main(out: str, spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     b, w = spec["batch_size"], spec["world_size"]
@@ -259,9 +308,10 @@ def main(out: str, spec_path: str) -> None:
     job = ResumeJob(spec, out)
     trainer = hookloop.Trainer(
         max_epochs=spec["epochs"], accumulate_grad_batches=spec["accumulate"], gradient_clip_val=0.5,
-        log_every_n_steps=1, num_sanity_val_steps=0, default_root_dir=str(Path(out) / "root"),
+        log_every_n_steps=1, num_sanity_val_steps=0, default_root_dir=spec.get("root") or str(Path(out) / "root"),
         plugin_options=spec["options"], enable_progress_bar=False,
-        callbacks=[hookloop.ModelCheckpoint(every_n_train_steps=spec["every_n_train_steps"])],
+        callbacks=[hookloop.ModelCheckpoint(every_n_train_steps=spec["every_n_train_steps"],
+                                            async_save=spec.get("async_save", False))],
         **({"stateful_dataloader": True} if kind == "stateful_trainer" else {}),
     )
     resume = spec["restarts"] == "rerun" and job.attempt > 0
