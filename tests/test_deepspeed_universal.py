@@ -43,14 +43,15 @@ FULL = pytest.mark.full  # two more launches per case (~20-40 s each on 2 busy c
 TOL = 1e-6
 
 
-def start(devices: int, out: Path, strategy: str, steps: int, ckpt: Path | None = None) -> subprocess.Popen:
+def start(devices: int, out: Path, strategy: str, steps: int, ckpt: Path | None = None,
+          extra: tuple = ()) -> subprocess.Popen:
     """The job on ``devices`` processes under torchrun; no launcher variable of this
     process reaches it."""
     out.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "HOOKLOOP_"))}
     env.pop("LOCAL_RANK", None)
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={devices}",
-            str(SCRIPT), str(out), "--strategy", strategy, "--steps", str(steps)]
+            str(SCRIPT), str(out), "--strategy", strategy, "--steps", str(steps), *extra]
     return subprocess.Popen(args + (["--ckpt", str(ckpt)] if ckpt else []), cwd=out, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -66,21 +67,22 @@ class Jobs:
     def __init__(self, root: Path):
         self.root, self.done = root, {}
 
-    def __call__(self, strategy: str, old: int, new: int) -> dict:
-        key = (strategy, old, new)
+    def __call__(self, strategy: str, old: int, new: int, *extra: str) -> dict:
+        key = (strategy, old, new, *extra)
         if key not in self.done:
-            todo = [s for s in (strategy, "ddp") if (s, old, new) not in self.done]
-            dirs = {s: self.root / f"{s}_{old}to{new}" for s in todo}
-            first = {s: start(old, dirs[s] / "first", s, FIRST) for s in todo}
+            todo = [k for k in (key, ("ddp", old, new)) if k not in self.done]
+            dirs = {k: self.root / "_".join(map(str, k)).replace("-", "") for k in todo}
+            first = {k: start(old, dirs[k] / "first", k[0], FIRST, extra=k[3:]) for k in todo}
             for proc in first.values():
-                finish_job(proc, 300)
-            second = {s: start(new, dirs[s] / "second", s, TOTAL, last_of(dirs[s] / "first")) for s in todo}
-            for s, proc in second.items():
-                stdout, stderr = finish_job(proc, 300)
-                self.done[(s, old, new)] = {
-                    "first": torch.load(dirs[s] / "first" / "state.pt", weights_only=True),
-                    "second": torch.load(dirs[s] / "second" / "state.pt", weights_only=True),
-                    "output": stdout + stderr, "checkpoint": last_of(dirs[s] / "first")}
+                finish_job(proc, 600)
+            second = {k: start(new, dirs[k] / "second", k[0], TOTAL, last_of(dirs[k] / "first"), extra=k[3:])
+                      for k in todo}
+            for k, proc in second.items():
+                stdout, stderr = finish_job(proc, 600)
+                self.done[k] = {
+                    "first": torch.load(dirs[k] / "first" / "state.pt", weights_only=True),
+                    "second": torch.load(dirs[k] / "second" / "state.pt", weights_only=True),
+                    "output": stdout + stderr, "checkpoint": last_of(dirs[k] / "first")}
         return self.done[key]
 
 
@@ -102,15 +104,20 @@ def max_diff(a: dict, b: dict) -> dict[str, float]:
     return diffs
 
 
+def check_converted(ds: dict, new: int) -> None:
+    """The converted state, before the first step on the new world size, is the saved one."""
+    first, second = ds["first"], ds["second"]
+    assert second["start_step"] == FIRST and second["global_step"] == TOTAL and second["world_size"] == new
+    assert max_diff(second["start"], first["end"]) == dict.fromkeys(("fp32", "exp_avg", "exp_avg_sq", "step"), 0.0)
+    assert all(float(s["exp_avg_sq"].abs().max()) > 0 for s in second["start"].values())  # Adam really has state
+    assert all(float(s["step"]) == FIRST for s in second["start"].values())
+
+
 def check_resume(jobs: Jobs, stage: int, old: int, new: int) -> None:
     strategy = f"deepspeed_stage_{stage}"
     ds, ref = jobs(strategy, old, new), jobs("ddp", old, new)
     first, second = ds["first"], ds["second"]
-    assert second["start_step"] == FIRST and second["global_step"] == TOTAL and second["world_size"] == new
-    # The converted state, before the first step on the new world size, is the saved one.
-    assert max_diff(second["start"], first["end"]) == dict.fromkeys(("fp32", "exp_avg", "exp_avg_sq", "step"), 0.0)
-    assert all(float(s["exp_avg_sq"].abs().max()) > 0 for s in second["start"].values())  # Adam really has state
-    assert all(float(s["step"]) == FIRST for s in second["start"].values())
+    check_converted(ds, new)
     # Both halves train as ddp does on the same world sizes.
     assert first["losses"] == pytest.approx(ref["first"]["losses"], abs=TOL)
     assert second["losses"] == pytest.approx(ref["second"]["losses"], abs=TOL)
@@ -148,6 +155,25 @@ def test_zero_resumes_on_more_processes_like_ddp(jobs, stage):
     check_resume(jobs, stage, 1, 2)
 
 
+@FULL
+def test_a_bf16_checkpoint_converts_its_fp32_master_state_exactly(jobs):
+    """bf16 ZeRO-2 writes bf16_zero_pp_rank_* shards; the fp32 master weights and moments
+    are re-partitioned exactly (the training itself is bf16's, so no ddp comparison)."""
+    ds = jobs("deepspeed_stage_2", 2, 1, "--precision", "bf16-mixed")
+    assert any(ds["checkpoint"].glob("global_step*/bf16_zero_pp_rank_1_*optim_states.pt"))
+    check_converted(ds, 1)
+
+
+@FULL
+def test_an_optimizer_offload_checkpoint_resumes_on_fewer_processes_like_ddp(jobs):
+    """ZeRO-2 with DeepSpeedCPUAdam (offload): converted exactly; then within OFFLOAD_TOL of
+    ddp's torch Adam (tests/test_deepspeed.py: its C++ step rounds in another order)."""
+    ds, ref = jobs("deepspeed_stage_2_offload", 2, 1), jobs("ddp", 2, 1)
+    check_converted(ds, 1)
+    assert ds["second"]["lrs"] == pytest.approx(ref["second"]["lrs"], abs=1e-12)
+    assert all(d <= 1e-5 for d in max_diff(ds["second"]["end"], ref["second"]["end"]).values())
+
+
 # ---------------------------------------------------------------------------------------
 # The universal copy itself (in this process, on the test tier's checkpoint)
 # ---------------------------------------------------------------------------------------
@@ -173,6 +199,22 @@ def test_the_universal_copy_holds_the_whole_adam_state_and_is_reused(jobs):
     target, seconds = universal.timed_copy(ds["checkpoint"], tag)
     assert (target, seconds) == (copy, None)
     assert {p: p.stat().st_mtime_ns for p in copy.rglob("*")} == before
+
+
+@pytest.mark.slow
+def test_a_universal_directory_without_the_marker_is_converted_again(jobs, tmp_path):
+    """One made by hand with ds_to_universal (perhaps interrupted: here a file short) is
+    not trusted: it is replaced by a complete conversion."""
+    from hookloop_deepspeed import universal
+
+    checkpoint = tmp_path / "last.ckpt"
+    shutil.copytree(jobs("deepspeed_stage_2", 2, 1)["checkpoint"], checkpoint)
+    copy = checkpoint / f"global_step{FIRST}" / universal.UNIVERSAL
+    (copy / universal.CONVERTED_MARKER).unlink()
+    (copy / "mp_rank_00_model_states.pt").unlink()
+    target, seconds = universal.timed_copy(checkpoint, copy.parent.name)
+    assert target == copy and seconds is not None and universal.is_converted(copy)
+    assert (copy / "mp_rank_00_model_states.pt").is_file()
 
 
 @pytest.mark.slow

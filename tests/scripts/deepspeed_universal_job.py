@@ -30,12 +30,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from digits import DigitsClassifier, digits_datasets  # noqa: E402
 
 faulthandler.enable()
-faulthandler.dump_traceback_later(240, exit=True)  # a hang fails the test with the stacks
+faulthandler.dump_traceback_later(540, exit=True)  # a hang fails the test with the stacks (2 busy cores: slow, not hung)
 parser = argparse.ArgumentParser()
 parser.add_argument("out", type=Path)
 parser.add_argument("--strategy", required=True)
 parser.add_argument("--steps", type=int, required=True)
 parser.add_argument("--ckpt", default=None)
+parser.add_argument("--precision", default="32")
 parser.add_argument("--hidden", type=int, default=64)  # wider: the conversion's cost on a larger model
 ARGS = parser.parse_args()
 
@@ -117,7 +118,7 @@ module = AdamDigits(ARGS.hidden)
 recorder = Recorder()
 strategy = (hookloop.plugin("deepspeed_stage_3", config=STAGE3) if ARGS.strategy == "deepspeed_stage_3"
             else ARGS.strategy)
-trainer = hookloop.Trainer(plugins=[strategy, recorder], max_steps=ARGS.steps, max_epochs=-1,
+trainer = hookloop.Trainer(plugins=[strategy, recorder], max_steps=ARGS.steps, max_epochs=-1, precision=ARGS.precision,
                            default_root_dir=str(ARGS.out / "root"), num_sanity_val_steps=0,
                            enable_progress_bar=False, devices=hookloop.env_int("WORLD_SIZE", default=1))
 trainer.fit(module, DataLoader(train, batch_size=32, shuffle=True), ckpt_path=ARGS.ckpt)

@@ -35,6 +35,9 @@ from .safe_globals import checkpoint_safe_globals
 #: tag ``UNIVERSAL`` of the load directory ``<checkpoint>/<tag>``.
 UNIVERSAL = "universal"
 _TEMPORARY = ".universal-"
+#: Written into the converted copy before it is installed: a ``universal`` directory
+#: without it (made by hand with ``ds_to_universal``, perhaps interrupted) is converted again.
+CONVERTED_MARKER = ".hookloop-converted"
 
 #: The optimizer states DeepSpeed 0.19's converter carries: Adam's two moments (and the
 #: step). It reads exactly these keys of every parameter group (``extract_zero_shards``).
@@ -45,7 +48,7 @@ def universal_copy(path: Path, tag: str) -> Path:
     """The complete universal copy of ``path``'s ``tag``, converting it first when there is
     none: call on one rank (global rank 0), then a barrier. Returns its directory."""
     target = path / tag / UNIVERSAL
-    if (target / "zero" / "optimizer_state.pt").is_file():
+    if is_converted(target):
         return target  # installed whole by an earlier resume
     for leftover in (path / tag).glob(f"{_TEMPORARY}*"):  # of a conversion that was killed
         shutil.rmtree(leftover, ignore_errors=True)
@@ -58,10 +61,16 @@ def universal_copy(path: Path, tag: str) -> Path:
             f"writable place and resume from the copy, or resume on the number of processes that wrote it") from exc
     try:
         _convert(path, tag, scratch / UNIVERSAL)
+        (scratch / UNIVERSAL / CONVERTED_MARKER).write_text(f"{tag}\n")
         hookloop.atomic_copy_tree(scratch / UNIVERSAL, target, keep_previous=False)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return target
+
+
+def is_converted(target: Path) -> bool:
+    """Whether ``target`` is a universal copy this module installed whole."""
+    return (target / CONVERTED_MARKER).is_file()
 
 
 def _convert(path: Path, tag: str, output: Path) -> None:
@@ -174,7 +183,7 @@ def universal_loading(engine):
 
 def timed_copy(path: Path, tag: str) -> tuple[Path, float | None]:
     """:func:`universal_copy` and the seconds its conversion took (``None``: reused)."""
-    existed = (path / tag / UNIVERSAL / "zero" / "optimizer_state.pt").is_file()
+    existed = is_converted(path / tag / UNIVERSAL)
     start = time.perf_counter()
     target = universal_copy(path, tag)
     return target, None if existed else time.perf_counter() - start
