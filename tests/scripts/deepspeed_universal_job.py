@@ -71,6 +71,7 @@ def full_state(trainer) -> dict:
             state[name] = {"fp32": p.detach().clone(), **{k: torch.as_tensor(v).clone() for k, v in held.items()}}
         return state
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
     from hookloop_deepspeed import memory
 
     base = memory.base_optimizer(optimizer)
