@@ -137,19 +137,22 @@ def zero2_of_two(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_a_zero_checkpoint_of_another_world_size_is_refused_naming_the_conversion(zero2_of_two, tmp_path):
-    """DeepSpeed does not re-partition ZeRO optimizer shards (its loader raises
-    ZeRORuntimeException); hookloop refuses before the engine loads anything, and says
-    how to carry the weights over."""
+def test_a_zero_checkpoint_of_sgd_on_another_world_size_is_refused_naming_why(zero2_of_two, tmp_path):
+    """A ZeRO checkpoint of another world size resumes through DeepSpeed's universal
+    conversion (tests/test_deepspeed_universal.py), which carries Adam's moments only: the
+    digits' SGD momentum cannot be re-partitioned, so hookloop refuses before the engine
+    loads (or converts) anything, says why, and how to carry the weights over."""
     checkpoint = zero2_of_two
     proc = start(1, tmp_path / "one", "--epochs", "2", "--ckpt", str(checkpoint), strategy="deepspeed_stage_2")
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode != 0
     assert (f"CheckpointError: {str(checkpoint)!r} is a ZeRO-2 checkpoint of 2 processes and this run has 1: "
-            f"its shards are partitioned for 2 ranks and DeepSpeed cannot reshard them. Resume it on 2 processes "
-            f"(--devices 2), or start from its weights here: `hookloop deepspeed collate {checkpoint} OUT.pt`"
-            ) in stdout + stderr
+            f"DeepSpeed's universal checkpoint converter (ds_to_universal) carries Adam's optimizer state only "
+            f"(exp_avg and exp_avg_sq: torch's Adam and AdamW, DeepSpeedCPUAdam; this one holds momentum_buffer), "
+            f"so the optimizer state cannot be re-partitioned. Resume it on 2 processes (--devices 2), or start "
+            f"from its weights here: `hookloop deepspeed collate {checkpoint} OUT.pt`") in stdout + stderr
     assert not (tmp_path / "one" / "result.json").exists()
+    assert not any(p.name.startswith((".universal", "universal")) for p in checkpoint.rglob("*"))
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ import torch
 import hookloop
 from hookloop import CheckpointError, ConfigurationError, MissingDependencyError
 
-from . import activations
+from . import activations, universal
 from .safe_globals import checkpoint_safe_globals
 from .config import (
     CONFIG_ENV,
@@ -550,7 +550,11 @@ class DeepSpeedStrategy(hookloop.TorchDistributed):
             )
         # The tag 'latest' names, or the newest complete one when it names an interrupted save's.
         tag = tags.committed(warn=trainer.is_global_zero).name
-        check_zero_shards(path, tag, zero_stage(self.ds_config), trainer.world_size)
+        written, stage = check_zero_shards(path, tag, zero_stage(self.ds_config))
+        load_dir, load_tag, reshard = path, tag, False
+        if trainer.optimizer is not None and stage >= 1 and written is not None and written != trainer.world_size:
+            # Partitioned for `written` ranks: loaded through its universal copy.
+            load_dir, load_tag, reshard = self._universal_copy(trainer, path, tag, written, stage), universal.UNIVERSAL, True
         try:
             # DeepSpeed reads its shards with torch.load(weights_only=False): inside this
             # block every load is weights-only, so a shared checkpoint cannot run code.
@@ -558,16 +562,17 @@ class DeepSpeedStrategy(hookloop.TorchDistributed):
                 if trainer.optimizer is None and zero_stage(self.ds_config) == 3:
                     client_state = self._load_zero3_weights(trainer, path, tag)
                 else:
-                    loaded, client_state = self.engine.load_checkpoint(
-                        str(path),
-                        tag=tag,
-                        load_optimizer_states=trainer.optimizer is not None,
-                        # The engine holds a scheduler only from the config's 'scheduler'
-                        # section (the loop's own travels in the client state): skipping its
-                        # state would restart that schedule from its first step.
-                        load_lr_scheduler_states=self.engine.lr_scheduler is not None,
-                        load_module_strict=True,
-                    )
+                    with universal.universal_loading(self.engine) if reshard else contextlib.nullcontext():
+                        loaded, client_state = self.engine.load_checkpoint(
+                            str(load_dir),
+                            tag=load_tag,
+                            load_optimizer_states=trainer.optimizer is not None,
+                            # The engine holds a scheduler only from the config's 'scheduler'
+                            # section (the loop's own travels in the client state): skipping its
+                            # state would restart that schedule from its first step.
+                            load_lr_scheduler_states=self.engine.lr_scheduler is not None,
+                            load_module_strict=True,
+                        )
                     if loaded is None:
                         raise CheckpointError(f"DeepSpeed found no checkpoint in {str(path)!r}")
         except CheckpointError:
@@ -581,6 +586,30 @@ class DeepSpeedStrategy(hookloop.TorchDistributed):
         if not isinstance(client_state, dict) or _CLIENT_KEY not in client_state:
             raise CheckpointError(f"{str(path)!r} was not written by hookloop's deepspeed strategy (no loop state)")
         return dict(client_state[_CLIENT_KEY])
+
+    def _universal_copy(self, trainer, path: Path, tag: str, written: int, stage: int) -> Path:
+        """The load directory of ``tag``'s universal copy (converted by global rank 0 when
+        there is none yet; the other ranks wait in the broadcast of its outcome). Refused,
+        on every rank alike, where the conversion cannot carry the state over whole."""
+        error = seconds = None
+        if trainer.is_global_zero:
+            try:
+                shards = sorted((path / tag).glob("*zero_pp_rank_0_*optim_states.pt"))
+                keys = universal.optimizer_state_keys(shards[0]) if shards else set()
+                universal.check_convertible(path, tag, written, trainer.world_size, keys, stage,
+                                            nvme_offload=offload_device(self.ds_config, "offload_optimizer") == "nvme")
+                _, seconds = universal.timed_copy(path, tag)
+            except Exception as exc:  # noqa: BLE001 - every rank must hear of it, not wait
+                error = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+        error, seconds = trainer.broadcast((error, seconds), 0)
+        if error is not None:
+            raise CheckpointError(error)
+        target = path / tag / universal.UNIVERSAL
+        done = f"converted in {seconds:.2f} s" if seconds is not None else "converted by an earlier resume"
+        trainer.print(f"{_PREFIX} {str(path)!r} is a ZeRO-{stage} checkpoint of {_processes(written)} and this run has "
+                      f"{trainer.world_size}: loading its universal copy {str(target)!r} ({done}; DeepSpeed's "
+                      f"ds_to_universal), which re-partitions the weights and the optimizer state", flush=True)
+        return path / tag
 
     def _load_zero3_weights(self, trainer, path: Path, tag: str) -> dict:
         """ZeRO-3 without an optimizer (``validate``): the engine cannot restore weights
@@ -797,6 +826,10 @@ def _cast_batch_hook(dtype: torch.dtype):
     return cast
 
 
+def _processes(n: int) -> str:
+    return f"{n} process{'es' if n != 1 else ''}"
+
+
 def _tagged(path: Path) -> hookloop.TaggedCheckpointDir:
     """``path`` as a directory of tags (``global_step<N>``, DeepSpeed's names); a tag of an
     older hookloop, without the complete marker, is trusted when it holds model states."""
@@ -807,15 +840,13 @@ def _tagged(path: Path) -> hookloop.TaggedCheckpointDir:
 _SHARD_RANK = re.compile(r"zero_pp_rank_(\d+)_")
 
 
-def check_zero_shards(path: Path, tag: str, stage: int, world_size: int | None = None) -> None:
+def check_zero_shards(path: Path, tag: str, stage: int) -> tuple[int | None, int]:
     """Refuse, before DeepSpeed touches the engine, a tag of ``path`` whose shards are not
     all there, naming the missing files and the number of processes that wrote it (the
-    model states' ``dp_world_size``, read weights-only without DeepSpeed); then, with
-    ``world_size`` (a resume), a ZeRO 1-3 checkpoint written by another number of
-    processes: its optimizer (and for ZeRO-3 parameter) shards are partitioned for that
-    many ranks, and DeepSpeed (0.19) refuses to re-partition them ("Automatic adjustment
-    of ZeRO's optimizer state partitioning with a new world size is not currently
-    supported"; docs/decisions.md, "Changing world size")."""
+    model states' ``dp_world_size``, read weights-only without DeepSpeed). Returns that
+    number (``None``: unknown) and the ZeRO stage the tag was written with (``stage``
+    where it does not say): a resume on another number of processes goes through a
+    universal checkpoint (:mod:`hookloop_deepspeed.universal`)."""
     shard_dir = path / tag
     written, saved_stage = _written_with(shard_dir)
     stage = saved_stage if saved_stage is not None else stage
@@ -841,17 +872,7 @@ def check_zero_shards(path: Path, tag: str, stage: int, world_size: int | None =
             f"process writes its own shard, so the checkpoint is incomplete (a file lost in a copy, or a save that "
             f"did not finish) and no number of processes can resume it. Resume from an earlier checkpoint "
             f"(last.prev.ckpt is the one before last.ckpt)")
-    if world_size is None or stage < 1 or written is None or written == world_size:
-        return
-    raise CheckpointError(
-        f"{str(path)!r} is a ZeRO-{stage} checkpoint of {written} processes and this run has "
-        f"{world_size}: its shards are partitioned for {written} ranks and DeepSpeed cannot "
-        f"reshard them. "
-        f"Resume it on {written} processes (--devices {written}), or start from its weights here: "
-        f"`hookloop deepspeed collate {path} OUT.pt`, then load OUT.pt into the module before fit "
-        f"(module.load_state_dict(torch.load('OUT.pt', weights_only=True))); the optimizer state and the "
-        f"loop position are not carried over"
-    )
+    return written, stage
 
 
 def _written_with(shard_dir: Path) -> tuple[int | None, int | None]:
