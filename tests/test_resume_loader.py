@@ -325,6 +325,35 @@ def test_stateful_dataloader_true_resumes_mid_epoch_exactly(tmp_path):
     assert_same_run(straight, resumed)
 
 
+class _SaveAtEpochEnd(hookloop.Callback):
+    """Writes a checkpoint in ``on_train_epoch_end`` of epoch 0: the loader's iterator is
+    exhausted then (torchdata's state says ``_iterator_finished``)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        if trainer.current_epoch == 0:
+            trainer.save_checkpoint(self.path)
+
+
+def test_a_stateful_dataloader_resumed_from_an_epochs_end_reads_no_extra_epoch(tmp_path):
+    # A StatefulDataLoader state taken after its iterator was exhausted starts the next
+    # epoch at its next iter(); hookloop used to read that iter() away as the epoch's
+    # "empty rest": a whole extra epoch, the workers' generators one epoch ahead (the
+    # full tier's save/accumulation kill points under ddp/fsdp, issue 37)
+    torch.manual_seed(11)
+    straight = Recorder()
+    saved = tmp_path / "epoch0.ckpt"
+    fit(tmp_path / "a", straight, _plain_loader(), max_epochs=EPOCHS, stateful_dataloader=True,
+        callbacks=[_SaveAtEpochEnd(saved)])
+    assert hookloop.safe_load(saved)["loader_per_rank"][0]["state_dict"]["_iterator_finished"] is True
+    torch.manual_seed(999)
+    resumed = Recorder(seed=3)
+    fit(tmp_path / "b", resumed, _plain_loader(), ckpt_path=saved, max_epochs=EPOCHS, stateful_dataloader=True)
+    assert_same_run(straight, resumed, stop=N // BATCH)
+
+
 def test_stateful_dataloader_true_without_torchdata_names_pip_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torchdata.stateful_dataloader", None)  # import fails as if not installed
     with pytest.raises(hookloop.ConfigurationError, match="pip install torchdata"):

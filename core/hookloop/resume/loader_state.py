@@ -274,6 +274,12 @@ def _iter_with_scratch_base_seed(loader: Any) -> Any:
         object.__setattr__(loader, "generator", own)
 
 
+def _finished(state: Any) -> bool:
+    """Whether a loader state (torchdata's ``StatefulDataLoader``) was taken after its
+    iterator was exhausted: its next ``iter()`` starts a new epoch."""
+    return isinstance(state, dict) and bool(state.get("_iterator_finished", False))
+
+
 def loader_state(trainer, loader: Any) -> dict | None:
     """This rank's loader state for a mid-epoch checkpoint (``None``: nothing to save)."""
     if not trainer.batch_idx or loader is None:
@@ -302,11 +308,17 @@ def start_epoch(trainer, loader: Any, skip: int, iterating: bool = True) -> bool
         return False
     if is_stateful(loader) and state is not None and "state_dict" in state:
         loader.load_state_dict(state["state_dict"])
-        if not iterating:
-            # The state is at its epoch's end: the next iter() yields the (empty) rest of
+        if not iterating and not _finished(state["state_dict"]):
+            # The state is at its epoch's end, its iterator not yet exhausted (all batches
+            # yielded, no StopIteration yet): the next iter() yields the (empty) rest of
             # that epoch (torchdata's StatefulDataLoader), so read it here, and the next
             # epoch starts where the uninterrupted run's did. Its base seed comes from a
-            # scratch generator: the state restores the workers' own.
+            # scratch generator: the state restores the workers' own. A state whose
+            # iterator is exhausted (``_iterator_finished``) is not read here: torchdata's
+            # next iter() of it starts the next epoch (a fresh pass of the sampler, the
+            # workers' restored datasets), as the uninterrupted run's next iter() does;
+            # reading it here would read a whole extra epoch (the workers' generators and a
+            # stateful sampler advanced by one epoch: not exact).
             for _ in (_iter_with_scratch_base_seed(loader) if isinstance(loader, DataLoader) else loader):
                 pass
         return False
