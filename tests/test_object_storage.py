@@ -8,6 +8,7 @@ fsspec's ``memory://``; a killed upload is a real SIGKILL of a real process.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -424,16 +425,18 @@ def test_fit_on_s3_async_save_resume_bit_identical(s3, tmp_path, monkeypatch):
 
 # -- hookloop run --max-restarts with a root on S3, a rank killed mid-upload ----------------
 
-def _run_resume_job(out, root: str, kills: list, restarts: int, env: dict) -> subprocess.Popen:
+def _run_resume_job(out, root: str, kills: list, restarts: int, env: dict, plugin: str = "ddp",
+                    options: dict | None = None, async_save: bool = False) -> subprocess.Popen:
     import json
 
     from hookloop.testing.conformance import ResumeConformance
 
     class OnS3(ResumeConformance):
-        plugin, epochs = "ddp", 2
+        epochs = 2
 
+    OnS3.plugin, OnS3.options = plugin, options or {}
     spec = OnS3._spec(out, kills)
-    spec.write_text(json.dumps({**json.loads(spec.read_text()), "root": root}))
+    spec.write_text(json.dumps({**json.loads(spec.read_text()), "root": root, "async_save": async_save}))
     command = OnS3._command(out, spec, restarts)
     command[command.index("run") + 1:command.index("run") + 1] = ["--default-root-dir", root]  # the failure logs' root
     return subprocess.Popen(command, cwd=out, env=env, stdout=subprocess.PIPE,
@@ -454,46 +457,6 @@ def _same_tree(a, b, where: str = "") -> None:
     else:
         assert a == b, where
 
-
-@pytest.mark.slow
-def test_hookloop_run_restarts_from_the_remote_last_after_a_kill_mid_upload(s3, tmp_path):
-    """2 ddp ranks under ``hookloop run --max-restarts 1``, the root on S3: rank 0 is
-    SIGKILLed half-way through the upload of step 6's last.ckpt; the restarted attempt
-    resumes from the committed one (step 4), and the final weights, optimizer states and
-    schedulers of every rank equal an uninterrupted run's, bit for bit."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "HOOKLOOP_"))}
-    env[storage.STAGING_ENV] = str(tmp_path / "staging")
-    kill = {"kind": "upload", "rank": 0, "at": 6}
-    jobs = {}
-    for name, kills in (("straight", []), ("killed", [kill])):
-        (tmp_path / name).mkdir()
-        jobs[name] = _run_resume_job(tmp_path / name, s3.url(name), kills, 1, env)
-    logs = {}
-    for name, proc in jobs.items():
-        try:
-            logs[name] = proc.communicate(timeout=600)[0]
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        assert proc.returncode == 0, f"{name} job failed:\n{logs.get(name, '')[-6000:]}"
-    assert (tmp_path / "killed" / "killed.attempt0.json").exists(), logs["killed"][-4000:]
-    import re
-
-    resumed = r"restart 1 of this run .*: resumed from \S+ at epoch \d+, global step 4\b"
-    assert re.search(resumed, logs["killed"]), logs["killed"][-4000:]
-    for rank in range(2):
-        straight = torch.load(tmp_path / "straight" / f"final.rank{rank}.pt", weights_only=False)
-        killed = torch.load(tmp_path / "killed" / f"final.rank{rank}.pt", weights_only=False)
-        assert (killed["attempt"], straight["attempt"]) == (1, 0)
-        _same_tree({k: v for k, v in killed.items() if k != "attempt"},
-                   {k: v for k, v in straight.items() if k != "attempt"}, f"rank {rank}")
-    assert not [p for p in tmp_path.rglob("*:")], "a URL was taken for a local path"
-    # the failure logs (the surviving rank's traceback) stay in the root's staging directory here
-    assert list((tmp_path / "staging" / "s3" / s3.bucket / "killed" / "logs" / "failures").rglob("rank*.log"))
-    last = s3.url("killed", "logs", "version_0", "checkpoints", "last.ckpt")
-    assert storage.name_of(storage.parent_of(storage.resolve(last))).startswith("step8-")
-    assert s3.filesystem().list_multipart_uploads(s3.bucket) == []  # the killed upload was aborted
 
 
 def test_csv_and_tensorboard_loggers_with_a_save_dir_on_a_store(tmp_path):
@@ -531,3 +494,75 @@ def test_a_sharded_checkpoint_on_a_store_resumes_on_a_machine_without_the_stagin
 
     _same({k: local_tensor(v) for k, v in state_of(module).items()},
           {k: local_tensor(v) for k, v in state_of(reference).items()})
+
+
+# -- hookloop run --max-restarts with a root on S3, rank 0 killed mid-upload ----------------
+# ddp's single file, and sharded checkpoints (a strategy's directory, every rank's shards)
+
+KILLED_UPLOADS = {
+    # case: (plugin, options, ModelCheckpoint(async_save=...), tier)
+    "ddp": ("ddp", {}, False, pytest.mark.slow),
+    "fsdp": ("fsdp", {"state_dict_type": "sharded"}, False, pytest.mark.slow),
+    "fsdp-async": ("fsdp", {"state_dict_type": "sharded"}, True, pytest.mark.full),
+    "deepspeed_stage_2": ("deepspeed_stage_2", {}, False, pytest.mark.full),
+}
+
+
+@pytest.mark.parametrize("case", [pytest.param(name, marks=case[-1]) for name, case in KILLED_UPLOADS.items()])
+def test_hookloop_run_restarts_from_the_remote_last_after_a_kill_mid_upload(s3, tmp_path, case):
+    """2 ranks under ``hookloop run --max-restarts 1``, the root on S3: rank 0 is SIGKILLed
+    half-way through the upload of step 6's checkpoint (half of ddp's file in an unfinished
+    multipart upload; half of a sharded directory's files); the restarted attempt resumes
+    from the committed one (step 4), and every rank's final weights, optimizer states and
+    schedulers equal an uninterrupted run's, bit for bit."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "HOOKLOOP_"))}
+    env[storage.STAGING_ENV] = str(tmp_path / "staging")
+    kill = {"kind": "upload", "rank": 0, "at": 6}
+    jobs, logs = {}, {}
+    for name, kills in (("straight", []), ("killed", [kill])):
+        (tmp_path / name).mkdir()
+        plugin, options, async_save, _ = KILLED_UPLOADS[case]
+        jobs[name] = _run_resume_job(tmp_path / name, s3.url(name), kills, 1, env, plugin, options, async_save)
+    for name, proc in jobs.items():
+        try:
+            logs[name] = proc.communicate(timeout=900)[0]
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        assert proc.returncode == 0, f"{name} job failed:\n{logs.get(name, '')[-6000:]}"
+    assert (tmp_path / "killed" / "killed.attempt0.json").exists(), logs["killed"][-4000:]
+    # the restart found the committed step 4 on the store, not the half-uploaded step 6
+    assert re.search(r"restart 1 of this run .*: resumed from \S+ at epoch \d+, global step 4\b", logs["killed"]), \
+        logs["killed"][-4000:]
+    for rank in range(2):
+        straight = torch.load(tmp_path / "straight" / f"final.rank{rank}.pt", weights_only=False)
+        killed = torch.load(tmp_path / "killed" / f"final.rank{rank}.pt", weights_only=False)
+        assert (killed["attempt"], straight["attempt"]) == (1, 0)
+        _same_tree({k: v for k, v in killed.items() if k != "attempt"},
+               {k: v for k, v in straight.items() if k != "attempt"}, f"rank {rank}")
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(":")]
+    last = s3.url("killed", "logs", "version_0", "checkpoints", "last.ckpt")
+    payload = storage.resolve(last)
+    if plugin == "ddp":  # one file, committed at step 8; the killed multipart upload was aborted
+        assert storage.name_of(storage.parent_of(payload)).startswith("step8-"), payload
+        assert s3.filesystem().list_multipart_uploads(s3.bucket) == []
+        return
+    # a sharded one: last.ckpt is a tree (the strategy's latest and its tag's shards), committed at step 8
+    assert storage.name_of(payload).startswith("step8-"), payload
+    names = storage.listdir(payload)
+    assert "latest" in names and len(names) == 2, names
+    shards = [k for k in s3.keys("killed", "logs", "version_0", "checkpoints") if "/last.ckpt/" in k]
+    pattern = r"__\d+_0\.distcp$" if case.startswith("fsdp") else r"zero_pp_rank_\d+_mp_rank_00_optim_states\.pt$"
+    assert len([k for k in shards if re.search(pattern, k)]) >= 2, shards  # every rank's shard
+    # the store's committed checkpoints are the uninterrupted run's, each its marker and one tag;
+    # the killed upload (epoch=1-step=6.ckpt, which the restart saved as -v1 beside its local copy
+    # and pruned) is a tag without a marker: never read
+    directories = {name: storage.join(s3.url(name), "logs", "version_0", "checkpoints") for name in jobs}
+    committed = {}
+    for name, directory in directories.items():
+        committed[name] = {c: storage.listdir(storage.join(directory, c)) for c in storage.listdir(directory)}
+        committed[name] = {c: tags for c, tags in committed[name].items() if "latest" in tags}
+        assert all(len(tags) == 2 for tags in committed[name].values()), committed[name]
+    assert committed["killed"].keys() == committed["straight"].keys()
+    assert storage.resolve(storage.join(directories["killed"], "epoch=1-step=6.ckpt")) is None
