@@ -373,3 +373,47 @@ def test_the_docs_stateful_iterable_dataset_resumes_exactly(tmp_path):
     assert not [w for w in caught if "resuming mid-epoch" in str(w.message)]
     assert sorted(i for x, _ in straight.seen[:N // BATCH] for i in x) == list(range(N))  # every sample once an epoch
     assert_same_run(straight, resumed)
+
+
+class _BatchesFrom(torch.utils.data.Sampler):
+    """Batches of BATCH consecutive indices, from batch ``start`` on."""
+
+    def __init__(self):
+        self.start = 0
+
+    def __len__(self):
+        return N // BATCH
+
+    def __iter__(self):
+        for b in range(self.start, N // BATCH):
+            yield list(range(b * BATCH, (b + 1) * BATCH))
+
+
+class GeneratorLoader(DataLoader):
+    """As LitData's StreamingDataLoader: ``__iter__`` is a generator function (nothing of it
+    runs at ``iter()``), ``DataLoader.__iter__`` inside draws the base seed from the global
+    generator at the first ``next()``, and ``state_dict``/``load_state_dict`` resume it."""
+
+    def __init__(self):
+        super().__init__(AugmentedData(), batch_sampler=_BatchesFrom())
+        self.done, self.restore = 0, False
+
+    def __iter__(self):
+        start, self.restore = (self.done if self.restore else 0), False
+        self.done = self.batch_sampler.start = start
+        for batch in super().__iter__():
+            self.done += 1
+            yield batch
+
+    def state_dict(self):
+        return {"done": self.done}
+
+    def load_state_dict(self, state):
+        self.done, self.restore = state["done"], True
+
+
+def test_a_stateful_loader_whose_iter_is_a_generator_resumes_with_the_uninterrupted_draws(tmp_path):
+    """The base seed a lazily started loader draws comes from the epoch's RNG state after a
+    resume too, not from the checkpoint's (which shifted every later draw: LitData)."""
+    straight, resumed, _, _ = stopped_and_resumed(tmp_path, GeneratorLoader)
+    assert_same_run(straight, resumed)
