@@ -417,3 +417,29 @@ def test_a_stateful_loader_whose_iter_is_a_generator_resumes_with_the_uninterrup
     resume too, not from the checkpoint's (which shifted every later draw: LitData)."""
     straight, resumed, _, _ = stopped_and_resumed(tmp_path, GeneratorLoader)
     assert_same_run(straight, resumed)
+
+
+def _litdata_collate(samples):
+    return (torch.tensor([int(s["index"]) for s in samples]),
+            torch.tensor([[float(s["x"][0])] for s in samples]))
+
+
+@pytest.mark.check
+def test_litdata_resumed_at_an_epochs_end_trains_the_next_epoch_not_the_one_after(tmp_path):
+    """LitData, given a state taken after the epoch's last batch, starts the next epoch at
+    its next iter() (torchdata yields the empty rest first): hookloop must not read it as
+    an empty rest, which lost the whole next epoch. Check tier: litdata.optimize starts a
+    process to write the directory."""
+    pytest.importorskip("litdata")
+    from litdata import StreamingDataLoader, StreamingDataset
+
+    from hookloop.testing.streaming import write_litdata
+
+    directory = write_litdata(tmp_path / "lit", N)
+
+    def make_loader():
+        return StreamingDataLoader(StreamingDataset(input_dir=directory, shuffle=True, seed=7, drop_last=True),
+                                   batch_size=BATCH, collate_fn=_litdata_collate)
+
+    straight, resumed, _, _ = stopped_and_resumed(tmp_path, make_loader, stop=N // BATCH)
+    assert_same_run(straight, resumed, stop=N // BATCH)
