@@ -402,3 +402,73 @@ def test_the_docs_stateful_iterable_dataset_resumes_exactly(tmp_path):
     assert not [w for w in caught if "resuming mid-epoch" in str(w.message)]
     assert sorted(i for x, _ in straight.seen[:N // BATCH] for i in x) == list(range(N))  # every sample once an epoch
     assert_same_run(straight, resumed)
+
+
+class _BatchesFrom(torch.utils.data.Sampler):
+    """Batches of BATCH consecutive indices, from batch ``start`` on."""
+
+    def __init__(self):
+        self.start = 0
+
+    def __len__(self):
+        return N // BATCH
+
+    def __iter__(self):
+        for b in range(self.start, N // BATCH):
+            yield list(range(b * BATCH, (b + 1) * BATCH))
+
+
+class GeneratorLoader(DataLoader):
+    """As LitData's StreamingDataLoader: ``__iter__`` is a generator function (nothing of it
+    runs at ``iter()``), ``DataLoader.__iter__`` inside draws the base seed from the global
+    generator at the first ``next()``, and ``state_dict``/``load_state_dict`` resume it."""
+
+    def __init__(self):
+        super().__init__(AugmentedData(), batch_sampler=_BatchesFrom())
+        self.done, self.restore = 0, False
+
+    def __iter__(self):
+        start, self.restore = (self.done if self.restore else 0), False
+        self.done = self.batch_sampler.start = start
+        for batch in super().__iter__():
+            self.done += 1
+            yield batch
+
+    def state_dict(self):
+        return {"done": self.done}
+
+    def load_state_dict(self, state):
+        self.done, self.restore = state["done"], True
+
+
+def test_a_stateful_loader_whose_iter_is_a_generator_resumes_with_the_uninterrupted_draws(tmp_path):
+    """The base seed a lazily started loader draws comes from the epoch's RNG state after a
+    resume too, not from the checkpoint's (which shifted every later draw: LitData)."""
+    straight, resumed, _, _ = stopped_and_resumed(tmp_path, GeneratorLoader)
+    assert_same_run(straight, resumed)
+
+
+def _litdata_collate(samples):
+    return (torch.tensor([int(s["index"]) for s in samples]),
+            torch.tensor([[float(s["x"][0])] for s in samples]))
+
+
+@pytest.mark.check
+def test_litdata_resumed_at_an_epochs_end_trains_the_next_epoch_not_the_one_after(tmp_path):
+    """LitData, given a state taken after the epoch's last batch, starts the next epoch at
+    its next iter() (torchdata yields the empty rest first): hookloop must not read it as
+    an empty rest, which lost the whole next epoch. Check tier: litdata.optimize starts a
+    process to write the directory."""
+    pytest.importorskip("litdata")
+    from litdata import StreamingDataLoader, StreamingDataset
+
+    from hookloop.testing.streaming import write_litdata
+
+    directory = write_litdata(tmp_path / "lit", N)
+
+    def make_loader():
+        return StreamingDataLoader(StreamingDataset(input_dir=directory, shuffle=True, seed=7, drop_last=True),
+                                   batch_size=BATCH, collate_fn=_litdata_collate)
+
+    straight, resumed, _, _ = stopped_and_resumed(tmp_path, make_loader, stop=N // BATCH)
+    assert_same_run(straight, resumed, stop=N // BATCH)

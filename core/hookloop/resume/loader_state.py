@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import inspect
 import itertools
 import random
 import sys
@@ -246,11 +247,11 @@ def iterate(loader: Any, epoch: int) -> Any:
     if getattr(loader, "_hookloop_first_after_resume", False):
         loader._hookloop_first_after_resume = False
     elif not getattr(batch_sampler, "first_after_resume", False):
-        return iter(loader)
+        return started(loader, iter(loader))
     else:
         batch_sampler.first_after_resume = False
     if epoch == 0 or loader._iterator is not None:
-        return iter(loader)
+        return started(loader, iter(loader))
     return _iter_with_scratch_base_seed(loader)
 
 
@@ -265,11 +266,44 @@ def iterate_validation(loader: Any) -> Any:
     return iter(loader)
 
 
+def started(loader: Any, iterator: Any) -> Any:
+    """``iterator`` (``iter(loader)``), its base seed drawn as at this call. A loader whose
+    ``__iter__`` is a generator function (LitData's ``StreamingDataLoader``) runs none of
+    it at ``iter()``: the ``DataLoader`` iterator inside, which draws the workers' base
+    seed from the global generator (or the loader's), starts at the first ``next()``, after
+    ``fit`` has put the checkpoint's RNG state back (a resume) or given the loader its own
+    generator back (a scratch base seed). That draw then shifted dropout and everything
+    after it. So the first ``_get_iterator`` of this iteration draws from the RNG state and
+    the generator of this call, and leaves the global generator where it found it when a
+    resume moved it meanwhile (the uninterrupted run's draw is in the checkpoint's state)."""
+    if (not isinstance(loader, DataLoader) or not inspect.isgenerator(iterator)
+            or inspect.getgeneratorstate(iterator) != inspect.GEN_CREATED):
+        return iterator
+    if loader.persistent_workers and loader.num_workers and loader._iterator is not None:
+        return iterator  # its workers are reused: no new iterator, no draw
+    at_iter, generator = torch.get_rng_state(), loader.generator  # the base seed's: torch's CPU one
+
+    def _get_iterator() -> Any:
+        loader.__dict__.pop("_get_iterator", None)
+        now, own = torch.get_rng_state(), loader.generator
+        torch.set_rng_state(at_iter)
+        object.__setattr__(loader, "generator", generator)
+        try:
+            return type(loader)._get_iterator(loader)
+        finally:
+            object.__setattr__(loader, "generator", own)
+            if not torch.equal(now, at_iter):
+                torch.set_rng_state(now)
+
+    object.__setattr__(loader, "_get_iterator", _get_iterator)
+    return iterator
+
+
 def _iter_with_scratch_base_seed(loader: Any) -> Any:
     own = loader.generator
     object.__setattr__(loader, "generator", torch.Generator())
     try:
-        return iter(loader)
+        return started(loader, iter(loader))
     finally:
         object.__setattr__(loader, "generator", own)
 
@@ -308,7 +342,7 @@ def start_epoch(trainer, loader: Any, skip: int, iterating: bool = True) -> bool
         return False
     if is_stateful(loader) and state is not None and "state_dict" in state:
         loader.load_state_dict(state["state_dict"])
-        if not iterating and not _finished(state["state_dict"]):
+        if not iterating and not _finished(state["state_dict"]) and not _next_iter_starts_next_epoch(loader):
             # The state is at its epoch's end, its iterator not yet exhausted (all batches
             # yielded, no StopIteration yet): the next iter() yields the (empty) rest of
             # that epoch (torchdata's StatefulDataLoader), so read it here, and the next
@@ -318,7 +352,8 @@ def start_epoch(trainer, loader: Any, skip: int, iterating: bool = True) -> bool
             # next iter() of it starts the next epoch (a fresh pass of the sampler, the
             # workers' restored datasets), as the uninterrupted run's next iter() does;
             # reading it here would read a whole extra epoch (the workers' generators and a
-            # stateful sampler advanced by one epoch: not exact).
+            # stateful sampler advanced by one epoch: not exact). Nor is a LitData loader's:
+            # its next iter() starts the next epoch itself.
             for _ in (_iter_with_scratch_base_seed(loader) if isinstance(loader, DataLoader) else loader):
                 pass
         return False
@@ -341,6 +376,14 @@ def start_epoch(trainer, loader: Any, skip: int, iterating: bool = True) -> bool
             f"cannot resume exactly). Give the loader state_dict()/load_state_dict() (torchdata's "
             f"StatefulDataLoader) to resume exactly", stacklevel=2)
     return True
+
+
+def _next_iter_starts_next_epoch(loader: Any) -> bool:
+    """Whether ``loader``, given a state taken after its epoch's last batch, starts the next
+    epoch at its next ``iter()`` (LitData's ``StreamingDataLoader``: reading an "empty rest"
+    there would read, and lose, the whole next epoch) rather than yield that epoch's empty
+    rest first (torchdata's ``StatefulDataLoader``)."""
+    return type(loader).__module__.split(".")[0] == "litdata"
 
 
 def stateful_loader(loader: Any) -> Any:
