@@ -502,7 +502,7 @@ def test_a_sharded_checkpoint_on_a_store_resumes_on_a_machine_without_the_stagin
 KILLED_UPLOADS = {
     # case: (plugin, options, ModelCheckpoint(async_save=...), tier)
     "ddp": ("ddp", {}, False, pytest.mark.slow),
-    "fsdp": ("fsdp", {"state_dict_type": "sharded"}, False, pytest.mark.slow),
+    "fsdp": ("fsdp", {"state_dict_type": "sharded"}, False, pytest.mark.full),  # in process in every tier
     "fsdp-async": ("fsdp", {"state_dict_type": "sharded"}, True, pytest.mark.full),
     "deepspeed_stage_2": ("deepspeed_stage_2", {}, False, pytest.mark.full),
 }

@@ -453,7 +453,7 @@ def _litdata_collate(samples):
             torch.tensor([[float(s["x"][0])] for s in samples]))
 
 
-@pytest.mark.check
+@pytest.mark.full  # ~30 s (litdata.optimize); the full tier's LitData certificates too
 def test_litdata_resumed_at_an_epochs_end_trains_the_next_epoch_not_the_one_after(tmp_path):
     """LitData, given a state taken after the epoch's last batch, starts the next epoch at
     its next iter() (torchdata yields the empty rest first): hookloop must not read it as

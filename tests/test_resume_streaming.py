@@ -8,7 +8,8 @@ elastic agent, must end bit-identical (weights, optimizer state, schedulers, met
 to the uninterrupted run. What each loader restores: docs/how-to/streaming-data.md.
 
 ``make test`` runs one certificate per loader library (the step kill, the mid-epoch one):
-StatefulDataLoader under ddp, Hugging Face streaming under fsdp, LitData under ddp.
+StatefulDataLoader under ddp, Hugging Face streaming under fsdp; LitData in the full tier
+(CI time).
 The ``full`` tier runs each loader under ddp and fsdp at every kill point (seed 2 only:
 the seeds move the kill points within their categories; 8 jobs of 60-120 s on 2 cores).
 """
@@ -42,7 +43,7 @@ class TestHFStreamingFSDP(_StepKill):
     # to what was left of the resumed one (huggingface/datasets#7447): not exact
     persistent_workers = False
 
-@pytest.mark.slow
+@pytest.mark.full  # CI time: LitData is certified in the full tier (here and TestAllLitdata*)
 class TestLitDataDDP(_StepKill):
     # LitData's StreamingDataLoader.__iter__ is a generator function: the torch iterator
     # inside draws its base seed at the first next(), which after a resume came after the
